@@ -1,0 +1,295 @@
+"""`tandem bench` (offline throughput of the named workloads, peers side by side) and `tandem profile`."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tandem.bench.workloads import WORKLOADS, Workload, make_requests
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def run_tandem(llm: Any, requests: list[tuple[list[int], int]], *, overlap: bool = True, graphs: bool = True,
+               record: bool = False) -> dict[str, Any]:
+    """One timed pass of `requests` through an existing LLM; ablations flip the engine between passes."""
+    from tandem import SamplingParams
+
+    engine = llm.engine
+    saved_graphs = engine.runner.graphs
+    engine.overlap = overlap
+    if not graphs:
+        engine.runner.graphs = None
+    engine.step_log = []
+    tl = engine.start_timeline() if record else None
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    if record:
+        engine.stop_timeline()
+    step_log, engine.step_log = engine.step_log, None
+    engine.runner.graphs, engine.overlap = saved_graphs, llm.config.overlap
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    prompt = sum(len(p) for p, _ in requests)
+    return {
+        "seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
+        "total_tokens_per_s": (generated + prompt) / seconds, "num_steps": len(step_log),
+        "gpu_busy_pct": tl.gpu_busy_pct() if tl is not None else None,
+        "_timeline": tl, "_step_log": step_log, "_outputs": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def run_hf_generate_batch(model_ref: Any, requests: list[tuple[list[int], int]], device: str) -> dict[str, Any]:
+    """transformers continuous batching (`generate_batch`, or its manager for per-request lengths)."""
+    import torch
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    model = model_ref
+    lengths = {n for _, n in requests}
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(lengths), eos_token_id=-1, pad_token_id=0)
+    max_len = max(len(p) + n for p, n in requests)
+    cb = ContinuousBatchingConfig(
+        num_blocks=None if device.startswith("cuda") else (len(requests) * max_len) // 256 + 8,
+        max_batch_tokens=None if device.startswith("cuda") else 1024,
+    )
+    inputs = [p for p, _ in requests]
+    start = time.perf_counter()
+    if len(lengths) == 1:
+        results = model.generate_batch(inputs, generation_config=gen, continuous_batching_config=cb,
+                                       progress_bar=False)
+        generated = sum(len(r.generated_tokens) for r in results.values())
+    else:
+        generated = 0
+        with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb) as mgr:
+            ids = [mgr.add_request(p, max_new_tokens=n) for p, n in requests]
+            done = 0
+            while done < len(ids):
+                r = mgr.get_result(timeout=5)
+                if r is not None and r.is_finished():
+                    generated += len(r.generated_tokens)
+                    done += 1
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds}
+
+
+def run_hf_generate(model: Any, requests: list[tuple[list[int], int]], device: str,
+                    cache_implementation: str | None = None) -> dict[str, Any]:
+    """transformers `model.generate` (static batching), one request at a time: the bs1 peer."""
+    import torch
+
+    generated, start = 0, time.perf_counter()
+    for prompt, n in requests:
+        ids = torch.tensor([prompt], device=device)
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             cache_implementation=cache_implementation, pad_token_id=0)
+        generated += out.shape[1] - len(prompt)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds}
+
+
+def load_hf_peer(w: Workload, dtype: str, device: str) -> Any:
+    """The same model for transformers: the GGUF via its loader, or random weights of the named shape."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tandem.config import DTYPES
+    from tandem.models.loader import NAMED_SHAPES, default_model_path
+
+    torch_dtype = DTYPES[dtype]
+    if w.model is None:
+        path = default_model_path()
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                     dtype=torch_dtype)
+    else:
+        config = AutoConfig.for_model(**NAMED_SHAPES[w.model])
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    return model.to(device).eval()
+
+
+def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | None) -> dict[str, Any]:
+    import torch
+
+    from tandem import LLM
+    from tandem.bench.roofline import floor_seconds, measure_ceilings, model_cost
+
+    device = w.device if (w.device != "cuda" or torch.cuda.is_available()) else "cpu"
+    dtype = w.dtype if device.startswith("cuda") else "float32"
+    result: dict[str, Any] = {"workload": w.name, "what": w.what, "device": _device_name(device), "dtype": dtype,
+                              "scale": scale, "date": time.strftime("%Y-%m-%d"), "peers": {}}
+    peer_results: dict[str, Any] = {}
+    vocab = None
+    # transformers first, then free it, so tandem can size its KV cache from what is left.
+    if "hf" in peers:
+        hf = load_hf_peer(w, dtype, device)
+        vocab = hf.config.vocab_size
+        requests = make_requests(w, vocab, scale=scale)
+        warm = [(p, min(n, 4)) for p, n in requests[: min(4, len(requests))]]
+        if w.name == "bs1":
+            run_hf_generate(hf, warm[:1], device)
+            peer_results["transformers generate (dynamic cache)"] = run_hf_generate(hf, requests, device)
+            peer_results["transformers generate (static cache)"] = run_hf_generate(hf, requests, device, "static")
+        else:
+            run_hf_generate_batch(hf, warm, device)
+            peer_results["transformers generate_batch"] = run_hf_generate_batch(hf, requests, device)
+        del hf
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    llm_kwargs: dict[str, Any] = dict(dtype=dtype, device=device, max_num_seqs=max(min(w.num_requests, 256), 1))
+    if w.model is not None:
+        llm_kwargs.update(model=w.model, load_format="dummy")
+    max_len = max(w.prompt_len) + max(w.output_len) + w.shared_prefix_len
+    llm_kwargs["max_model_len"] = max(int(max_len * scale) + 16, 64)
+    llm = LLM(**llm_kwargs)
+    vocab = llm.engine.model_config.vocab_size
+    requests = make_requests(w, vocab, scale=scale)
+    warm = [(p, min(n, 4)) for p, n in requests[: min(8, len(requests))]]
+    run_tandem(llm, warm)  # compile kernels, fill allocator caches
+    llm.engine.scheduler.reset_prefix_cache() if hasattr(llm.engine.scheduler, "reset_prefix_cache") else None
+    main = run_tandem(llm, requests, record=True)
+    ceilings = measure_ceilings(torch.device(device))
+    cost = model_cost(llm.engine.runner.model, llm.engine.model_config)
+    floor = floor_seconds(main["_step_log"], cost, ceilings)
+    variants: dict[str, Callable[[], dict[str, Any]]] = {}
+    if "sync" in peers:
+        variants["tandem --sync"] = lambda: run_tandem(llm, requests, overlap=False, record=True)
+    if "eager" in peers and llm.engine.runner.graphs is not None:
+        variants["tandem --no-cuda-graph"] = lambda: run_tandem(llm, requests, graphs=False)
+    for name, fn in variants.items():
+        if hasattr(llm.engine.scheduler, "reset_prefix_cache"):
+            llm.engine.scheduler.reset_prefix_cache()
+        r = fn()
+        r["same_tokens_as_main"] = r["_outputs"] == main["_outputs"]
+        peer_results[name] = r
+    timelines = {"tandem (overlap)": main["_timeline"]}
+    if "tandem --sync" in peer_results:
+        timelines["tandem --sync"] = peer_results["tandem --sync"]["_timeline"]
+    if out_dir is not None:
+        from tandem.profiling.timeline import plot_timelines
+
+        os.makedirs(out_dir, exist_ok=True)
+        plot_timelines({k: v for k, v in timelines.items() if v is not None},
+                       os.path.join(out_dir, f"timeline-{w.name}.png"), max_seconds=0.25)
+    result.update({
+        "tokens_per_s": main["tokens_per_s"], "total_tokens_per_s": main["total_tokens_per_s"],
+        "seconds": main["seconds"], "generated_tokens": main["generated_tokens"], "num_steps": main["num_steps"],
+        "gpu_busy_pct": main["gpu_busy_pct"], "roofline_floor_s": floor, "roofline_fraction": floor / main["seconds"],
+        "ceilings": {"copy_gbps": ceilings.copy_gbps, "matmul_tflops": ceilings.matmul_tflops},
+    })
+    for name, r in peer_results.items():
+        result["peers"][name] = r["tokens_per_s"]
+        result.setdefault("peer_details", {})[name] = {k: v for k, v in r.items() if not k.startswith("_")}
+        result.setdefault("ratios", {})[name] = main["tokens_per_s"] / r["tokens_per_s"]
+    del llm
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return result
+
+
+def _print_table(results: list[dict[str, Any]]) -> None:
+    print(f"\n{'workload':<11} {'tok/s':>10} {'seconds':>8} {'roofline':>8} {'gpu busy':>8}  peers (tok/s, tandem x)")
+    for r in results:
+        busy = f"{r['gpu_busy_pct']:.1f}%" if r.get("gpu_busy_pct") is not None else "-"
+        peers = ", ".join(f"{k}: {v:.1f} ({r['ratios'][k]:.2f}x)" for k, v in r["peers"].items())
+        print(f"{r['workload']:<11} {r['tokens_per_s']:>10.1f} {r['seconds']:>8.2f} {r['roofline_fraction']:>8.3f} "
+              f"{busy:>8}  {peers}")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
+    for n in names:
+        if n not in WORKLOADS:
+            raise ValueError(f"unknown workload {n!r}; choose from {sorted(WORKLOADS)} or all")
+    peers = [] if args.no_peers else args.peers.split(",")
+    results = []
+    for n in names:
+        print(f"== {n}: {WORKLOADS[n].what}", flush=True)
+        results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir))
+        _print_table(results[-1:])
+    _print_table(results)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"command": "tandem " + " ".join(sys.argv[1:]), "results": results}, f, indent=2)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -> None:
+    bench = sub.add_parser("bench", help="offline throughput of named workloads with peers side by side; "
+                                         "`tandem bench serve` for serving latency")
+    bench.add_argument("--workload", default="cpu", help=f"comma list of {sorted(WORKLOADS)} or all")
+    bench.add_argument("--peers", default="hf,sync,eager", help="comma list: hf, sync, eager")
+    bench.add_argument("--no-peers", action="store_true")
+    bench.add_argument("--scale", type=float, default=1.0, help="shrink prompt/output lengths (smoke runs)")
+    bench.add_argument("--out", default=None, help="write results JSON here")
+    bench.add_argument("--plot-dir", default=None, help="write timeline PNGs here")
+    bench.set_defaults(func=cmd_bench)
+    bench_sub = bench.add_subparsers(dest="bench_command")
+    try:
+        from tandem.bench.serve import add_bench_serve_args, bench_serve_main
+
+        serve = bench_sub.add_parser("serve", help="open-loop load generator against an OpenAI-compatible server")
+        add_bench_serve_args(serve)
+        serve.set_defaults(func=bench_serve_main)
+    except ImportError:
+        pass
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Runs one workload in sync and overlap modes with the timeline on; writes traces and a PNG."""
+    from tandem import LLM
+    from tandem.profiling.timeline import plot_timelines
+
+    w = WORKLOADS[args.workload]
+    os.makedirs(args.out_dir, exist_ok=True)
+    kwargs: dict[str, Any] = dict(max_num_seqs=min(w.num_requests, 256))
+    if w.model is not None:
+        kwargs.update(model=w.model, load_format="dummy")
+    import torch
+
+    if w.device == "cpu" or not torch.cuda.is_available():
+        kwargs.update(device="cpu", dtype="float32")
+    max_len = int((max(w.prompt_len) + max(w.output_len) + w.shared_prefix_len) * args.scale) + 16
+    llm = LLM(max_model_len=max(max_len, 64), **kwargs)
+    requests = make_requests(w, llm.engine.model_config.vocab_size, scale=args.scale)
+    run_tandem(llm, [(p, 4) for p, _ in requests[:8]])
+    timelines = {}
+    for label, overlap in (("sync", False), ("overlap", True)):
+        r = run_tandem(llm, requests, overlap=overlap, record=True)
+        tl = r["_timeline"]
+        tl.to_chrome_trace(os.path.join(args.out_dir, f"trace-{w.name}-{label}.json"), label)
+        timelines[f"{label}"] = tl
+        print(f"{label:>8}: {r['seconds']:.2f} s, {r['tokens_per_s']:.1f} tok/s, GPU busy {tl.gpu_busy_pct():.1f}%")
+    png = os.path.join(args.out_dir, f"timeline-{w.name}.png")
+    plot_timelines(timelines, png, max_seconds=args.window)
+    print(f"wrote {png} and Chrome traces in {args.out_dir}")
+    return 0
+
+
+def add_profile_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -> None:
+    p = sub.add_parser("profile", help="CPU/GPU timeline of sync vs overlap (Chrome trace + PNG)")
+    p.add_argument("--workload", default="cpu", choices=sorted(WORKLOADS))
+    p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--out-dir", default="profile")
+    p.add_argument("--window", type=float, default=0.25, help="seconds of timeline to draw")
+    p.set_defaults(func=cmd_profile)

@@ -1,0 +1,264 @@
+"""`tandem bench serve`: an open-loop streaming load generator for any OpenAI-compatible endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PERCENTILES = (50, 95, 99)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    index: int
+    scheduled_s: float  # offset from the start the request was due to be sent
+    sent_s: float  # offset from the start it was sent (later than scheduled under the concurrency cap)
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    num_output_tokens: int = 0
+    num_prompt_tokens: int | None = None
+    queue_time_s: float | None = None  # from the server's response, when it reports one
+    finish_reason: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.latency_s is None or self.num_output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.num_output_tokens - 1)
+
+
+def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without /v1")
+    parser.add_argument("--api", default="completions", choices=["completions", "chat"])
+    parser.add_argument("--model", default=None, help="default: the first model of GET /v1/models")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--request-rate", type=float, default=50.0,
+                        help="requests per second; inf sends all at once")
+    parser.add_argument("--arrival", default="fixed", choices=["fixed", "poisson"],
+                        help="fixed: one every 1/rate s; poisson: exponential gaps with that mean")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    parser.add_argument("--prompt", action="append", default=None,
+                        help="a prompt (repeatable, used round-robin); default: 'Hello'")
+    parser.add_argument("--prompts-file", default=None, help="one prompt per line")
+    parser.add_argument("--prompt-token-ids", default=None,
+                        help="comma-separated token ids sent as the prompt (for servers without a tokenizer)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                        help="let requests stop at EOS (default: run every request to --max-tokens)")
+    parser.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) before the run")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the results JSON here")
+    parser.add_argument("--per-request", action="store_true", help="include every request in the JSON")
+
+
+def bench_serve_main(args: argparse.Namespace) -> int:
+    if args.num_requests < 1 or args.max_tokens < 1 or args.request_rate <= 0:
+        raise ValueError("--num-requests, --max-tokens and --request-rate must be positive")
+    prompts = load_prompts(args)
+    report = asyncio.run(run_benchmark(args, prompts))
+    print_report(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.out}")
+    return 0 if report["summary"]["num_failed"] == 0 else 1
+
+
+def load_prompts(args: argparse.Namespace) -> list[str | list[int]]:
+    if getattr(args, "prompt_token_ids", None):
+        return [[int(t) for t in args.prompt_token_ids.split(",")]]
+    prompts: list[str | list[int]] = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    return prompts or ["Hello"]
+
+
+def send_offsets(num: int, rate: float, arrival: str, seed: int) -> list[float]:
+    """Absolute send times (s from the start): the schedule never waits for responses (open loop)."""
+    if rate == float("inf"):
+        return [0.0] * num
+    if arrival == "fixed":
+        return [i / rate for i in range(num)]
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in range(num):
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    return offsets
+
+
+async def run_benchmark(args: argparse.Namespace, prompts: list[str | list[int]]) -> dict[str, Any]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limit = args.max_concurrency or args.num_requests
+    limits = httpx.Limits(max_connections=limit + args.warmup + 1, max_keepalive_connections=limit + 1)
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(args.timeout)) as client:
+        model = args.model or await first_model(client)
+        for i in range(args.warmup):
+            await one_request(client, args, model, prompts[i % len(prompts)], RequestResult(-1, 0.0, 0.0), 0.0)
+        offsets = send_offsets(args.num_requests, args.request_rate, args.arrival, args.seed)
+        semaphore = asyncio.Semaphore(limit)
+        start = time.perf_counter()
+
+        async def scheduled(i: int) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
+            async with semaphore:
+                result = RequestResult(i, offsets[i], time.perf_counter() - start)
+                return await one_request(client, args, model, prompts[i % len(prompts)], result, start)
+
+        results = await asyncio.gather(*(scheduled(i) for i in range(args.num_requests)))
+        duration = time.perf_counter() - start
+    return build_report(args, model, results, duration)
+
+
+async def first_model(client: Any) -> str:
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def one_request(client: Any, args: argparse.Namespace, model: str, prompt: str | list[int], result: RequestResult,
+                      start: float) -> RequestResult:
+    body: dict[str, Any] = dict(model=model, max_tokens=args.max_tokens, temperature=args.temperature,
+                                stream=True, stream_options={"include_usage": True}, ignore_eos=args.ignore_eos)
+    if args.api == "chat":
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+    else:
+        path, body["prompt"] = "/v1/completions", prompt
+    sent = start + result.sent_s if start else time.perf_counter()
+    last: float | None = None
+    num_chunks = 0
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"].get("message"))
+                    return result
+                if chunk_has_output(chunk, args.api):
+                    num_chunks += 1
+                    if last is None:
+                        result.ttft_s = now - sent
+                    else:
+                        result.itl_s.append(now - last)
+                    last = now
+                for choice in chunk.get("choices") or []:
+                    result.finish_reason = choice.get("finish_reason") or result.finish_reason
+                read_usage(chunk, result)
+    except Exception as exc:  # network errors and timeouts count as failures, the run goes on
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    if last is None:
+        result.error = "no output tokens streamed"
+        return result
+    result.latency_s = last - sent
+    if not result.num_output_tokens:
+        result.num_output_tokens = num_chunks
+    result.ok = True
+    return result
+
+
+def chunk_has_output(chunk: dict[str, Any], api: str) -> bool:
+    for choice in chunk.get("choices") or []:
+        text = (choice.get("delta") or {}).get("content") if api == "chat" else choice.get("text")
+        if text or choice.get("logprobs") or choice.get("token_ids"):
+            return True
+    return False
+
+
+def read_usage(chunk: dict[str, Any], result: RequestResult) -> None:
+    usage = chunk.get("usage")
+    if usage:
+        result.num_output_tokens = int(usage.get("completion_tokens") or 0)
+        result.num_prompt_tokens = usage.get("prompt_tokens")
+    metrics = chunk.get("metrics") or {}
+    if metrics.get("queue_time_s") is not None:
+        result.queue_time_s = float(metrics["queue_time_s"])
+
+
+def distribution(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    out = {"mean": sum(ordered) / len(ordered)}
+    for q in PERCENTILES:
+        out[f"p{q}"] = percentile(ordered, q)
+    out["max"] = ordered[-1]
+    return out
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def build_report(args: argparse.Namespace, model: str, results: list[RequestResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    num_out = sum(r.num_output_tokens for r in ok)
+    summary: dict[str, Any] = {
+        "num_requests": len(results),
+        "num_completed": len(ok),
+        "num_failed": len(results) - len(ok),
+        "duration_s": duration,
+        "output_tokens": num_out,
+        "output_tokens_per_s": num_out / duration if duration > 0 else 0.0,
+        "requests_per_s": len(ok) / duration if duration > 0 else 0.0,
+        "max_send_lag_s": max((r.sent_s - r.scheduled_s for r in results), default=0.0),
+    }
+    for name, values in (
+        ("ttft_s", [r.ttft_s for r in ok if r.ttft_s is not None]),
+        ("tpot_s", [t for r in ok if (t := r.tpot_s) is not None]),
+        ("itl_s", [gap for r in ok for gap in r.itl_s]),
+        ("latency_s", [r.latency_s for r in ok if r.latency_s is not None]),
+        ("queue_time_s", [r.queue_time_s for r in ok if r.queue_time_s is not None]),
+    ):
+        dist = distribution(values)
+        if dist is not None:  # queue time is left out when the server does not report it
+            summary[name] = dist
+    report: dict[str, Any] = {
+        "config": {k: v for k, v in vars(args).items() if k != "func" and k != "api_key"} | {"model": model},
+        "summary": summary,
+        "errors": sorted({r.error for r in results if r.error})[:20],
+    }
+    if getattr(args, "per_request", False):
+        report["requests"] = [asdict(r) | {"tpot_s": r.tpot_s} for r in results]
+    return report
+
+
+def print_report(report: dict[str, Any]) -> None:
+    s = report["summary"]
+    print(f"requests: {s['num_completed']}/{s['num_requests']} completed, {s['num_failed']} failed "
+          f"in {s['duration_s']:.2f} s; output {s['output_tokens_per_s']:.1f} tok/s")
+    for name in ("ttft_s", "tpot_s", "itl_s", "latency_s", "queue_time_s"):
+        d = s.get(name)
+        if d:
+            print(f"  {name[:-2]:>10} ms: " + "  ".join(f"{k} {v * 1e3:.2f}" for k, v in d.items()))
+    for err in report["errors"]:
+        print(f"  error: {err}", file=sys.stderr)

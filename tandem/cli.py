@@ -1,0 +1,117 @@
+"""`tandem generate | serve | bench | profile`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "Explain in one sentence why the sky is blue.",
+    "List three prime numbers:",
+]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF folder, .gguf file or named shape (default: embedded SmolLM2-135M)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--sync", action="store_true", help="overlap off: finish each step before scheduling the next")
+    g.add_argument("--no-cuda-graph", action="store_true", help="eager decode (no CUDA graphs)")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching, overlap=not args.sync,
+        cuda_graph=not args.no_cuda_graph, seed=args.seed,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--stop", action="append", default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tandem import LLM, SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+        stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs, seed=args.sample_seed,
+    )
+    llm = LLM(**engine_kwargs(args))
+    prompts = args.prompt or DEFAULT_PROMPTS
+    start = time.perf_counter()
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    num_generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    for prompt, out in zip(prompts, outputs):
+        c = out.outputs[0]
+        print(f"--- {prompt!r}\n{c.text!r}  [{len(c.token_ids)} tokens, finish: {c.finish_reason}]")
+    print(f"\n{len(outputs)} requests, {num_generated} generated tokens in {seconds:.2f} s: "
+          f"{num_generated / seconds:.1f} tok/s ({llm.engine.runner.device}, {llm.config.resolved_dtype()})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions offline and print them with tokens/s")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few built-in prompts")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    try:
+        from tandem.server.app import add_serve_args, serve_main
+
+        add_serve_args(serve)
+        serve.set_defaults(func=serve_main)
+    except ImportError as exc:  # server extras missing
+        serve.set_defaults(func=lambda a, exc=exc: sys.exit(f"tandem serve needs fastapi and uvicorn: {exc}"))
+
+    from tandem.bench.offline import add_bench_args, add_profile_args
+
+    add_bench_args(sub, add_engine_args)
+    add_profile_args(sub, add_engine_args)
+
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""EngineConfig (frozen, validated once) and ModelConfig (the architecture's numbers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str  # key of tandem.models.registry.MODEL_REGISTRY: llama, qwen2, qwen3, gpt2
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # HF rope_parameters / rope_scaling (llama3 etc.)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qkv bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Elements (not bytes) of K and V per token over all layers; multiply by the dtype size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    tokenizer: str | None = None  # None: from the model folder / GGUF
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda if available, else cpu
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    hf_overrides: dict[str, Any] = field(default_factory=dict)  # config fields, e.g. a named shape for dummy
+    max_model_len: int | None = None  # None: min(model's max positions, 8192)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: from the memory budget below
+    gpu_memory_utilization: float = 0.90
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    overlap: bool = True
+    cuda_graph: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        return DTYPES[self.dtype]

@@ -1,0 +1,266 @@
+"""EngineCore: add/abort requests and step() the overlap loop that glues scheduler and runner.
+
+One step in overlap mode (DESIGN.md "One engine step"): schedule N+1, launch it, then wait for
+N's tokens and update the requests. With overlap off the same code finishes each step before
+scheduling the next. Both produce identical tokens under greedy sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from tandem.config import EngineConfig
+from tandem.profiling.timeline import Timeline
+from tandem.request import FinishReason, Request
+from tandem.runner.model_runner import Logprobs, ModelRunner, StepHandle
+from tandem.sampling_params import SamplingParams
+from tandem.scheduler.output import SchedulerOutput
+from tandem.scheduler.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] | None
+    finished: bool
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks in use
+    prefix_cache_hit_rate: float  # hit tokens / queried tokens
+    num_free_blocks: int
+    num_blocks: int
+    num_steps: int
+    num_prompt_tokens: int  # prompt tokens admitted so far
+    num_generation_tokens: int  # output tokens produced so far
+    num_preemptions: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = self.runner.tokenizer
+        self.model_config = self.runner.model_config
+        # A request can never grow past what the whole KV pool holds (block 0 is reserved).
+        pool_tokens = (self.runner.num_blocks - 1) * config.block_size
+        self.max_model_len = min(self.runner.max_model_len, pool_tokens)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                block_size=config.block_size,
+                num_blocks=self.runner.num_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            )
+        )
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self.overlap = config.overlap
+        self._rng = random.Random(config.seed)
+        self._requests: dict[str, Request] = {}  # unfinished requests
+        self._num_sent: dict[str, int] = {}  # output tokens already handed out per request
+        self._inflight: StepHandle | None = None
+        self.timeline: Timeline | None = None
+        self.step_log: list[tuple[int, int, int]] | None = None  # (seqs, tokens, context tokens) per step
+        self._timeline_base: tuple[object, float] | None = None
+        self.num_steps = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} is not an integer in [0, {vocab})")
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens but the context limit (max_model_len) is "
+                f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit"
+            )
+        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the prompt's {num_prompt} tokens exceeds the context "
+                f"limit of {self.max_model_len} tokens"
+            )
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            sampling_seed=seed,
+        )
+        self.scheduler.add_request(request)  # raises ValueError if it can never fit the KV pool
+        self._requests[request_id] = request
+        self._num_sent[request_id] = 0
+        self.num_prompt_tokens += num_prompt
+
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
+                      stop_reason: int | str | None = None) -> None:
+        """Ends a request now (abort, or a stop string the caller matched); unknown ids are ignored."""
+        if request_id not in self._requests:
+            return
+        self.scheduler.finish_request(request_id, reason, stop_reason)
+        self._forget(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or self._inflight is not None
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._num_sent.pop(request_id, None)
+
+    # ---------------------------------------------------------------- the loop
+
+    def step(self) -> list[EngineOutput]:
+        tl = self.timeline
+        if tl is not None:
+            tl.step = self.num_steps
+        self.num_steps += 1
+        try:
+            sched = self._timed("schedule", self.scheduler.schedule)
+            handle = self._timed("launch", lambda: self.runner.launch(sched)) if sched.scheduled else None
+        except Exception as exc:  # a failure to build or launch the step fails its requests, not the engine
+            logger.exception("engine step failed at launch")
+            failed = self._fail(sched.scheduled if "sched" in locals() else [], exc)
+            if self._inflight is not None:
+                failed += self._fail(self._inflight.sched.scheduled, exc)
+                self._inflight = None
+            return failed
+        if not self.overlap:
+            return self._finish(handle) if handle is not None else []
+        previous, self._inflight = self._inflight, handle
+        return self._finish(previous) if previous is not None else []
+
+    def _finish(self, handle: StepHandle) -> list[EngineOutput]:
+        """Waits for a launched step's tokens and applies them to the requests."""
+        try:
+            result = self._timed("wait", lambda: self.runner.wait(handle))
+        except Exception as exc:
+            logger.exception("engine step failed on the device")
+            outputs = self._fail(handle.sched.scheduled, exc)
+            if self._inflight is not None and self._inflight is not handle:
+                outputs += self._fail(self._inflight.sched.scheduled, exc)
+            self._inflight = None
+            return outputs
+        if self.step_log is not None:
+            self.step_log.append((handle.num_seqs, handle.num_tokens, handle.num_context_tokens))
+        if self.timeline is not None:
+            span = self.runner.step_gpu_span(handle, self._timeline_base)
+            if span is not None:
+                self.timeline.add_gpu("compute", span[0], span[1], self.timeline.step)
+        return self._timed("update", lambda: self._update(handle.sched, result.token_ids, result.logprobs))
+
+    def _update(self, sched: SchedulerOutput, token_ids: list[int], logprobs: list[Logprobs] | None) -> list[EngineOutput]:
+        touched = self.scheduler.update_from_output(sched, token_ids, logprobs)
+        outputs: list[EngineOutput] = []
+        for req in touched:
+            rid = req.request_id
+            if rid not in self._requests:
+                continue  # aborted meanwhile: its token is dropped
+            sent = self._num_sent[rid]
+            new_tokens = req.output_token_ids[sent:]
+            self._num_sent[rid] = req.num_output_tokens
+            self.num_generation_tokens += len(new_tokens)
+            new_lp = None
+            if req.sampling_params.logprobs is not None:
+                new_lp = req.output_logprobs[sent : sent + len(new_tokens)]
+            outputs.append(
+                EngineOutput(rid, new_tokens, new_lp, req.is_finished, req.finish_reason, req.stop_reason,
+                             req.num_prompt_tokens, max(req.num_cached_tokens, 0))
+            )
+            if req.is_finished:
+                self._forget(rid)
+        return outputs
+
+    def _fail(self, scheduled: list, exc: Exception) -> list[EngineOutput]:
+        # Blocks published for the failed step may hold garbage KV: forget every cached prefix.
+        self.scheduler.reset_prefix_cache()
+        outputs = []
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        for s in scheduled:
+            req: Request = s.request
+            rid = req.request_id
+            if rid not in self._requests:
+                continue
+            self.scheduler.finish_request(rid, FinishReason.ABORT)
+            req.error = message
+            outputs.append(EngineOutput(rid, [], None, True, FinishReason.ABORT, None, req.num_prompt_tokens,
+                                        max(req.num_cached_tokens, 0), error=message))
+            self._forget(rid)
+        return outputs
+
+    def _timed(self, name: str, fn):  # type: ignore[no-untyped-def]
+        if self.timeline is None:
+            return fn()
+        with self.timeline.span(name):
+            return fn()
+
+    # ---------------------------------------------------------------- profiling and stats
+
+    def start_timeline(self) -> Timeline:
+        """Records CPU spans of every step and GPU spans of each step's compute from now on."""
+        self.timeline = Timeline()
+        self.runner.set_timing(True)
+        if self.runner.device.type == "cuda":
+            import torch
+
+            base = torch.cuda.Event(enable_timing=True)
+            base.record(self.runner.streams.compute)
+            base.synchronize()
+            self._timeline_base = (base, time.perf_counter())
+        return self.timeline
+
+    def stop_timeline(self) -> Timeline | None:
+        tl, self.timeline = self.timeline, None
+        self.runner.set_timing(False)
+        self._timeline_base = None
+        return tl
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_running=s.num_running(),
+            num_waiting=s.num_waiting(),
+            kv_cache_usage=s.kv_cache_usage(),
+            prefix_cache_hit_rate=s.prefix_cache_hit_rate(),
+            num_free_blocks=s.num_free_blocks(),
+            num_blocks=self.runner.num_blocks,
+            num_steps=self.num_steps,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+            num_preemptions=s.num_preemptions,
+        )

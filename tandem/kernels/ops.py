@@ -1,0 +1,44 @@
+"""Kernel entry points the layers call; each dispatches on the tensors' device to an implementation."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tandem.kernels.reference import paged_attention_ref, write_kv_ref
+from tandem.layers.attention_metadata import AttentionMetadata
+
+
+def write_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    if k.is_cuda or _force_triton():
+        from tandem.kernels.triton_kv import write_kv_triton  # lazy: CPU-only runs never import Triton
+
+        write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+        return
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    if q.is_cuda or _force_triton():
+        from tandem.kernels.triton_attention import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+
+
+def _force_triton() -> bool:
+    """TANDEM_FORCE_TRITON=1 sends CPU tensors to the Triton kernels (tests under TRITON_INTERPRET=1)."""
+    return os.environ.get("TANDEM_FORCE_TRITON") == "1"

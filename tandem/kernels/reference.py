@@ -1,0 +1,133 @@
+"""Plain-PyTorch KV-cache write and paged attention: the CPU path and the oracle for the GPU kernels."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.layers.attention_metadata import AttentionMetadata
+
+
+def write_kv_ref(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, num_kv_heads, head_dim]
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    slots = slot_mapping[: k.shape[0]].long()
+    keep = (slots >= 0).nonzero().squeeze(1)  # [num_written]
+    if keep.shape[0] != slots.shape[0]:
+        k, v, slots = k[keep], v[keep], slots[keep]
+    k_flat[slots] = k.to(k_cache.dtype)
+    v_flat[slots] = v.to(v_cache.dtype)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    if meta.num_seqs == 0 or q.shape[0] == 0:
+        return torch.zeros_like(q)
+    if meta.max_query_len <= 1:
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
+    return _varlen_attention(q, k_cache, v_cache, meta, scale)
+
+
+def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """Copies each sequence's first blocks into [num_seqs, num_kv_heads, padded_len, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = min(-(-max_seq_len // block_size), block_tables.shape[1])
+    num_blocks = max(num_blocks, 1)
+    blocks = cache[block_tables[:, :num_blocks].long()]  # [num_seqs, num_blocks, block_size, kv_heads, dim]
+    num_seqs, _, _, num_kv_heads, head_dim = blocks.shape
+    return blocks.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Every sequence has at most one query token: one masked SDPA over the padded contexts, no host sync."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = meta.num_seqs
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    starts = meta.query_start_loc.long()
+    query_lens = starts[1:] - starts[:-1]  # [num_seqs]
+    seq_lens = meta.seq_lens.long()
+    valid = (query_lens == 1) & (seq_lens > 0)  # [num_seqs]
+    token_idx = starts[:-1].clamp(max=num_tokens - 1)  # [num_seqs]
+
+    keys = _gather_context(k_cache, meta.block_tables, meta.max_seq_len)  # [num_seqs, kv_heads, ctx, dim]
+    values = _gather_context(v_cache, meta.block_tables, meta.max_seq_len)
+    ctx_len = keys.shape[2]
+    # A padding row attends to position 0 only, so no row is fully masked (which would give NaN).
+    visible = torch.arange(ctx_len, device=q.device)[None, :] < seq_lens.clamp(min=1)[:, None]  # [num_seqs, ctx]
+    # Slots past a sequence's length (block-table padding points at block 0) may hold anything, even NaN,
+    # which a mask alone does not stop (NaN * 0 weight): zero them.
+    hidden_slots = ~visible[:, None, :, None]  # [num_seqs, 1, ctx, 1]
+    keys, values = keys.masked_fill(hidden_slots, 0.0), values.masked_fill(hidden_slots, 0.0)
+    # The query heads sharing one KV head play the role of the query length: no KV head expansion.
+    queries = q[token_idx].view(num_seqs, num_kv_heads, group, head_dim).to(keys.dtype)
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=visible[:, None, None, :], scale=scale
+    )  # [num_seqs, kv_heads, group, dim]
+    # where (not a multiply by 0) so junk in a padding row's block 0 can never leak NaN.
+    out = torch.where(valid[:, None, None], out.reshape(num_seqs, num_heads, head_dim).to(q.dtype), 0.0)
+    if num_tokens == num_seqs and _is_identity(starts, num_seqs):
+        return out
+    result = torch.zeros_like(q)
+    # index_add (not index_copy) because an empty sequence shares its start index with the next one.
+    result.index_add_(0, token_idx, out)
+    return result
+
+
+def _is_identity(starts: torch.Tensor, num_seqs: int) -> bool:
+    """True when sequence i's single query is token i (checked on the host only for CPU tensors)."""
+    if starts.device.type != "cpu":
+        return False
+    return bool(torch.equal(starts, torch.arange(num_seqs + 1, dtype=starts.dtype)))
+
+
+def _varlen_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Mixed prefill/decode: one SDPA per sequence with a causal mask offset by its cached prefix."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    block_tables = meta.block_tables.long()
+    result = torch.zeros_like(q)
+    for i, seq_len in enumerate(seq_lens):
+        start, end = starts[i], min(starts[i + 1], num_tokens)
+        query_len = end - start
+        if query_len <= 0 or seq_len <= 0:
+            continue
+        blocks = block_tables[i, : -(-seq_len // block_size)]
+        keys = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)  # [kv_heads, ctx, dim]
+        values = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        queries = q[start:end].transpose(0, 1).to(keys.dtype)  # [num_heads, query_len, dim]
+        mask = None
+        if query_len != seq_len:
+            # Query j sits at absolute position seq_len - query_len + j and sees keys up to there.
+            query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]  # [query_len, ctx]
+        out = F.scaled_dot_product_attention(
+            queries,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=mask is None and query_len > 1,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )  # [num_heads, query_len, dim]
+        result[start:end] = out.transpose(0, 1).to(q.dtype)
+    return result

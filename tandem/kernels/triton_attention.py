@@ -1,0 +1,472 @@
+"""Triton paged attention over the block-table KV cache: split-KV decode and causal varlen prefill."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.layers.attention_metadata import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+# Each decode split reads at least this many KV tiles, so its partial result is worth the reduction.
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLITS = 64
+# How many decode programs per SM we aim for before splitting a sequence's KV further.
+PROGRAMS_PER_SM = 4
+
+
+# ----------------------------------------------------------------------------- shared device helpers
+
+
+@triton.jit
+def _kv_tile_rows(bt_row_ptr, offs_n, n_mask, stride_b, stride_s, PAGE: tl.constexpr, MASKED: tl.constexpr):
+    # Element offsets of context positions offs_n within one kv head of the cache, through the block table.
+    if MASKED:
+        pages = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_mask, other=0)
+    else:
+        pages = tl.load(bt_row_ptr + offs_n // PAGE)
+    return pages.to(tl.int64) * stride_b + (offs_n % PAGE) * stride_s
+
+
+@triton.jit
+def _load_rows(base_ptr, rows, offs_d, stride_d, row_mask, d_mask, MASK_ROWS: tl.constexpr, MASK_D: tl.constexpr):
+    # A [rows, BLOCK_D] tile; masks are compile-time optional so unmasked tiles keep vectorized loads.
+    ptrs = base_ptr + rows[:, None] + offs_d[None, :] * stride_d
+    if MASK_ROWS:
+        if MASK_D:
+            tile = tl.load(ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        if MASK_D:
+            tile = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
+    qk_scale, num_splits,
+    stride_qb, stride_qh, stride_qd,
+    stride_b, stride_s, stride_h, stride_d,  # shared by k_cache and v_cache
+    stride_btb,
+    stride_ob, stride_oh, stride_od,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
+):
+    # Program (b, kv head, split): all GROUP query heads of one kv head over one contiguous share of the
+    # sequence's KV tiles. The share is computed from seq_len on the device, so every split gets work
+    # whatever the sequence's length, and the grid (hence a CUDA graph) never depends on the data.
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if USE_DOT:
+        q = q.to(k_ptr.dtype.element_ty)  # tensor-core operand; scores accumulate in fp32
+    else:
+        q_vec = tl.sum(q.to(tl.float32), axis=0)  # BLOCK_G == 1: the single query head, [BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    k_base = k_ptr + kvh * stride_h
+    v_base = v_ptr + kvh * stride_h
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * BLOCK_N + offs_n0
+        n_mask = offs_n < seq_len
+        kv_rows = _kv_tile_rows(bt_row, offs_n, n_mask, stride_b, stride_s, PAGE, True)
+        k = _load_rows(k_base, kv_rows, offs_d, stride_d, n_mask, d_mask, True, HEAD_DIM != BLOCK_D)
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        else:
+            s = tl.sum(q_vec[None, :] * k.to(tl.float32), axis=1)[None, :]
+        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N], log2 domain
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every visited tile has a valid position
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _load_rows(v_base, kv_rows, offs_d, stride_d, n_mask, d_mask, True, HEAD_DIM != BLOCK_D)
+        if USE_DOT:
+            pv = tl.dot(p.to(v_ptr.dtype.element_ty), v, input_precision=DOT_PRECISION)
+        else:
+            pv = tl.sum(tl.sum(p, axis=0)[:, None] * v.to(tl.float32), axis=0)[None, :]
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has_kv = l_i > 0.0
+    o = acc / tl.where(has_kv, l_i, 1.0)[:, None]  # empty share or seq_len 0 -> zeros, never NaN
+    mask = g_mask[:, None] & d_mask[None, :]
+    if DIRECT_OUT:
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        row = (b.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_G] into [B, H, splits]
+        tl.store(ws_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
+        lse = tl.where(has_kv, m_i + tl.log2(tl.where(has_kv, l_i, 1.0)), float("-inf"))
+        tl.store(ws_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    ws_o_ptr, ws_lse_ptr, out_ptr, num_splits,
+    stride_ob, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # Program (b, head): merges the splits' normalized partials weighted by exp2(lse).
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b.to(tl.int64) * tl.num_programs(1) + h
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(ws_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights 0, output 0
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, axis=0)
+    o = tl.load(ws_o_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d * stride_od,
+             res.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 132  # interpreter runs: pretend an H100 so the heuristic is exercised the same way
+
+
+def decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
+    """KV positions per decode tile: ~16 KiB of K (and of V) per tile."""
+    return max(16, min(128, 16384 // (triton.next_power_of_2(head_dim) * dtype.itemsize)))
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
+    """Splits per sequence from shapes only (CUDA-graph safe); correctness never depends on the value."""
+    programs = max(1, batch * num_kv_heads)
+    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
+    worth = triton.cdiv(triton.cdiv(max(max_seq_len, 1), block_n), MIN_TILES_PER_SPLIT)
+    return max(1, min(want, worth, MAX_SPLITS))
+
+
+def decode_workspace_numel(batch: int, num_heads: int, head_dim: int, num_splits: int) -> int:
+    """fp32 elements the split partials need: outputs [B, H, splits, D] then logsumexps [B, H, splits]."""
+    return batch * num_heads * num_splits * (head_dim + 1)
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor) -> tuple[int, int]:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype != v_cache.dtype or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must share dtype and strides (two halves of one kv_cache layer)")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if not 16 <= head_dim <= 256:
+        raise ValueError(f"head_dim {head_dim} not supported (16..256)")
+    return num_kv_heads, num_heads // num_kv_heads
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 caches: 3xTF32 keeps ~fp32 accuracy on tensor cores (plain tf32 would lose ~1e-3, and IEEE fp32
+    # dots spill registers heavily on sm_90). fp16/bf16 operands ignore the setting.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    out: torch.Tensor | None = None,  # [B, H, D]
+    num_splits: int | None = None,
+    *,
+    max_seq_len: int | None = None,
+    workspace: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence attending to its whole context (split-KV flash decoding).
+
+    Graph-capturable: no host sync; num_splits comes from shapes and the static bound max_seq_len
+    (default block_tables.shape[1] * block_size), never from seq_lens. `workspace` is an optional
+    preallocated fp32 buffer of at least decode_workspace_numel(...) elements.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, num_heads, head_dim], got {tuple(q.shape)}")
+    num_kv_heads, group = _check_cache(k_cache, v_cache, q)
+    batch, num_heads, head_dim = q.shape
+    page = k_cache.shape[1]
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or seq_lens.shape != (batch,):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} "
+                         f"do not match batch {batch}")
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape:
+        raise ValueError(f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
+    if batch == 0:
+        return out
+
+    block_n = block_n or decode_block_n(head_dim, k_cache.dtype)
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * page
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, block_n, _device_sms(q.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    use_dot = group > 1
+    block_g = max(16, triton.next_power_of_2(group)) if use_dot else 1
+    block_d = triton.next_power_of_2(head_dim)
+
+    ws_o = ws_lse = out  # placeholders, unused when the kernel writes out directly
+    if num_splits > 1:
+        numel = decode_workspace_numel(batch, num_heads, head_dim, num_splits)
+        if workspace is None:
+            workspace = torch.empty(numel, dtype=torch.float32, device=q.device)
+        elif workspace.dtype != torch.float32 or workspace.numel() < numel or not workspace.is_contiguous():
+            raise ValueError(f"workspace must be a contiguous fp32 tensor of >= {numel} elements")
+        split_o = batch * num_heads * num_splits * head_dim
+        ws_o, ws_lse = workspace[:split_o], workspace[split_o:numel]
+
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, ws_o, ws_lse,
+        scale * LOG2E, num_splits,
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
+        USE_DOT=use_dot, DOT_PRECISION=_dot_precision(k_cache.dtype), DIRECT_OUT=num_splits == 1,
+        num_warps=num_warps or 4, num_stages=num_stages or (3 if use_dot else 2),
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            ws_o, ws_lse, out, num_splits, *out.stride(),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4 if num_splits * block_d >= 2048 else 2,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+@triton.jit
+def _prefill_tile(
+    acc, m_i, l_i, q, pos, tile, k_base, v_base, bt_row, kv_end, qk_scale,
+    stride_b, stride_s, stride_d,
+    offs_n0, offs_d, d_mask,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+):
+    # One BLOCK_N tile of keys for a BLOCK_M tile of query rows; MASKED tiles straddle the diagonal
+    # or the end of the context, unmasked ones are visible to every row.
+    offs_n = tile * BLOCK_N + offs_n0
+    n_mask = offs_n < kv_end
+    kv_rows = _kv_tile_rows(bt_row, offs_n, n_mask, stride_b, stride_s, PAGE, MASKED)
+    k = _load_rows(k_base, kv_rows, offs_d, stride_d, n_mask, d_mask, MASKED, HEAD_DIM != BLOCK_D)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        s = tl.where((offs_n[None, :] <= pos[:, None]) & n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 (first tile) or an earlier tile was visible
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = _load_rows(v_base, kv_rows, offs_d, stride_d, n_mask, d_mask, MASKED, HEAD_DIM != BLOCK_D)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v_base.dtype.element_ty), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_b, stride_s, stride_h, stride_d,  # shared by k_cache and v_cache
+    stride_btb,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Program (row tile, sequence, kv head). A sequence's query rows are its (token, group head) pairs,
+    # row = token * GROUP + g, so the GQA heads sharing a kv head share every K/V tile load.
+    # Row tiles run last-first: the tiles with the longest causal range start earliest.
+    tile_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    num_rows = q_len * GROUP
+    r0 = tile_m * BLOCK_M
+    if r0 >= num_rows:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx_start = seq_len - q_len  # absolute position of the first new token (prefix / earlier chunks before it)
+
+    offs_r = r0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    r_mask = offs_r < num_rows
+    d_mask = offs_d < HEAD_DIM
+    tok = offs_r // GROUP
+    heads = kvh * GROUP + offs_r % GROUP
+    pos = ctx_start + tok
+    tok_idx = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + tok_idx[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(k_ptr.dtype.element_ty)
+
+    first_pos = ctx_start + r0 // GROUP
+    kv_end = ctx_start + (tl.minimum(r0 + BLOCK_M, num_rows) - 1) // GROUP + 1  # last row's position + 1
+    num_full = (first_pos + 1) // BLOCK_N  # tiles every row of this tile sees entirely
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = k_ptr + kvh * stride_h
+    v_base = v_ptr + kvh * stride_h
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    for tile in range(0, num_full):
+        acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, pos, tile, k_base, v_base, bt_row, kv_end, qk_scale,
+                                      stride_b, stride_s, stride_d,
+                                      offs_n0, offs_d, d_mask, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
+                                      DOT_PRECISION, False)
+    for tile in range(num_full, num_tiles):
+        acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, pos, tile, k_base, v_base, bt_row, kv_end, qk_scale,
+                                      stride_b, stride_s, stride_d,
+                                      offs_n0, offs_d, d_mask, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
+                                      DOT_PRECISION, True)
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok_idx[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) sized for Hopper shared memory."""
+    if dtype == torch.float32 or head_dim > 128:  # fp32 is a correctness path; keep it spill-light
+        return 64, 32, 4, 2
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    return 128, 64, 8, 3
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, D]
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, H, D]
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention; sequence i's queries are the last query_len_i positions of its context.
+
+    Their K/V must already be in the cache. Rows of q outside every sequence (padding) are left as they
+    are in `out`; a freshly allocated out starts at zero so they read as zeros.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    num_kv_heads, group = _check_cache(k_cache, v_cache, q)
+    num_tokens, num_heads, head_dim = q.shape
+    batch = seq_lens.shape[0]
+    if query_start_loc.shape != (batch + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"query_start_loc {tuple(query_start_loc.shape)} / block_tables "
+                         f"{tuple(block_tables.shape)} do not match {batch} sequences")
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    if out is None:
+        out = torch.zeros_like(q)
+    elif out.shape != q.shape:
+        raise ValueError(f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
+    if batch == 0 or num_tokens == 0 or max_query_len <= 0:
+        return out
+
+    cfg_m, cfg_n, cfg_warps, cfg_stages = _prefill_config(head_dim, k_cache.dtype)
+    block_m = block_m or cfg_m
+    block_n = block_n or cfg_n
+    grid = (triton.cdiv(max_query_len * group, block_m), batch, num_kv_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * LOG2E,
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(k_cache.dtype),
+        num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The ops.paged_attention contract on Triton: decode kernel when every sequence has one token."""
+    if meta.max_query_len == 1 and q.shape[0] == meta.num_seqs:
+        # One token per sequence, in order (query_start_loc == arange): row b is sequence b's query.
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                      max_seq_len=meta.max_seq_len)
+    return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                   meta.max_query_len, scale)
+
+
+__all__ = [
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "paged_attention_triton",
+    "choose_num_splits",
+    "decode_block_n",
+    "decode_workspace_numel",
+]

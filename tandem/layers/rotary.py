@@ -1,0 +1,74 @@
+"""Rotary position embedding (half-rotation layout) with default, linear and Llama-3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_type_of(scaling: dict[str, Any] | None) -> str:
+    if not scaling:
+        return "default"
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+def inverse_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """float32 [rotary_dim // 2] angular frequency per rotated pair, after the configured scaling."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    inv_freq = 1.0 / (theta**exponents)
+    rope_type = rope_type_of(scaling)
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_scaled(inv_freq, scaling)
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scheme: long wavelengths are slowed by `factor`, short ones kept, the band between blended."""
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    original_len = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    long_wavelen = original_len / low_freq_factor  # beyond this: fully scaled
+    short_wavelen = original_len / high_freq_factor  # below this: unchanged
+    scaled = torch.where(wavelen > long_wavelen, inv_freq / factor, inv_freq)
+    blend = (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - blend) * scaled / factor + blend * scaled
+    in_band = (wavelen >= short_wavelen) & (wavelen <= long_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the first and second half of each head (Hugging Face Llama layout) by position-dependent angles."""
+
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)  # [head_dim // 2] float32
+        positions = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
+        # Angles in float32, then cast to the model dtype, as Hugging Face does before multiplying.
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(torch.get_default_dtype())
+        self.register_buffer("cos_sin_cache", cache, persistent=False)  # [max_positions, head_dim]
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [num_tokens] -> (cos, sin), each [num_tokens, 1, head_dim // 2]; computed once per step."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim]; rotates pairs (i, i + head_dim / 2) by the step's angles."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,198 @@
+"""LLM: offline batched generation over EngineCore, with a progress bar."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tandem.config import EngineConfig
+from tandem.detokenizer import IncrementalDetokenizer
+from tandem.engine import EngineCore, EngineOutput
+from tandem.outputs import CompletionOutput, RequestOutput
+from tandem.request import FinishReason
+from tandem.sampling_params import SamplingParams
+
+PromptInput = str | list[int]
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """One completion being generated (a prompt with n > 1 has several)."""
+
+    index: int
+    detok: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class LLM:
+    """`LLM(model=None)` serves the embedded SmolLM2-135M-Instruct; keyword arguments are EngineConfig fields."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown LLM argument(s) {unknown}; valid ones: {sorted(known)}")
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---------------------------------------------------------------- inputs
+
+    def _normalize_prompts(self, prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # type: ignore[arg-type]
+        if not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("prompts must be a string, a list of strings or a list of token-id lists")
+        return list(prompts)
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise ValueError("the prompt is empty: give at least one token")
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    # ---------------------------------------------------------------- generate
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        items = self._normalize_prompts(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(items)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(items)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(items):
+                raise ValueError(f"got {len(params_list)} sampling params for {len(items)} prompts")
+        tokenized = [self._tokenize(p) for p in items]  # raises before anything is queued
+        return self._run(tokenized, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            for conv in conversations  # type: ignore[union-attr]
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, tokenized: list[tuple[str | None, list[int]]], params_list: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        results: list[RequestOutput] = []
+        seqs: dict[str, tuple[int, _Sequence]] = {}  # engine request id -> (prompt index, sequence)
+        added: list[str] = []
+        try:
+            for i, ((text, ids), params) in enumerate(zip(tokenized, params_list)):
+                request_id = str(next(self._ids))
+                results.append(RequestOutput(request_id, text, ids, []))
+                for j in range(params.n):
+                    sub_id = request_id if params.n == 1 else f"{request_id}-{j}"
+                    sub_params = params
+                    if params.n > 1 and params.seed is not None:
+                        sub_params = _with_seed(params, params.seed + j)
+                    engine.add_request(sub_id, ids, sub_params)
+                    added.append(sub_id)
+                    detok = (IncrementalDetokenizer(self.tokenizer, ids, params)
+                             if self.tokenizer is not None else None)
+                    seq = _Sequence(j, detok, logprobs=[] if params.logprobs is not None else None)
+                    seqs[sub_id] = (i, seq)
+        except ValueError:
+            for rid in added:
+                engine.abort_request(rid)
+            raise
+        pending = set(seqs)
+        bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        start, num_out = time.perf_counter(), 0
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.request_id not in pending:
+                        continue
+                    num_out += len(out.new_token_ids)
+                    index, seq = seqs[out.request_id]
+                    results[index].num_cached_tokens = max(results[index].num_cached_tokens, out.num_cached_tokens)
+                    if self._apply(out, seq):
+                        pending.discard(out.request_id)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{num_out / (time.perf_counter() - start):.1f} tok/s")
+                if pending and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine went idle with {len(pending)} unfinished requests")
+        finally:
+            for rid in pending:
+                engine.abort_request(rid)
+            bar.close()
+        for _, (i, seq) in sorted(seqs.items(), key=lambda kv: (kv[1][0], kv[1][1].index)):
+            text = seq.detok.text if seq.detok is not None else ""
+            results[i].outputs.append(
+                CompletionOutput(seq.index, text, seq.token_ids, seq.finish_reason, seq.stop_reason, seq.logprobs,
+                                 seq.cumulative_logprob if seq.logprobs is not None else None)
+            )
+        for r in results:
+            r.finished = True
+        return results
+
+    def _apply(self, out: EngineOutput, seq: _Sequence) -> bool:
+        """Adds a step's tokens to a sequence; returns True once it is finished."""
+        if out.error is not None:
+            raise RuntimeError(out.error)
+        new_tokens = out.new_token_ids
+        if seq.logprobs is not None and out.new_logprobs is not None:
+            for tok, (chosen, top) in zip(new_tokens, out.new_logprobs):
+                entry = dict(top)
+                entry[tok] = chosen
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += chosen
+        seq.token_ids.extend(new_tokens)
+        if seq.detok is not None:
+            _, stop = seq.detok.update(new_tokens)
+            if stop is not None:
+                self.engine.abort_request(out.request_id, FinishReason.STOP, stop)
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return True
+        if out.finished:
+            if seq.detok is not None:
+                seq.detok.flush()
+            seq.finish_reason = str(out.finish_reason) if out.finish_reason is not None else None
+            seq.stop_reason = out.stop_reason
+            return True
+        return False
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    values = {f: getattr(params, f) for f in SamplingParams.__dataclass_fields__}
+    values["seed"] = seed
+    return SamplingParams(**values)

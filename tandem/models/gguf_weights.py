@@ -1,0 +1,79 @@
+"""GGUF tensors -> Hugging Face names and layouts: dequantize with `gguf`, undo llama.cpp's q/k rotary permutation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from tandem.config import ModelConfig
+
+# llama.cpp architectures whose converter permutes q/k rows for its interleaved rotary layout.
+_PERMUTED_ARCHS = ("llama",)
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+
+_TOP_LEVEL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_PER_BLOCK = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; ValueError for unknown names."""
+    parts = gguf_name.split(".")
+    if len(parts) == 2 and parts[0] in _TOP_LEVEL:
+        return f"{_TOP_LEVEL[parts[0]]}.{parts[1]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _PER_BLOCK:
+        return f"model.layers.{parts[1]}.{_PER_BLOCK[parts[2]]}.{parts[3]}"
+    raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
+
+
+def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's permute: within each head, rows (pair i, element j) go back to (half j, row i)."""
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def gguf_architecture(reader) -> str:
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise ValueError("GGUF file has no general.architecture")
+    return str(field.contents())
+
+
+def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (Hugging Face name, float tensor in Hugging Face layout) for every tensor of the file."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = gguf_architecture(reader)
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_GGUF_ARCHS}")
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # numpy, Hugging Face [out, in] order
+        if not array.flags.writeable:  # unquantized tensors are views of the read-only mmap
+            array = np.array(array, copy=True)
+        weight = torch.from_numpy(array)
+        if arch in _PERMUTED_ARCHS:
+            if name.endswith("self_attn.q_proj.weight"):
+                weight = unpermute_rotary(weight, config.num_heads)
+            elif name.endswith("self_attn.k_proj.weight"):
+                weight = unpermute_rotary(weight, config.num_kv_heads)
+        yield name, weight

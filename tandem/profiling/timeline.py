@@ -1,0 +1,95 @@
+"""CPU/GPU span recorder: Chrome-trace export, a PNG timeline and the GPU-busy percentage."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Span:
+    lane: str  # "cpu" or "gpu"
+    name: str
+    start: float  # time.perf_counter seconds
+    end: float
+    step: int
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.step = 0
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans.append(Span("cpu", name, start, time.perf_counter(), self.step))
+
+    def add_gpu(self, name: str, start: float, end: float, step: int) -> None:
+        self.spans.append(Span("gpu", name, start, end, step))
+
+    def window(self) -> tuple[float, float]:
+        if not self.spans:
+            return 0.0, 0.0
+        return min(s.start for s in self.spans), max(s.end for s in self.spans)
+
+    def gpu_busy_pct(self) -> float:
+        """Share of the recorded window during which at least one GPU span is active."""
+        start, end = self.window()
+        if end <= start:
+            return 0.0
+        busy, cursor = 0.0, start
+        for s in sorted((s for s in self.spans if s.lane == "gpu"), key=lambda s: s.start):
+            lo, hi = max(s.start, cursor), s.end
+            if hi > lo:
+                busy += hi - lo
+                cursor = hi
+        return 100.0 * busy / (end - start)
+
+    def to_chrome_trace(self, path: str, label: str = "tandem") -> None:
+        start, _ = self.window()
+        events = [
+            {
+                "name": s.name, "ph": "X", "pid": label, "tid": s.lane,
+                "ts": (s.start - start) * 1e6, "dur": (s.end - s.start) * 1e6, "args": {"step": s.step},
+            }
+            for s in self.spans
+        ]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def plot_timelines(timelines: dict[str, Timeline], path: str, max_seconds: float | None = None) -> None:
+    """One row pair (CPU, GPU) per run, like the seed's figures; the title carries GPU-busy %."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"schedule": "#1f77b4", "prepare": "#17becf", "launch": "#9467bd", "wait": "#d62728",
+              "update": "#ff7f0e", "compute": "#2ca02c"}
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(14, 1.8 * len(timelines) + 0.6), squeeze=False)
+    for ax, (label, tl) in zip(axes[:, 0], timelines.items()):
+        t0, t1 = tl.window()
+        horizon = (t1 - t0) if max_seconds is None else min(max_seconds, t1 - t0)
+        for row, lane in enumerate(("gpu", "cpu")):
+            bars = [(s.start - t0, s.end - s.start, colors.get(s.name, "#7f7f7f"))
+                    for s in tl.spans if s.lane == lane and s.start - t0 <= horizon]
+            if bars:
+                ax.broken_barh([(b[0] * 1e3, b[1] * 1e3) for b in bars], (row * 10, 8),
+                               facecolors=[b[2] for b in bars])
+        ax.set_xlim(0, horizon * 1e3)
+        ax.set_yticks([4, 14], ["GPU", "CPU"])
+        ax.set_title(f"{label}: GPU busy {tl.gpu_busy_pct():.1f}% over {(t1 - t0):.2f} s", fontsize=10)
+        ax.set_xlabel("ms")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    fig.legend(handles, list(colors), loc="lower center", ncol=len(colors), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,104 @@
+"""Request: the CPU-side state of one request as the scheduler and engine see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tandem.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the caller or failed by an engine error
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    sampling_seed: int  # the seed the sampler uses: the user's, or one drawn by the engine
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)  # prompt + known outputs
+    num_computed_tokens: int = 0  # advanced when a step is scheduled, not when it finishes
+    num_pending_tokens: int = 0  # sampled by steps in flight, not yet known on the CPU (<= 1 when scheduled, 2 briefly in overlap)
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # set when an engine error failed the request
+    # One entry per output token when logprobs were asked for: (chosen logprob, [(token id, logprob)] top-n).
+    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known on the CPU (prompt + outputs)."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Tokens that exist or are being sampled right now: what the next step may compute up to."""
+        return len(self.all_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_output_tokens(self) -> int:
+        """The output length at which the request stops for length (max_tokens or the context)."""
+        by_context = self.max_model_len - self.num_prompt_tokens
+        mt = self.sampling_params.max_tokens
+        return by_context if mt is None else min(mt, by_context)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """Sets finish_reason if the last output token ends the request; returns whether it does."""
+        if self.num_output_tokens == 0:
+            return False
+        token = self.output_token_ids[-1]
+        sp = self.sampling_params
+        if self.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                self.finish_reason, self.stop_reason = FinishReason.STOP, None
+                return True
+            if token in sp.stop_token_ids:
+                self.finish_reason, self.stop_reason = FinishReason.STOP, token
+                return True
+        if self.num_output_tokens >= self.max_output_tokens:
+            self.finish_reason = FinishReason.LENGTH
+            return True
+        return False

@@ -1,0 +1,331 @@
+"""ModelRunner: executes what a SchedulerOutput says — fill a slot, H2D, forward (graph or eager), sample, D2H.
+
+The hot path (`launch` and `wait`) never synchronizes with the GPU except in `wait`, on the step's
+d2h_done event: that is the one place per step where the CPU waits (DESIGN.md invariant 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.layers.attention_metadata import AttentionMetadata
+from tandem.models.loader import load_model_and_tokenizer, model_max_len
+from tandem.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from tandem.runner.input_buffers import StepBuffers
+from tandem.runner.sampler import sample
+from tandem.runner.streams import DeviceStreams, StepEvents
+from tandem.sampling_params import MAX_LOGPROBS
+from tandem.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+Logprobs = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass(slots=True)
+class StepHandle:
+    """A launched step: what the CPU needs to read its results once d2h_done fires."""
+
+    sched: SchedulerOutput
+    slot: int
+    num_seqs: int
+    num_logprobs: int
+    events: StepEvents
+    graph_batch_size: int | None  # None: eager
+    num_tokens: int = 0
+    num_context_tokens: int = 0  # sum of the sequences' context lengths: KV the step reads
+    launch_time: float = 0.0
+
+
+@dataclass(slots=True)
+class StepResult:
+    token_ids: list[int]
+    logprobs: list[Logprobs] | None
+    gpu_span: tuple[float, float] | None = None  # (start, end) in time.perf_counter seconds, when timed
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(config.seed)
+        self.model, self.model_config, self.tokenizer = load_model_and_tokenizer(config, self.device, self.dtype)
+        self.model.eval()
+        mc: ModelConfig = self.model_config
+        self.max_model_len = config.max_model_len or min(model_max_len(mc), 8192)
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        self.streams = DeviceStreams(self.device)
+        self.timing = False
+        self.buffers = [
+            StepBuffers(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, MAX_LOGPROBS, self.device)
+            for _ in range(2)
+        ]
+        self.num_blocks = config.num_kv_blocks or self._num_blocks_from_memory()
+        # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.zeros(
+            mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            if config.cuda_graph:
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    self.graphs = DecodeGraphs(
+                        self._decode_step_fn, graph_batch_sizes(self.max_num_seqs), self.streams.compute
+                    )
+                logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs.graphs), time.perf_counter() - t0)
+        self._events = [StepEvents(self.device, self.timing) for _ in range(2)]
+        self._step_index = 0
+        self._prev_rows: dict[str, int] = {}  # request id -> row in the previous step's sampled tokens
+
+    def set_timing(self, enabled: bool) -> None:
+        """Turns on timing events around each step's GPU work (for the timeline)."""
+        self.timing = enabled
+        self._events = [StepEvents(self.device, enabled) for _ in range(2)]
+
+    # ---------------------------------------------------------------- sizing
+
+    def _kv_bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return self.model_config.kv_bytes_per_token * self.block_size * elem
+
+    def _num_blocks_from_memory(self) -> int:
+        if self.device.type != "cuda":
+            budget = int(self.config.cpu_kv_cache_gib * (1 << 30))
+        else:
+            budget = self._gpu_kv_budget()
+        num_blocks = budget // self._kv_bytes_per_block()
+        # More blocks than every seat filled to the context limit can never be used.
+        cap = self.max_num_seqs * self.max_blocks_per_seq + 1
+        num_blocks = min(num_blocks, cap)
+        if num_blocks < 2:
+            raise ValueError(
+                f"not enough memory for the KV cache: {budget / 2**30:.2f} GiB left, "
+                f"{self._kv_bytes_per_block()} bytes per block"
+            )
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def _gpu_kv_budget(self) -> int:
+        """Memory left for the KV cache after the weights and a profiling forward at full token budget."""
+        mc = self.model_config
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        num_tokens = self.max_num_tokens
+        scratch = torch.zeros(mc.num_layers, 2, 1, self.block_size, mc.num_kv_heads, mc.head_dim,
+                              dtype=self.dtype, device=self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(1, math.ceil(num_tokens / self.block_size), dtype=torch.int32,
+                                     device=self.device),
+            max_query_len=num_tokens, max_seq_len=num_tokens,
+        )
+        hidden = self.model(ids, ids, scratch, meta)
+        logits = self.model.compute_logits(hidden[: self.max_num_seqs])
+        sample(logits, torch.ones(logits.shape[0], device=self.device),
+               torch.full((logits.shape[0],), 5, dtype=torch.int32, device=self.device),
+               torch.full((logits.shape[0],), 0.9, device=self.device),
+               torch.zeros(logits.shape[0], dtype=torch.int64, device=self.device),
+               torch.zeros(logits.shape[0], dtype=torch.int64, device=self.device),
+               all_greedy=False, any_top_k_top_p=True, num_logprobs=MAX_LOGPROBS)
+        del hidden, logits, scratch
+        torch.cuda.synchronize()
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - base
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve_for_graphs = 512 << 20
+        budget = int(free - (1.0 - self.config.gpu_memory_utilization) * total - activation_peak
+                     - reserve_for_graphs)
+        logger.info("KV budget %.2f GiB (free %.2f, activation peak %.2f)", budget / 2**30, free / 2**30,
+                    activation_peak / 2**30)
+        return max(budget, 0)
+
+    # ---------------------------------------------------------------- forward
+
+    def _forward(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
+                 all_rows: bool) -> torch.Tensor:
+        """Carry-over, forward and logits on the slot's static device buffers; returns [num_seqs, vocab]."""
+        buf, prev = self.buffers[slot], self.buffers[1 - slot]
+        ints, longs = buf.ints.dev, buf.longs.dev
+        input_ids = ints["input_ids"][:num_tokens]
+        carry_src = longs["carry_src"][:num_tokens]
+        # Carry-over (seed 002): gather the previous step's sampled tokens, zero the rows that carry
+        # nothing, and add them onto this step's placeholder zeros.
+        carried = prev.out_tokens.index_select(0, carry_src.clamp(min=0)) * (carry_src >= 0)
+        input_ids.add_(carried.to(input_ids.dtype))
+        meta = AttentionMetadata(
+            slot_mapping=longs["slot_mapping"][:num_tokens],
+            query_start_loc=ints["query_start_loc"][: num_seqs + 1],
+            seq_lens=ints["seq_lens"][:num_seqs],
+            block_tables=ints["block_tables"][:num_seqs],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
+        hidden = self.model(input_ids, ints["positions"][:num_tokens], self.kv_cache, meta)
+        if not all_rows:
+            hidden = hidden.index_select(0, ints["logits_indices"][:num_seqs])
+        return self.model.compute_logits(hidden)
+
+    def _decode_step_fn(self, slot: int, batch_size: int) -> torch.Tensor:
+        return self._forward(slot, batch_size, batch_size, 1, self.max_model_len, all_rows=True)
+
+    # ---------------------------------------------------------------- host-side preparation
+
+    def _prepare(self, sched: SchedulerOutput, slot: int, pad_to: int | None) -> tuple[bool, bool, int]:
+        """Writes the step into the slot's pinned host buffers; returns (all_greedy, any_top_k_top_p, num_logprobs)."""
+        buf = self.buffers[slot]
+        ints, longs, floats = buf.ints.np, buf.longs.np, buf.floats.np
+        input_ids, positions = ints["input_ids"], ints["positions"]
+        qsl, seq_lens, logits_idx = ints["query_start_loc"], ints["seq_lens"], ints["logits_indices"]
+        block_tables, top_k = ints["block_tables"], ints["top_k"]
+        slot_mapping, carry_src = longs["slot_mapping"], longs["carry_src"]
+        seeds, sample_pos = longs["seeds"], longs["sample_pos"]
+        temperature, top_p = floats["temperature"], floats["top_p"]
+        bs = self.block_size
+        prev_rows = self._prev_rows
+        rows: dict[str, int] = {}
+        all_greedy, any_filter, num_logprobs = True, False, -1
+        t = 0
+        qsl[0] = 0
+        for i, s in enumerate(sched.scheduled):
+            req, n, start = s.request, s.num_scheduled_tokens, s.num_computed_tokens
+            end = start + n
+            blocks = s.block_ids
+            if n == 1:
+                input_ids[t] = s.token_ids[0]
+                positions[t] = start
+                slot_mapping[t] = blocks[start // bs] * bs + start % bs
+                carry_src[t] = -1
+            else:
+                pos = np.arange(start, end)
+                input_ids[t : t + n] = s.token_ids
+                positions[t : t + n] = pos
+                slot_mapping[t : t + n] = np.asarray(blocks)[pos // bs] * bs + pos % bs
+                carry_src[t : t + n] = -1
+            if s.carry:
+                carry_src[t + n - 1] = prev_rows[req.request_id]
+            t += n
+            qsl[i + 1] = t
+            seq_lens[i] = end
+            logits_idx[i] = t - 1
+            num_used_blocks = (end + bs - 1) // bs
+            block_tables[i, :num_used_blocks] = blocks[:num_used_blocks]
+            sp = req.sampling_params
+            temperature[i] = sp.temperature
+            top_p[i] = sp.top_p
+            top_k[i] = sp.top_k
+            seeds[i] = req.sampling_seed
+            sample_pos[i] = end
+            all_greedy &= sp.temperature == 0.0
+            any_filter |= sp.temperature != 0.0 and (sp.top_k > 0 or sp.top_p < 1.0)
+            if sp.logprobs is not None:
+                num_logprobs = max(num_logprobs, sp.logprobs)
+            rows[req.request_id] = i
+        num_seqs = len(sched.scheduled)
+        if pad_to is not None and pad_to > num_seqs:
+            # Padding rows of a captured decode graph: no KV write, empty context, no carry.
+            input_ids[t:pad_to] = 0
+            positions[t:pad_to] = 0
+            slot_mapping[t:pad_to] = -1
+            carry_src[t:pad_to] = -1
+            qsl[num_seqs + 1 : pad_to + 1] = np.arange(t + 1, pad_to + 1)
+            seq_lens[num_seqs:pad_to] = 0
+        self._prev_rows = rows
+        return all_greedy, any_filter, num_logprobs
+
+    # ---------------------------------------------------------------- launch / wait
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Prepares and enqueues one step on the GPU streams and returns without waiting."""
+        slot = self._step_index % 2
+        self._step_index += 1
+        num_seqs = len(sched.scheduled)
+        num_tokens = sched.num_scheduled_tokens
+        decode_only = num_tokens == num_seqs
+        graph_bs = self.graphs.padded_size(num_seqs) if (self.graphs is not None and decode_only) else None
+        all_greedy, any_filter, num_logprobs = self._prepare(sched, slot, graph_bs)
+        buf = self.buffers[slot]
+        events = self._events[slot]  # free to re-record: the slot's previous step was waited for
+        streams = self.streams
+        with streams.on("h2d"):
+            buf.upload(graph_bs or num_seqs)
+            streams.record("h2d", events.h2d_done)
+        streams.wait("compute", events.h2d_done)
+        with streams.on("compute"):
+            streams.record("compute", events.compute_start)
+            if graph_bs is not None:
+                logits = self.graphs.replay(slot, graph_bs)[:num_seqs]  # type: ignore[union-attr]
+            else:
+                max_query_len = max(s.num_scheduled_tokens for s in sched.scheduled)
+                max_seq_len = max(s.num_computed_tokens + s.num_scheduled_tokens for s in sched.scheduled)
+                logits = self._forward(slot, num_tokens, num_seqs, max_query_len, max_seq_len,
+                                       all_rows=decode_only)
+            ints, longs, floats = buf.ints.dev, buf.longs.dev, buf.floats.dev
+            out = sample(
+                logits, floats["temperature"][:num_seqs], ints["top_k"][:num_seqs], floats["top_p"][:num_seqs],
+                longs["seeds"][:num_seqs], longs["sample_pos"][:num_seqs],
+                all_greedy=all_greedy, any_top_k_top_p=any_filter, num_logprobs=num_logprobs,
+            )
+            buf.out_tokens[:num_seqs].copy_(out.token_ids)
+            if out.logprobs is not None:
+                buf.out_logprob[:num_seqs].copy_(out.logprobs)
+            if out.top_ids is not None and out.top_logprobs is not None:
+                buf.out_top_ids[:num_seqs, :num_logprobs].copy_(out.top_ids)
+                buf.out_top_lp[:num_seqs, :num_logprobs].copy_(out.top_logprobs)
+            streams.record("compute", events.compute_end)
+            streams.record("compute", events.compute_done)
+        streams.wait("d2h", events.compute_done)
+        with streams.on("d2h"):
+            buf.download(num_seqs, num_logprobs)
+            streams.record("d2h", events.d2h_done)
+        num_context = sum(s.num_computed_tokens + s.num_scheduled_tokens for s in sched.scheduled)
+        return StepHandle(sched, slot, num_seqs, num_logprobs, events, graph_bs, num_tokens, num_context,
+                          time.perf_counter())
+
+    def wait(self, handle: StepHandle) -> StepResult:
+        """Blocks until the step's tokens are in host memory: the one CPU wait per step."""
+        handle.events.d2h_done.synchronize()
+        buf, n = self.buffers[handle.slot], handle.num_seqs
+        token_ids = buf.host_tokens_np[:n].tolist()
+        logprobs: list[Logprobs] | None = None
+        if handle.num_logprobs >= 0:
+            chosen_np = buf.host_logprob_np[:n]
+            k = handle.num_logprobs
+            top_ids_np, top_lp_np = buf.host_top_ids_np[:n, :k], buf.host_top_lp_np[:n, :k]
+            logprobs = [
+                (float(chosen_np[i]), list(zip(top_ids_np[i].tolist(), top_lp_np[i].tolist())))
+                for i in range(n)
+            ]
+        return StepResult(token_ids, logprobs)
+
+    def step_gpu_span(self, handle: StepHandle, base: tuple[object, float] | None) -> tuple[float, float] | None:
+        """(start, end) of the step's GPU work on the perf_counter clock; call after wait()."""
+        ev = handle.events
+        if self.device.type != "cuda":
+            return ev.compute_start.time, ev.compute_end.time  # type: ignore[attr-defined]
+        if base is None:
+            return None
+        base_event, base_time = base
+        start = base_time + base_event.elapsed_time(ev.compute_start) / 1000.0  # type: ignore[attr-defined]
+        end = base_time + base_event.elapsed_time(ev.compute_end) / 1000.0  # type: ignore[attr-defined]
+        return start, end

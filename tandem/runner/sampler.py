@@ -1,0 +1,87 @@
+"""Sampler: greedy, temperature, top-k / top-p and log-probabilities on device tensors, no host sync.
+
+Random rows use an exponential race (argmax of p / E with E ~ Exp(1)) whose noise is a counter-based
+hash of (request seed, token position, vocab index). A request's samples therefore depend only on its
+seed and its own logits, never on which other requests share the batch or on the step order, so sync
+and overlap runs sample the same tokens and seeded requests are reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer on int64 tensors holding values < 2**32 (multipliers < 2**31: no overflow)."""
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
+    x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & _MASK32
+    x = ((x ^ (x >> 16)) * 0x297A2D39) & _MASK32
+    return x ^ (x >> 16)
+
+
+def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] float32 samples of Exp(1), a pure function of (seed, position, vocab index)."""
+    row_key = _hash32((seeds & _MASK32) ^ _hash32(positions.to(torch.int64) & _MASK32))  # [B]
+    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)  # [V]
+    bits = _hash32(row_key[:, None] ^ _hash32(vocab + 0x9E3779B))  # [B, V]
+    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / 4294967296.0)  # in (0, 1)
+    return -torch.log(uniform)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Masks logits outside each row's top-k and top-p set with -inf; top_k <= 0 and top_p == 1 disable."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [B, V]
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab).to(torch.int64)  # [B]
+    kth = sorted_logits.gather(1, (k - 1)[:, None])  # [B, 1]
+    keep_sorted = sorted_logits >= kth
+    probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+    # Keep a token while the mass before it is < top_p (the first token is always kept).
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep_sorted &= mass_before < top_p[:, None]
+    keep = torch.empty_like(keep_sorted).scatter_(1, sorted_idx, keep_sorted)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32, the chosen token's
+    top_ids: torch.Tensor | None  # [B, n] int64
+    top_logprobs: torch.Tensor | None  # [B, n] float32
+
+
+def sample(
+    logits: torch.Tensor,  # [B, V] float32
+    temperature: torch.Tensor,  # [B] float32, 0 = greedy
+    top_k: torch.Tensor,  # [B] int32
+    top_p: torch.Tensor,  # [B] float32
+    seeds: torch.Tensor,  # [B] int64
+    positions: torch.Tensor,  # [B] position of the token being sampled
+    all_greedy: bool,
+    any_top_k_top_p: bool,
+    num_logprobs: int,  # -1: none; 0: the chosen token's only; n: plus the top n
+) -> SamplerOutput:
+    greedy_ids = logits.argmax(dim=-1)
+    if all_greedy:
+        token_ids = greedy_ids
+    else:
+        greedy = temperature == 0.0
+        scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+        if any_top_k_top_p:
+            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        race = probs / exponential_noise(seeds, positions, logits.shape[-1])
+        token_ids = torch.where(greedy, greedy_ids, race.argmax(dim=-1))
+    if num_logprobs < 0:
+        return SamplerOutput(token_ids, None, None, None)
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs_all.gather(1, token_ids[:, None])[:, 0]
+    if num_logprobs == 0:
+        return SamplerOutput(token_ids, chosen, None, None)
+    top_logprobs, top_ids = logprobs_all.topk(num_logprobs, dim=-1)
+    return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)

@@ -1,0 +1,65 @@
+"""Three non-default CUDA streams (H2D, compute, D2H) and per-slot events; no-ops on the CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+
+
+class _NullEvent:
+    """CPU stand-in for a CUDA event: the work before it has already run, so it records the clock."""
+
+    time = 0.0
+
+    def record(self, stream: object = None) -> None:
+        self.time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class StepEvents:
+    """The events that order one slot's step: h2d_done -> compute -> compute_done -> D2H -> d2h_done."""
+
+    def __init__(self, device: torch.device, timing: bool) -> None:
+        cuda = device.type == "cuda"
+        make = (lambda t: torch.cuda.Event(enable_timing=t)) if cuda else (lambda t: _NullEvent())
+        self.h2d_done = make(False)
+        self.compute_done = make(False)
+        self.d2h_done = make(False)
+        # Timing events bracket the GPU work of the step, for the CPU/GPU timeline.
+        self.compute_start = make(timing)
+        self.compute_end = make(timing)
+
+
+class DeviceStreams:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.h2d = torch.cuda.Stream(device)
+            self.compute = torch.cuda.Stream(device)
+            self.d2h = torch.cuda.Stream(device)
+
+    @contextlib.contextmanager
+    def on(self, which: str) -> Iterator[None]:
+        if not self.cuda:
+            yield
+            return
+        with torch.cuda.stream(getattr(self, which)):
+            yield
+
+    def wait(self, which: str, event: object) -> None:
+        """Makes stream `which` wait for `event` on the GPU; the CPU does not block."""
+        if self.cuda:
+            getattr(self, which).wait_event(event)
+
+    def record(self, which: str, event: object) -> None:
+        if self.cuda:
+            event.record(getattr(self, which))  # type: ignore[attr-defined]

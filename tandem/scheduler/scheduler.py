@@ -1,0 +1,275 @@
+"""Scheduler: continuous batching that picks, every step, the next n tokens of each request to compute."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tandem.request import FinishReason, Request, RequestStatus
+from tandem.scheduler.kv_cache_manager import KVCacheManager
+from tandem.scheduler.output import ScheduledRequest, SchedulerOutput
+
+PLACEHOLDER_TOKEN_ID = 0  # input id of a pending position; the runner adds the carried token on the GPU
+
+Logprobs = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int  # including the reserved block 0
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if not isinstance(self.num_blocks, int) or self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is reserved), got {self.num_blocks!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a (re)computed request must fit one step whole, or it waits forever.
+            raise ValueError(
+                f"with chunked prefill disabled, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})"
+            )
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """Token positions the whole pool holds (block 0 excluded)."""
+        return (self.num_blocks - 1) * self.block_size
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(config.block_size, config.num_blocks, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # unfinished requests (waiting or running) by id
+        self.num_preemptions = 0
+
+    # --- requests in and out ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queues a request; ValueError when it can never be scheduled.
+
+        When the pool holds fewer positions than the context, request.max_model_len is lowered
+        to what the pool holds, so a lone request finishes for LENGTH instead of preempting
+        itself forever.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError("the prompt must contain at least one token")
+        max_model_len = min(request.max_model_len, self.config.max_model_len)
+        if num_prompt >= max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens, which leaves no room to generate within "
+                f"the context limit of {max_model_len} tokens"
+            )
+        if num_prompt > self.config.max_kv_tokens:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens but the KV cache holds only "
+                f"{self.config.max_kv_tokens} ({self.config.num_blocks - 1} blocks of {self.config.block_size})"
+            )
+        # Positions 0..max_model_len-2 get KV (the last output token is never fed back).
+        request.max_model_len = min(max_model_len, self.config.max_kv_tokens + 1)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.finish_request(request_id, FinishReason.ABORT)
+
+    def finish_request(
+        self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None
+    ) -> Request | None:
+        """Finishes a waiting or running request (also while a step that holds it is in flight).
+
+        Returns None for unknown or already finished ids. Tokens of steps still in flight are
+        dropped by update_from_output.
+        """
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        request.finish_reason, request.stop_reason = reason, stop_reason
+        self._finish(request)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_running_tokens(request, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            block_ids = self._allocate_or_preempt(request, num_new, preempted)
+            if block_ids is None:
+                break  # the request preempted itself: it was the last one running
+            scheduled.append(self._schedule_tokens(request, num_new, block_ids))
+            budget -= num_new
+            i += 1
+        # Admitting after a preemption would take back the blocks we just had to free.
+        if not preempted:
+            self._admit(budget, scheduled)
+        total = sum(s.num_scheduled_tokens for s in scheduled)
+        return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=total, preempted_request_ids=preempted)
+
+    def _num_running_tokens(self, request: Request, budget: int) -> int:
+        if request.num_output_tokens + request.num_pending_tokens >= request.max_output_tokens:
+            return 0  # finishes when its pending token arrives; more compute would be wasted
+        num_new = request.num_tokens_with_pending - request.num_computed_tokens
+        if num_new > budget and not self.config.enable_chunked_prefill:
+            return 0
+        return min(num_new, budget)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> list[int] | None:
+        """Allocates, preempting from the tail of `running` until it fits; None if `request` itself went."""
+        while True:
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if block_ids is not None:
+                return block_ids
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the KV, start over from the front of the queue."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        """Admits waiting requests in FIFO order, stopping at the first that does not fit."""
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.num_pending_tokens > 0:
+                break  # preempted with a token in flight; its tokens are not all known yet
+            computed_blocks, num_cached = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            block_ids = kv.allocate_slots(request, num_new, computed_blocks)
+            if block_ids is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            scheduled.append(self._schedule_tokens(request, num_new, block_ids))
+            budget -= num_new
+
+    def _schedule_tokens(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+        """Builds the entry for positions [num_computed, num_computed + num_new) and advances the counters."""
+        start = request.num_computed_tokens
+        end = start + num_new
+        num_known = request.num_tokens
+        # At most one step ahead of this one is unresolved: update_from_output(N) runs before schedule(N+2).
+        assert request.num_pending_tokens <= 1, f"{request.request_id}: two steps in flight ahead of this one"
+        assert end <= request.num_tokens_with_pending
+        carry = end > num_known
+        if carry:
+            # Only the last position can be pending: the token the previous step is sampling.
+            assert end == num_known + 1 and request.num_pending_tokens == 1
+            token_ids = request.all_token_ids[start:num_known]
+            token_ids.append(PLACEHOLDER_TOKEN_ID)
+        else:
+            token_ids = request.all_token_ids[start:end]
+        sample = end == request.num_tokens_with_pending
+        request.num_computed_tokens = end
+        if sample:
+            request.num_pending_tokens += 1
+        return ScheduledRequest(
+            request=request,
+            num_computed_tokens=start,
+            num_scheduled_tokens=num_new,
+            token_ids=token_ids,
+            carry=carry,
+            block_ids=block_ids,
+            sample=sample,
+        )
+
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled_token_ids: Sequence[int],
+        logprobs: Sequence[Logprobs] | None = None,
+    ) -> list[Request]:
+        """Applies a finished step's sampled tokens (row i = out.scheduled[i]); returns the requests touched."""
+        touched: list[Request] = []
+        for i, entry in enumerate(out.scheduled):
+            if not entry.sample:
+                continue
+            request = entry.request
+            if request.is_finished:
+                continue  # aborted or stopped while this step was in flight: never output
+            assert request.num_pending_tokens > 0, f"{request.request_id}: token arrived that was not pending"
+            request.num_pending_tokens -= 1
+            request.append_output_token(int(sampled_token_ids[i]))
+            if logprobs is not None and request.sampling_params.logprobs is not None:
+                request.output_logprobs.append(logprobs[i])
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            if request.check_stop():
+                self._finish(request)
+            touched.append(request)
+        return touched
+
+    def _finish(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        for queue in (self.running, self.waiting):
+            for i, queued in enumerate(queue):
+                if queued is request:  # identity: Request's dataclass __eq__ compares every field
+                    del queue[i]
+                    return
+        raise AssertionError(f"{request.request_id} was neither running nor waiting")
+
+    # --- stats ---------------------------------------------------------------------------------
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def num_free_blocks(self) -> int:
+        return self.kv_cache_manager.num_free_blocks()
+
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage()
+
+    def prefix_cache_hit_rate(self) -> float:
+        return self.kv_cache_manager.prefix_hit_rate()
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache_manager.reset_prefix_cache()

@@ -1,0 +1,65 @@
+"""ServerMetrics: the Prometheus series /metrics exposes (one registry per app)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS_S = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+                  0.1, 0.2, 0.4, 0.8, 1.6)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# EngineStats attribute -> gauge name and help; attributes a given EngineStats lacks stay at 0.
+STATS_GAUGES = {
+    "num_running": ("tandem_num_requests_running", "Requests the scheduler is running."),
+    "num_waiting": ("tandem_num_requests_waiting", "Requests waiting for admission."),
+    "kv_cache_usage": ("tandem_kv_cache_usage_ratio", "Fraction of KV-cache blocks held by requests."),
+    "prefix_cache_hit_rate": ("tandem_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up."),
+}
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.stats_gauges = {attr: Gauge(name, doc, registry=r) for attr, (name, doc) in STATS_GAUGES.items()}
+        self.requests_in_server = Gauge(
+            "tandem_num_requests_in_server", "Engine requests accepted by the server and not finished.", registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
+        self.generation_tokens = Counter("tandem_generation_tokens", "Output tokens streamed to clients.", registry=r)
+        self.request_success = Counter(
+            "tandem_request_success", "Finished engine requests by finish reason (stop, length, abort).",
+            ["finished_reason"], registry=r)
+        self.request_failure = Counter(
+            "tandem_request_failure", "Engine requests failed by an engine error.", registry=r)
+        self.requests_rejected = Counter(
+            "tandem_requests_rejected", "HTTP requests refused by status (400, 401, 429, 503).", ["status"], registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Request arrival to first output token.",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.tpot = Histogram("tandem_time_per_output_token_seconds", "(latency - TTFT) / (output tokens - 1).",
+                              buckets=TPOT_BUCKETS_S, registry=r)
+        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Request arrival to last output token.",
+                             buckets=LATENCY_BUCKETS_S, registry=r)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(finished_reason=reason)
+
+    def observe_finished(self, reason: str, arrival: float, first_token: float | None, finish: float,
+                         num_output_tokens: int) -> None:
+        """One engine request (one choice) finished with the given reason."""
+        self.request_success.labels(finished_reason=reason).inc()
+        if first_token is None:
+            return
+        self.ttft.observe(first_token - arrival)
+        self.e2e.observe(finish - arrival)
+        if num_output_tokens > 1:
+            self.tpot.observe((finish - first_token) / (num_output_tokens - 1))
+
+    def render(self, stats: Any, num_requests_in_server: int) -> bytes:
+        for attr, gauge in self.stats_gauges.items():
+            value = getattr(stats, attr, None) if stats is not None else None
+            gauge.set(float(value) if value is not None else 0.0)
+        self.requests_in_server.set(num_requests_in_server)
+        return generate_latest(self.registry)

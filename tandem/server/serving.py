@@ -1,0 +1,338 @@
+"""OpenAIServing: validates completion / chat bodies, runs them on the AsyncEngine, writes OpenAI responses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from tandem.sampling_params import SamplingParams
+from tandem.server import protocol as p
+from tandem.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+from tandem.server.generation import ApiError, Delta, Generation, Prompt, _param_of
+from tandem.server.metrics import ServerMetrics
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions; chat defaults to the context
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, metrics: ServerMetrics, model_names: list[str],
+                 max_model_len: int, vocab_size: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.model_names = model_names  # the first is the served name; the others are accepted aliases
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self._token_strings: dict[int, str] = {}
+
+    # ---- endpoints -------------------------------------------------------------------------
+
+    async def completions(self, raw: bytes, http_request: Request) -> Response:
+        arrival = time.monotonic()
+        body = parse_body(p.CompletionRequest, raw)
+        self._check_model(body.model)
+        prompts = self._completion_prompts(body.prompt)
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        params = self._params(body, max_tokens, "max_tokens", body.logprobs)
+        gen = await self._start(p.random_id("cmpl"), prompts, body.n, params, arrival, "prompt", "max_tokens")
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return sse_response(self._completion_stream(gen, include_usage))
+        await collect(gen, http_request)
+        choices = [p.CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                      stop_reason=c.stop_reason,
+                                      token_ids=c.token_ids if self.tokenizer is None else None,
+                                      logprobs=self._completion_logprobs(c.logprobs) if params.logprobs is not None else None)
+                   for c in gen.choices]
+        return json_response(p.CompletionResponse(id=gen.request_id, created=gen.created, model=self.model_names[0],
+                                                  choices=choices, usage=gen.usage(),
+                                                  metrics=gen.server_metrics()))
+
+    async def chat(self, raw: bytes, http_request: Request) -> Response:
+        arrival = time.monotonic()
+        body = parse_body(p.ChatCompletionRequest, raw)
+        self._check_model(body.model)
+        prompts = [self._chat_prompt(body)]
+        if body.max_completion_tokens is not None:
+            max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, max_param = body.max_tokens, "max_tokens"
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._params(body, max_tokens, max_param, logprobs)
+        gen = await self._start(p.random_id("chatcmpl"), prompts, body.n, params, arrival, "messages", max_param)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return sse_response(self._chat_stream(gen, include_usage, body.logprobs))
+        await collect(gen, http_request)
+        choices = [p.ChatChoice(index=c.index, message=p.ChatResponseMessage(content=c.text),
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                logprobs=self._chat_logprobs(c.logprobs) if body.logprobs else None)
+                   for c in gen.choices]
+        return json_response(p.ChatCompletionResponse(id=gen.request_id, created=gen.created,
+                                                      model=self.model_names[0], choices=choices, usage=gen.usage(),
+                                                  metrics=gen.server_metrics()))
+
+    def models(self) -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=self.model_names[0], max_model_len=self.max_model_len)])
+
+    # ---- request -> engine requests -----------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise ApiError(400, f"model {model!r} does not exist; this server serves {self.model_names[0]!r}",
+                           param="model", code="model_not_found")
+
+    def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+        if isinstance(prompt, str):
+            return [Prompt(prompt, self._encode(prompt))]
+        if not prompt:
+            raise ApiError(400, "prompt must not be an empty list", param="prompt")
+        if isinstance(prompt[0], str):
+            return [Prompt(text, self._encode(text)) for text in prompt]
+        if isinstance(prompt[0], int):
+            return [self._token_prompt(prompt)]
+        return [self._token_prompt(ids) for ids in prompt]
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, "prompt: this model has no tokenizer; send the prompt as token ids", param="prompt")
+        return self.tokenizer.encode(text)
+
+    def _token_prompt(self, token_ids: list[int]) -> Prompt:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(400, f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param="prompt")
+        return Prompt(None, list(token_ids))
+
+    def _chat_prompt(self, body: p.ChatCompletionRequest) -> Prompt:
+        if not body.messages:
+            raise ApiError(400, "messages must not be empty", param="messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                      tokenize=False)
+        except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
+            raise ApiError(400, f"the chat template rejected messages: {exc}", param="messages") from exc
+        return Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _params(self, body: p.SamplingFields, max_tokens: int | None, max_param: str,
+                logprobs: int | None) -> SamplingParams:
+        try:
+            params = SamplingParams(
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=0 if body.top_k is None else body.top_k,
+                max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
+                stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, seed=body.seed,
+                logprobs=logprobs, n=body.n, include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens)
+            if body.stop and self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
+        except ValueError as exc:
+            message, param = str(exc), _param_of(str(exc))
+            if param == "max_tokens":
+                param = max_param
+                message = message.replace("max_tokens", max_param, 1)
+            elif param == "logprobs" and isinstance(body, p.ChatCompletionRequest):
+                param = "top_logprobs"
+                message = message.replace("logprobs", "top_logprobs", 1)
+            raise ApiError(400, message, param=param) from exc
+        return params
+
+    def _check_lengths(self, prompts: list[Prompt], max_tokens: int | None, prompt_param: str,
+                       max_param: str) -> None:
+        for prompt in prompts:
+            num = len(prompt.token_ids)
+            if num == 0:
+                raise ApiError(400, f"{prompt_param} must not be empty", param=prompt_param)
+            if num >= self.max_model_len:
+                raise ApiError(400, f"{prompt_param} is {num} tokens; the context holds {self.max_model_len} "
+                                    "tokens including at least one new token", param=prompt_param)
+            if max_tokens is not None and num + max_tokens > self.max_model_len:
+                raise ApiError(400, f"{max_param} ({max_tokens}) + prompt tokens ({num}) exceed the context of "
+                                    f"{self.max_model_len} tokens", param=max_param)
+
+    async def _start(self, request_id: str, prompts: list[Prompt], n: int, params: SamplingParams,
+                     arrival: float, prompt_param: str, max_param: str) -> Generation:
+        self._check_lengths(prompts, params.max_tokens, prompt_param, max_param)
+        num_requests = n * len(prompts)
+        if num_requests > self.engine.max_queue:
+            raise ApiError(400, f"n x prompts = {num_requests} exceeds the server's queue of "
+                                f"{self.engine.max_queue} requests", param="n")
+        try:
+            gen = Generation(self.engine, self.tokenizer, self.metrics, request_id, prompts, n, params, arrival)
+        except QueueFullError as exc:
+            raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full") from exc
+        except EngineUnavailableError as exc:
+            raise ApiError(503, str(exc), type="server_error", code="unavailable") from exc
+        try:
+            await gen.wait_accepted()
+        except BaseException:
+            gen.abort_unfinished()
+            raise
+        return gen
+
+    # ---- engine outputs -> OpenAI bodies -------------------------------------------------------
+
+    async def _completion_stream(self, gen: Generation, include_usage: bool) -> AsyncIterator[str]:
+        model = self.model_names[0]
+        try:
+            while not gen.done:
+                deltas = await gen.next_batch()
+                for index, d in sorted(deltas.items()):
+                    if d.empty(text_only=self.tokenizer is not None):
+                        continue
+                    lp = self._completion_logprobs(d.logprobs) if d.logprobs else None
+                    choice = p.CompletionChoice(index=index, text=d.text, logprobs=lp, finish_reason=d.finish_reason,
+                                                stop_reason=d.stop_reason,
+                                                token_ids=d.token_ids if self.tokenizer is None else None)
+                    yield sse(p.CompletionChunk(id=gen.request_id, created=gen.created, model=model, choices=[choice]))
+            async for event in self._stream_end(gen, include_usage, p.CompletionChunk):
+                yield event
+        finally:
+            gen.abort_unfinished()
+
+    async def _chat_stream(self, gen: Generation, include_usage: bool, logprobs: bool) -> AsyncIterator[str]:
+        model = self.model_names[0]
+
+        def chunk(index: int, delta: p.DeltaMessage, d: Delta | None = None) -> str:
+            lp = self._chat_logprobs(d.logprobs) if d is not None and logprobs and d.logprobs else None
+            choice = p.ChatStreamChoice(index=index, delta=delta, logprobs=lp,
+                                        finish_reason=d.finish_reason if d else None,
+                                        stop_reason=d.stop_reason if d else None)
+            return sse(p.ChatCompletionChunk(id=gen.request_id, created=gen.created, model=model, choices=[choice]))
+
+        try:
+            for c in gen.choices:
+                yield chunk(c.index, p.DeltaMessage(role="assistant", content=""))
+            while not gen.done:
+                deltas = await gen.next_batch()
+                for index, d in sorted(deltas.items()):
+                    if not d.empty(text_only=True):
+                        yield chunk(index, p.DeltaMessage(content=d.text), d)
+            async for event in self._stream_end(gen, include_usage, p.ChatCompletionChunk):
+                yield event
+        finally:
+            gen.abort_unfinished()
+
+    async def _stream_end(self, gen: Generation, include_usage: bool, chunk_type: type[BaseModel]) -> AsyncIterator[str]:
+        if gen.error is not None:
+            yield f"data: {json.dumps(p.error_body(gen.error, type='server_error', code=500))}\n\n"
+        elif include_usage:
+            yield sse(chunk_type(id=gen.request_id, created=gen.created, model=self.model_names[0], choices=[],
+                                 usage=gen.usage(), metrics=gen.server_metrics()))
+        yield "data: [DONE]\n\n"
+
+    def _token_string(self, token_id: int) -> str:
+        text = self._token_strings.get(token_id)
+        if text is None:
+            text = (self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"<{token_id}>")
+            self._token_strings[token_id] = text
+        return text
+
+    def _completion_logprobs(self, entries: list) -> p.CompletionLogprobs:
+        out = p.CompletionLogprobs()
+        offset = 0
+        for token_id, logprob, top in entries:
+            token = self._token_string(token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(logprob)
+            out.top_logprobs.append({self._token_string(t): lp for t, lp in top})
+            out.text_offset.append(offset)
+            offset += len(token)
+        return out
+
+    def _chat_logprobs(self, entries: list) -> p.ChatLogprobs:
+        def top_entry(token_id: int, logprob: float) -> p.TopLogprob:
+            token = self._token_string(token_id)
+            return p.TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+        content = []
+        for token_id, logprob, top in entries:
+            entry = top_entry(token_id, logprob)
+            content.append(p.ChatTokenLogprob(token=entry.token, logprob=logprob, bytes=entry.bytes,
+                                              top_logprobs=[top_entry(t, lp) for t, lp in top]))
+        return p.ChatLogprobs(content=content)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> Any:
+    """Validates a JSON body; the first problem becomes a 400 naming the field."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "json_invalid":
+            raise ApiError(400, f"the body is not valid JSON: {message}") from None
+        param = loc_to_param(err["loc"]) or _param_of(message) or _field_named(model, message)
+        where = f"{param}: " if param and not message.startswith(param) else ""
+        raise ApiError(400, f"{where}{message}", param=param) from None
+
+
+def loc_to_param(loc: tuple) -> str | None:
+    """('messages', 0, 'role') -> 'messages[0].role'; pydantic's union-member tags are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and part not in ("str", "int", "float", "bool", "list", "dict", "none"):
+            if part[0].isupper():  # a model name tagging a union member
+                continue
+            out += f".{part}" if out else part
+    return out or None
+
+
+def _field_named(model: type[BaseModel], message: str) -> str | None:
+    word = message.split(" ", 1)[0]
+    return word if word in model.model_fields else None
+
+
+async def collect(gen: Generation, http_request: Request) -> None:
+    """Runs a non-streaming generation to the end; a client that disconnects first aborts it."""
+    runner = asyncio.ensure_future(gen.run_to_completion())
+    watcher = asyncio.ensure_future(_wait_disconnect(http_request))
+    try:
+        await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not runner.done():
+            runner.cancel()
+        gen.abort_unfinished()
+    if not runner.done() or runner.cancelled():
+        raise ApiError(499, "client disconnected", type="client_closed")
+    runner.result()
+    if gen.error is not None:
+        raise ApiError(500, gen.error, type="server_error", code=500)
+
+
+async def _wait_disconnect(http_request: Request) -> None:
+    while True:
+        message = await http_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def sse(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def json_response(body: BaseModel) -> JSONResponse:
+    return JSONResponse(body.model_dump(mode="json"))

@@ -1,0 +1,115 @@
+"""End-to-end generation on the embedded SmolLM2 GGUF, checked against transformers on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the ocean and the moon, in the style of a sailor's song:",
+    "1, 2, 3, 4,",
+    "Q: What is the boiling point of water in Celsius?\nA:",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village at the edge of a dark forest, there lived an old woodcutter who",
+    "Translate to French: Good morning, how are you today?",
+    "Hi",
+    "The three primary colors are",
+]
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                pad_token_id=hf_model.config.eos_token_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_greedy_matches_transformers_under_continuous_batching(idle_llm, hf_model):
+    tok = idle_llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    outputs = idle_llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.prompt for o in outputs] == PROMPTS
+    for prompt, out in zip(PROMPTS, outputs):
+        ids = tok.encode(prompt)
+        assert out.prompt_token_ids == ids
+        expected = hf_greedy(hf_model, ids, 32)
+        got = out.outputs[0].token_ids
+        assert got == expected, f"{prompt!r}: tandem {got} != transformers {expected}"
+        assert out.outputs[0].text == tok.decode(got, skip_special_tokens=True)
+        assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_overlap_and_sync_give_identical_tokens(idle_llm):
+    engine = idle_llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine.overlap = True
+    overlap = [o.outputs[0].token_ids for o in idle_llm.generate(PROMPTS, params, use_tqdm=False)]
+    engine.overlap = False
+    sync = [o.outputs[0].token_ids for o in idle_llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert overlap == sync
+    assert all(len(t) == 24 for t in overlap)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(idle_llm):
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = idle_llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
+    batched = idle_llm.generate(PROMPTS[:5], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == batched
+    other = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=16, seed=99, ignore_eos=True)
+    assert idle_llm.generate(PROMPTS[0], other, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_top_k_one_equals_greedy(idle_llm):
+    greedy = idle_llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                               use_tqdm=False)
+    topk1 = idle_llm.generate(PROMPTS[:3], SamplingParams(temperature=1.5, top_k=1, max_tokens=12, ignore_eos=True),
+                              use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in topk1]
+
+
+def test_logprobs_are_log_softmax_of_the_model(idle_llm, hf_model):
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True)
+    out = idle_llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == 3
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([out.prompt_token_ids])).logits[0, -1]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    first = comp.logprobs[0]
+    assert comp.token_ids[0] in first and len(first) >= 5
+    for token_id, lp in first.items():
+        assert abs(lp - ref[token_id].item()) < 1e-3
+    top5 = set(ref.topk(5).indices.tolist())
+    assert top5 <= set(first)
+    assert comp.cumulative_logprob == pytest.approx(sum(d[t] for d, t in zip(comp.logprobs, comp.token_ids)))
+
+
+def test_stop_strings_and_stop_token_ids(idle_llm):
+    tok = idle_llm.get_tokenizer()
+    base = idle_llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+    assert "7" in base.text
+    stopped = idle_llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0.0, max_tokens=20, stop=["7"]),
+                                use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == "7"
+    assert stopped.text == base.text[: base.text.index("7")]
+    stop_id = base.token_ids[3]
+    by_id = idle_llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_id],
+                                                            ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert by_id.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_id
+    assert tok is not None
+
+
+def test_n_completions_and_chat(idle_llm):
+    out = idle_llm.generate("Tell me a joke.", SamplingParams(temperature=1.0, n=3, max_tokens=8, seed=7,
+                                                             ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    chat = idle_llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(temperature=0.0, max_tokens=16),
+                         use_tqdm=False)[0]
+    assert "<|im_start|>assistant" in chat.prompt
+    assert chat.outputs[0].text

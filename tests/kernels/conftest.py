@@ -1,0 +1,30 @@
+"""Kernel tests: run Triton in its interpreter when no GPU is present (set before any kernel is defined)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+INTERPRET = not torch.cuda.is_available()
+if INTERPRET:
+    # TRITON_INTERPRET is read when a @triton.jit function is defined, triton.language's own helpers
+    # (tl.cdiv, ...) included, so it must be set before the first `import triton` of the process.
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before tests/kernels/conftest.py could set TRITON_INTERPRET=1; "
+                           "set it (when CUDA is unavailable) at the top of tests/conftest.py instead")
+    # Nothing else in the CPU suite runs Triton, so the variable is harmless to the rest of the process.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+    from triton.runtime import interpreter as _interpreter
+
+    _patch_lang_tensor = _interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor_numpy24(tensor, scope):
+        # triton 3.6 + numpy >= 2.4: `range(lo, hi)` over loaded scalars calls int() on a shape-(1,) array,
+        # which numpy 2.4 refuses (triton-lang/triton#9171, fixed upstream after 3.6).
+        _patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interpreter._patch_lang_tensor = _patch_lang_tensor_numpy24

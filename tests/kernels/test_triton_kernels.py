@@ -1,0 +1,395 @@
+"""Triton KV-write and paged-attention kernels against a dense float64 oracle (interpreter on CPU, compiled on GPU)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tandem.kernels import ops
+from tandem.kernels.triton_attention import (
+    MAX_SPLITS,
+    choose_num_splits,
+    decode_workspace_numel,
+    paged_attention_triton,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+from tandem.kernels.triton_kv import write_kv_triton
+from tandem.layers.attention_metadata import AttentionMetadata
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+BLOCK_SIZES = [16, 32]
+HEAD_DIMS = [64, 128]
+GROUPS = [1, 4, 8]  # query heads per kv head
+DTYPES = [torch.float32, torch.float16]
+NUM_KV_HEADS = 2
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3}
+
+
+@dataclass
+class Case:
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim], a strided view like a fused qkv projection's output
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    query_lens: list[int]
+    scale: float
+
+
+def make_case(seq_lens, query_lens, *, group, head_dim, block_size, dtype, seed=0, num_kv_heads=NUM_KV_HEADS,
+              device=DEVICE) -> Case:
+    """Random cache and queries; each sequence owns shuffled, non-adjacent blocks, block 0 stays reserved."""
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = len(seq_lens)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    max_blocks = max(blocks_per_seq + [1]) + 2  # padded width, like the runner's static table
+    num_blocks = 1 + 2 * sum(blocks_per_seq) + 1  # spare blocks so the owned ones are scattered
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table_buf = torch.zeros(num_seqs, max_blocks + 3, dtype=torch.int32)  # tables are a strided slice of it
+    for i, n in enumerate(blocks_per_seq):
+        table_buf[i, :n] = torch.tensor([free.pop() for _ in range(n)], dtype=torch.int32)
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    num_heads = num_kv_heads * group
+    num_tokens = sum(query_lens)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    kv, qkv = kv.to(device), qkv.to(device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=table_buf.to(device)[:, :max_blocks],
+        max_query_len=max(query_lens + [0]),
+        max_seq_len=max(seq_lens + [0]),
+    )
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    return Case(q, kv[0], kv[1], meta, list(query_lens), 1.0 / math.sqrt(head_dim))
+
+
+def dense_reference(case: Case, dtype=torch.float64) -> torch.Tensor:
+    """Per sequence: gather K/V through the block table, repeat for GQA, causal softmax by absolute position."""
+    q, meta = case.q, case.meta
+    block_size, num_kv_heads = case.k_cache.shape[1], case.k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    start = 0
+    for i, query_len in enumerate(case.query_lens):
+        seq_len = int(meta.seq_lens[i])
+        if query_len == 0 or seq_len == 0:
+            start += query_len
+            continue
+        pos = torch.arange(seq_len, device=q.device)
+        blocks = meta.block_tables[i, pos // block_size].long()
+        keys = case.k_cache[blocks, pos % block_size].to(dtype).repeat_interleave(group, dim=1)  # [ctx, H, D]
+        values = case.v_cache[blocks, pos % block_size].to(dtype).repeat_interleave(group, dim=1)
+        queries = q[start:start + query_len].to(dtype)
+        scores = torch.einsum("thd,lhd->htl", queries, keys) * case.scale
+        query_pos = seq_len - query_len + torch.arange(query_len, device=q.device)
+        scores = scores.masked_fill(pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+        out[start:start + query_len] = torch.einsum("htl,lhd->thd", scores.softmax(-1), values)
+        start += query_len
+    return out
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not torch.isnan(out).any(), "unwritten or NaN output elements"
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.to(ref.dtype), ref, atol=tol, rtol=tol)
+
+
+def poisoned_like(q: torch.Tensor) -> torch.Tensor:
+    return torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+
+
+# ----------------------------------------------------------------------------- write_kv
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS + [80])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_write_kv_scatters_rows_and_skips_padding(block_size, head_dim, dtype):
+    gen = torch.Generator().manual_seed(1)
+    num_tokens, num_kv_heads, num_blocks = 21, 3, 6
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    expected = kv.clone()
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[2, 7, 20]] = -1
+    # k and v are strided slices of a fused projection output, as the attention layer produces them
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads * head_dim, generator=gen).to(dtype).to(DEVICE)
+    k = qkv[:, num_kv_heads * head_dim: 2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, 2 * num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    slot_mapping = torch.cat([slots, torch.tensor([5, 6])]).to(DEVICE)  # entries past num_tokens are ignored
+
+    write_kv_triton(k, v, kv[0], kv[1], slot_mapping)
+
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[0, slot // block_size, slot % block_size] = k[t]
+            expected[1, slot // block_size, slot % block_size] = v[t]
+    assert torch.equal(kv, expected)
+
+
+def test_write_kv_rejects_mismatched_shapes():
+    cache = torch.zeros(4, 16, 2, 64, device=DEVICE)
+    k = torch.zeros(3, 2, 64, device=DEVICE)
+    with pytest.raises(ValueError):
+        write_kv_triton(k, k, cache, cache, torch.zeros(2, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError):
+        write_kv_triton(torch.zeros(3, 4, 64, device=DEVICE), torch.zeros(3, 4, 64, device=DEVICE), cache, cache,
+                        torch.zeros(3, dtype=torch.int64, device=DEVICE))
+
+
+# ----------------------------------------------------------------------------- decode
+
+DECODE_SEQ_LENS = [1, 0, 37, 130, 64, 0]  # padding rows (0) between and after real ones
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_decode_matches_reference(block_size, head_dim, group, dtype):
+    case = make_case(DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS), group=group, head_dim=head_dim,
+                     block_size=block_size, dtype=dtype, seed=block_size + head_dim + group)
+    ref = dense_reference(case)
+    m = case.meta
+    for num_splits in (1, 3, None):  # direct write, split + reduce, heuristic (many splits, most empty)
+        out = paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
+                                     out=poisoned_like(case.q), num_splits=num_splits)
+        assert_matches(out, ref, dtype)
+
+
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+def test_decode_tiles_smaller_and_larger_than_a_block(block_n):
+    case = make_case([70, 3, 0, 33], [1] * 4, group=4, head_dim=64, block_size=32, dtype=torch.float32, seed=3)
+    ref = dense_reference(case)
+    m = case.meta
+    out = paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
+                                 num_splits=2, block_n=block_n)
+    assert_matches(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [80, 96])
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_non_power_of_two_head_dim(head_dim, group):
+    case = make_case([45, 0, 17], [1] * 3, group=group, head_dim=head_dim, block_size=16, dtype=torch.float16)
+    m = case.meta
+    out = paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
+                                 out=poisoned_like(case.q), num_splits=2)
+    assert_matches(out, dense_reference(case), torch.float16)
+
+
+def test_decode_uses_a_preallocated_workspace_with_garbage():
+    case = make_case([100, 0, 5], [1] * 3, group=4, head_dim=64, block_size=16, dtype=torch.float32)
+    m = case.meta
+    num_splits = 4
+    workspace = torch.full((decode_workspace_numel(3, case.q.shape[1], 64, num_splits) + 7,), float("nan"),
+                           device=DEVICE)  # oversized and NaN-filled: every element read must be written first
+    out = paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
+                                 num_splits=num_splits, workspace=workspace)
+    assert_matches(out, dense_reference(case), torch.float32)
+    with pytest.raises(ValueError):
+        paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
+                               num_splits=num_splits, workspace=workspace[:10])
+
+
+def test_num_splits_heuristic_bounds():
+    # Small batches split long contexts to fill the GPU; big batches do not split; never beyond the bounds.
+    assert choose_num_splits(1, 8, 8192, 64, 132) > 1
+    assert choose_num_splits(256, 8, 8192, 64, 132) == 1
+    assert choose_num_splits(1, 8, 16, 64, 132) == 1
+    for batch in (1, 3, 32, 256):
+        for max_seq_len in (0, 1, 512, 131072):
+            assert 1 <= choose_num_splits(batch, 8, max_seq_len, 64, 132) <= MAX_SPLITS
+
+
+# ----------------------------------------------------------------------------- prefill
+
+# (seq_lens, query_lens): full prompts, prefix-cache hits (query_len < seq_len), a decode row and a padding row
+PREFILL_BATCH = ([40, 75, 9, 1, 0, 52], [40, 11, 9, 1, 0, 3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_prefill_matches_reference(block_size, head_dim, group, dtype):
+    seq_lens, query_lens = PREFILL_BATCH
+    case = make_case(seq_lens, query_lens, group=group, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                     seed=block_size * head_dim + group)
+    m = case.meta
+    out = paged_prefill_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
+                                  m.max_query_len, case.scale, out=poisoned_like(case.q))
+    assert_matches(out, dense_reference(case), dtype)
+
+
+@pytest.mark.parametrize(("block_m", "block_n"), [(16, 16), (32, 64), (64, 32)])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_prefill_tile_shapes(block_size, block_m, block_n):
+    # BLOCK_N below, equal to and above the cache block size; several query tiles per sequence
+    seq_lens, query_lens = PREFILL_BATCH
+    case = make_case(seq_lens, query_lens, group=4, head_dim=64, block_size=block_size, dtype=torch.float32, seed=5)
+    m = case.meta
+    out = paged_prefill_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
+                                  m.max_query_len, case.scale, out=poisoned_like(case.q), block_m=block_m,
+                                  block_n=block_n)
+    assert_matches(out, dense_reference(case), torch.float32)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_chunked_prefill_equals_one_shot_prefill(group):
+    """A prompt computed in chunks (earlier chunks only in the cache) gives the rows of the one-shot prefill."""
+    seq_len, chunks = 70, [(0, 25), (25, 64), (64, 70)]
+    full = make_case([seq_len], [seq_len], group=group, head_dim=64, block_size=16, dtype=torch.float32, seed=9)
+    fm = full.meta
+    one_shot = paged_prefill_attention(full.q, full.k_cache, full.v_cache, fm.query_start_loc, fm.seq_lens,
+                                       fm.block_tables, seq_len, full.scale, block_m=32, block_n=16)
+    assert_matches(one_shot, dense_reference(full), torch.float32)
+    for lo, hi in chunks:
+        q = full.q[lo:hi]
+        qsl = torch.tensor([0, hi - lo], dtype=torch.int32, device=DEVICE)
+        seq_lens = torch.tensor([hi], dtype=torch.int32, device=DEVICE)
+        out = paged_prefill_attention(q, full.k_cache, full.v_cache, qsl, seq_lens, fm.block_tables, hi - lo,
+                                      full.scale, out=poisoned_like(q), block_m=32, block_n=16)
+        assert_matches(out, one_shot[lo:hi].double(), torch.float32)
+
+
+def test_prefill_non_power_of_two_head_dim():
+    case = make_case([30, 20], [30, 4], group=2, head_dim=96, block_size=16, dtype=torch.float16)
+    m = case.meta
+    out = paged_prefill_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
+                                  m.max_query_len, case.scale, out=poisoned_like(case.q))
+    assert_matches(out, dense_reference(case), torch.float16)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_paged_attention_triton_dispatch(decode):
+    seq_lens, query_lens = ([12, 0, 50], [1, 1, 1]) if decode else PREFILL_BATCH
+    case = make_case(seq_lens, query_lens, group=4, head_dim=64, block_size=16, dtype=torch.float32, seed=11)
+    out = paged_attention_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_matches(out, dense_reference(case), torch.float32)
+
+
+def test_ops_dispatch_forced_to_triton_matches_reference_path(monkeypatch):
+    """ops.* with TANDEM_FORCE_TRITON=1 runs the Triton kernels; the result equals the reference path."""
+    seq_lens, query_lens = PREFILL_BATCH
+    case = make_case(seq_lens, query_lens, group=4, head_dim=64, block_size=16, dtype=torch.float32, seed=13)
+    num_tokens, num_kv_heads = case.q.shape[0], case.k_cache.shape[2]
+    k_new = torch.randn(num_tokens, num_kv_heads, 64, device=DEVICE)
+    v_new = torch.randn(num_tokens, num_kv_heads, 64, device=DEVICE)
+    slots = torch.randperm(case.k_cache.shape[0] * 16)[:num_tokens].to(DEVICE)
+    slots[0] = -1
+    ref_k, ref_v = case.k_cache.clone(), case.v_cache.clone()
+
+    monkeypatch.setenv("TANDEM_FORCE_TRITON", "0")
+    ops.write_kv(k_new, v_new, ref_k, ref_v, slots)
+    ref = ops.paged_attention(case.q, ref_k, ref_v, case.meta, case.scale)
+    monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
+    ops.write_kv(k_new, v_new, case.k_cache, case.v_cache, slots)
+    out = ops.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+
+    assert torch.equal(case.k_cache, ref_k) and torch.equal(case.v_cache, ref_v)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- GPU: bf16, large shapes, graphs
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_decode_large(dtype, block_size, group):
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = torch.randint(1, 4097, (24,), generator=gen).tolist() + [0, 8192, 1]
+    case = make_case(seq_lens, [1] * len(seq_lens), group=group, head_dim=128, block_size=block_size, dtype=dtype,
+                     num_kv_heads=8)
+    m = case.meta
+    ref = dense_reference(case, dtype=torch.float32)
+    for num_splits in (1, None):
+        out = paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
+                                     out=poisoned_like(case.q), num_splits=num_splits)
+        assert not torch.isnan(out).any()
+        assert relative_error(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_prefill_large(dtype, head_dim):
+    seq_lens, query_lens = [2048, 1500, 1024 + 64, 333, 1, 0], [2048, 700, 64, 333, 1, 0]
+    case = make_case(seq_lens, query_lens, group=4, head_dim=head_dim, block_size=16, dtype=dtype, num_kv_heads=8)
+    m = case.meta
+    out = paged_prefill_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
+                                  m.max_query_len, case.scale, out=poisoned_like(case.q))
+    assert not torch.isnan(out).any()
+    assert relative_error(out, dense_reference(case, dtype=torch.float32)) < 1e-2
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_write_kv_bf16():
+    num_tokens, num_kv_heads, head_dim, block_size = 300, 8, 128, 16
+    kv = torch.zeros(2, 40, block_size, num_kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    slots = torch.randperm(40 * block_size, device="cuda")[:num_tokens]
+    slots[::7] = -1
+    ref = kv.clone()
+    ops.write_kv(k, v, kv[0], kv[1], slots)
+    valid = slots >= 0
+    ref[0].view(-1, num_kv_heads, head_dim)[slots[valid]] = k[valid]
+    ref[1].view(-1, num_kv_heads, head_dim)[slots[valid]] = v[valid]
+    assert torch.equal(kv, ref)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_decode_cuda_graph_replay_matches_eager():
+    """Captured once with static buffers; new seq_lens / block tables copied in before each replay."""
+    batch, max_seq_len = 8, 2048
+    case = make_case([max_seq_len] * batch, [1] * batch, group=4, head_dim=128, block_size=16,
+                     dtype=torch.bfloat16, num_kv_heads=8)
+    m = case.meta
+    static_q, static_bt, static_lens = case.q.clone(), m.block_tables.clone(), m.seq_lens.clone()
+    static_out = torch.empty_like(static_q)
+    num_splits = choose_num_splits(batch, 8, max_seq_len, 64, torch.cuda.get_device_properties(0).multi_processor_count)
+    workspace = torch.empty(decode_workspace_numel(batch, static_q.shape[1], 128, num_splits), device="cuda")
+
+    def run():
+        paged_decode_attention(static_q, case.k_cache, case.v_cache, static_bt, static_lens, case.scale,
+                               out=static_out, num_splits=num_splits, max_seq_len=max_seq_len, workspace=workspace)
+
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        lens = torch.randint(0, max_seq_len + 1, (batch,), generator=gen, dtype=torch.int32)
+        static_lens.copy_(lens)
+        static_q.copy_(torch.randn(static_q.shape, generator=gen).to(static_q))
+        static_bt.copy_(m.block_tables[torch.randperm(batch, generator=gen)])  # rows trade places
+        graph.replay()
+        eager = paged_decode_attention(static_q, case.k_cache, case.v_cache, static_bt, static_lens, case.scale,
+                                       num_splits=num_splits)
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, eager)

@@ -1,0 +1,62 @@
+"""The embedded SmolLM2 GGUF through our loader matches transformers' own GGUF loading in fp32."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.models.loader import default_model_path, load_model_and_tokenizer, model_max_len
+from tests.models.paged_kv import PagedKV, Seq
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    config = EngineConfig(device="cpu", dtype="float32")  # model=None: the embedded GGUF
+    return load_model_and_tokenizer(config, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hf_smol():
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return model.eval()
+
+
+def test_default_model_path_is_the_packaged_gguf():
+    path = default_model_path()
+    assert path.endswith(".gguf") and os.path.isfile(path)
+
+
+def test_tokenizer_chat_template_and_eos(smol):
+    _, model_config, tokenizer = smol
+    assert model_config.architecture == "llama" and model_config.num_kv_heads == 3
+    assert tokenizer.eos_token_id in model_config.eos_token_ids
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert model_max_len(model_config) == 8192
+    assert model_max_len(model_config, 1024) == 1024
+    with pytest.raises(ValueError):
+        model_max_len(model_config, 100_000)
+
+
+def test_logits_match_transformers_gguf(smol, hf_smol):
+    model, model_config, tokenizer = smol
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         tokenize=False, add_generation_prompt=True)
+    prompts = [tokenizer.encode(chat), tokenizer.encode("The quick brown fox jumps over the")]
+    kv = PagedKV(model_config, num_blocks=32, block_size=16)
+    step = kv.step([Seq(list(p)) for p in prompts])
+    with torch.inference_mode():
+        logits = model.compute_logits(model(step.input_ids, step.positions, kv.kv_cache, step.meta))
+        for prompt, row in zip(prompts, logits[step.last_token_idx]):
+            expected = hf_smol(torch.tensor([prompt])).logits[0, -1].float()
+            torch.testing.assert_close(row, expected, atol=2e-3, rtol=1e-3)
+            assert int(row.argmax()) == int(expected.argmax())

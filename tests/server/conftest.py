@@ -1,0 +1,109 @@
+"""Live-server fixtures: an in-process uvicorn on 127.0.0.1 serving the embedded model (one per module)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL_NAME = "smol-test"
+# Small and CPU-friendly: short context (cheap "beyond the context" checks), a small KV pool.
+ENGINE_KWARGS = dict(device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=256, max_num_seqs=64)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    app: Any
+    core: Any
+    server: Any
+    thread: threading.Thread
+    api_key: str | None
+
+    @property
+    def engine(self) -> Any:
+        return self.app.state.engine
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def openai(self, **kwargs: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0,
+                             timeout=120.0, **kwargs)
+
+    def post(self, path: str, timeout: float = 120.0, **kwargs: Any) -> httpx.Response:
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        return httpx.post(f"{self.url}{path}", headers=headers, timeout=timeout, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Flat {'name{label="v"}': value} of /metrics."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return out
+
+    def wait_idle(self, timeout_s: float = 60.0) -> dict[str, float]:
+        """Waits until the engine holds nothing (no requests, no KV blocks); returns /metrics then."""
+        assert self.engine.stats is not None, "EngineCore.stats() failed: /metrics would report zeros"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            idle = (m["tandem_num_requests_running"] == 0 and m["tandem_num_requests_waiting"] == 0
+                    and m["tandem_kv_cache_usage_ratio"] == 0 and m["tandem_num_requests_in_server"] == 0)
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.1)
+
+
+def start_server(api_key: str | None = None, max_queue: int = 128, **engine_kwargs: Any) -> LiveServer:
+    import uvicorn
+
+    from tandem.config import EngineConfig
+    from tandem.engine import EngineCore
+    from tandem.server.app import build_app
+
+    core = EngineCore(EngineConfig(**{**ENGINE_KWARGS, **engine_kwargs}))
+    app = build_app(core, model_names=[MODEL_NAME], api_key=api_key, max_queue=max_queue)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           access_log=False, timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.05)
+    return LiveServer(f"http://127.0.0.1:{port}", app, core, server, thread, api_key)
+
+
+def stop_server(live: LiveServer) -> None:
+    live.server.should_exit = True
+    live.thread.join(timeout=30)
+    assert not live.thread.is_alive(), "the test server did not shut down"
+
+
+@pytest.fixture(scope="module")
+def live_server(request: pytest.FixtureRequest):
+    """One server per test module; a module may set SERVER_KWARGS (api_key, max_queue, engine fields)."""
+    live = start_server(**getattr(request.module, "SERVER_KWARGS", {}))
+    yield live
+    stop_server(live)
