@@ -114,14 +114,11 @@ def bench_shape(args, batch, seq_len, copy_gbs, device) -> dict:
         row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
         row["rel_err_vs_sdpa"] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         sdpa_ms = median_ms(lambda: sdpa_decode(q, keys, values, scale))
+        row.update({"sdpa_ms": sdpa_ms, "sdpa_gbs": total_bytes / (sdpa_ms * 1e-3) / 1e9,
+                    "speedup_vs_sdpa": sdpa_ms / ms})
+        row["sdpa_copy_fraction"] = row["sdpa_gbs"] / copy_gbs
     except RuntimeError as exc:  # e.g. out of memory in a math fallback: keep tandem's figures
         row["sdpa_error"] = repr(exc)[:300]
-        sdpa_ms = float("nan")
-    row.update({
-        "sdpa_ms": sdpa_ms, "sdpa_gbs": total_bytes / (sdpa_ms * 1e-3) / 1e9,
-        "speedup_vs_sdpa": sdpa_ms / ms,
-    })
-    row["sdpa_copy_fraction"] = row["sdpa_gbs"] / copy_gbs
     del keys, values
 
     if args.sweep:
@@ -172,9 +169,10 @@ def main() -> None:
     for batch, seq_len in itertools.product(args.batch_sizes, args.seq_lens):
         row = bench_shape(args, batch, seq_len, copy_gbs, device)
         rows.append(row)
+        sdpa = (f"{row['sdpa_ms'] * 1e3:>9.1f} {row['sdpa_gbs']:>9.0f} {row['speedup_vs_sdpa']:>7.2f}"
+                if "sdpa_ms" in row else f"  sdpa failed: {row['sdpa_error'][:60]}")
         print(f"{batch:>5} {seq_len:>6} {row['num_splits']:>6} {row['tandem_ms'] * 1e3:>10.1f} "
-              f"{row['tandem_gbs']:>8.0f} {row['tandem_copy_fraction']:>6.3f} {row['sdpa_ms'] * 1e3:>9.1f} "
-              f"{row['sdpa_gbs']:>9.0f} {row['speedup_vs_sdpa']:>7.2f}"
+              f"{row['tandem_gbs']:>8.0f} {row['tandem_copy_fraction']:>6.3f} {sdpa}"
               + (f"  best {row['sweep_best']}" if row.get("sweep_best") else ""), flush=True)
 
     result = {
