@@ -83,11 +83,14 @@ class EngineConfig:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
 
     def resolved_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+        name = self.device
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        if name.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but CUDA is not available")
-        return torch.device(self.device)
+        if name == "cuda":  # an explicit index: set_device and the streams need one
+            name = f"cuda:{torch.cuda.current_device()}"
+        return torch.device(name)
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -36,6 +36,7 @@ class EngineOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    queue_time: float | None = None  # seconds from arrival to first scheduling
 
 
 @dataclass(slots=True)
@@ -146,6 +147,10 @@ class EngineCore:
     # ---------------------------------------------------------------- the loop
 
     def step(self) -> list[EngineOutput]:
+        if not self.overlap and self._inflight is not None:
+            # Overlap was switched off with a step in flight: finish that one first.
+            previous, self._inflight = self._inflight, None
+            return self._finish(previous)
         tl = self.timeline
         if tl is not None:
             tl.step = self.num_steps
@@ -158,6 +163,7 @@ class EngineCore:
             failed = self._fail(sched.scheduled if "sched" in locals() else [], exc)
             if self._inflight is not None:
                 failed += self._fail(self._inflight.sched.scheduled, exc)
+                self._drop(self._inflight)
                 self._inflight = None
             return failed
         if not self.overlap:
@@ -174,6 +180,7 @@ class EngineCore:
             outputs = self._fail(handle.sched.scheduled, exc)
             if self._inflight is not None and self._inflight is not handle:
                 outputs += self._fail(self._inflight.sched.scheduled, exc)
+                self._drop(self._inflight)
             self._inflight = None
             return outputs
         if self.step_log is not None:
@@ -181,7 +188,7 @@ class EngineCore:
         if self.timeline is not None:
             span = self.runner.step_gpu_span(handle, self._timeline_base)
             if span is not None:
-                self.timeline.add_gpu("compute", span[0], span[1], self.timeline.step)
+                self.timeline.add_gpu("compute", span[0], span[1], handle.step_index)
         return self._timed("update", lambda: self._update(handle.sched, result.token_ids, result.logprobs))
 
     def _update(self, sched: SchedulerOutput, token_ids: list[int], logprobs: list[Logprobs] | None) -> list[EngineOutput]:
@@ -198,9 +205,10 @@ class EngineCore:
             new_lp = None
             if req.sampling_params.logprobs is not None:
                 new_lp = req.output_logprobs[sent : sent + len(new_tokens)]
+            queue_time = (req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else None
             outputs.append(
                 EngineOutput(rid, new_tokens, new_lp, req.is_finished, req.finish_reason, req.stop_reason,
-                             req.num_prompt_tokens, max(req.num_cached_tokens, 0))
+                             req.num_prompt_tokens, max(req.num_cached_tokens, 0), queue_time=queue_time)
             )
             if req.is_finished:
                 self._forget(rid)
@@ -222,6 +230,13 @@ class EngineCore:
                                         max(req.num_cached_tokens, 0), error=message))
             self._forget(rid)
         return outputs
+
+    def _drop(self, handle: StepHandle) -> None:
+        """Waits out a step whose results are discarded, so its slot is free before it is rewritten."""
+        try:
+            handle.events.d2h_done.synchronize()
+        except Exception:  # the device itself failed: nothing left to wait for
+            logger.exception("could not wait for a dropped step")
 
     def _timed(self, name: str, fn):  # type: ignore[no-untyped-def]
         if self.timeline is None:

@@ -181,6 +181,11 @@ class LLM:
             _, stop = seq.detok.update(new_tokens)
             if stop is not None:
                 self.engine.abort_request(out.request_id, FinishReason.STOP, stop)
+                # Tokens after the one that completed the stop string are not part of the output.
+                kept = seq.detok.num_output_tokens
+                del seq.token_ids[kept:]
+                if seq.logprobs is not None:
+                    del seq.logprobs[kept:]
                 seq.finish_reason, seq.stop_reason = "stop", stop
                 return True
         if out.finished:

@@ -243,13 +243,20 @@ def build_report(args: argparse.Namespace, model: str, results: list[RequestResu
         if dist is not None:  # queue time is left out when the server does not report it
             summary[name] = dist
     report: dict[str, Any] = {
-        "config": {k: v for k, v in vars(args).items() if k != "func" and k != "api_key"} | {"model": model},
+        "config": {k: v for k, v in vars(args).items() if k in _own_arg_names() and k != "api_key"} | {"model": model},
         "summary": summary,
         "errors": sorted({r.error for r in results if r.error})[:20],
     }
     if getattr(args, "per_request", False):
         report["requests"] = [asdict(r) | {"tpot_s": r.tpot_s} for r in results]
     return report
+
+
+def _own_arg_names() -> set[str]:
+    """The dests add_bench_serve_args defines (a parent parser's arguments stay out of the report)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_bench_serve_args(parser)
+    return {action.dest for action in parser._actions}
 
 
 def print_report(report: dict[str, Any]) -> None:

@@ -45,8 +45,10 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_seq_len
     block_size = cache.shape[1]
     num_blocks = min(-(-max_seq_len // block_size), block_tables.shape[1])
     num_blocks = max(num_blocks, 1)
-    blocks = cache[block_tables[:, :num_blocks].long()]  # [num_seqs, num_blocks, block_size, kv_heads, dim]
-    num_seqs, _, _, num_kv_heads, head_dim = blocks.shape
+    num_seqs = block_tables.shape[0]
+    num_kv_heads, head_dim = cache.shape[2:]
+    # index_select copies whole blocks (memcpy-like), several times faster than advanced indexing on CPU.
+    blocks = cache.index_select(0, block_tables[:, :num_blocks].reshape(-1))  # [num_seqs * num_blocks, bs, h, d]
     return blocks.view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
@@ -69,18 +71,17 @@ def _decode_attention(
     ctx_len = keys.shape[2]
     # A padding row attends to position 0 only, so no row is fully masked (which would give NaN).
     visible = torch.arange(ctx_len, device=q.device)[None, :] < seq_lens.clamp(min=1)[:, None]  # [num_seqs, ctx]
-    # Slots past a sequence's length (block-table padding points at block 0) may hold anything, even NaN,
-    # which a mask alone does not stop (NaN * 0 weight): zero them.
-    hidden_slots = ~visible[:, None, :, None]  # [num_seqs, 1, ctx, 1]
-    keys, values = keys.masked_fill(hidden_slots, 0.0), values.masked_fill(hidden_slots, 0.0)
+    # Masked slots (block-table padding reads block 0, a last block's unused tail) are read but weighted 0:
+    # they must hold finite values, which a zero-initialized cache guarantees (NaN * 0 would still be NaN).
+    identity = num_tokens == num_seqs and _is_identity(starts, num_seqs)
     # The query heads sharing one KV head play the role of the query length: no KV head expansion.
-    queries = q[token_idx].view(num_seqs, num_kv_heads, group, head_dim).to(keys.dtype)
+    queries = (q if identity else q[token_idx]).reshape(num_seqs, num_kv_heads, group, head_dim).to(keys.dtype)
     out = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=visible[:, None, None, :], scale=scale
     )  # [num_seqs, kv_heads, group, dim]
     # where (not a multiply by 0) so junk in a padding row's block 0 can never leak NaN.
     out = torch.where(valid[:, None, None], out.reshape(num_seqs, num_heads, head_dim).to(q.dtype), 0.0)
-    if num_tokens == num_seqs and _is_identity(starts, num_seqs):
+    if identity:
         return out
     result = torch.zeros_like(q)
     # index_add (not index_copy) because an empty sequence shares its start index with the next one.
@@ -104,7 +105,7 @@ def _varlen_attention(
     block_size = k_cache.shape[1]
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
-    block_tables = meta.block_tables.long()
+    block_tables = meta.block_tables
     result = torch.zeros_like(q)
     for i, seq_len in enumerate(seq_lens):
         start, end = starts[i], min(starts[i + 1], num_tokens)
@@ -112,8 +113,8 @@ def _varlen_attention(
         if query_len <= 0 or seq_len <= 0:
             continue
         blocks = block_tables[i, : -(-seq_len // block_size)]
-        keys = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)  # [kv_heads, ctx, dim]
-        values = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)  # [h, ctx, d]
+        values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
         queries = q[start:end].transpose(0, 1).to(keys.dtype)  # [num_heads, query_len, dim]
         mask = None
         if query_len != seq_len:

@@ -20,7 +20,9 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode steps. `step_fn(slot, batch_size)` enqueues carry-over + forward + logits on the
     current stream and returns the logits tensor; its inputs are the slot's static device buffers, so the
-    graph replays on whatever the H2D copy last wrote there (seed 001: copy_, then replay())."""
+    graph replays on whatever the H2D copy last wrote there (seed 001: copy_, then replay()). Its output
+    should be a view of one static buffer shared by all graphs (replays never overlap), so that no graph
+    keeps a private logits tensor alive in the pool."""
 
     def __init__(
         self,
@@ -32,9 +34,12 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         pool = torch.cuda.graph_pool_handle()
+        # Warm-up at every size: kernels compile (and load their modules) per variant, which CUDA
+        # forbids during capture, and the attention kernels pick variants by batch size.
         with torch.cuda.stream(stream):
-            for slot in (0, 1):  # warm-up: compile kernels and settle the allocator outside capture
-                step_fn(slot, self.batch_sizes[-1])
+            for batch_size in reversed(self.batch_sizes):
+                for slot in (0, 1):
+                    step_fn(slot, batch_size)
         stream.synchronize()
         # Largest first, so that smaller graphs reuse the larger ones' memory in the shared pool.
         for batch_size in reversed(self.batch_sizes):

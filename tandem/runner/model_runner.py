@@ -40,6 +40,7 @@ class StepHandle:
     events: StepEvents
     graph_batch_size: int | None  # None: eager
     num_tokens: int = 0
+    step_index: int = 0
     num_context_tokens: int = 0  # sum of the sequences' context lengths: KV the step reads
     launch_time: float = 0.0
 
@@ -84,6 +85,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             if config.cuda_graph:
+                # [max_num_seqs, vocab] float32, outside the graph pool: every graph writes its rows here.
+                self._graph_logits = torch.empty(self.max_num_seqs, mc.vocab_size, dtype=torch.float32,
+                                                 device=self.device)
                 t0 = time.perf_counter()
                 with torch.inference_mode():
                     self.graphs = DecodeGraphs(
@@ -150,6 +154,7 @@ class ModelRunner:
                all_greedy=False, any_top_k_top_p=True, num_logprobs=MAX_LOGPROBS)
         del hidden, logits, scratch
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # so that `free` below counts the profiling activations as free again
         activation_peak = torch.cuda.max_memory_allocated(self.device) - base
         free, total = torch.cuda.mem_get_info(self.device)
         reserve_for_graphs = 512 << 20
@@ -186,7 +191,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _decode_step_fn(self, slot: int, batch_size: int) -> torch.Tensor:
-        return self._forward(slot, batch_size, batch_size, 1, self.max_model_len, all_rows=True)
+        logits = self._forward(slot, batch_size, batch_size, 1, self.max_model_len, all_rows=True)
+        out = self._graph_logits[:batch_size]
+        out.copy_(logits)  # the pool's temporary is freed at the end of capture and reused by smaller graphs
+        return out
 
     # ---------------------------------------------------------------- host-side preparation
 
@@ -258,7 +266,6 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput) -> StepHandle:
         """Prepares and enqueues one step on the GPU streams and returns without waiting."""
         slot = self._step_index % 2
-        self._step_index += 1
         num_seqs = len(sched.scheduled)
         num_tokens = sched.num_scheduled_tokens
         decode_only = num_tokens == num_seqs
@@ -299,8 +306,9 @@ class ModelRunner:
             buf.download(num_seqs, num_logprobs)
             streams.record("d2h", events.d2h_done)
         num_context = sum(s.num_computed_tokens + s.num_scheduled_tokens for s in sched.scheduled)
-        return StepHandle(sched, slot, num_seqs, num_logprobs, events, graph_bs, num_tokens, num_context,
-                          time.perf_counter())
+        self._step_index += 1  # only once enqueued: a failed launch leaves the slot order unchanged
+        return StepHandle(sched, slot, num_seqs, num_logprobs, events, graph_bs, num_tokens,
+                          self._step_index - 1, num_context, time.perf_counter())
 
     def wait(self, handle: StepHandle) -> StepResult:
         """Blocks until the step's tokens are in host memory: the one CPU wait per step."""
@@ -321,6 +329,8 @@ class ModelRunner:
     def step_gpu_span(self, handle: StepHandle, base: tuple[object, float] | None) -> tuple[float, float] | None:
         """(start, end) of the step's GPU work on the perf_counter clock; call after wait()."""
         ev = handle.events
+        if not ev.timing:  # launched before timing was turned on
+            return None
         if self.device.type != "cuda":
             return ev.compute_start.time, ev.compute_end.time  # type: ignore[attr-defined]
         if base is None:

@@ -28,6 +28,7 @@ class StepEvents:
     """The events that order one slot's step: h2d_done -> compute -> compute_done -> D2H -> d2h_done."""
 
     def __init__(self, device: torch.device, timing: bool) -> None:
+        self.timing = timing
         cuda = device.type == "cuda"
         make = (lambda t: torch.cuda.Event(enable_timing=t)) if cuda else (lambda t: _NullEvent())
         self.h2d_done = make(False)

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.server import protocol as p
 from tandem.server.async_engine import AsyncEngine
-from tandem.server.generation import ApiError
+from tandem.server.protocol import ApiError
 from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
 from tandem.server.serving import OpenAIServing
 

@@ -12,23 +12,10 @@ from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
 from tandem.server.async_engine import Accepted, AsyncEngine, Failed, Rejected
 from tandem.server.metrics import ServerMetrics
-from tandem.server.protocol import PromptTokensDetails, Usage
+from tandem.server.protocol import ApiError, PromptTokensDetails, Usage
 
 # One output token with logprobs: (token id, chosen logprob, [(token id, logprob)] top-n).
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]
-
-
-class ApiError(Exception):
-    """An OpenAI-style error response: status, message, the offending field."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: int | str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type
-        self.code = code if code is not None else status
 
 
 @dataclass(slots=True)

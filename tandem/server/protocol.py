@@ -1,4 +1,4 @@
-"""Pydantic models of the OpenAI HTTP bodies tandem serves: requests, responses, stream chunks, errors."""
+"""The OpenAI HTTP bodies tandem serves (pydantic): requests, responses, stream chunks, errors, parsing."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
@@ -248,3 +248,48 @@ class ErrorResponse(BaseModel):
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
                code: int | str | None = None) -> dict[str, Any]:
     return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code)).model_dump()
+
+
+class ApiError(Exception):
+    """An OpenAI-style error response: status, message, the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: int | str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code if code is not None else status
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> Any:
+    """Validates a JSON body; the first problem becomes a 400 naming the field."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "json_invalid":
+            raise ApiError(400, f"the body is not valid JSON: {message}") from None
+        param = loc_to_param(err["loc"]) or _field_named(model, message)
+        where = f"{param}: " if param and not message.startswith(param) else ""
+        raise ApiError(400, f"{where}{message}", param=param) from None
+
+
+def loc_to_param(loc: tuple) -> str | None:
+    """('messages', 0, 'role') -> 'messages[0].role'; pydantic's union-member tags are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and part not in ("str", "int", "float", "bool", "list", "dict", "none"):
+            if part[0].isupper():  # a model name tagging a union member
+                continue
+            out += f".{part}" if out else part
+    return out or None
+
+
+def _field_named(model: type[BaseModel], message: str) -> str | None:
+    word = message.split(" ", 1)[0]
+    return word if word in model.model_fields else None

@@ -10,13 +10,14 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from tandem.sampling_params import SamplingParams
 from tandem.server import protocol as p
 from tandem.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
-from tandem.server.generation import ApiError, Delta, Generation, Prompt, _param_of
+from tandem.server.generation import Delta, Generation, Prompt, _param_of
 from tandem.server.metrics import ServerMetrics
+from tandem.server.protocol import ApiError, parse_body
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions; chat defaults to the context
 
@@ -266,38 +267,6 @@ class OpenAIServing:
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-
-
-def parse_body(model: type[BaseModel], raw: bytes) -> Any:
-    """Validates a JSON body; the first problem becomes a 400 naming the field."""
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        message = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "json_invalid":
-            raise ApiError(400, f"the body is not valid JSON: {message}") from None
-        param = loc_to_param(err["loc"]) or _param_of(message) or _field_named(model, message)
-        where = f"{param}: " if param and not message.startswith(param) else ""
-        raise ApiError(400, f"{where}{message}", param=param) from None
-
-
-def loc_to_param(loc: tuple) -> str | None:
-    """('messages', 0, 'role') -> 'messages[0].role'; pydantic's union-member tags are dropped."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part.isidentifier() and part not in ("str", "int", "float", "bool", "list", "dict", "none"):
-            if part[0].isupper():  # a model name tagging a union member
-                continue
-            out += f".{part}" if out else part
-    return out or None
-
-
-def _field_named(model: type[BaseModel], message: str) -> str | None:
-    word = message.split(" ", 1)[0]
-    return word if word in model.model_fields else None
 
 
 async def collect(gen: Generation, http_request: Request) -> None:

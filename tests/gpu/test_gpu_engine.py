@@ -124,7 +124,8 @@ def assert_same_greedy(ref: Run, got: Run, label: str) -> None:
             if a != b:
                 firsts.append((i, j, a, b, ref_lps[j], lps[j]))
                 break
-            max_lp_diff = max([max_lp_diff] + [abs(ref_lps[j][t] - lps[j][t]) for t in ref_lps[j].keys() & lps[j].keys()])
+            common = ref_lps[j].keys() & lps[j].keys()
+            max_lp_diff = max([max_lp_diff] + [abs(ref_lps[j][t] - lps[j][t]) for t in common])
     assert max_lp_diff < 0.1, f"{label}: log-probs of identical prefixes differ by {max_lp_diff:.4f}"
     tol = max(NEAR_TIE, 4 * max_lp_diff)
     for i, j, a, b, ra, rb in firsts:
@@ -288,7 +289,7 @@ def test_logits_and_greedy_tokens_match_transformers(arch, checkpoint, record_pr
             best = int(logits[j].argmax())
             gap = float(logprobs[j, best] - logprobs[j, tok])
             tol = max(NEAR_TIE, 0.06 * float(logits[j].pow(2).mean().sqrt()))
-            assert gap <= tol, f"{arch}: output token {j} is {tok}, transformers prefers {best} by {gap:.4f} > {tol:.4f}"
+            assert gap <= tol, f"{arch}: output {j} is {tok}, transformers prefers {best} by {gap:.4f} > {tol:.4f}"
             assert abs(lps[j][tok] - float(logprobs[j, tok])) < 0.1, f"{arch}: logprob of output token {j} is off"
     assert llm.engine.scheduler.num_free_blocks() == runner.num_blocks - 1
 
@@ -304,7 +305,8 @@ def test_overlap_and_sync_give_the_same_greedy_tokens(checkpoint):
     shared = random_prompt(rng, 70)
     prompts, lengths = [], []
     for i in range(24):
-        prompts.append((shared if i % 3 == 0 else []) + random_prompt(rng, rng.choice([1, 2, 3, 15, 16, 17, 64, 150, 250])))
+        own = random_prompt(rng, rng.choice([1, 2, 3, 15, 16, 17, 64, 150, 250]))
+        prompts.append((shared if i % 3 == 0 else []) + own)
         lengths.append(rng.choice([1, 2, 5, 16, 40]))
     runs = {}
     try:
@@ -426,8 +428,8 @@ def test_long_mixed_workload_finishes_everything_and_returns_every_block(overlap
 
     kept = [rid for rid in mixed_reference if rid not in aborted]
     got = [(tokens[rid], to_dicts(tokens[rid], logprobs[rid])) for rid in kept]
-    assert_same_greedy([mixed_reference[rid] for rid in kept], got, f"mixed workload ({'overlap' if overlap else 'sync'}) "
-                       "vs an unpressured engine")
+    mode = "overlap" if overlap else "sync"
+    assert_same_greedy([mixed_reference[rid] for rid in kept], got, f"mixed workload ({mode}) vs an unpressured engine")
 
 
 # ----------------------------------------------------------------------------- (e) step() returns before the GPU

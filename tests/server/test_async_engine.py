@@ -13,8 +13,7 @@ from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
 from tandem.server import protocol as p
 from tandem.server.async_engine import Accepted, AsyncEngine, Failed, QueueFullError, Rejected
-from tandem.server.generation import ApiError
-from tandem.server.serving import loc_to_param, parse_body
+from tandem.server.protocol import ApiError, loc_to_param, parse_body
 
 
 @dataclass

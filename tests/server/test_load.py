@@ -78,6 +78,18 @@ def test_concurrent_streams_with_disconnects(live_server):
     assert delta("tandem_e2e_request_latency_seconds_count") == NUM_CLIENTS
 
 
+def test_non_streaming_client_disconnect_aborts(live_server):
+    before = live_server.metrics()
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):  # the client gives up and closes the connection
+        httpx.post(f"{live_server.url}/v1/completions", json=body, timeout=1.0)
+    after = live_server.wait_idle(timeout_s=30)
+    assert after["tandem_kv_cache_usage_ratio"] == 0 and live_server.engine.num_requests == 0
+    aborted = 'tandem_request_success_total{finished_reason="abort"}'
+    assert after[aborted] - before[aborted] == 1
+    assert after["tandem_generation_tokens_total"] - before["tandem_generation_tokens_total"] < 200
+
+
 def test_full_queue_answers_429_at_once(live_server):
     engine = live_server.engine
     engine.max_queue = 2

@@ -1,0 +1,210 @@
+#!/usr/bin/env bash
+# The whole GPU check in one device call: environment, gpu-marked tests, kernel benchmark, engine benchmarks.
+#
+#   OUT=/some/dir STAGE=all bash scripts/gpu_check.sh
+#
+# Environment (all optional):
+#   STAGE      tests | bench | all (default all)
+#   WORKLOADS  comma list for `tandem bench` (default bs1,seed-async,nano,prefix); each runs in its own process
+#   SCALE      --scale for `tandem bench` (default 1.0); PEERS  --peers (default: the CLI's hf,sync,eager)
+#   BUDGET_S   wall seconds for the whole script (default 560, under the device's 600 s per command); every step
+#              gets at most what is left minus RESERVE_S (default 25) and is stopped there, so the summary and
+#              the files under $OUT always get written. Steps that find no time left are reported SKIPPED.
+#   TESTS_S, KERNELS_S, BENCH_S  per-step caps in seconds (defaults 300, 90, 420)
+#
+# $OUT receives at most 8 files, no subfolders: gpu-check.log (everything printed), gpu-tests.xml (JUnit),
+# kernels.json, bench.json (the workloads merged, as `tandem bench --out` writes them) and timeline-<w>.png;
+# when the PNGs would push the count past 8 they are packed into timelines.tar instead.
+set -o pipefail
+cd "$(dirname "$0")/.." || exit 2
+REPO=$(pwd)
+OUT=${OUT:-$REPO/out/gpu-check}
+STAGE=${STAGE:-all}
+WORKLOADS=${WORKLOADS:-bs1,seed-async,nano,prefix}
+SCALE=${SCALE:-1.0}
+BUDGET_S=${BUDGET_S:-560}
+RESERVE_S=${RESERVE_S:-25}
+TESTS_S=${TESTS_S:-300}
+KERNELS_S=${KERNELS_S:-90}
+BENCH_S=${BENCH_S:-420}
+MAX_FILES=8
+mkdir -p "$OUT"
+WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
+SUMMARY=()
+FAILED=0
+
+case "$STAGE" in
+  tests | bench | all) ;;
+  *) echo "STAGE must be tests, bench or all, got '$STAGE'" >&2; exit 2 ;;
+esac
+
+# run_step NAME CAP_SECONDS CMD...: runs CMD under what is left of the budget; never stops the script.
+run_step() {
+  local name=$1 cap=$2
+  shift 2
+  local left=$((BUDGET_S - SECONDS - RESERVE_S))
+  if ((left < 20)); then
+    SUMMARY+=("SKIPPED  $name (budget spent)")
+    FAILED=1
+    return
+  fi
+  local limit=$((cap < left ? cap : left))
+  echo
+  echo "=== $name (limit ${limit}s, t=${SECONDS}s): $*"
+  local t0=$SECONDS rc
+  # SIGINT first: pytest still writes its JUnit file and summary when interrupted.
+  timeout --signal=INT --kill-after=15 "$limit" "$@"
+  rc=$?
+  local took=$((SECONDS - t0)) status
+  if ((rc == 0)); then
+    status="ok      "
+  elif ((rc == 124 || rc == 137)); then
+    status="TIMEOUT "
+    FAILED=1
+  else
+    status="FAILED  "
+    FAILED=1
+  fi
+  SUMMARY+=("$status $name (rc=$rc, ${took}s)")
+}
+
+environment() {
+  echo "=== environment ($(date -u '+%Y-%m-%d %H:%M:%S UTC'), repo $REPO, STAGE=$STAGE)"
+  nvidia-smi -L || echo "nvidia-smi failed"
+  nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.max.sm,power.limit --format=csv,noheader || true
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    echo "installing $(ls .whl/*.whl | wc -l) wheels from .whl/ into /tmp/site"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+      || echo "wheel install failed (continuing)"
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+  echo "PYTHONPATH=$PYTHONPATH"
+  python3 - <<'EOF' || echo "version probe failed"
+import platform, torch
+print(f"python {platform.python_version()}  torch {torch.__version__} (CUDA {torch.version.cuda})  "
+      f"cuda available: {torch.cuda.is_available()}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"device 0: {p.name}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, cc {p.major}.{p.minor}")
+for name in ("triton", "transformers", "numpy", "safetensors", "matplotlib", "fastapi", "uvicorn", "pydantic"):
+    try:
+        module = __import__(name)
+        print(f"{name} {getattr(module, '__version__', '?')}")
+    except Exception as exc:
+        print(f"{name} missing ({type(exc).__name__})")
+import tandem
+print(f"tandem {tandem.__version__} from {tandem.__file__}")
+EOF
+}
+
+tests_stage() {
+  local paths=()
+  for p in tests/gpu tests/kernels; do [ -d "$p" ] && paths+=("$p"); done
+  run_step "pytest -m gpu ${paths[*]}" "$TESTS_S" \
+    python3 -m pytest -q -m gpu "${paths[@]}" -p no:cacheprovider --durations=15 \
+    --junitxml="$OUT/gpu-tests.xml"
+}
+
+bench_stage() {
+  if [ -f scripts/bench_kernels.py ]; then
+    run_step "bench_kernels" "$KERNELS_S" python3 scripts/bench_kernels.py --out "$OUT/kernels.json"
+  else
+    SUMMARY+=("SKIPPED  bench_kernels (scripts/bench_kernels.py not found)")
+  fi
+  local peers=()
+  [ -n "${PEERS:-}" ] && peers=(--peers "$PEERS")
+  local w
+  for w in ${WORKLOADS//,/ }; do
+    # One process per workload: a timeout or crash in one keeps the others' results.
+    run_step "tandem bench $w" "$BENCH_S" python3 -m tandem.cli bench --workload "$w" --scale "$SCALE" \
+      "${peers[@]}" --out "$WORK/bench-$w.json" --plot-dir "$WORK/plots"
+  done
+  WORKLOADS=$WORKLOADS WORK=$WORK OUT=$OUT python3 - <<'EOF' || echo "merging bench results failed"
+import json, os
+work, names = os.environ["WORK"], [n for n in os.environ["WORKLOADS"].split(",") if n]
+results, missing, commands = [], [], []
+for n in names:
+    path = os.path.join(work, f"bench-{n}.json")
+    if not os.path.exists(path):
+        missing.append(n)
+        continue
+    with open(path) as f:
+        data = json.load(f)
+    results += data["results"]
+    commands.append(data.get("command", ""))
+if results or missing:
+    with open(os.path.join(os.environ["OUT"], "bench.json"), "w") as f:
+        json.dump({"commands": commands, "missing_workloads": missing, "results": results}, f, indent=2)
+print(f"bench.json: {len(results)} workload(s)" + (f", missing {missing}" if missing else ""))
+EOF
+}
+
+collect_plots() {
+  local pngs=() n_now
+  if [ -d "$WORK/plots" ]; then
+    mapfile -t pngs < <(find "$WORK/plots" -maxdepth 1 -name '*.png' | sort)
+  fi
+  ((${#pngs[@]})) || return 0
+  n_now=$(find "$OUT" -type f | wc -l)
+  if ((n_now + ${#pngs[@]} <= MAX_FILES)); then
+    cp "${pngs[@]}" "$OUT"/
+  elif ((n_now + 1 <= MAX_FILES)); then
+    tar -cf "$OUT/timelines.tar" -C "$WORK/plots" "${pngs[@]##*/}"
+    echo "packed ${#pngs[@]} timeline PNGs into timelines.tar (file limit $MAX_FILES)"
+  else
+    echo "no room for timeline PNGs under $OUT (file limit $MAX_FILES)"
+  fi
+}
+
+summary() {
+  echo
+  echo "=== summary (t=${SECONDS}s of ${BUDGET_S}s budget)"
+  local line
+  for line in "${SUMMARY[@]}"; do echo "  $line"; done
+  OUT=$OUT python3 - <<'EOF' || true
+import json, os
+import xml.etree.ElementTree as ET
+out = os.environ["OUT"]
+junit = os.path.join(out, "gpu-tests.xml")
+if os.path.exists(junit):
+    root = ET.parse(junit).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    count = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    print("  tests: " + ", ".join(f"{v} {k}" for k, v in count.items()))
+    for case in root.iter("testcase"):
+        bad = [c for c in case if c.tag in ("failure", "error")]
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        if bad:
+            message = (bad[0].get("message") or "").splitlines()[0][:200] if bad[0].get("message") else ""
+            print(f"    {bad[0].tag.upper()} {case.get('name')}: {message}")
+        if props:
+            print(f"    {case.get('name')}: {props}")
+bench = os.path.join(out, "bench.json")
+if os.path.exists(bench):
+    with open(bench) as f:
+        data = json.load(f)
+    for r in data["results"]:
+        busy = r.get("gpu_busy_pct")
+        print(f"  {r['workload']:<11} {r['tokens_per_s']:>9.1f} tok/s  roofline {r['roofline_fraction']:.3f}  "
+              f"gpu busy {busy if busy is None else round(busy, 1)}%  "
+              + ", ".join(f"{k} x{v:.2f}" for k, v in r.get("ratios", {}).items()))
+    if data.get("missing_workloads"):
+        print(f"  bench missing: {data['missing_workloads']}")
+EOF
+  echo "  files under $OUT:"
+  find "$OUT" -type f -printf '    %P (%s bytes)\n' | sort
+}
+
+main() {
+  environment
+  [ "$STAGE" != bench ] && tests_stage
+  [ "$STAGE" != tests ] && bench_stage
+  collect_plots
+  summary
+  rm -rf "$WORK"
+  return "$FAILED"
+}
+
+main 2>&1 | tee "$OUT/gpu-check.log"
+exit "${PIPESTATUS[0]}"
