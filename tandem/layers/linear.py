@@ -29,3 +29,14 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
 
+
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[n, hidden] x [vocab, hidden]^T -> [n, vocab] float32.
+
+    On the CPU a few rows against a vocabulary-sized weight run ~30% faster as W @ h^T (the long
+    vocabulary dimension becomes the GEMM's M); on CUDA cuBLAS picks well either way.
+    """
+    if hidden.device.type == "cpu" and hidden.shape[0] <= 64:
+        return torch.mm(weight, hidden.t()).t().float()
+    return F.linear(hidden, weight).float()

@@ -12,7 +12,7 @@ from tandem.config import ModelConfig
 from tandem.layers.activation import activation_fn
 from tandem.layers.attention import Attention
 from tandem.layers.attention_metadata import AttentionMetadata
-from tandem.layers.linear import Embedding, Linear
+from tandem.layers.linear import Embedding, Linear, lm_head_logits
 from tandem.layers.norm import LayerNorm
 from tandem.models.weights import WeightLoader
 
@@ -96,7 +96,7 @@ class GPT2LMHeadModel(nn.Module):
         return self.transformer.ln_f(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        return F.linear(hidden, self.transformer.wte.weight).float()
+        return lm_head_logits(hidden, self.transformer.wte.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)

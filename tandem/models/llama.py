@@ -12,7 +12,7 @@ from tandem.config import ModelConfig
 from tandem.layers.activation import silu_and_mul
 from tandem.layers.attention import Attention
 from tandem.layers.attention_metadata import AttentionMetadata
-from tandem.layers.linear import Embedding, Linear
+from tandem.layers.linear import Embedding, Linear, lm_head_logits
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, apply_rotary
 from tandem.models.weights import WeightLoader
@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return lm_head_logits(hidden, weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loader = WeightLoader(self)
