@@ -151,6 +151,8 @@ class LLM:
                         bar.set_postfix_str(f"{num_out / (time.perf_counter() - start):.1f} tok/s")
                 if pending and not engine.has_unfinished_requests():
                     raise RuntimeError(f"engine went idle with {len(pending)} unfinished requests")
+            while engine.has_unfinished_requests():  # a step still in flight for requests ended early
+                engine.step()
         finally:
             for rid in pending:
                 engine.abort_request(rid)

@@ -65,8 +65,10 @@ class Timeline:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
-def plot_timelines(timelines: dict[str, Timeline], path: str, max_seconds: float | None = None) -> None:
-    """One row pair (CPU, GPU) per run, like the seed's figures; the title carries GPU-busy %."""
+def plot_timelines(timelines: dict[str, Timeline], path: str, max_seconds: float | None = None,
+                   start_frac: float = 0.0) -> None:
+    """One row pair (CPU, GPU) per run, like the seed's figures; the title carries GPU-busy % of the
+    whole run. The drawn window starts `start_frac` into the run and lasts `max_seconds`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,18 +78,20 @@ def plot_timelines(timelines: dict[str, Timeline], path: str, max_seconds: float
               "update": "#ff7f0e", "compute": "#2ca02c"}
     fig, axes = plt.subplots(len(timelines), 1, figsize=(14, 1.8 * len(timelines) + 0.6), squeeze=False)
     for ax, (label, tl) in zip(axes[:, 0], timelines.items()):
-        t0, t1 = tl.window()
+        begin, t1 = tl.window()
+        t0 = begin + start_frac * (t1 - begin)
         horizon = (t1 - t0) if max_seconds is None else min(max_seconds, t1 - t0)
         for row, lane in enumerate(("gpu", "cpu")):
             bars = [(s.start - t0, s.end - s.start, colors.get(s.name, "#7f7f7f"))
-                    for s in tl.spans if s.lane == lane and s.start - t0 <= horizon]
+                    for s in tl.spans if s.lane == lane and s.end >= t0 and s.start - t0 <= horizon]
             if bars:
                 ax.broken_barh([(b[0] * 1e3, b[1] * 1e3) for b in bars], (row * 10, 8),
                                facecolors=[b[2] for b in bars])
         ax.set_xlim(0, horizon * 1e3)
         ax.set_yticks([4, 14], ["GPU", "CPU"])
-        ax.set_title(f"{label}: GPU busy {tl.gpu_busy_pct():.1f}% over {(t1 - t0):.2f} s", fontsize=10)
-        ax.set_xlabel("ms")
+        ax.set_title(f"{label}: GPU busy {tl.gpu_busy_pct():.1f}% over {(t1 - begin):.2f} s "
+                     f"(window from {t0 - begin:.2f} s)", fontsize=10)
+        ax.set_xlabel("ms into the window")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     fig.legend(handles, list(colors), loc="lower center", ncol=len(colors), fontsize=8)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
