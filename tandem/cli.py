@@ -8,10 +8,10 @@ import sys
 import time
 
 DEFAULT_PROMPTS = [
-    "The capital of France is",
+    "What is the capital of France?",
     "Write a haiku about the sea.",
     "Explain in one sentence why the sky is blue.",
-    "List three prime numbers:",
+    "Name three prime numbers.",
 ]
 
 
@@ -65,8 +65,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     llm = LLM(**engine_kwargs(args))
     prompts = args.prompt or DEFAULT_PROMPTS
+    # The built-in prompts are questions: wrap them in the chat template when the model has one.
+    chat = args.chat if args.chat is not None else (
+        not args.prompt and bool(getattr(llm.tokenizer, "chat_template", None)))
     start = time.perf_counter()
-    if args.chat:
+    if chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
         outputs = llm.generate(prompts, params)
@@ -88,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few built-in prompts")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="wrap each prompt in the chat template (default: for the built-in prompts only)")
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

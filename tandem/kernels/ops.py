@@ -17,7 +17,7 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
 ) -> None:
-    if k.is_cuda or _force_triton():
+    if k.is_cuda or force_triton():
         from tandem.kernels.triton_kv import write_kv_triton  # lazy: CPU-only runs never import Triton
 
         write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
@@ -32,13 +32,13 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    if q.is_cuda or _force_triton():
+    if q.is_cuda or force_triton():
         from tandem.kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)
 
 
-def _force_triton() -> bool:
+def force_triton() -> bool:
     """TANDEM_FORCE_TRITON=1 sends CPU tensors to the Triton kernels (tests under TRITON_INTERPRET=1)."""
     return os.environ.get("TANDEM_FORCE_TRITON") == "1"

@@ -5,9 +5,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.ops import force_triton
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2 * d] holding gate then up; returns silu(gate) * up, [..., d]."""
+    if x.is_cuda or force_triton():
+        from tandem.kernels.triton_fused import silu_and_mul_triton  # lazy: no Triton on CPU
+
+        return silu_and_mul_triton(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.ops import force_triton
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -17,6 +19,12 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if x.is_cuda or force_triton():
+            from tandem.kernels.triton_fused import fused_add_rms_norm_triton, rms_norm_triton  # lazy: no Triton on CPU
+
+            if residual is None:
+                return rms_norm_triton(x, self.weight, self.eps)
+            return fused_add_rms_norm_triton(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x

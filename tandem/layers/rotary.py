@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.kernels.ops import force_triton
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -72,3 +74,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x: [num_tokens, num_heads, head_dim]; rotates pairs (i, i + head_dim / 2) by the step's angles."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rotary_qk(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], may be a strided view of the fused qkv output
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated (q, k). On CUDA one fused kernel rotates q and k IN PLACE; on CPU they are left untouched."""
+    if q.is_cuda or force_triton():
+        from tandem.kernels.triton_fused import rotary_triton  # lazy: no Triton on CPU
+
+        rotary_triton(q, k, cos, sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -14,7 +14,7 @@ from tandem.layers.attention import Attention
 from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.layers.linear import Embedding, Linear, lm_head_logits
 from tandem.layers.norm import RMSNorm
-from tandem.layers.rotary import RotaryEmbedding, apply_rotary
+from tandem.layers.rotary import RotaryEmbedding, apply_rotary_qk
 from tandem.models.weights import WeightLoader
 
 # Hugging Face projection name -> (our fused projection, shard index in it).
@@ -58,14 +58,12 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         q_size, kv_size, _ = self.shard_sizes
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = self.q_norm(qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        else:
-            # q and k are adjacent in the fused projection: rotate both heads' groups in one pass.
-            qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = apply_rotary(qk, *rotary).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = self.q_norm(q), self.k_norm(k)
+        # On CUDA this rotates in place (into qkv, or the norms' fresh outputs); qkv is this layer's own buffer.
+        q, k = apply_rotary_qk(q, k, *rotary)
         out = self.attn(q, k, v, k_cache, v_cache, meta)  # [num_tokens, num_heads * head_dim]
         return self.o_proj(out)
 

@@ -1,0 +1,207 @@
+"""Fused Triton elementwise kernels for the decoder layer: (add +) RMSNorm, in-place rotary, SiLU-and-mul."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Math is fp32; values are rounded to the storage dtype exactly where the eager PyTorch layers round
+# (norm before the weight multiply, each rotary product), so GPU results track the eager path and HF.
+MAX_NORM_DIM = 65536  # one program holds a whole row in registers
+SILU_BLOCK = 1024  # columns per silu_and_mul program
+
+
+def _num_warps(block: int) -> int:
+    return min(max(block // 256, 1), 16)
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
+    inner, dim, eps,
+    stride_xa, stride_xb, stride_ra, stride_rb,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Program = one row (token, or token x head for per-head norms); rows are addressed as x[a, b, :]
+    # with a = row // inner, b = row % inner, so row-strided views (slices of a fused qkv) need no copy.
+    row = tl.program_id(0).to(tl.int64)
+    a = row // inner
+    b = row % inner
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < dim
+    x = tl.load(x_ptr + a * stride_xa + b * stride_xb + offs, mask=mask, other=0.0)
+    s = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + a * stride_ra + b * stride_rb + offs, mask=mask, other=0.0)
+        # x + residual is rounded to the activation dtype before the norm, as in eager mode.
+        summed = (s + r.to(tl.float32)).to(x.dtype)
+        tl.store(new_res_ptr + row * dim + offs, summed, mask=mask)
+        s = summed.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(s * s, axis=0) / dim + eps)
+    normed = (s * rstd).to(x.dtype).to(tl.float32)  # F.rms_norm(x.float()).to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * dim + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows3(x: torch.Tensor) -> torch.Tensor:
+    """[..., dim] -> a [A, B, dim] view (copy only if the leading dims cannot be expressed by two strides)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 1:
+        return x.view(1, 1, -1)
+    if x.dim() == 2:
+        return x.unsqueeze(1)
+    if x.dim() == 3:
+        return x
+    return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
+def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match the normalized dim {dim}")
+    if dim > MAX_NORM_DIM:
+        raise ValueError(f"rms_norm_triton supports a last dim up to {MAX_NORM_DIM}, got {dim}")
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    new_res = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    if x.numel() == 0:
+        return out, new_res
+    x3 = _as_rows3(x)
+    r3 = _as_rows3(residual) if residual is not None else x3
+    if r3.shape != x3.shape or r3.dtype != x3.dtype:
+        raise ValueError(f"residual {tuple(r3.shape)} {r3.dtype} does not match x {tuple(x3.shape)} {x3.dtype}")
+    rows = x3.shape[0] * x3.shape[1]
+    block = triton.next_power_of_2(dim)
+    _rms_norm_kernel[(rows,)](
+        x3, r3, weight.contiguous(), out, new_res if new_res is not None else out,
+        x3.shape[1], dim, float(eps),
+        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+        HAS_RESIDUAL=residual is not None, BLOCK_D=block, num_warps=_num_warps(block),
+    )
+    return out, new_res
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over x's last dim (any leading shape; row-strided views read in place); contiguous output."""
+    return _rms_norm(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual) * weight, x + residual) in one pass; neither input is written."""
+    return _rms_norm(x, residual, weight, eps)
+
+
+# ----------------------------------------------------------------------------- rotary
+
+
+@triton.jit
+def _rotate_heads(base_ptr, stride_h, stride_d, num_heads, c, s, offs_d, d_mask,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    # Rotates pairs (i, i + HALF) of every head of one token in place; c, s are [1, BLOCK_HALF] fp32.
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
+    ptrs1 = base_ptr + offs_h[:, None] * stride_h + offs_d[None, :] * stride_d
+    ptrs2 = ptrs1 + HALF * stride_d
+    x1 = tl.load(ptrs1, mask=mask, other=0.0)
+    x2 = tl.load(ptrs2, mask=mask, other=0.0)
+    dt = x1.dtype
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    # Each product is rounded like the eager `x1 * cos - x2 * sin` (a no-op in fp32).
+    o1 = (f1 * c).to(dt).to(tl.float32) - (f2 * s).to(dt).to(tl.float32)
+    o2 = (f2 * c).to(dt).to(tl.float32) + (f1 * s).to(dt).to(tl.float32)
+    tl.store(ptrs1, o1.to(dt), mask=mask)
+    tl.store(ptrs2, o2.to(dt), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr,
+    num_q_heads, num_k_heads,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_ct, stride_cd, stride_st, stride_sd,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+):
+    # Program = one token: its cos/sin row is loaded once and applied to all q and k heads.
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    c = tl.load(cos_ptr + t * stride_ct + offs_d * stride_cd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + t * stride_st + offs_d * stride_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, stride_qd, num_q_heads, c, s, offs_d, d_mask, HALF, BLOCK_HQ)
+    _rotate_heads(k_ptr + t * stride_kt, stride_kh, stride_kd, num_k_heads, c, s, offs_d, d_mask, HALF, BLOCK_HK)
+
+
+def _as_token_rows(t: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """cos/sin [num_tokens, 1, half] (RotaryEmbedding.forward) or [num_tokens, half] -> a [num_tokens, half] view."""
+    if t.dim() == 3 and t.shape[1] == 1:
+        t = t[:, 0]
+    if t.dim() != 2 or t.shape[0] != num_tokens:
+        raise ValueError(f"cos/sin must be [num_tokens, (1,) rotary_dim // 2], got {tuple(t.shape)}")
+    return t
+
+
+def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place: rotate q [T, Hq, D] and k [T, Hk, D] (strided views allowed) by cos/sin of 2 * half <= D dims.
+
+    Pairs (i, i + half) of the first 2 * half dims rotate; any remaining dims (partial rotary) are untouched.
+    """
+    num_tokens, _, head_dim = q.shape
+    if k.dim() != 3 or k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    cos, sin = _as_token_rows(cos, num_tokens), _as_token_rows(sin, num_tokens)
+    half = cos.shape[1]
+    if sin.shape != cos.shape or 2 * half > head_dim:
+        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not fit head_dim {head_dim}")
+    if num_tokens == 0:
+        return
+    block_half = triton.next_power_of_2(half)
+    block_hq, block_hk = triton.next_power_of_2(q.shape[1]), triton.next_power_of_2(k.shape[1])
+    _rotary_kernel[(num_tokens,)](
+        q, k, cos, sin,
+        q.shape[1], k.shape[1],
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        HALF=half, BLOCK_HALF=block_half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+        num_warps=_num_warps(block_hq * block_half),
+    )
+
+
+# ----------------------------------------------------------------------------- SiLU and mul
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr):
+    # Program = (row, column block): the op has no reduction, so a row is split to fill the GPU at batch 1.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g * tl.sigmoid(g)).to(gate.dtype).to(tl.float32)  # F.silu rounds before the multiply
+    tl.store(out_ptr + row * inter + offs, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2 * I] (gate then up) -> silu(gate) * up, [..., I] contiguous."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs an even last dim, got {x.shape[-1]}")
+    inter = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, 2 * inter)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    block = min(SILU_BLOCK, triton.next_power_of_2(inter))
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+        x2, out, inter, x2.stride(0), BLOCK=block, num_warps=_num_warps(block),
+    )
+    return out
