@@ -155,12 +155,13 @@ class EngineCore:
         if tl is not None:
             tl.step = self.num_steps
         self.num_steps += 1
+        sched: SchedulerOutput | None = None
         try:
             sched = self._timed("schedule", self.scheduler.schedule)
             handle = self._timed("launch", lambda: self.runner.launch(sched)) if sched.scheduled else None
         except Exception as exc:  # a failure to build or launch the step fails its requests, not the engine
             logger.exception("engine step failed at launch")
-            failed = self._fail(sched.scheduled if "sched" in locals() else [], exc)
+            failed = self._fail(sched.scheduled if sched is not None else [], exc)
             if self._inflight is not None:
                 failed += self._fail(self._inflight.sched.scheduled, exc)
                 self._drop(self._inflight)
