@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -42,15 +42,24 @@ class StepHandle:
     num_tokens: int = 0
     step_index: int = 0
     num_context_tokens: int = 0  # sum of the sequences' context lengths: KV the step reads
-    launch_time: float = 0.0
 
 
 @dataclass(slots=True)
 class StepResult:
     token_ids: list[int]
     logprobs: list[Logprobs] | None
-    gpu_span: tuple[float, float] | None = None  # (start, end) in time.perf_counter seconds, when timed
-    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _StepShape:
+    """What `_prepare` learns about a step while writing it, for the launch."""
+
+    all_greedy: bool
+    any_top_k_top_p: bool
+    num_logprobs: int  # -1: no row asked for log-probabilities
+    max_query_len: int
+    max_seq_len: int
+    num_context_tokens: int
 
 
 class ModelRunner:
@@ -198,8 +207,8 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- host-side preparation
 
-    def _prepare(self, sched: SchedulerOutput, slot: int, pad_to: int | None) -> tuple[bool, bool, int]:
-        """Writes the step into the slot's pinned host buffers; returns (all_greedy, any_top_k_top_p, num_logprobs)."""
+    def _prepare(self, sched: SchedulerOutput, slot: int, pad_to: int | None) -> _StepShape:
+        """Writes the step into the slot's pinned host buffers (one pass over the scheduled requests)."""
         buf = self.buffers[slot]
         ints, longs, floats = buf.ints.np, buf.longs.np, buf.floats.np
         input_ids, positions = ints["input_ids"], ints["positions"]
@@ -212,6 +221,7 @@ class ModelRunner:
         prev_rows = self._prev_rows
         rows: dict[str, int] = {}
         all_greedy, any_filter, num_logprobs = True, False, -1
+        max_query_len = max_seq_len = num_context = 0
         t = 0
         qsl[0] = 0
         for i, s in enumerate(sched.scheduled):
@@ -247,6 +257,9 @@ class ModelRunner:
             any_filter |= sp.temperature != 0.0 and (sp.top_k > 0 or sp.top_p < 1.0)
             if sp.logprobs is not None:
                 num_logprobs = max(num_logprobs, sp.logprobs)
+            max_query_len = max(max_query_len, n)
+            max_seq_len = max(max_seq_len, end)
+            num_context += end
             rows[req.request_id] = i
         num_seqs = len(sched.scheduled)
         if pad_to is not None and pad_to > num_seqs:
@@ -258,7 +271,7 @@ class ModelRunner:
             qsl[num_seqs + 1 : pad_to + 1] = np.arange(t + 1, pad_to + 1)
             seq_lens[num_seqs:pad_to] = 0
         self._prev_rows = rows
-        return all_greedy, any_filter, num_logprobs
+        return _StepShape(all_greedy, any_filter, num_logprobs, max_query_len, max_seq_len, num_context)
 
     # ---------------------------------------------------------------- launch / wait
 
@@ -270,7 +283,8 @@ class ModelRunner:
         num_tokens = sched.num_scheduled_tokens
         decode_only = num_tokens == num_seqs
         graph_bs = self.graphs.padded_size(num_seqs) if (self.graphs is not None and decode_only) else None
-        all_greedy, any_filter, num_logprobs = self._prepare(sched, slot, graph_bs)
+        shape = self._prepare(sched, slot, graph_bs)
+        num_logprobs = shape.num_logprobs
         buf = self.buffers[slot]
         events = self._events[slot]  # free to re-record: the slot's previous step was waited for
         streams = self.streams
@@ -283,15 +297,13 @@ class ModelRunner:
             if graph_bs is not None:
                 logits = self.graphs.replay(slot, graph_bs)[:num_seqs]  # type: ignore[union-attr]
             else:
-                max_query_len = max(s.num_scheduled_tokens for s in sched.scheduled)
-                max_seq_len = max(s.num_computed_tokens + s.num_scheduled_tokens for s in sched.scheduled)
-                logits = self._forward(slot, num_tokens, num_seqs, max_query_len, max_seq_len,
+                logits = self._forward(slot, num_tokens, num_seqs, shape.max_query_len, shape.max_seq_len,
                                        all_rows=decode_only)
             ints, longs, floats = buf.ints.dev, buf.longs.dev, buf.floats.dev
             out = sample(
                 logits, floats["temperature"][:num_seqs], ints["top_k"][:num_seqs], floats["top_p"][:num_seqs],
                 longs["seeds"][:num_seqs], longs["sample_pos"][:num_seqs],
-                all_greedy=all_greedy, any_top_k_top_p=any_filter, num_logprobs=num_logprobs,
+                all_greedy=shape.all_greedy, any_top_k_top_p=shape.any_top_k_top_p, num_logprobs=num_logprobs,
             )
             buf.out_tokens[:num_seqs].copy_(out.token_ids)
             if out.logprobs is not None:
@@ -299,16 +311,14 @@ class ModelRunner:
             if out.top_ids is not None and out.top_logprobs is not None:
                 buf.out_top_ids[:num_seqs, :num_logprobs].copy_(out.top_ids)
                 buf.out_top_lp[:num_seqs, :num_logprobs].copy_(out.top_logprobs)
-            streams.record("compute", events.compute_end)
             streams.record("compute", events.compute_done)
         streams.wait("d2h", events.compute_done)
         with streams.on("d2h"):
             buf.download(num_seqs, num_logprobs)
             streams.record("d2h", events.d2h_done)
-        num_context = sum(s.num_computed_tokens + s.num_scheduled_tokens for s in sched.scheduled)
         self._step_index += 1  # only once enqueued: a failed launch leaves the slot order unchanged
         return StepHandle(sched, slot, num_seqs, num_logprobs, events, graph_bs, num_tokens,
-                          self._step_index - 1, num_context, time.perf_counter())
+                          self._step_index - 1, shape.num_context_tokens)
 
     def wait(self, handle: StepHandle) -> StepResult:
         """Blocks until the step's tokens are in host memory: the one CPU wait per step."""
@@ -332,10 +342,10 @@ class ModelRunner:
         if not ev.timing:  # launched before timing was turned on
             return None
         if self.device.type != "cuda":
-            return ev.compute_start.time, ev.compute_end.time  # type: ignore[attr-defined]
+            return ev.compute_start.time, ev.compute_done.time  # type: ignore[attr-defined]
         if base is None:
             return None
         base_event, base_time = base
         start = base_time + base_event.elapsed_time(ev.compute_start) / 1000.0  # type: ignore[attr-defined]
-        end = base_time + base_event.elapsed_time(ev.compute_end) / 1000.0  # type: ignore[attr-defined]
+        end = base_time + base_event.elapsed_time(ev.compute_done) / 1000.0  # type: ignore[attr-defined]
         return start, end

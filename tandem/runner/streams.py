@@ -32,11 +32,10 @@ class StepEvents:
         cuda = device.type == "cuda"
         make = (lambda t: torch.cuda.Event(enable_timing=t)) if cuda else (lambda t: _NullEvent())
         self.h2d_done = make(False)
-        self.compute_done = make(False)
         self.d2h_done = make(False)
-        # Timing events bracket the GPU work of the step, for the CPU/GPU timeline.
+        # compute_start .. compute_done bracket the step's GPU work; timed only for the CPU/GPU timeline.
         self.compute_start = make(timing)
-        self.compute_end = make(timing)
+        self.compute_done = make(timing)
 
 
 class DeviceStreams:
