@@ -10,7 +10,7 @@ from typing import Any
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
-from tandem.server.async_engine import Accepted, AsyncEngine, Failed, Rejected
+from tandem.server.async_engine import Accepted, AsyncEngine, Failed, Rejected, is_terminal
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import ApiError, PromptTokensDetails, Usage
 
@@ -106,10 +106,12 @@ class Generation:
                 self.metrics.prompt_tokens.inc(len(self.prompts[self._by_id[item.request_id].prompt_index].token_ids))
             elif isinstance(item, Rejected):
                 self.abort_unfinished(record="rejected")
+                if item.status == 429:
+                    raise ApiError(429, item.message, type="rate_limit_error", code="queue_full")
                 raise ApiError(400, item.message, param=_param_of(item.message))
             else:
                 self._pending.append(item)
-                if isinstance(item, Failed):
+                if is_terminal(item):  # failed before it was accepted: nothing more will come
                     waiting.discard(item.request_id)
 
     async def next_batch(self) -> dict[int, Delta]:

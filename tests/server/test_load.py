@@ -43,7 +43,7 @@ async def _stream_one(client: httpx.AsyncClient, i: int, disconnect: bool) -> di
 
 
 def test_concurrent_streams_with_disconnects(live_server):
-    tokenizer = live_server.core.tokenizer
+    tokenizer = live_server.tokenizer
     before = live_server.metrics()
     disconnecting = set(range(0, NUM_CLIENTS, 4)[:NUM_DISCONNECT])
 
