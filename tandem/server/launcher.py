@@ -192,7 +192,7 @@ def _api_process_main(settings: ApiSettings, info: EngineInfo, input_addr: str, 
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         raise SystemExit(1)
-    server.run(sockets=[sock])
+    _run_quietly_on_signal(server, sockets=[sock])
     raise SystemExit(1 if died or not server.started else 0)
 
 
@@ -232,18 +232,22 @@ def serve(settings: ApiSettings, num_api_servers: int = 1, core_class: str = DEF
 
 def _serve_in_process(settings: ApiSettings, engine: EngineProcess) -> int:
     server, _, died = build_api_server(settings, engine)
-    # uvicorn re-raises the signal it caught through the handler that was installed before it ran;
-    # a no-op one there makes a graceful SIGTERM end in exit status 0 instead of death by signal.
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        server.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    _run_quietly_on_signal(server)
     if died:
         logger.error("tandem serve: %s", died[0])
         return 1
     return 0 if server.started else 1
+
+
+def _run_quietly_on_signal(server: Any, sockets: list[socket.socket] | None = None) -> None:
+    # uvicorn re-raises the signal it caught through the handler that was installed before it ran;
+    # a no-op one there makes a graceful SIGTERM end in exit status 0 instead of death by signal.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run(sockets=sockets)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _serve_with_api_processes(settings: ApiSettings, engine: EngineProcess, count: int) -> int:
