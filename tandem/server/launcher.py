@@ -184,6 +184,7 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 def _api_process_main(settings: ApiSettings, info: EngineInfo, input_addr: str, output_addr: str,
                       client_index: int) -> None:
     """Body of API process i of N (N > 1)."""
+    set_process_name(f"tandem-api-{client_index}")
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s api-{client_index}: %(message)s")
     server, _, died = build_api_server(settings, (info, input_addr, output_addr), client_index)
@@ -243,11 +244,31 @@ def _run_quietly_on_signal(server: Any, sockets: list[socket.socket] | None = No
     # uvicorn re-raises the signal it caught through the handler that was installed before it ran;
     # a no-op one there makes a graceful SIGTERM end in exit status 0 instead of death by signal.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    profile_dir = os.environ.get("TANDEM_PROFILE_API_DIR")  # `tandem bench --serve-profile` sets it
+    profiler = None
+    if profile_dir:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         server.run(sockets=sockets)
     finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(os.path.join(profile_dir, f"api-{os.getpid()}.prof"))
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def set_process_name(name: str) -> None:
+    """Names this process for ps/top and /proc/<pid>/comm (Linux; best effort)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def _serve_with_api_processes(settings: ApiSettings, engine: EngineProcess, count: int) -> int:
@@ -330,6 +351,7 @@ def serve_main(args: argparse.Namespace) -> int:
     from tandem.cli import engine_kwargs
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    set_process_name("tandem-serve")
     try:
         settings = ApiSettings(EngineConfig(**engine_kwargs(args)), model_names_from_args(args), host=args.host,
                                port=args.port, api_key=args.api_key, max_queue=args.max_queue,
