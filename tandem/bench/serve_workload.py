@@ -36,6 +36,9 @@ def add_serve_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--serve-poisson-rate", type=float, default=None,
                    help="also run a Poisson pass at this many requests/s on the overlap server")
     g.add_argument("--serve-profile", action="store_true", help="cProfile the API process(es); top entries in JSON")
+    g.add_argument("--serve-stream", action="store_true",
+                   help="also run the `stream` pass on the overlap server: 64 requests, one every 20 ms, "
+                        "128 new tokens from a 1-token prompt")
 
 
 def run_serve_workload(args: argparse.Namespace) -> dict[str, Any]:
@@ -130,6 +133,11 @@ def _through_server(args: argparse.Namespace, engine_args: list[str], prompt_ids
         cpu_after = _cpu_seconds(proc.pid)
         run["cpu_percent"] = {name: round(100 * (cpu_after[name] - cpu_before.get(name, 0.0)) / wall, 1)
                               for name in cpu_after}
+        if poisson and args.serve_stream:
+            bench = parser.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--prompt-token-ids",
+                                       str(prompt_ids[0]), "--max-tokens", "128", "--num-requests", "64",
+                                       "--request-rate", "50", "--arrival", "fixed", "--warmup", "2"])
+            run["stream"] = run_benchmark(bench, [[prompt_ids[0]]])
         if poisson and args.serve_poisson_rate:
             bench = parser.parse_args(base + ["--num-requests", str(num), "--request-rate",
                                               str(args.serve_poisson_rate), "--arrival", "poisson"])
