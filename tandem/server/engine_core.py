@@ -214,7 +214,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addrs: list[st
     """Body of the engine-core process: load the engine, report EngineInfo (or EngineFailed), serve."""
     # Ctrl-C reaches the whole process group; the launcher decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from tandem.server.launcher import set_process_name
+    from tandem.server.launcher import freeze_gc, set_process_name
 
     set_process_name("tandem-engine")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s engine-core: %(message)s")
@@ -230,4 +230,5 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addrs: list[st
     startup.send_bytes(encoder.encode(EngineInfo(core.max_model_len, core.model_config.vocab_size,
                                                  core.runner.num_blocks, os.getpid())))
     startup.close()
+    freeze_gc()
     loop.run()

@@ -126,6 +126,9 @@ class Generation:
             if choice.finish_reason is not None or self.error is not None:
                 continue
             self._apply(choice, item, deltas.setdefault(choice.index, Delta()))
+        num_new = sum(len(d.token_ids) for d in deltas.values())
+        if num_new:  # one counter update per batch: multiprocess-mode counters write to shared files
+            self.metrics.generation_tokens.inc(num_new)
         if self.error is not None:
             self.abort_unfinished()
         return deltas
@@ -182,7 +185,6 @@ class Generation:
             choice.queue_time_s = float(queue_time)
         choice.token_ids.extend(new_ids)
         delta.token_ids.extend(new_ids)
-        self.metrics.generation_tokens.inc(len(new_ids))
         if item.new_logprobs:
             entries = [(t, lp[0], list(lp[1])) for t, lp in zip(new_ids, item.new_logprobs[:consumed])]
             choice.logprobs.extend(entries)
