@@ -15,7 +15,8 @@ import zmq.asyncio
 
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
-from tandem.server.messages import AbortRequest, AddRequest, ClientCommand, EngineBatch
+from tandem.server.messages import AbortRequest, AddRequest, ClientCommand, EngineBatch, WireStats, merge_stats
+from tandem.server.router import ReplicaRouter
 
 logger = logging.getLogger(__name__)
 
@@ -60,39 +61,53 @@ def is_terminal(item: Any) -> bool:
 
 
 class AsyncEngine:
-    """One API process's view of the engine core.
+    """One API process's view of the engine core(s).
 
-    ``add`` / ``abort`` queue commands that go out in one message per event-loop turn; a reader task
-    takes the engine's one message per step and routes each request's items to the asyncio.Queue its
-    caller registered. The engine's pid is watched (pidfd), so its death fails every open request at once.
+    ``add`` / ``abort`` queue commands that go out in one message per engine per event-loop turn; a
+    reader task takes each engine's one message per step and routes each request's items to the
+    asyncio.Queue its caller registered. With data parallelism there is one engine-core process per
+    replica: a ReplicaRouter picks each request's replica (prefix affinity, then load), and all of them
+    send to this process's one output socket. Every engine's pid is watched (pidfd): the death of any
+    fails every open request at once.
     """
 
-    def __init__(self, input_addr: str, output_addr: str, *, client_index: int = 0, max_queue: int,
-                 engine_pid: int | None = None, on_engine_death: Callable[[str], None] | None = None) -> None:
+    def __init__(self, input_addrs: str | list[str], output_addr: str, *, client_index: int = 0, max_queue: int,
+                 engine_pids: list[int] | None = None, on_engine_death: Callable[[str], None] | None = None,
+                 block_size: int = 16) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        self.input_addr = input_addr
+        self.input_addrs = [input_addrs] if isinstance(input_addrs, str) else list(input_addrs)
         self.output_addr = output_addr
         self.client_index = client_index
         self.max_queue = max_queue
-        self.engine_pid = engine_pid
+        self.engine_pids = list(engine_pids or [])
         self.on_engine_death = on_engine_death
-        self.stats: Any = None  # latest WireStats from the engine (replaced, never mutated)
-        self.error: str | None = None  # set once the engine process is gone
+        self.router = ReplicaRouter(len(self.input_addrs), block_size)
+        self.error: str | None = None  # set once an engine process is gone
+        self._replica_stats: list[WireStats | None] = [None] * len(self.input_addrs)
         self._streams: dict[str, asyncio.Queue] = {}  # accepted or pending, not yet terminal
-        self._outbox: list[ClientCommand] = []
+        self._replica_of: dict[str, int] = {}  # same keys as _streams: the replica serving the request
+        self._outboxes: list[list[ClientCommand]] = [[] for _ in self.input_addrs]
         self._flush_scheduled = False
         self._stopping = False
         self._started = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx: zmq.asyncio.Context | None = None
-        self._push: zmq.Socket | None = None
+        self._pushes: list[zmq.Socket] = []
         self._pull: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
-        self._pidfd: int | None = None
-        self._watcher: asyncio.Task | None = None
+        self._pidfds: list[int] = []
+        self._watchers: list[asyncio.Task] = []
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineBatch)
+
+    @property
+    def stats(self) -> WireStats | None:
+        """The engines' latest figures, merged over replicas (None until every replica has reported)."""
+        parts = self._replica_stats
+        if any(p is None for p in parts):
+            return None
+        return parts[0] if len(parts) == 1 else merge_stats(parts)  # type: ignore[arg-type]
 
     @property
     def num_requests(self) -> int:
@@ -107,15 +122,17 @@ class AsyncEngine:
         """Connects to the engine core; call from the event loop that will consume the outputs."""
         self._loop = asyncio.get_running_loop()
         self._ctx = zmq.asyncio.Context()
-        self._push = zmq.Context.instance().socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 0)
-        self._push.connect(self.input_addr)
+        for addr in self.input_addrs:
+            push = zmq.Context.instance().socket(zmq.PUSH)
+            push.setsockopt(zmq.SNDHWM, 0)
+            push.connect(addr)
+            self._pushes.append(push)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.bind(self.output_addr)  # the engine core connects to it
         self._reader = asyncio.ensure_future(self._read())
-        if self.engine_pid is not None:
-            self._watch_engine(self.engine_pid)
+        for pid in self.engine_pids:
+            self._watch_engine(pid)
         self._started = True
 
     def add(self, requests: list[tuple[str, list[int], SamplingParams]], stream: asyncio.Queue) -> None:
@@ -132,14 +149,20 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
         for request_id, prompt_token_ids, params in requests:
+            replica = self.router.pick(prompt_token_ids)
             self._streams[request_id] = stream
-            self._send(AddRequest(request_id, prompt_token_ids, params, self.client_index))
+            self._replica_of[request_id] = replica
+            self._send(replica, AddRequest(request_id, prompt_token_ids, params, self.client_index))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
               stop_reason: str | None = None) -> None:
         """Stops a request (client gone, or a stop string matched); its stream gets nothing more."""
-        if self._streams.pop(request_id, None) is not None and self.error is None:
-            self._send(AbortRequest(request_id, reason.value, stop_reason))
+        if self._streams.pop(request_id, None) is None:
+            return
+        replica = self._replica_of.pop(request_id)
+        self.router.release(replica)
+        if self.error is None:
+            self._send(replica, AbortRequest(request_id, reason.value, stop_reason))
 
     async def shutdown(self) -> None:
         """Stops taking requests, fails the ones still open, closes the sockets (the engine goes on)."""
@@ -149,13 +172,14 @@ class AsyncEngine:
             self._flush()
         if self._reader is not None:
             self._reader.cancel()
-        if self._watcher is not None:
-            self._watcher.cancel()
-        if self._pidfd is not None and self._loop is not None:
-            self._loop.remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
-        for sock in (self._push, self._pull):
+        for watcher in self._watchers:
+            watcher.cancel()
+        for pidfd in self._pidfds:
+            if self._loop is not None:
+                self._loop.remove_reader(pidfd)
+            os.close(pidfd)
+        self._pidfds = []
+        for sock in (*self._pushes, self._pull):
             if sock is not None:
                 sock.close(linger=500)
         if self._ctx is not None:
@@ -163,8 +187,8 @@ class AsyncEngine:
 
     # ---- sending -----------------------------------------------------------------------------
 
-    def _send(self, command: ClientCommand) -> None:
-        self._outbox.append(command)
+    def _send(self, replica: int, command: ClientCommand) -> None:
+        self._outboxes[replica].append(command)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             assert self._loop is not None
@@ -172,9 +196,10 @@ class AsyncEngine:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        commands, self._outbox = self._outbox, []
-        if commands and self._push is not None and not self._push.closed:
-            self._push.send(self._encoder.encode(commands), copy=False)
+        for replica, commands in enumerate(self._outboxes):
+            if commands and not self._pushes[replica].closed:
+                self._pushes[replica].send(self._encoder.encode(commands), copy=False)
+            self._outboxes[replica] = []
 
     # ---- receiving ---------------------------------------------------------------------------
 
@@ -184,6 +209,9 @@ class AsyncEngine:
             while True:
                 frame = await self._pull.recv(copy=False)
                 self._dispatch(self._decoder.decode(frame.buffer))
+                # recv() does not yield while messages are queued: give the streams this batch fed
+                # their turn before the next one, or a backlog would starve every other task.
+                await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except Exception:  # a bad message is a bug in this process: fail loudly, not silently hang
@@ -192,7 +220,7 @@ class AsyncEngine:
 
     def _dispatch(self, batch: EngineBatch) -> None:
         if batch.stats is not None:
-            self.stats = batch.stats
+            self._replica_stats[batch.engine_index] = batch.stats
         streams = self._streams
         for request_id in batch.accepted:
             stream = streams.get(request_id)
@@ -201,6 +229,7 @@ class AsyncEngine:
         for rejection in batch.rejected:
             stream = streams.pop(rejection.request_id, None)
             if stream is not None:
+                self.router.release(self._replica_of.pop(rejection.request_id))
                 stream.put_nowait(Rejected(rejection.request_id, rejection.message, rejection.status))
         for output in batch.outputs:
             stream = streams.get(output.request_id)
@@ -208,6 +237,7 @@ class AsyncEngine:
                 continue  # aborted here meanwhile; the item is stale
             if output.finished:
                 del streams[output.request_id]
+                self.router.release(self._replica_of.pop(output.request_id))
             stream.put_nowait(output)
 
     # ---- engine liveness ---------------------------------------------------------------------
@@ -215,11 +245,12 @@ class AsyncEngine:
     def _watch_engine(self, pid: int) -> None:
         assert self._loop is not None
         try:
-            self._pidfd = os.pidfd_open(pid)
+            pidfd = os.pidfd_open(pid)
         except (AttributeError, OSError):  # no pidfd here: poll instead
-            self._watcher = asyncio.ensure_future(self._poll_pid(pid))
+            self._watchers.append(asyncio.ensure_future(self._poll_pid(pid)))
             return
-        self._loop.add_reader(self._pidfd, self._engine_gone, f"the engine core process (pid {pid}) died")
+        self._pidfds.append(pidfd)
+        self._loop.add_reader(pidfd, self._engine_gone, f"the engine core process (pid {pid}) died")
 
     async def _poll_pid(self, pid: int) -> None:
         while _pid_alive(pid):
@@ -229,8 +260,9 @@ class AsyncEngine:
     def _engine_gone(self, message: str) -> None:
         if self.error is not None:
             return
-        if self._pidfd is not None and self._loop is not None:
-            self._loop.remove_reader(self._pidfd)
+        if self._loop is not None:
+            for pidfd in self._pidfds:
+                self._loop.remove_reader(pidfd)
         logger.error("%s: failing %d open requests", message, len(self._streams))
         self.error = message
         self._fail_all(message)
@@ -239,6 +271,9 @@ class AsyncEngine:
 
     def _fail_all(self, message: str) -> None:
         streams, self._streams = self._streams, {}
+        for replica in self._replica_of.values():
+            self.router.release(replica)
+        self._replica_of = {}
         for request_id, stream in streams.items():
             stream.put_nowait(Failed(request_id, message))
 

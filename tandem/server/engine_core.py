@@ -35,8 +35,9 @@ class EngineCoreLoop:
     """Serves one EngineCore over ZeroMQ: a bound PULL for every API process's commands, one PUSH per API process."""
 
     def __init__(self, core: Any, input_addr: str, output_addrs: list[str], max_queue: int,
-                 ctx: zmq.Context | None = None) -> None:
+                 ctx: zmq.Context | None = None, engine_index: int = 0) -> None:
         self.core = core
+        self.engine_index = engine_index
         self.max_queue = max_queue
         self._ctx = ctx or zmq.Context.instance()
         self._input = self._ctx.socket(zmq.PULL)
@@ -52,7 +53,7 @@ class EngineCoreLoop:
         self._decoder = msgspec.msgpack.Decoder(list[ClientCommand])
         self._encoder = msgspec.msgpack.Encoder()
         self._client_of: dict[str, int] = {}  # live request id -> the API process that owns it
-        self._batches = [EngineBatch([], [], []) for _ in output_addrs]
+        self._batches = [self._new_batch() for _ in output_addrs]
         self._changed = True  # something happened since the last stats went out
         self._last_stats = 0.0
         self._parent_pid = os.getppid()
@@ -193,7 +194,11 @@ class EngineCoreLoop:
             except zmq.Again:
                 logger.error("API process %d is not reachable: dropping a batch of %d outputs", client,
                              len(batch.outputs))
-            self._batches[client] = EngineBatch([], [], [])
+            self._batches[client] = self._new_batch()
+
+
+    def _new_batch(self) -> EngineBatch:
+        return EngineBatch([], [], [], None, self.engine_index)
 
 
 def _failed(request_id: str, message: str) -> TokenOutput:
@@ -210,18 +215,19 @@ def load_core_class(path: str) -> Any:
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addrs: list[str], max_queue: int,
-                    startup: Connection, log_level: str = "INFO", core_class: str = DEFAULT_CORE) -> None:
+                    startup: Connection, log_level: str = "INFO", core_class: str = DEFAULT_CORE,
+                    engine_index: int = 0) -> None:
     """Body of the engine-core process: load the engine, report EngineInfo (or EngineFailed), serve."""
     # Ctrl-C reaches the whole process group; the launcher decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from tandem.server.launcher import freeze_gc, set_process_name
 
-    set_process_name("tandem-engine")
+    set_process_name(f"tandem-engine-{engine_index}" if engine_index else "tandem-engine")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s engine-core: %(message)s")
     encoder = msgspec.msgpack.Encoder()
     try:
         core = load_core_class(core_class)(config)
-        loop = EngineCoreLoop(core, input_addr, output_addrs, max_queue)
+        loop = EngineCoreLoop(core, input_addr, output_addrs, max_queue, engine_index=engine_index)
     except BaseException as exc:
         message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         logger.exception("the engine could not start")

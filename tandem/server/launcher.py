@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import multiprocessing as mp
@@ -21,6 +22,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_any
 from multiprocessing.process import BaseProcess
@@ -46,58 +48,142 @@ class EngineStartError(RuntimeError):
 
 
 @dataclass
-class EngineProcess:
-    """A running engine-core process and the addresses its API processes connect to."""
+class EngineReplica:
+    """One engine-core process: a data-parallel replica with its own GPU(s), KV cache and scheduler."""
 
     process: BaseProcess
     info: EngineInfo
-    ipc_dir: str
     input_addr: str
+
+
+@dataclass
+class Engines:
+    """The running engine-core replica(s) and the addresses the API processes bind for their outputs."""
+
+    replicas: list[EngineReplica]
     output_addrs: list[str]
+    ipc_dir: str
+
+    @property
+    def input_addrs(self) -> list[str]:
+        return [r.input_addr for r in self.replicas]
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.info.pid for r in self.replicas]
+
+    @property
+    def info(self) -> EngineInfo:
+        """What the API sees: the smallest context any replica allows, the KV blocks of all of them."""
+        infos = [r.info for r in self.replicas]
+        return EngineInfo(min(i.max_model_len for i in infos), infos[0].vocab_size,
+                          sum(i.num_blocks for i in infos), infos[0].pid)
+
+    @property
+    def processes(self) -> list[BaseProcess]:
+        return [r.process for r in self.replicas]
 
     def stop(self, timeout_s: float = ENGINE_STOP_TIMEOUT_S) -> int | None:
-        """Asks the engine to fail what is left and exit; kills it if it does not. Returns its exit code."""
-        if self.process.is_alive():
-            ctx = zmq.Context()
-            sock = ctx.socket(zmq.PUSH)
-            sock.connect(self.input_addr)
-            sock.send(msgspec.msgpack.encode([Shutdown()]))
-            sock.close(linger=1000)
-            ctx.term()
-            self.process.join(timeout_s)
-        if self.process.is_alive():
-            logger.warning("the engine core did not stop in %.0f s: killing it", timeout_s)
-            self.process.kill()
-            self.process.join(10)
+        """Asks every replica to fail what is left and exit; kills any that does not. Returns the worst exit code."""
+        ctx = zmq.Context()
+        for replica in self.replicas:
+            if replica.process.is_alive():
+                sock = ctx.socket(zmq.PUSH)
+                sock.connect(replica.input_addr)
+                sock.send(msgspec.msgpack.encode([Shutdown()]))
+                sock.close(linger=1000)
+        ctx.term()
+        deadline = time.monotonic() + timeout_s
+        codes = []
+        for replica in self.replicas:
+            replica.process.join(max(0.0, deadline - time.monotonic()))
+            if replica.process.is_alive():
+                logger.warning("engine core %d did not stop in %.0f s: killing it", replica.info.pid, timeout_s)
+                replica.process.kill()
+                replica.process.join(10)
+            codes.append(replica.process.exitcode)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
-        return self.process.exitcode
+        return next((c for c in codes if c != 0), codes[0] if codes else None)
 
 
-def start_engine_core(config: EngineConfig, *, num_api_servers: int = 1, max_queue: int = DEFAULT_MAX_QUEUE,
-                      log_level: str = "info", core_class: str = DEFAULT_CORE) -> EngineProcess:
-    """Starts the engine-core process and waits until its model is loaded (EngineStartError if it fails)."""
+def start_engines(config: EngineConfig, *, num_api_servers: int = 1, data_parallel_size: int = 1,
+                  max_queue: int = DEFAULT_MAX_QUEUE, log_level: str = "info",
+                  core_class: str = DEFAULT_CORE) -> Engines:
+    """Starts data_parallel_size engine-core processes and waits until each has its model loaded.
+
+    Replica r sees only its own GPUs (CUDA_VISIBLE_DEVICES), r * tp .. (r + 1) * tp - 1 of the visible
+    ones, so each loads, sizes its KV cache and captures its graphs as if it were alone. Raises
+    EngineStartError (after stopping the others) if any replica fails.
+    """
+    if data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
     ipc_dir = tempfile.mkdtemp(prefix="tandem-ipc-")
-    input_addr = f"ipc://{ipc_dir}/input"
     output_addrs = [f"ipc://{ipc_dir}/output-{i}" for i in range(num_api_servers)]
     ctx = mp.get_context("spawn")  # CUDA cannot be used after fork
-    reader, writer = ctx.Pipe(duplex=False)
-    # Not a daemon: the engine may start tensor-parallel workers of its own. It exits by itself when
-    # the launcher disappears (it watches its parent pid).
-    process = ctx.Process(target=run_engine_core, name="tandem-engine-core",
-                          args=(config, input_addr, output_addrs, max_queue, writer, log_level, core_class))
-    process.start()
-    writer.close()
+    started: list[tuple[BaseProcess, Any, str]] = []
     try:
-        reply = _startup_reply(reader, process)
+        for r in range(data_parallel_size):
+            input_addr = f"ipc://{ipc_dir}/input-{r}"
+            reader, writer = ctx.Pipe(duplex=False)
+            # Not a daemon: the engine may start tensor-parallel workers of its own. It exits by itself
+            # when the launcher disappears (it watches its parent pid).
+            process = ctx.Process(target=run_engine_core, name=f"tandem-engine-core-{r}",
+                                  args=(config, input_addr, output_addrs, max_queue, writer, log_level, core_class,
+                                        r))
+            with _visible_gpus(_replica_gpus(config, r, data_parallel_size)):
+                process.start()
+            writer.close()
+            started.append((process, reader, input_addr))
+        replicas = [EngineReplica(process, _startup_reply(reader, process), input_addr)
+                    for process, reader, input_addr in started]
     except BaseException:
-        if process.is_alive():
-            process.kill()
-        process.join(10)
+        for process, _, _ in started:
+            if process.is_alive():
+                process.kill()
+            process.join(10)
         shutil.rmtree(ipc_dir, ignore_errors=True)
         raise
     finally:
-        reader.close()
-    return EngineProcess(process, reply, ipc_dir, input_addr, output_addrs)
+        for _, reader, _ in started:
+            reader.close()
+    return Engines(replicas, output_addrs, ipc_dir)
+
+
+def _replica_gpus(config: EngineConfig, replica: int, data_parallel_size: int) -> str | None:
+    """The CUDA_VISIBLE_DEVICES value of a replica, or None to leave the environment as it is."""
+    if data_parallel_size == 1 or config.device == "cpu":
+        return None
+    tp = getattr(config, "tensor_parallel_size", 1)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(_cuda_device_count())]
+    need = (replica + 1) * tp
+    if need > len(ids):
+        raise ValueError(f"data_parallel_size x tensor_parallel_size needs {data_parallel_size * tp} GPUs; "
+                         f"{len(ids)} are visible")
+    return ",".join(ids[replica * tp:need])
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+@contextlib.contextmanager
+def _visible_gpus(value: str | None) -> Iterator[None]:
+    """Sets CUDA_VISIBLE_DEVICES while a child process starts (spawn copies the environment then)."""
+    if value is None:
+        yield
+        return
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
 
 
 def _startup_reply(reader: Any, process: BaseProcess) -> EngineInfo:
@@ -130,19 +216,30 @@ class ApiSettings:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def build_api_server(settings: ApiSettings, engine: EngineProcess | tuple[EngineInfo, str, str],
+@dataclass
+class EngineEndpoints:
+    """What one API process needs to reach the engine replicas (picklable, for the API processes' start)."""
+
+    info: EngineInfo
+    input_addrs: list[str]
+    pids: list[int]
+    output_addr: str
+
+    @classmethod
+    def of(cls, engines: Engines, client_index: int) -> EngineEndpoints:
+        return cls(engines.info, engines.input_addrs, engines.pids, engines.output_addrs[client_index])
+
+
+def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
                      client_index: int = 0) -> tuple[Any, Any, list[str]]:
-    """(uvicorn.Server, app, death messages) of one API process; engine is the EngineProcess or its addresses."""
+    """(uvicorn.Server, app, death messages) of one API process."""
     import uvicorn
 
     from tandem.models.loader import load_tokenizer
     from tandem.server.app import build_app
     from tandem.server.async_engine import AsyncEngine
 
-    if isinstance(engine, EngineProcess):
-        info, input_addr, output_addr = engine.info, engine.input_addr, engine.output_addrs[client_index]
-    else:
-        info, input_addr, output_addr = engine
+    info = endpoints.info
     died: list[str] = []
     server: uvicorn.Server | None = None
 
@@ -151,8 +248,9 @@ def build_api_server(settings: ApiSettings, engine: EngineProcess | tuple[Engine
         # Keep answering /health with 503 for a moment (monitors see why), then exit non-zero.
         asyncio.get_running_loop().call_later(ENGINE_DEATH_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True))
 
-    async_engine = AsyncEngine(input_addr, output_addr, client_index=client_index, max_queue=settings.max_queue,
-                               engine_pid=info.pid, on_engine_death=on_engine_death)
+    async_engine = AsyncEngine(endpoints.input_addrs, endpoints.output_addr, client_index=client_index,
+                               max_queue=settings.max_queue, engine_pids=endpoints.pids,
+                               on_engine_death=on_engine_death, block_size=settings.engine_config.block_size)
     app = build_app(async_engine, load_tokenizer(settings.engine_config), model_names=settings.model_names,
                     max_model_len=info.max_model_len, vocab_size=info.vocab_size, api_key=settings.api_key)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
@@ -182,13 +280,12 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _api_process_main(settings: ApiSettings, info: EngineInfo, input_addr: str, output_addr: str,
-                      client_index: int) -> None:
+def _api_process_main(settings: ApiSettings, endpoints: EngineEndpoints, client_index: int) -> None:
     """Body of API process i of N (N > 1)."""
     set_process_name(f"tandem-api-{client_index}")
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s api-{client_index}: %(message)s")
-    server, _, died = build_api_server(settings, (info, input_addr, output_addr), client_index)
+    server, _, died = build_api_server(settings, endpoints, client_index)
     try:
         sock = reuse_port_socket(settings.host, settings.port)
     except OSError as exc:
@@ -201,7 +298,8 @@ def _api_process_main(settings: ApiSettings, info: EngineInfo, input_addr: str, 
 # ---- the launcher -----------------------------------------------------------------------------------
 
 
-def serve(settings: ApiSettings, num_api_servers: int = 1, core_class: str = DEFAULT_CORE) -> int:
+def serve(settings: ApiSettings, num_api_servers: int = 1, data_parallel_size: int = 1,
+          core_class: str = DEFAULT_CORE) -> int:
     """Runs the whole server until SIGTERM/SIGINT (exit 0) or until any of its processes dies (exit 1)."""
     if num_api_servers < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {num_api_servers}")
@@ -212,28 +310,29 @@ def serve(settings: ApiSettings, num_api_servers: int = 1, core_class: str = DEF
         metrics_dir = tempfile.mkdtemp(prefix="tandem-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by the API processes at import
     try:
-        engine = start_engine_core(settings.engine_config, num_api_servers=num_api_servers,
-                                   max_queue=settings.max_queue, log_level=settings.log_level,
-                                   core_class=core_class)
+        engines = start_engines(settings.engine_config, num_api_servers=num_api_servers,
+                                data_parallel_size=data_parallel_size, max_queue=settings.max_queue,
+                                log_level=settings.log_level, core_class=core_class)
     except EngineStartError as exc:
         logger.error("tandem serve: the engine could not start: %s", exc)
         return 1
-    logger.info("engine core ready (pid %d): max_model_len %d, %d KV blocks", engine.info.pid,
-                engine.info.max_model_len, engine.info.num_blocks)
+    for replica in engines.replicas:
+        logger.info("engine core ready (pid %d): max_model_len %d, %d KV blocks", replica.info.pid,
+                    replica.info.max_model_len, replica.info.num_blocks)
     try:
         if num_api_servers == 1:
-            return _serve_in_process(settings, engine)
-        return _serve_with_api_processes(settings, engine, num_api_servers)
+            return _serve_in_process(settings, engines)
+        return _serve_with_api_processes(settings, engines, num_api_servers)
     finally:
-        code = engine.stop()
+        code = engines.stop()
         logger.info("engine core stopped (exit code %s)", code)
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
             os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
 
 
-def _serve_in_process(settings: ApiSettings, engine: EngineProcess) -> int:
-    server, _, died = build_api_server(settings, engine)
+def _serve_in_process(settings: ApiSettings, engines: Engines) -> int:
+    server, _, died = build_api_server(settings, EngineEndpoints.of(engines, 0))
     _run_quietly_on_signal(server)
     if died:
         logger.error("tandem serve: %s", died[0])
@@ -280,10 +379,10 @@ def set_process_name(name: str) -> None:
         pass
 
 
-def _serve_with_api_processes(settings: ApiSettings, engine: EngineProcess, count: int) -> int:
+def _serve_with_api_processes(settings: ApiSettings, engines: Engines, count: int) -> int:
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_api_process_main, name=f"tandem-api-{i}",
-                         args=(settings, engine.info, engine.input_addr, engine.output_addrs[i], i))
+                         args=(settings, EngineEndpoints.of(engines, i), i))
              for i in range(count)]
     for proc in procs:
         proc.start()
@@ -292,10 +391,11 @@ def _serve_with_api_processes(settings: ApiSettings, engine: EngineProcess, coun
     failed = False
     try:
         while not stop.is_set():
-            gone = wait_any([engine.process.sentinel, *(p.sentinel for p in procs)], timeout=0.2)
+            engine_sentinels = [p.sentinel for p in engines.processes]
+            gone = wait_any([*engine_sentinels, *(p.sentinel for p in procs)], timeout=0.2)
             if gone:
                 failed = True
-                who = "the engine core" if engine.process.sentinel in gone else "an API process"
+                who = "an engine core" if set(gone) & set(engine_sentinels) else "an API process"
                 logger.error("tandem serve: %s exited; shutting down", who)
                 break
     finally:
@@ -336,6 +436,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $TANDEM_API_KEY)")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="API processes (HTTP, tokenization, detokenization, SSE) sharing the port; one engine core")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas, each on its own GPU(s) (x --tensor-parallel-size), behind the same API")
     g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="waiting + running requests at most; more get HTTP 429")
     g.add_argument("--graceful-timeout", type=float, default=30.0,
@@ -365,7 +467,7 @@ def serve_main(args: argparse.Namespace) -> int:
         settings = ApiSettings(EngineConfig(**engine_kwargs(args)), model_names_from_args(args), host=args.host,
                                port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                                graceful_timeout=args.graceful_timeout, log_level=args.log_level)
-        code = serve(settings, num_api_servers=args.api_server_count)
+        code = serve(settings, num_api_servers=args.api_server_count, data_parallel_size=args.data_parallel_size)
     except ValueError as exc:
         raise SystemExit(f"tandem serve: {exc}") from exc
     if code == 0:

@@ -77,6 +77,7 @@ class EngineBatch(msgspec.Struct, tag="batch", array_like=True):
     accepted: list[str] = []
     rejected: list[Rejection] = []
     stats: WireStats | None = None
+    engine_index: int = 0  # which data-parallel replica sent it
 
 
 class EngineInfo(msgspec.Struct, tag="info"):
@@ -99,3 +100,12 @@ StartupReply = EngineInfo | EngineFailed
 
 def stats_to_wire(stats: object) -> WireStats:
     return WireStats(**{name: getattr(stats, name) for name in WireStats.__struct_fields__})
+
+
+def merge_stats(parts: list[WireStats]) -> WireStats:
+    """One view of several replicas: counts add up; KV usage is over all blocks; the hit rate is the mean."""
+    total = {name: sum(getattr(p, name) for p in parts) for name in WireStats.__struct_fields__}
+    blocks = total["num_blocks"] or 1
+    total["kv_cache_usage"] = sum(p.kv_cache_usage * p.num_blocks for p in parts) / blocks
+    total["prefix_cache_hit_rate"] = total["prefix_cache_hit_rate"] / len(parts)
+    return WireStats(**total)

@@ -35,7 +35,7 @@ class LiveServer:
     server: Any
     thread: threading.Thread
     api_key: str | None
-    engine_process: Any  # tandem.server.launcher.EngineProcess
+    engines: Any  # tandem.server.launcher.Engines
     tokenizer: Any
     fault_dir: str
 
@@ -89,25 +89,25 @@ class LiveServer:
 def start_server(api_key: str | None = None, max_queue: int = 128, **engine_kwargs: Any) -> LiveServer:
     """The engine core in its own process (as `tandem serve` runs it) and the API app in a uvicorn thread here."""
     from tandem.config import EngineConfig
-    from tandem.server.launcher import ApiSettings, build_api_server, start_engine_core
+    from tandem.server.launcher import ApiSettings, EngineEndpoints, build_api_server, start_engines
 
     fault_dir = tempfile.mkdtemp(prefix="tandem-faults-")
     os.environ[FAULT_DIR_ENV] = fault_dir  # inherited by the engine-core process
     config = EngineConfig(**{**ENGINE_KWARGS, **engine_kwargs})
-    engine = start_engine_core(config, max_queue=max_queue, log_level="warning",
-                               core_class="tests.server.flaky_core:FlakyEngineCore")
+    engines = start_engines(config, max_queue=max_queue, log_level="warning",
+                            core_class="tests.server.flaky_core:FlakyEngineCore")
     settings = ApiSettings(config, [MODEL_NAME], port=free_port(), api_key=api_key, max_queue=max_queue,
                            graceful_timeout=5, log_level="warning")
-    server, app, _ = build_api_server(settings, engine)
+    server, app, _ = build_api_server(settings, EngineEndpoints.of(engines, 0))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
-            engine.stop()
+            engines.stop()
             raise RuntimeError("the test server did not start")
         time.sleep(0.05)
-    return LiveServer(f"http://127.0.0.1:{settings.port}", app, server, thread, api_key, engine,
+    return LiveServer(f"http://127.0.0.1:{settings.port}", app, server, thread, api_key, engines,
                       app.state.serving.tokenizer, fault_dir)
 
 
@@ -115,7 +115,7 @@ def stop_server(live: LiveServer) -> None:
     live.server.should_exit = True
     live.thread.join(timeout=30)
     assert not live.thread.is_alive(), "the test server did not shut down"
-    assert live.engine_process.stop() == 0, "the engine core did not exit cleanly"
+    assert live.engines.stop() == 0, "the engine core did not exit cleanly"
     shutil.rmtree(live.fault_dir, ignore_errors=True)
 
 

@@ -172,7 +172,7 @@ def test_two_clients_get_only_their_own_outputs_and_the_global_queue_bound():
         first, second = h.client(0, max_queue=8), h.client(1, max_queue=8)
         s1: asyncio.Queue = asyncio.Queue()
         s2: asyncio.Queue = asyncio.Queue()
-        first.add([("a", [1], SamplingParams(max_tokens=10**6)), ("b", [1], SamplingParams(max_tokens=10**6))], s1)
+        first.add([("a", [1], SamplingParams(max_tokens=10**9)), ("b", [1], SamplingParams(max_tokens=10**9))], s1)
         await _wait_accepted(s1, 2)
         second.add([("c", [1], SamplingParams(max_tokens=2)), ("d", [1], SamplingParams(max_tokens=2))], s2)
         items = await _drain(s2, 2)
@@ -198,7 +198,7 @@ def test_queue_bound_and_abort():
         h = start_loop(FakeCore())
         engine = h.client(max_queue=2)
         stream: asyncio.Queue = asyncio.Queue()
-        engine.add([("a", [1], SamplingParams(max_tokens=10**6)), ("b", [1], SamplingParams(max_tokens=10**6))],
+        engine.add([("a", [1], SamplingParams(max_tokens=10**9)), ("b", [1], SamplingParams(max_tokens=10**9))],
                    stream)
         with pytest.raises(QueueFullError):
             engine.add([("c", [1], SamplingParams())], stream)
@@ -259,7 +259,7 @@ def test_engine_death_fails_open_requests_at_once(tmp_path):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
         deaths: list[str] = []
         engine = AsyncEngine(f"ipc://{h.ipc_dir}/in", f"ipc://{h.ipc_dir}/out-0", max_queue=8,
-                             engine_pid=child.pid, on_engine_death=deaths.append)
+                             engine_pids=[child.pid], on_engine_death=deaths.append)
         engine.start()
         h.engines.append(engine)
         stream: asyncio.Queue = asyncio.Queue()

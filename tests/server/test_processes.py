@@ -114,3 +114,34 @@ def test_bad_model_path_exits_nonzero_with_the_reason(serve_factory):
     server = serve_factory("--model", "/no/such/model")
     assert server.proc.wait(timeout=120) != 0
     assert "/no/such/model" in server.read_log()
+
+
+def test_data_parallel_two_engine_replicas_serve_every_request_once(serve_factory):
+    server = serve_factory("--data-parallel-size", "2", "--num-kv-blocks", "64")
+    server.wait_healthy()
+    log = server.read_log(tail=None)
+    assert log.count("engine core ready") == 2, log
+    children = server.descendants()
+    shared = "You are a helpful assistant. Answer briefly and plainly, in one short sentence please. " * 2
+    prompts = [f"{shared}Question {i}: what is {i} plus {i}?" for i in range(6)] + [f"Item {i}:" for i in range(6)]
+    results: dict[int, dict] = {}
+
+    def one(i: int) -> None:
+        body = {"prompt": prompts[i], "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=180)
+        assert r.status_code == 200, r.text
+        results[i] = r.json()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert sorted(results) == list(range(len(prompts)))
+    assert all(r["usage"]["completion_tokens"] == 4 for r in results.values())
+    assert _metric(server.url, "tandem_request_success_total") == len(prompts)
+    # Both replicas' KV pools are counted (64 blocks each); all freed once idle.
+    assert _metric(server.url, "tandem_kv_cache_usage_ratio") == 0
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=90) == 0, server.read_log()
+    assert not wait_gone(children), "a child of tandem serve outlived it"

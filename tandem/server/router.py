@@ -1,0 +1,64 @@
+"""ReplicaRouter: which data-parallel engine replica gets a request (prefix-cache affinity, then load)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+AFFINITY_BLOCKS = 16  # a prompt's first 16 full KV blocks decide its affinity (256 tokens at block size 16)
+MAX_REMEMBERED_PREFIXES = 65536
+
+
+class ReplicaRouter:
+    """Routes requests over `num_replicas` engines.
+
+    A prompt whose leading full blocks this router has sent before goes to the same replica, where its
+    prefix is likely cached, unless that replica holds clearly more requests than the least-loaded one
+    (more than `slack` above it); every other request goes to the least-loaded replica. Load is the
+    number of requests this API process has in flight on each replica.
+    """
+
+    def __init__(self, num_replicas: int, block_size: int, slack: int = 8) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        self.num_replicas = num_replicas
+        self.block_size = block_size
+        self.slack = slack
+        self.load = [0] * num_replicas
+        self._owner: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica, least recently used first
+        self.num_affinity_hits = 0
+
+    def pick(self, prompt_token_ids: Sequence[int]) -> int:
+        """The replica for one request; counts it in that replica's load until release()."""
+        replica = self._choose(prompt_token_ids)
+        self.load[replica] += 1
+        return replica
+
+    def release(self, replica: int) -> None:
+        self.load[replica] -= 1
+        assert self.load[replica] >= 0, "a request was released twice"
+
+    def _choose(self, prompt_token_ids: Sequence[int]) -> int:
+        if self.num_replicas == 1:
+            return 0
+        least = min(range(self.num_replicas), key=self.load.__getitem__)
+        key = self._prefix_key(prompt_token_ids)
+        if key is None:
+            return least
+        owner = self._owner.get(key)
+        if owner is not None and self.load[owner] <= self.load[least] + self.slack:
+            self._owner.move_to_end(key)
+            self.num_affinity_hits += 1
+            return owner
+        self._owner[key] = least
+        self._owner.move_to_end(key)
+        if len(self._owner) > MAX_REMEMBERED_PREFIXES:
+            self._owner.popitem(last=False)
+        return least
+
+    def _prefix_key(self, prompt_token_ids: Sequence[int]) -> int | None:
+        # The last prompt token is always computed (never a cache hit), so only blocks before it count.
+        num_blocks = min((len(prompt_token_ids) - 1) // self.block_size, AFFINITY_BLOCKS)
+        if num_blocks < 1:
+            return None
+        return hash(tuple(prompt_token_ids[: num_blocks * self.block_size]))

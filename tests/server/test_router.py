@@ -1,0 +1,48 @@
+"""ReplicaRouter: least-loaded placement, prefix-cache affinity, and the load slack that overrides it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.server.router import ReplicaRouter
+
+PREFIX = list(range(100, 164))  # 4 full blocks of 16
+
+
+def test_least_loaded_without_a_prefix():
+    r = ReplicaRouter(3, block_size=16)
+    picks = [r.pick([1, 2, 3]) for _ in range(6)]  # too short for a full block: no affinity
+    assert sorted(picks) == [0, 0, 1, 1, 2, 2] and r.load == [2, 2, 2]
+    r.release(1)
+    r.release(1)
+    assert r.pick([4]) == 1
+
+
+def test_same_prefix_goes_to_the_same_replica_until_it_is_much_busier():
+    r = ReplicaRouter(2, block_size=16, slack=2)
+    first = r.pick(PREFIX + [1])
+    picks = [r.pick(PREFIX + [i]) for i in range(2, 5)]
+    # Two followers join it; the third would put it 3 above the idle replica (slack 2): it goes there.
+    assert picks == [first, first, 1 - first] and r.num_affinity_hits == 2
+    assert r.load[first] == 3 and r.load[1 - first] == 1
+    assert r.pick(PREFIX + [9]) == 1 - first  # the prefix now lives there too: affinity follows it
+    other = r.pick(list(range(500, 564)) + [7])  # a new prefix: least loaded
+    assert other == first
+
+
+def test_affinity_ignores_what_follows_the_first_blocks_and_the_last_token():
+    r = ReplicaRouter(4, block_size=16)
+    a = r.pick(PREFIX + list(range(300)))  # 16+ blocks: only the first 16 count
+    assert r.pick(PREFIX + list(range(300)) + [9]) == a
+    b = r.pick(list(range(16)))  # 16 tokens: the last one is computed anyway, so no full block counts
+    assert r._prefix_key(list(range(16))) is None and b != a
+
+
+def test_release_twice_is_a_bug():
+    r = ReplicaRouter(2, block_size=16)
+    i = r.pick([1])
+    r.release(i)
+    with pytest.raises(AssertionError):
+        r.release(i)
+    with pytest.raises(ValueError):
+        ReplicaRouter(0, block_size=16)
