@@ -25,6 +25,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 API_KEY = "playground-test-key"
 ABORTED = 'tandem_request_success_total{finished_reason="abort"}'
+# The page writes "... finish: <reason>" under the chat when a reply ends (and clears it when one starts).
+FINISHED = "document.getElementById('stats-last').textContent.includes('finish:')"
 
 
 @dataclass
@@ -132,8 +134,7 @@ def test_chat_in_browser(server: Server, browser, tmp_path):
         }""")
         page.fill("#input", "Write a short poem about the sea.")
         page.click("#send")
-        page.wait_for_selector("#stop", state="visible")
-        page.wait_for_function("document.getElementById('stats-last').textContent.includes('finish:')")
+        page.wait_for_function(FINISHED)
         lengths = page.evaluate("window.lengths")
         assert len({n for n in lengths if n > 0}) >= 2, f"the reply did not stream: lengths {lengths}"
         reply = page.text_content(".msg.assistant .content")
@@ -145,9 +146,9 @@ def test_chat_in_browser(server: Server, browser, tmp_path):
         page.screenshot(path=str(tmp_path / "playground.png"))
 
         # 2. Regenerate with the same greedy settings gives the same reply in place of the last one.
+        page.evaluate("document.getElementById('stats-last').textContent = ''")
         page.click("#regenerate")
-        page.wait_for_selector("#stop", state="visible")
-        page.wait_for_selector("#send", state="visible")
+        page.wait_for_function(FINISHED)
         assert page.locator(".msg.assistant").count() == 1
         assert page.text_content(".msg.assistant .content") == reply
 
