@@ -11,6 +11,7 @@ const state = {
   model: null,       // the served model name from /v1/models
   messages: [],      // [{role: "user" | "assistant", content}] of the conversation
   controller: null,  // AbortController of the reply being streamed, null when idle
+  conversation: 0,   // bumped by "Clear chat", so that a reply cut by it is not added to the new chat
 };
 
 // ---- settings kept in localStorage ----------------------------------------------------------
@@ -166,7 +167,7 @@ async function* sseData(response) {
   for (;;) {
     const { value, done } = await reader.read();
     if (done) break;
-    buffer += decoder.decode(value, { stream: true });
+    buffer += decoder.decode(value, { stream: true }).replace(/\r\n/g, "\n");
     let end;
     while ((end = buffer.indexOf("\n\n")) >= 0) {
       const event = buffer.slice(0, end);
@@ -181,6 +182,7 @@ async function* sseData(response) {
 async function reply() {
   clearError();
   const controller = new AbortController();
+  const conversation = state.conversation;
   state.controller = controller;
   setBusy(true);
   const entry = { role: "assistant", content: "" };
@@ -237,7 +239,7 @@ async function reply() {
       note.textContent = "(stopped)";
       div.append(note);
     }
-    if (entry.content || div.isConnected) state.messages.push(entry);
+    if (conversation === state.conversation && div.isConnected) state.messages.push(entry);
     state.controller = null;
     setBusy(false);
   }
@@ -291,6 +293,7 @@ function init() {
   $("regenerate").addEventListener("click", regenerate);
   $("clear").addEventListener("click", () => {
     if (state.controller) state.controller.abort();
+    state.conversation += 1;
     state.messages = [];
     render();
     clearError();
