@@ -140,7 +140,7 @@ def _classify_folder(folder: str, load_format: str) -> tuple[str, str]:
     raise ValueError(f"model folder {folder!r} has no config.json with *.safetensors weights and no .gguf file")
 
 
-def _local_path(model: str, revision: str | None = None) -> str:
+def _local_path(model: str, revision: str | None = None, require_config: bool = True) -> str:
     """A local file or folder as given, else a Hugging Face Hub id resolved to its cached snapshot folder."""
     path = os.path.expanduser(model)
     if os.path.exists(path):
@@ -149,7 +149,7 @@ def _local_path(model: str, revision: str | None = None) -> str:
         return path
     if not _HUB_ID.match(model) or model.endswith(".gguf"):
         raise ValueError(f"model {model!r} not found: no such file or folder")
-    return hub_snapshot(model, revision)
+    return hub_snapshot(model, revision, require_config)
 
 
 # What tandem reads from a hub repo: configs, tokenizer files, safetensors weights (root folder only;
@@ -158,7 +158,7 @@ HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "merges.txt"
 HUB_IGNORE_PATTERNS = ["*/*", "consolidated*"]
 
 
-def hub_snapshot(repo_id: str, revision: str | None = None) -> str:
+def hub_snapshot(repo_id: str, revision: str | None = None, require_config: bool = True) -> str:
     """Downloads repo_id (once) into the Hugging Face cache and returns its snapshot folder.
 
     Offline (HF_HUB_OFFLINE=1, or the Hub unreachable) a cached snapshot is used; a miss is a ValueError
@@ -200,7 +200,7 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> str:
         ) from None
     except Exception as exc:  # an incomplete cached snapshot, an HTTP error: the hub's own message says which
         raise ValueError(f"model {repo_id!r}{at}: the Hugging Face Hub download failed: {exc}") from None
-    if not os.path.isfile(os.path.join(folder, "config.json")):
+    if require_config and not os.path.isfile(os.path.join(folder, "config.json")):
         raise ValueError(f"model {repo_id!r}{at} has no config.json in its Hub repo (snapshot {folder}); tandem "
                          "loads Hugging Face folders with safetensors weights, or a local .gguf file")
     return folder
@@ -277,7 +277,7 @@ def _load_tokenizer(config: EngineConfig, source: ModelSource):
     from transformers import AutoTokenizer
 
     if config.tokenizer is not None:
-        return AutoTokenizer.from_pretrained(_local_path(config.tokenizer))
+        return AutoTokenizer.from_pretrained(_local_path(config.tokenizer, require_config=False))
     if source.path is None:
         return None  # named shape: benchmarks feed token ids
     if source.path.endswith(".gguf"):

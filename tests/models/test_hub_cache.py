@@ -45,6 +45,11 @@ def hub_cache(tmp_path, monkeypatch):
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
     (repo / "refs" / "v2").write_text(OTHER_COMMIT)
+    # A tokenizer-only repo (no config.json), for EngineConfig.tokenizer.
+    tokenizer_repo = cache / "models--tiny-org--tiny-tokenizer"
+    tiny_tokenizer().save_pretrained(tokenizer_repo / "snapshots" / OTHER_COMMIT)
+    (tokenizer_repo / "refs").mkdir()
+    (tokenizer_repo / "refs" / "main").write_text(OTHER_COMMIT)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # never reach the network, whatever was imported
@@ -59,6 +64,13 @@ def test_cached_hub_id_loads_offline(hub_cache):
         EngineConfig(model=REPO_ID, device="cpu"), torch.device("cpu"), torch.float32)
     assert (model_config.num_layers, model_config.hidden_size, model_config.vocab_size) == (2, 64, 128)
     assert tokenizer("w5 w7")["input_ids"] == [5, 7]
+
+
+def test_tokenizer_from_a_tokenizer_only_hub_repo(hub_cache):
+    _, _, tokenizer = load_model_and_tokenizer(
+        EngineConfig(model=REPO_ID, revision="v2", tokenizer="tiny-org/tiny-tokenizer", device="cpu"),
+        torch.device("cpu"), torch.float32)
+    assert tokenizer("w9")["input_ids"] == [9]
 
 
 def test_revision_selects_the_cached_ref_or_commit(hub_cache):
