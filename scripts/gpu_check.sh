@@ -4,7 +4,10 @@
 #   OUT=/some/dir STAGE=all bash scripts/gpu_check.sh
 #
 # Environment (all optional):
-#   STAGE      tests | bench | all (default all)
+#   STAGE      tests | bench | serve | all (default all: tests + bench; serve runs only when named)
+#   SERVE      for STAGE=serve: semicolon list of `tandem bench --workload serve` argument strings, one
+#              server run each (default: llama-3-8b 512 x 256 with 256 in flight + its --sync peer; gpt2
+#              1000 x 256 all in flight with 4 API processes, the stream pass and Poisson 400 req/s)
 #   WORKLOADS  comma list for `tandem bench` (default bs1,seed-async,nano,prefix); each runs in its own process
 #   SCALE      --scale for `tandem bench` (default 1.0); PEERS  --peers (default: the CLI's hf,sync,eager)
 #   BUDGET_S   wall seconds for the whole script (default 560, under the device's 600 s per command); every step
@@ -34,8 +37,8 @@ SUMMARY=()
 FAILED=0
 
 case "$STAGE" in
-  tests | bench | all) ;;
-  *) echo "STAGE must be tests, bench or all, got '$STAGE'" >&2; exit 2 ;;
+  tests | bench | serve | all) ;;
+  *) echo "STAGE must be tests, bench, serve or all, got '$STAGE'" >&2; exit 2 ;;
 esac
 
 # run_step NAME CAP_SECONDS CMD...: runs CMD under what is left of the budget; never stops the script.
@@ -140,6 +143,44 @@ print(f"bench.json: {len(results)} workload(s)" + (f", missing {missing}" if mis
 EOF
 }
 
+SERVE=${SERVE:-"--serve-model llama-3-8b --serve-requests 512 --serve-max-num-seqs 256 --api-server-count 1 --num-clients 4 --serve-sync;--serve-model gpt2 --serve-requests 1000 --api-server-count 4 --num-clients 4 --serve-stream --serve-poisson-rate 400 --serve-profile"}
+
+serve_stage() {
+  local i=0 spec
+  IFS=';' read -ra specs <<<"$SERVE"
+  for spec in "${specs[@]}"; do
+    # shellcheck disable=SC2086
+    run_step "tandem bench --workload serve $spec" "$BENCH_S" python3 -m tandem.cli bench --workload serve \
+      $spec --out "$WORK/serve-$i.json"
+    i=$((i + 1))
+  done
+  WORK=$WORK OUT=$OUT python3 - <<'EOF' || echo "merging serve results failed"
+import glob, json, os
+results = []
+for path in sorted(glob.glob(os.path.join(os.environ["WORK"], "serve-*.json"))):
+    with open(path) as f:
+        data = json.load(f)
+    for r in data["results"]:
+        r["command"] = data.get("command", "")
+        results.append(r)
+with open(os.path.join(os.environ["OUT"], "serve.json"), "w") as f:
+    json.dump({"results": results}, f, indent=2)
+for r in results:
+    line = f"  serve {r['model']}: offline {r['offline_tokens_per_s']:.0f} tok/s, server/offline {r['server_over_offline']:.3f}"
+    if "server_overlap_over_sync" in r:
+        line += f", overlap/sync through the server {r['server_overlap_over_sync']:.3f}"
+    print(line)
+    run = r["server_overlap"]
+    for name in ("saturation", "stream", "poisson"):
+        if name in run:
+            s = run[name]["summary"]
+            pct = lambda k: {q: round(v * 1e3, 2) for q, v in s.get(k, {}).items() if q in ("p50", "p95", "p99")}
+            print(f"    {name}: {s['output_tokens_per_s']:.0f} tok/s, {s['num_completed']}/{s['num_requests']} ok, "
+                  f"ttft ms {pct('ttft_s')}, tpot ms {pct('tpot_s')}, itl ms {pct('itl_s')}")
+    print(f"    cpu %: {run.get('cpu_percent')}")
+EOF
+}
+
 collect_plots() {
   local pngs=() n_now
   if [ -d "$WORK/plots" ]; then
@@ -198,8 +239,12 @@ EOF
 
 main() {
   environment
-  [ "$STAGE" != bench ] && tests_stage
-  [ "$STAGE" != tests ] && bench_stage
+  case "$STAGE" in
+    tests) tests_stage ;;
+    bench) bench_stage ;;
+    serve) serve_stage ;;
+    all) tests_stage; bench_stage ;;
+  esac
   collect_plots
   summary
   rm -rf "$WORK"

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     try:
-        from tandem.server.app import add_serve_args, serve_main
+        from tandem.server.launcher import add_serve_args, serve_main
 
         add_serve_args(serve)
         serve.set_defaults(func=serve_main)

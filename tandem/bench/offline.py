@@ -258,15 +258,21 @@ def _print_table(results: list[dict[str, Any]]) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
     for n in names:
-        if n not in WORKLOADS:
-            raise ValueError(f"unknown workload {n!r}; choose from {sorted(WORKLOADS)} or all")
+        if n not in WORKLOADS and n != "serve":
+            raise ValueError(f"unknown workload {n!r}; choose from {sorted(WORKLOADS) + ['serve']} or all")
     peers = [] if args.no_peers else args.peers.split(",")
     results = []
     for n in names:
+        if n == "serve":  # offline against a server it starts: a table of its own
+            from tandem.bench.serve_workload import run_serve_workload
+
+            print("== serve: the same requests offline and through tandem serve", flush=True)
+            results.append(run_serve_workload(args))
+            continue
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
         results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir))
         _print_table(results[-1:])
-    _print_table(results)
+    _print_table([r for r in results if r["workload"] != "serve"])
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -278,13 +284,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -> None:
     bench = sub.add_parser("bench", help="offline throughput of named workloads with peers side by side; "
                                          "`tandem bench serve` for serving latency")
-    bench.add_argument("--workload", default="cpu", help=f"comma list of {sorted(WORKLOADS)} or all")
+    bench.add_argument("--workload", default="cpu", help=f"comma list of {sorted(WORKLOADS) + ['serve']} or all")
     bench.add_argument("--peers", default="hf,sync,eager,noprefix",
                        help="comma list: hf (transformers), sync, eager (no CUDA graphs), noprefix")
     bench.add_argument("--no-peers", action="store_true")
     bench.add_argument("--scale", type=float, default=1.0, help="shrink prompt/output lengths (smoke runs)")
     bench.add_argument("--out", default=None, help="write results JSON here")
     bench.add_argument("--plot-dir", default=None, help="write timeline PNGs here")
+    from tandem.bench.serve_workload import add_serve_workload_args
+
+    add_serve_workload_args(bench)
     bench.set_defaults(func=cmd_bench)
     bench_sub = bench.add_subparsers(dest="bench_command")
     try:

@@ -47,6 +47,9 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arrival", default="fixed", choices=["fixed", "poisson"],
                         help="fixed: one every 1/rate s; poisson: exponential gaps with that mean")
     parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    parser.add_argument("--num-clients", type=int, default=1,
+                        help="client processes sharing the schedule (one Python process cannot parse every SSE "
+                             "stream of a fast server); results are merged")
     parser.add_argument("--prompt", action="append", default=None,
                         help="a prompt (repeatable, used round-robin); default: 'Hello'")
     parser.add_argument("--prompts-file", default=None, help="one prompt per line")
@@ -64,10 +67,10 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_serve_main(args: argparse.Namespace) -> int:
-    if args.num_requests < 1 or args.max_tokens < 1 or args.request_rate <= 0:
-        raise ValueError("--num-requests, --max-tokens and --request-rate must be positive")
+    if args.num_requests < 1 or args.max_tokens < 1 or args.request_rate <= 0 or args.num_clients < 1:
+        raise ValueError("--num-requests, --max-tokens, --request-rate and --num-clients must be positive")
     prompts = load_prompts(args)
-    report = asyncio.run(run_benchmark(args, prompts))
+    report = run_benchmark(args, prompts)
     print_report(report)
     if args.out:
         with open(args.out, "w") as f:
@@ -100,20 +103,50 @@ def send_offsets(num: int, rate: float, arrival: str, seed: int) -> list[float]:
     return offsets
 
 
-async def run_benchmark(args: argparse.Namespace, prompts: list[str | list[int]]) -> dict[str, Any]:
-    import httpx
+def run_benchmark(args: argparse.Namespace, prompts: list[str | list[int]]) -> dict[str, Any]:
+    """Warm-up, then the open-loop schedule split over --num-clients processes (request i goes to client i % K).
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limit = args.max_concurrency or args.num_requests
-    limits = httpx.Limits(max_connections=limit + args.warmup + 1, max_keepalive_connections=limit + 1)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(args.timeout)) as client:
+    Every client follows the same absolute schedule from one wall-clock start, so K clients send what
+    one would, only with K interpreters parsing the streams; the report merges them.
+    """
+    model = args.model or asyncio.run(_first_model_and_warmup(args, prompts))
+    if args.model:
+        asyncio.run(_first_model_and_warmup(args, prompts))
+    offsets = send_offsets(args.num_requests, args.request_rate, args.arrival, args.seed)
+    shares = [list(range(k, args.num_requests, args.num_clients)) for k in range(args.num_clients)]
+    if args.num_clients == 1:
+        start_wall = time.time()
+        results, end_wall = asyncio.run(run_share(args, model, prompts, offsets, shares[0], start_wall))
+    else:
+        results, start_wall, end_wall = _run_client_processes(args, model, prompts, offsets, shares)
+    results.sort(key=lambda r: r.index)
+    return build_report(args, model, results, end_wall - start_wall)
+
+
+async def _first_model_and_warmup(args: argparse.Namespace, prompts: list[str | list[int]]) -> str:
+    async with _client(args, 2) as client:
         model = args.model or await first_model(client)
         for i in range(args.warmup):
             await one_request(client, args, model, prompts[i % len(prompts)], RequestResult(-1, 0.0, 0.0), 0.0)
-        offsets = send_offsets(args.num_requests, args.request_rate, args.arrival, args.seed)
+    return model
+
+
+def _client(args: argparse.Namespace, limit: int) -> Any:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=limit + 1, max_keepalive_connections=limit + 1)
+    return httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits,
+                             timeout=httpx.Timeout(args.timeout))
+
+
+async def run_share(args: argparse.Namespace, model: str, prompts: list[str | list[int]], offsets: list[float],
+                    indices: list[int], start_wall: float) -> tuple[list[RequestResult], float]:
+    """Sends requests `indices` at start_wall + offsets[i] (wall clock); returns their results and the end time."""
+    limit = max(1, (args.max_concurrency or args.num_requests) // args.num_clients)
+    async with _client(args, limit) as client:
         semaphore = asyncio.Semaphore(limit)
-        start = time.perf_counter()
+        start = time.perf_counter() + (start_wall - time.time())  # the shared start on this process's clock
 
         async def scheduled(i: int) -> RequestResult:
             await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
@@ -121,9 +154,47 @@ async def run_benchmark(args: argparse.Namespace, prompts: list[str | list[int]]
                 result = RequestResult(i, offsets[i], time.perf_counter() - start)
                 return await one_request(client, args, model, prompts[i % len(prompts)], result, start)
 
-        results = await asyncio.gather(*(scheduled(i) for i in range(args.num_requests)))
-        duration = time.perf_counter() - start
-    return build_report(args, model, results, duration)
+        results = await asyncio.gather(*(scheduled(i) for i in indices))
+    return list(results), time.time()
+
+
+def _client_process(args: argparse.Namespace, model: str, prompts: list[str | list[int]], offsets: list[float],
+                    indices: list[int], conn: Any) -> None:
+    conn.send("ready")
+    start_wall = conn.recv()
+    results, end_wall = asyncio.run(run_share(args, model, prompts, offsets, indices, start_wall))
+    conn.send(([asdict(r) for r in results], end_wall))
+    conn.close()
+
+
+def _run_client_processes(args: argparse.Namespace, model: str, prompts: list[str | list[int]],
+                          offsets: list[float], shares: list[list[int]]) -> tuple[list[RequestResult], float, float]:
+    """Runs each share in its own process; returns the merged results, the common start and the last end."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
+    pipes, procs = [], []
+    for share in shares:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_client_process, args=(plain, model, prompts, offsets, share, child), daemon=True)
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    for conn in pipes:
+        if conn.recv() != "ready":
+            raise RuntimeError("a benchmark client process did not start")
+    start_wall = time.time() + 0.2  # every client is ready: start together, shortly
+    for conn in pipes:
+        conn.send(start_wall)
+    results: list[RequestResult] = []
+    end_wall = start_wall
+    for conn, proc in zip(pipes, procs):
+        rows, end = conn.recv()
+        results += [RequestResult(**row) for row in rows]
+        end_wall = max(end_wall, end)
+        proc.join(30)
+    return results, start_wall, end_wall
 
 
 async def first_model(client: Any) -> str:

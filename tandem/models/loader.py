@@ -107,6 +107,11 @@ def load_model_and_tokenizer(
     return model.eval(), model_config, _load_tokenizer(config, source)
 
 
+def load_tokenizer(config: EngineConfig) -> Any:
+    """The tokenizer alone (an API process needs it, not the weights); None for a named shape."""
+    return _load_tokenizer(config, resolve_source(config))
+
+
 def resolve_source(config: EngineConfig) -> ModelSource:
     """Decides where config and weights come from; ValueError naming the path when it cannot be used."""
     model = config.model or default_model_path()

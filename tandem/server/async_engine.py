@@ -1,21 +1,25 @@
-"""AsyncEngine: runs an EngineCore's step loop in its own thread and streams its outputs to asyncio."""
+"""AsyncEngine: an API process's asyncio client of the engine-core process (ZeroMQ + msgspec)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
-import time
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+import zmq
+import zmq.asyncio
+
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
+from tandem.server.messages import AbortRequest, AddRequest, ClientCommand, EngineBatch
 
 logger = logging.getLogger(__name__)
 
-STATS_INTERVAL_S = 0.05  # how stale the /metrics snapshot of EngineStats may be while busy
+PID_POLL_S = 0.25  # liveness poll of the engine process where pidfd_open is not available
 
 
 class QueueFullError(Exception):
@@ -23,48 +27,31 @@ class QueueFullError(Exception):
 
 
 class EngineUnavailableError(Exception):
-    """The engine is shutting down or its thread died (HTTP 503)."""
+    """The engine is shutting down or its process died (HTTP 503)."""
 
 
 @dataclass(slots=True)
 class Accepted:
-    """The engine thread added the request to the core."""
+    """The engine core added the request."""
 
     request_id: str
 
 
 @dataclass(slots=True)
 class Rejected:
-    """EngineCore.add_request raised ValueError: the client's input was bad (HTTP 400)."""
+    """The engine core refused the request: bad input (400) or its global queue is full (429)."""
 
     request_id: str
     message: str
+    status: int = 400
 
 
 @dataclass(slots=True)
 class Failed:
-    """The engine failed the request (a step raised, or shutdown): HTTP 500 or an SSE error event."""
+    """This process ended the request without the engine: its process died, or the server shuts down."""
 
     request_id: str
     message: str
-
-
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
-    reason: FinishReason
-    stop_reason: str | None
-
-
-class _Stop:
-    pass
 
 
 def is_terminal(item: Any) -> bool:
@@ -73,53 +60,70 @@ def is_terminal(item: Any) -> bool:
 
 
 class AsyncEngine:
-    """Thread-safe front of one EngineCore.
+    """One API process's view of the engine core.
 
-    Loop side (the HTTP event loop): ``add`` / ``abort`` put commands on a thread-safe queue and
-    register the caller's asyncio.Queue per request id. Engine thread: applies commands between
-    steps, runs ``step()`` while there is work, and hands each iteration's items back to the loop
-    with one ``call_soon_threadsafe``. The tokenizer is never touched on the engine thread.
+    ``add`` / ``abort`` queue commands that go out in one message per event-loop turn; a reader task
+    takes the engine's one message per step and routes each request's items to the asyncio.Queue its
+    caller registered. The engine's pid is watched (pidfd), so its death fails every open request at once.
     """
 
-    def __init__(self, core: Any, max_queue: int) -> None:
+    def __init__(self, input_addr: str, output_addr: str, *, client_index: int = 0, max_queue: int,
+                 engine_pid: int | None = None, on_engine_death: Callable[[str], None] | None = None) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        self.core = core
+        self.input_addr = input_addr
+        self.output_addr = output_addr
+        self.client_index = client_index
         self.max_queue = max_queue
-        self.stats: Any = None  # latest EngineStats snapshot, replaced (never mutated) by the engine thread
-        self.error: str | None = None  # set if the engine thread died
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}  # loop side only: accepted, not yet terminal
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self.engine_pid = engine_pid
+        self.on_engine_death = on_engine_death
+        self.stats: Any = None  # latest WireStats from the engine (replaced, never mutated)
+        self.error: str | None = None  # set once the engine process is gone
+        self._streams: dict[str, asyncio.Queue] = {}  # accepted or pending, not yet terminal
+        self._outbox: list[ClientCommand] = []
+        self._flush_scheduled = False
         self._stopping = False
-        self._live: set[str] = set()  # engine thread only: ids added to the core and not finished
-        self._last_stats_time = 0.0
-
-    # ---- loop side -------------------------------------------------------------------------
+        self._started = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._push: zmq.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task | None = None
+        self._pidfd: int | None = None
+        self._watcher: asyncio.Task | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineBatch)
 
     @property
     def num_requests(self) -> int:
-        """Requests accepted and not yet finished (waiting + running, as the server counts them)."""
+        """Requests this process submitted that have not finished (waiting + running)."""
         return len(self._streams)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        return self._started and self.error is None and not self._stopping
 
     def start(self) -> None:
-        """Starts the engine thread; call from the event loop that will consume the outputs."""
+        """Connects to the engine core; call from the event loop that will consume the outputs."""
         self._loop = asyncio.get_running_loop()
-        self._snapshot_stats()
-        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
-        self._thread.start()
+        self._ctx = zmq.asyncio.Context()
+        self._push = zmq.Context.instance().socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.connect(self.input_addr)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(self.output_addr)  # the engine core connects to it
+        self._reader = asyncio.ensure_future(self._read())
+        if self.engine_pid is not None:
+            self._watch_engine(self.engine_pid)
+        self._started = True
 
     def add(self, requests: list[tuple[str, list[int], SamplingParams]], stream: asyncio.Queue) -> None:
-        """Submits requests whose items (Accepted, then EngineOutputs / Rejected / Failed) go to stream.
+        """Submits requests whose items (Accepted, then TokenOutputs / Rejected / Failed) go to stream.
 
-        All or none are accepted: raises QueueFullError if they do not fit under max_queue.
+        All or none are submitted: raises QueueFullError if they do not fit under max_queue.
         """
-        if self._stopping or not self.is_alive:
+        if not self.is_alive:
             raise EngineUnavailableError(self.error or "the engine is shutting down")
         if len(self._streams) + len(requests) > self.max_queue:
             raise QueueFullError(
@@ -129,127 +133,126 @@ class AsyncEngine:
                 raise ValueError(f"duplicate request id {request_id!r}")
         for request_id, prompt_token_ids, params in requests:
             self._streams[request_id] = stream
-            self._commands.put(_Add(request_id, prompt_token_ids, params))
+            self._send(AddRequest(request_id, prompt_token_ids, params, self.client_index))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
               stop_reason: str | None = None) -> None:
         """Stops a request (client gone, or a stop string matched); its stream gets nothing more."""
-        if self._streams.pop(request_id, None) is not None:
-            self._commands.put(_Abort(request_id, reason, stop_reason))
+        if self._streams.pop(request_id, None) is not None and self.error is None:
+            self._send(AbortRequest(request_id, reason.value, stop_reason))
 
-    async def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Rejects new requests, fails whatever the engine still holds, joins the thread."""
+    async def shutdown(self) -> None:
+        """Stops taking requests, fails the ones still open, closes the sockets (the engine goes on)."""
         self._stopping = True
-        if self._thread is None:
-            return
-        self._commands.put(_Stop())
-        await asyncio.to_thread(self._thread.join, timeout_s)
+        self._fail_all("the server is shutting down")
+        if self._flush_scheduled:
+            self._flush()
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._pidfd is not None and self._loop is not None:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=500)
+        if self._ctx is not None:
+            self._ctx.term()
 
-    def _dispatch(self, items: list[Any]) -> None:
-        for item in items:
-            stream = self._streams.get(item.request_id)
-            if stream is None:
-                continue  # aborted by the loop side; the item is stale
-            if is_terminal(item):
-                del self._streams[item.request_id]
-            stream.put_nowait(item)
+    # ---- sending -----------------------------------------------------------------------------
 
-    # ---- engine thread ---------------------------------------------------------------------
+    def _send(self, command: ClientCommand) -> None:
+        self._outbox.append(command)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._flush)
 
-    def _deliver(self, items: list[Any]) -> None:
-        if not items:
-            return
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(self._dispatch, items)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            logger.warning("dropping %d engine items: event loop closed", len(items))
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        commands, self._outbox = self._outbox, []
+        if commands and self._push is not None and not self._push.closed:
+            self._push.send(self._encoder.encode(commands), copy=False)
 
-    def _run(self) -> None:
+    # ---- receiving ---------------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        assert self._pull is not None
         try:
             while True:
-                busy = self.core.has_unfinished_requests()
-                if self._apply(self._drain(block=not busy)):
-                    break
-                if self.core.has_unfinished_requests():
-                    self._step()
-                now = time.monotonic()
-                if not self.core.has_unfinished_requests() or now - self._last_stats_time >= STATS_INTERVAL_S:
-                    self._snapshot_stats()
-            self._fail_live("the server is shutting down")
-        except BaseException as exc:  # a bug outside step(): fail everyone rather than hang them
-            logger.exception("engine thread died")
-            self.error = f"engine thread died: {exc!r}"
-            self._fail_live(self.error)
-        finally:
-            self._snapshot_stats()
+                frame = await self._pull.recv(copy=False)
+                self._dispatch(self._decoder.decode(frame.buffer))
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bad message is a bug in this process: fail loudly, not silently hang
+            logger.exception("the engine output reader died")
+            self._engine_gone("the engine output reader died in this API process")
 
-    def _drain(self, block: bool) -> list[_Add | _Abort | _Stop]:
-        commands = []
-        if block:
-            commands.append(self._commands.get())
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
-
-    def _apply(self, commands: list[_Add | _Abort | _Stop]) -> bool:
-        """Applies add/abort commands in order; returns True on stop."""
-        items: list[Any] = []
-        stop = False
-        for command in commands:
-            if isinstance(command, _Stop):
-                stop = True
-            elif isinstance(command, _Add):
-                items.append(self._add(command))
-            elif command.request_id in self._live:
-                self._live.discard(command.request_id)
-                try:
-                    self.core.abort_request(command.request_id, command.reason, command.stop_reason)
-                except Exception:
-                    logger.exception("abort_request(%s) failed", command.request_id)
-        self._deliver(items)
-        return stop
-
-    def _add(self, command: _Add) -> Accepted | Rejected | Failed:
-        try:
-            self.core.add_request(command.request_id, command.prompt_token_ids, command.params)
-        except ValueError as exc:
-            return Rejected(command.request_id, str(exc))
-        except Exception as exc:
-            logger.exception("add_request(%s) failed", command.request_id)
-            return Failed(command.request_id, f"the engine could not add the request: {exc!r}")
-        self._live.add(command.request_id)
-        return Accepted(command.request_id)
-
-    def _step(self) -> None:
-        try:
-            outputs = self.core.step()
-        except Exception as exc:
-            # The core could not say which requests the step held, so all it holds are failed and
-            # aborted: the core comes back empty and consistent, and the loop goes on serving.
-            logger.exception("engine step failed")
-            self._fail_live(f"engine step failed: {exc!r}")
-            return
-        for output in outputs:
+    def _dispatch(self, batch: EngineBatch) -> None:
+        if batch.stats is not None:
+            self.stats = batch.stats
+        streams = self._streams
+        for request_id in batch.accepted:
+            stream = streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(Accepted(request_id))
+        for rejection in batch.rejected:
+            stream = streams.pop(rejection.request_id, None)
+            if stream is not None:
+                stream.put_nowait(Rejected(rejection.request_id, rejection.message, rejection.status))
+        for output in batch.outputs:
+            stream = streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted here meanwhile; the item is stale
             if output.finished:
-                self._live.discard(output.request_id)
-        self._deliver(outputs)
+                del streams[output.request_id]
+            stream.put_nowait(output)
 
-    def _fail_live(self, message: str) -> None:
-        failed = sorted(self._live)
-        self._live.clear()
-        for request_id in failed:
-            try:
-                self.core.abort_request(request_id, FinishReason.ABORT)
-            except Exception:
-                logger.exception("abort_request(%s) failed while failing it", request_id)
-        self._deliver([Failed(request_id, message) for request_id in failed])
+    # ---- engine liveness ---------------------------------------------------------------------
 
-    def _snapshot_stats(self) -> None:
+    def _watch_engine(self, pid: int) -> None:
+        assert self._loop is not None
         try:
-            self.stats = self.core.stats()
-        except Exception:
-            logger.exception("EngineCore.stats() failed")
-        self._last_stats_time = time.monotonic()
+            self._pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # no pidfd here: poll instead
+            self._watcher = asyncio.ensure_future(self._poll_pid(pid))
+            return
+        self._loop.add_reader(self._pidfd, self._engine_gone, f"the engine core process (pid {pid}) died")
+
+    async def _poll_pid(self, pid: int) -> None:
+        while _pid_alive(pid):
+            await asyncio.sleep(PID_POLL_S)
+        self._engine_gone(f"the engine core process (pid {pid}) died")
+
+    def _engine_gone(self, message: str) -> None:
+        if self.error is not None:
+            return
+        if self._pidfd is not None and self._loop is not None:
+            self._loop.remove_reader(self._pidfd)
+        logger.error("%s: failing %d open requests", message, len(self._streams))
+        self.error = message
+        self._fail_all(message)
+        if self.on_engine_death is not None and not self._stopping:
+            self.on_engine_death(message)
+
+    def _fail_all(self, message: str) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            stream.put_nowait(Failed(request_id, message))
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether pid runs (a zombie counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True

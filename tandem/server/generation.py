@@ -10,7 +10,7 @@ from typing import Any
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
-from tandem.server.async_engine import Accepted, AsyncEngine, Failed, Rejected
+from tandem.server.async_engine import Accepted, AsyncEngine, Failed, Rejected, is_terminal
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import ApiError, PromptTokensDetails, Usage
 
@@ -106,10 +106,12 @@ class Generation:
                 self.metrics.prompt_tokens.inc(len(self.prompts[self._by_id[item.request_id].prompt_index].token_ids))
             elif isinstance(item, Rejected):
                 self.abort_unfinished(record="rejected")
+                if item.status == 429:
+                    raise ApiError(429, item.message, type="rate_limit_error", code="queue_full")
                 raise ApiError(400, item.message, param=_param_of(item.message))
             else:
                 self._pending.append(item)
-                if isinstance(item, Failed):
+                if is_terminal(item):  # failed before it was accepted: nothing more will come
                     waiting.discard(item.request_id)
 
     async def next_batch(self) -> dict[int, Delta]:
@@ -124,6 +126,9 @@ class Generation:
             if choice.finish_reason is not None or self.error is not None:
                 continue
             self._apply(choice, item, deltas.setdefault(choice.index, Delta()))
+        num_new = sum(len(d.token_ids) for d in deltas.values())
+        if num_new:  # one counter update per batch: multiprocess-mode counters write to shared files
+            self.metrics.generation_tokens.inc(num_new)
         if self.error is not None:
             self.abort_unfinished()
         return deltas
@@ -180,7 +185,6 @@ class Generation:
             choice.queue_time_s = float(queue_time)
         choice.token_ids.extend(new_ids)
         delta.token_ids.extend(new_ids)
-        self.metrics.generation_tokens.inc(len(new_ids))
         if item.new_logprobs:
             entries = [(t, lp[0], list(lp[1])) for t, lp in zip(new_ids, item.new_logprobs[:consumed])]
             choice.logprobs.extend(entries)

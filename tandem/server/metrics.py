@@ -1,10 +1,16 @@
-"""ServerMetrics: the Prometheus series /metrics exposes (one registry per app)."""
+"""ServerMetrics: the Prometheus series /metrics exposes (one registry per app).
+
+With several API processes (`--api-server-count N`) the launcher sets PROMETHEUS_MULTIPROC_DIR before it
+starts them; every process then writes its series to files there and /metrics, whichever process
+answers, sums the counters and histograms of all of them (prometheus_client's multiprocess mode).
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                      2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -25,9 +31,12 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.stats_gauges = {attr: Gauge(name, doc, registry=r) for attr, (name, doc) in STATS_GAUGES.items()}
+        # Every API process holds the same engine stats: report the freshest, not their sum.
+        self.stats_gauges = {attr: Gauge(name, doc, registry=r, multiprocess_mode="mostrecent")
+                             for attr, (name, doc) in STATS_GAUGES.items()}
         self.requests_in_server = Gauge(
-            "tandem_num_requests_in_server", "Engine requests accepted by the server and not finished.", registry=r)
+            "tandem_num_requests_in_server", "Engine requests accepted by the server and not finished.", registry=r,
+            multiprocess_mode="livesum")
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
         self.generation_tokens = Counter("tandem_generation_tokens", "Output tokens streamed to clients.", registry=r)
         self.request_success = Counter(
@@ -62,4 +71,8 @@ class ServerMetrics:
             value = getattr(stats, attr, None) if stats is not None else None
             gauge.set(float(value) if value is not None else 0.0)
         self.requests_in_server.set(num_requests_in_server)
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            merged = CollectorRegistry()
+            multiprocess.MultiProcessCollector(merged)
+            return generate_latest(merged)
         return generate_latest(self.registry)

@@ -1,8 +1,11 @@
-"""Live-server fixtures: an in-process uvicorn on 127.0.0.1 serving the embedded model (one per module)."""
+"""Live-server fixtures: an engine-core process + an API app on 127.0.0.1 serving the embedded model (one per module)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -11,6 +14,8 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.flaky_core import FAULT_DIR_ENV
 
 MODEL_NAME = "smol-test"
 # Small and CPU-friendly: short context (cheap "beyond the context" checks), a small KV pool.
@@ -27,18 +32,26 @@ def free_port() -> int:
 class LiveServer:
     url: str
     app: Any
-    core: Any
     server: Any
     thread: threading.Thread
     api_key: str | None
+    engine_process: Any  # tandem.server.launcher.EngineProcess
+    tokenizer: Any
+    fault_dir: str
 
     @property
     def engine(self) -> Any:
+        """This API process's AsyncEngine (the client of the engine-core process)."""
         return self.app.state.engine
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def inject_fault(self, kind: str, times: int = 1) -> None:
+        """Makes the engine core's next `times` launches ('launch') or step() calls ('step') raise."""
+        with open(os.path.join(self.fault_dir, kind), "w") as f:
+            f.write(str(times))
 
     def openai(self, **kwargs: Any) -> Any:
         import openai
@@ -74,31 +87,36 @@ class LiveServer:
 
 
 def start_server(api_key: str | None = None, max_queue: int = 128, **engine_kwargs: Any) -> LiveServer:
-    import uvicorn
-
+    """The engine core in its own process (as `tandem serve` runs it) and the API app in a uvicorn thread here."""
     from tandem.config import EngineConfig
-    from tandem.engine import EngineCore
-    from tandem.server.app import build_app
+    from tandem.server.launcher import ApiSettings, build_api_server, start_engine_core
 
-    core = EngineCore(EngineConfig(**{**ENGINE_KWARGS, **engine_kwargs}))
-    app = build_app(core, model_names=[MODEL_NAME], api_key=api_key, max_queue=max_queue)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False, timeout_graceful_shutdown=5))
+    fault_dir = tempfile.mkdtemp(prefix="tandem-faults-")
+    os.environ[FAULT_DIR_ENV] = fault_dir  # inherited by the engine-core process
+    config = EngineConfig(**{**ENGINE_KWARGS, **engine_kwargs})
+    engine = start_engine_core(config, max_queue=max_queue, log_level="warning",
+                               core_class="tests.server.flaky_core:FlakyEngineCore")
+    settings = ApiSettings(config, [MODEL_NAME], port=free_port(), api_key=api_key, max_queue=max_queue,
+                           graceful_timeout=5, log_level="warning")
+    server, app, _ = build_api_server(settings, engine)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
+            engine.stop()
             raise RuntimeError("the test server did not start")
         time.sleep(0.05)
-    return LiveServer(f"http://127.0.0.1:{port}", app, core, server, thread, api_key)
+    return LiveServer(f"http://127.0.0.1:{settings.port}", app, server, thread, api_key, engine,
+                      app.state.serving.tokenizer, fault_dir)
 
 
 def stop_server(live: LiveServer) -> None:
     live.server.should_exit = True
     live.thread.join(timeout=30)
     assert not live.thread.is_alive(), "the test server did not shut down"
+    assert live.engine_process.stop() == 0, "the engine core did not exit cleanly"
+    shutil.rmtree(live.fault_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

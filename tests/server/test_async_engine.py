@@ -1,10 +1,12 @@
-"""AsyncEngine, body parsing and the bench's statistics, with a fake core (no model)."""
+"""The engine-core loop and its AsyncEngine client over ZeroMQ with a fake core (no model); body parsing; bench stats."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -13,6 +15,8 @@ from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
 from tandem.server import protocol as p
 from tandem.server.async_engine import Accepted, AsyncEngine, Failed, QueueFullError, Rejected
+from tandem.server.engine_core import EngineCoreLoop
+from tandem.server.messages import TokenOutput
 from tandem.server.protocol import ApiError, loc_to_param, parse_body
 
 
@@ -22,7 +26,26 @@ class FakeOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list | None = None
+    num_prompt_tokens: int = 1
+    num_cached_tokens: int = 0
     error: str | None = None
+    queue_time: float | None = None
+
+
+@dataclass
+class FakeStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+    num_free_blocks: int = 8
+    num_blocks: int = 8
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
 
 
 class FakeCore:
@@ -63,7 +86,52 @@ class FakeCore:
         return outputs
 
     def stats(self):
-        return {"num_running": len(self.requests)}
+        return FakeStats(num_running=len(self.requests), num_steps=self.num_steps)
+
+
+@dataclass
+class Harness:
+    core: FakeCore
+    loop: EngineCoreLoop
+    thread: threading.Thread
+    ipc_dir: str
+    engines: list[AsyncEngine] = field(default_factory=list)
+
+    def client(self, index: int = 0, max_queue: int = 8) -> AsyncEngine:
+        engine = AsyncEngine(f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out-{index}", client_index=index,
+                             max_queue=max_queue)
+        engine.start()
+        self.engines.append(engine)
+        return engine
+
+    async def close(self) -> None:
+        for engine in self.engines:
+            if not engine._stopping:
+                await engine.shutdown()
+        _send_shutdown(f"ipc://{self.ipc_dir}/in")
+        await asyncio.to_thread(self.thread.join, 10)
+        assert not self.thread.is_alive()
+
+
+def _send_shutdown(addr: str) -> None:
+    import msgspec
+    import zmq
+
+    from tandem.server.messages import Shutdown
+
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(addr)
+    sock.send(msgspec.msgpack.encode([Shutdown()]))
+    sock.close(linger=1000)
+
+
+def start_loop(core: FakeCore, num_clients: int = 1, max_queue: int = 64) -> Harness:
+    ipc_dir = tempfile.mkdtemp(prefix="tandem-test-ipc-")
+    loop = EngineCoreLoop(core, f"ipc://{ipc_dir}/in", [f"ipc://{ipc_dir}/out-{i}" for i in range(num_clients)],
+                          max_queue)
+    thread = threading.Thread(target=loop.run, name="tandem-engine", daemon=True)
+    thread.start()
+    return Harness(core, loop, thread, ipc_dir)
 
 
 async def _drain(stream: asyncio.Queue, until_terminal: int) -> list:
@@ -75,82 +143,133 @@ async def _drain(stream: asyncio.Queue, until_terminal: int) -> list:
     return items
 
 
-def test_outputs_flow_and_engine_runs_in_its_own_thread():
+def test_outputs_flow_and_engine_runs_in_its_own_loop():
     async def main():
-        core = FakeCore()
-        engine = AsyncEngine(core, max_queue=4)
-        engine.start()
+        h = start_loop(FakeCore())
+        engine = h.client(max_queue=4)
         stream: asyncio.Queue = asyncio.Queue()
         engine.add([("a", [1], SamplingParams(max_tokens=3)), ("b", [], SamplingParams(max_tokens=3))], stream)
         items = await _drain(stream, 2)
-        assert any(isinstance(i, Rejected) and i.request_id == "b" for i in items)
+        assert any(isinstance(i, Rejected) and i.request_id == "b" and i.status == 400 for i in items)
         assert [i for i in items if isinstance(i, Accepted)] == [Accepted("a")]
-        assert sum(len(i.new_token_ids) for i in items if isinstance(i, FakeOutput)) == 3
-        assert core.threads == {"tandem-engine"}
+        outs = [i for i in items if isinstance(i, TokenOutput)]
+        assert sum(len(i.new_token_ids) for i in outs) == 3 and outs[-1].finish_reason == "length"
+        assert h.core.threads == {"tandem-engine"}
         assert engine.num_requests == 0
-        await engine.shutdown()
+        for _ in range(100):  # the engine went idle: its last stats reach the client
+            if engine.stats is not None and engine.stats.num_running == 0 and engine.stats.num_steps == 3:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.stats.num_steps == 3
+        await h.close()
 
     asyncio.run(main())
 
 
+def test_two_clients_get_only_their_own_outputs_and_the_global_queue_bound():
+    async def main():
+        h = start_loop(FakeCore(), num_clients=2, max_queue=3)
+        first, second = h.client(0, max_queue=8), h.client(1, max_queue=8)
+        s1: asyncio.Queue = asyncio.Queue()
+        s2: asyncio.Queue = asyncio.Queue()
+        first.add([("a", [1], SamplingParams(max_tokens=10**6)), ("b", [1], SamplingParams(max_tokens=10**6))], s1)
+        await _wait_accepted(s1, 2)
+        second.add([("c", [1], SamplingParams(max_tokens=2)), ("d", [1], SamplingParams(max_tokens=2))], s2)
+        items = await _drain(s2, 2)
+        assert {i.request_id for i in items} == {"c", "d"}  # nothing of a or b
+        full = [i for i in items if isinstance(i, Rejected)]
+        assert len(full) == 1 and full[0].status == 429  # one of c, d was over the engine's global bound
+        first.abort("a")
+        first.abort("b")
+        await h.close()
+
+    asyncio.run(main())
+
+
+async def _wait_accepted(stream: asyncio.Queue, count: int) -> None:
+    seen = 0
+    while seen < count:
+        item = await asyncio.wait_for(stream.get(), 10)
+        seen += isinstance(item, Accepted)
+
+
 def test_queue_bound_and_abort():
     async def main():
-        core = FakeCore()
-        engine = AsyncEngine(core, max_queue=2)
-        engine.start()
+        h = start_loop(FakeCore())
+        engine = h.client(max_queue=2)
         stream: asyncio.Queue = asyncio.Queue()
         engine.add([("a", [1], SamplingParams(max_tokens=10**6)), ("b", [1], SamplingParams(max_tokens=10**6))],
                    stream)
         with pytest.raises(QueueFullError):
             engine.add([("c", [1], SamplingParams())], stream)
+        await _wait_accepted(stream, 2)
         engine.abort("a")
         engine.abort("b", FinishReason.STOP, "x")
         assert engine.num_requests == 0
         for _ in range(200):
-            if len(core.aborted) == 2:
+            if len(h.core.aborted) == 2:
                 break
             await asyncio.sleep(0.01)
-        assert not core.requests and {r for r, _ in core.aborted} == {"a", "b"}
-        await engine.shutdown()
+        assert not h.core.requests and dict(h.core.aborted) == {"a": FinishReason.ABORT, "b": FinishReason.STOP}
+        await h.close()
 
     asyncio.run(main())
 
 
 def test_step_exception_fails_live_requests_and_loop_goes_on():
     async def main():
-        core = FakeCore(fail_steps={2})
-        engine = AsyncEngine(core, max_queue=8)
-        engine.start()
+        h = start_loop(FakeCore(fail_steps={2}))
+        engine = h.client()
         stream: asyncio.Queue = asyncio.Queue()
         engine.add([("a", [1], SamplingParams(max_tokens=5))], stream)
         items = await _drain(stream, 1)
-        assert isinstance(items[-1], Failed) and "boom" in items[-1].message
+        assert items[-1].error is not None and "boom" in items[-1].error and items[-1].finished
         engine.add([("b", [1], SamplingParams(max_tokens=2))], stream)
         items = await _drain(stream, 1)
-        assert items[-1].finished and items[-1].request_id == "b"
+        assert items[-1].finished and items[-1].request_id == "b" and items[-1].error is None
         assert engine.is_alive
-        await engine.shutdown()
+        await h.close()
         assert not engine.is_alive
 
     asyncio.run(main())
 
 
-def test_shutdown_fails_whatever_is_left():
+def test_engine_shutdown_fails_whatever_is_left():
     async def main():
-        core = FakeCore()
-        engine = AsyncEngine(core, max_queue=8)
-        engine.start()
+        h = start_loop(FakeCore())
+        engine = h.client()
         stream: asyncio.Queue = asyncio.Queue()
         engine.add([("a", [1], SamplingParams(max_tokens=10**9))], stream)
-        await asyncio.wait_for(stream.get(), 10)  # accepted
-        await engine.shutdown()
-        items = []
-        while not stream.empty():
-            items.append(stream.get_nowait())
-        await asyncio.sleep(0.05)
-        while not stream.empty():
-            items.append(stream.get_nowait())
-        assert isinstance(items[-1], Failed) and "shutting down" in items[-1].message
+        await _wait_accepted(stream, 1)
+        _send_shutdown(f"ipc://{h.ipc_dir}/in")
+        items = await _drain(stream, 1)
+        assert items[-1].error is not None and "shutting down" in items[-1].error
+        await h.close()
+
+    asyncio.run(main())
+
+
+def test_engine_death_fails_open_requests_at_once(tmp_path):
+    """A dead engine pid (here: a child that exits) fails every open request and calls the death callback."""
+    import subprocess
+    import sys
+
+    async def main():
+        h = start_loop(FakeCore())
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+        deaths: list[str] = []
+        engine = AsyncEngine(f"ipc://{h.ipc_dir}/in", f"ipc://{h.ipc_dir}/out-0", max_queue=8,
+                             engine_pid=child.pid, on_engine_death=deaths.append)
+        engine.start()
+        h.engines.append(engine)
+        stream: asyncio.Queue = asyncio.Queue()
+        engine.add([("a", [1], SamplingParams(max_tokens=10**9))], stream)
+        await _wait_accepted(stream, 1)
+        await asyncio.to_thread(child.wait)
+        items = await _drain(stream, 1)
+        assert isinstance(items[-1], Failed) and "died" in items[-1].message
+        assert deaths and not engine.is_alive
+        await h.close()
 
     asyncio.run(main())
 

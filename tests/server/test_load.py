@@ -43,7 +43,7 @@ async def _stream_one(client: httpx.AsyncClient, i: int, disconnect: bool) -> di
 
 
 def test_concurrent_streams_with_disconnects(live_server):
-    tokenizer = live_server.core.tokenizer
+    tokenizer = live_server.tokenizer
     before = live_server.metrics()
     disconnecting = set(range(0, NUM_CLIENTS, 4)[:NUM_DISCONNECT])
 
@@ -116,8 +116,10 @@ def test_full_queue_answers_429_at_once(live_server):
     assert r.status_code == 200
 
 
-def test_bounded_load_with_bench_serve(live_server, tmp_path):
-    """A fixed count of requests on a fixed schedule through `tandem bench serve`; all must complete."""
+@pytest.mark.parametrize("num_clients", [1, 2])
+def test_bounded_load_with_bench_serve(live_server, tmp_path, num_clients):
+    """A fixed count of requests on a fixed schedule through `tandem bench serve` (one or two client
+    processes, results merged); all must complete."""
     from tandem.bench.serve import add_bench_serve_args, bench_serve_main
 
     parser = argparse.ArgumentParser()
@@ -126,7 +128,7 @@ def test_bounded_load_with_bench_serve(live_server, tmp_path):
     args = parser.parse_args(["--base-url", live_server.url, "--num-requests", "24", "--request-rate", "20",
                               "--max-tokens", "6", "--max-concurrency", "16", "--warmup", "1",
                               "--prompt", "Hello", "--prompt", "Tell me a story", "--timeout", "120",
-                              "--out", str(out)])
+                              "--num-clients", str(num_clients), "--out", str(out)])
     start = time.monotonic()
     assert bench_serve_main(args) == 0
     assert time.monotonic() - start < 150

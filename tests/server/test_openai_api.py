@@ -34,7 +34,7 @@ def test_completion_usage_and_streaming_agree(live_server, client):
                                   extra_body={"ignore_eos": True})
     choice = r.choices[0]
     assert choice.finish_reason == "length" and choice.text
-    num_prompt = len(live_server.core.tokenizer.encode(PROMPT))
+    num_prompt = len(live_server.tokenizer.encode(PROMPT))
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (num_prompt, 8, num_prompt + 8)
     chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0,
                                             stream=True, stream_options={"include_usage": True},
@@ -92,7 +92,7 @@ def test_n_and_seed(client):
 
 
 def test_multiple_prompts_and_token_ids(live_server, client):
-    ids = live_server.core.tokenizer.encode(PROMPT)
+    ids = live_server.tokenizer.encode(PROMPT)
     r = client.completions.create(model=MODEL_NAME, prompt=[PROMPT, "Hello"], max_tokens=3, temperature=0, n=2)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=3, temperature=0)
@@ -217,58 +217,31 @@ def test_unknown_route_is_openai_error(live_server):
     assert r.status_code == 404 and "error" in r.json()
 
 
-def _fail_next_launch(monkeypatch, core, times: int = 1) -> list[int]:
-    """Makes the runner's next launches raise (as a device fault would); returns a call counter."""
-    calls = [0]
-    original = core.runner.launch
-
-    def launch(sched):
-        calls[0] += 1
-        if calls[0] <= times:
-            raise RuntimeError("injected device fault")
-        return original(sched)
-
-    monkeypatch.setattr(core.runner, "launch", launch)
-    return calls
-
-
-def test_engine_step_exception_fails_that_step_and_server_goes_on(live_server, client, monkeypatch):
-    calls = _fail_next_launch(monkeypatch, live_server.core)
+def test_engine_step_exception_fails_that_step_and_server_goes_on(live_server, client):
+    live_server.inject_fault("launch")  # the engine core's next launch raises, as a device fault would
     r = live_server.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4})
     assert r.status_code == 500, r.text
     error = r.json()["error"]
     assert error["type"] == "server_error" and "injected device fault" in error["message"]
-    assert calls[0] >= 1
     # Streaming: the fault arrives as an SSE error event, then [DONE].
-    _fail_next_launch(monkeypatch, live_server.core)
+    live_server.inject_fault("launch")
     with httpx.stream("POST", f"{live_server.url}/v1/chat/completions", headers=live_server.headers, timeout=60,
                       json={"model": MODEL_NAME, "messages": CHAT, "max_tokens": 4, "stream": True}) as s:
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "injected device fault" in json.loads(events[-2])["error"]["message"]
-    monkeypatch.undo()
     r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3)
     assert r.usage.completion_tokens >= 1
     assert httpx.get(f"{live_server.url}/health").status_code == 200
 
 
-def test_step_raising_outside_the_core_guard_fails_live_requests(live_server, client, monkeypatch):
-    """If EngineCore.step itself raises, the loop fails every request it holds and keeps serving."""
-    original = live_server.core.step
-    calls = [0]
-
-    def step():
-        calls[0] += 1
-        if calls[0] == 1:
-            raise RuntimeError("injected step crash")
-        return original()
-
-    monkeypatch.setattr(live_server.core, "step", step)
+def test_step_raising_outside_the_core_guard_fails_live_requests(live_server, client):
+    """If EngineCore.step itself raises, the engine-core loop fails every request it holds and keeps serving."""
+    live_server.inject_fault("step")
     with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3)
     assert "injected step crash" in str(info.value)
     r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3)
     assert r.usage.completion_tokens >= 1
-    monkeypatch.undo()
     m = live_server.wait_idle()
     assert m["tandem_kv_cache_usage_ratio"] == 0 and m["tandem_request_failure_total"] >= 1

@@ -1,0 +1,234 @@
+"""The engine-core process: one EngineCore in a busy loop that drains commands, steps, and sends outputs.
+
+The loop never waits for an API process: commands are drained without blocking while there is work, and
+outputs go out on PUSH sockets with no high-water mark, one message per API process per step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import zmq
+
+from tandem.config import EngineConfig
+from tandem.request import FinishReason
+from tandem.server.messages import (
+    AbortRequest, AddRequest, ClientCommand, EngineBatch, EngineFailed, EngineInfo, Rejection, Shutdown,
+    TokenOutput, stats_to_wire)
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.05  # how stale the stats in the API processes may get while the engine is busy
+PARENT_CHECK_S = 1.0  # how often an idle or busy engine checks that its launcher is still alive
+DEFAULT_CORE = "tandem.engine:EngineCore"
+
+
+class EngineCoreLoop:
+    """Serves one EngineCore over ZeroMQ: a bound PULL for every API process's commands, one PUSH per API process."""
+
+    def __init__(self, core: Any, input_addr: str, output_addrs: list[str], max_queue: int,
+                 ctx: zmq.Context | None = None) -> None:
+        self.core = core
+        self.max_queue = max_queue
+        self._ctx = ctx or zmq.Context.instance()
+        self._input = self._ctx.socket(zmq.PULL)
+        self._input.bind(input_addr)
+        self._outputs: list[zmq.Socket] = []
+        for addr in output_addrs:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never block the engine on a slow reader
+            # Each API process binds its own output address; connecting from here makes the pipe
+            # exist at once, so outputs queue even before (or after) that process is listening.
+            sock.connect(addr)
+            self._outputs.append(sock)
+        self._decoder = msgspec.msgpack.Decoder(list[ClientCommand])
+        self._encoder = msgspec.msgpack.Encoder()
+        self._client_of: dict[str, int] = {}  # live request id -> the API process that owns it
+        self._batches = [EngineBatch([], [], []) for _ in output_addrs]
+        self._changed = True  # something happened since the last stats went out
+        self._last_stats = 0.0
+        self._parent_pid = os.getppid()
+        self._last_parent_check = time.monotonic()
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while True:
+                commands = self._receive(block=not self.core.has_unfinished_requests())
+                stop = self._apply(commands)
+                if stop:
+                    break
+                if self.core.has_unfinished_requests():
+                    self._step()
+                self._flush()
+            self._fail_live("the server is shutting down")
+            self._flush(force_stats=True)
+        except BaseException as exc:  # a bug outside step(): fail everyone rather than leave them hanging
+            logger.exception("engine core loop died")
+            self._fail_live(f"engine core died: {exc!r}")
+            self._flush(force_stats=True)
+            raise
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for sock in (self._input, *self._outputs):
+            sock.close(linger=1000)
+
+    def _receive(self, block: bool) -> list[ClientCommand]:
+        commands: list[ClientCommand] = []
+        if block:
+            while not self._input.poll(int(PARENT_CHECK_S * 1000)):
+                self._check_parent()
+        else:
+            now = time.monotonic()
+            if now - self._last_parent_check >= PARENT_CHECK_S:
+                self._last_parent_check = now
+                self._check_parent()
+        while True:
+            try:
+                frame = self._input.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return commands
+            try:
+                commands.extend(self._decoder.decode(frame.buffer))
+            except msgspec.DecodeError:
+                logger.exception("dropping an undecodable command message")
+
+    def _check_parent(self) -> None:
+        if os.getppid() != self._parent_pid:
+            raise SystemExit("the launcher process is gone; the engine core exits")
+
+    def _apply(self, commands: list[ClientCommand]) -> bool:
+        """Applies adds and aborts in arrival order; returns True on Shutdown."""
+        for command in commands:
+            self._changed = True
+            if isinstance(command, AddRequest):
+                self._add(command)
+            elif isinstance(command, AbortRequest):
+                if self._client_of.pop(command.request_id, None) is not None:
+                    try:
+                        self.core.abort_request(command.request_id, FinishReason(command.reason),
+                                                command.stop_reason)
+                    except Exception:
+                        logger.exception("abort_request(%s) failed", command.request_id)
+            elif isinstance(command, Shutdown):
+                return True
+        return False
+
+    def _add(self, command: AddRequest) -> None:
+        rid, client = command.request_id, command.client_index
+        batch = self._batches[client]
+        if len(self._client_of) >= self.max_queue:
+            batch.rejected.append(Rejection(rid, f"the server is at capacity ({len(self._client_of)} of "
+                                                 f"{self.max_queue} requests); retry later", 429))
+            return
+        try:
+            self.core.add_request(rid, command.prompt_token_ids, command.params)
+        except ValueError as exc:
+            batch.rejected.append(Rejection(rid, str(exc), 400))
+            return
+        except Exception as exc:
+            logger.exception("add_request(%s) failed", rid)
+            batch.outputs.append(_failed(rid, f"the engine could not add the request: {exc!r}"))
+            return
+        self._client_of[rid] = client
+        batch.accepted.append(rid)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception as exc:
+            # The core could not say which requests the step held, so all it holds are failed and
+            # aborted: the core comes back empty and consistent, and the loop goes on serving.
+            logger.exception("engine step failed")
+            self._fail_live(f"engine step failed: {exc!r}")
+            return
+        self._changed = True
+        for out in outputs:
+            client = self._client_of.get(out.request_id)
+            if client is None:
+                continue  # aborted meanwhile
+            if out.finished:
+                del self._client_of[out.request_id]
+            reason = out.finish_reason.value if out.finish_reason is not None else None
+            self._batches[client].outputs.append(TokenOutput(
+                out.request_id, out.new_token_ids, out.new_logprobs, out.finished, reason, out.stop_reason,
+                out.num_prompt_tokens, out.num_cached_tokens, out.error, out.queue_time))
+
+    def _fail_live(self, message: str) -> None:
+        live, self._client_of = self._client_of, {}
+        for rid, client in sorted(live.items()):
+            try:
+                self.core.abort_request(rid, FinishReason.ABORT)
+            except Exception:
+                logger.exception("abort_request(%s) failed while failing it", rid)
+            self._batches[client].outputs.append(_failed(rid, message))
+
+    def _flush(self, force_stats: bool = False) -> None:
+        now = time.monotonic()
+        idle = not self.core.has_unfinished_requests()
+        stats = None
+        if force_stats or now - self._last_stats >= STATS_INTERVAL_S or (idle and self._changed):
+            try:
+                stats = stats_to_wire(self.core.stats())
+            except Exception:
+                logger.exception("EngineCore.stats() failed")
+            self._last_stats, self._changed = now, False
+        for client, batch in enumerate(self._batches):
+            if stats is None and not (batch.outputs or batch.accepted or batch.rejected):
+                continue
+            batch.stats = stats
+            try:
+                self._outputs[client].send(self._encoder.encode(batch), zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                logger.error("API process %d is not reachable: dropping a batch of %d outputs", client,
+                             len(batch.outputs))
+            self._batches[client] = EngineBatch([], [], [])
+
+
+def _failed(request_id: str, message: str) -> TokenOutput:
+    return TokenOutput(request_id, [], None, True, FinishReason.ABORT.value, None, 0, 0, error=message)
+
+
+# ---- process entry ---------------------------------------------------------------------------------
+
+
+def load_core_class(path: str) -> Any:
+    """'package.module:Name' -> the class (the server's tests pass a subclass that can be told to fail)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addrs: list[str], max_queue: int,
+                    startup: Connection, log_level: str = "INFO", core_class: str = DEFAULT_CORE) -> None:
+    """Body of the engine-core process: load the engine, report EngineInfo (or EngineFailed), serve."""
+    # Ctrl-C reaches the whole process group; the launcher decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from tandem.server.launcher import freeze_gc, set_process_name
+
+    set_process_name("tandem-engine")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s engine-core: %(message)s")
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        core = load_core_class(core_class)(config)
+        loop = EngineCoreLoop(core, input_addr, output_addrs, max_queue)
+    except BaseException as exc:
+        message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        logger.exception("the engine could not start")
+        startup.send_bytes(encoder.encode(EngineFailed(message)))
+        sys.exit(1)
+    startup.send_bytes(encoder.encode(EngineInfo(core.max_model_len, core.model_config.vocab_size,
+                                                 core.runner.num_blocks, os.getpid())))
+    startup.close()
+    freeze_gc()
+    loop.run()

@@ -1,0 +1,101 @@
+"""Typed messages between the API processes and the engine-core process (msgspec msgpack, never pickle)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from tandem.sampling_params import SamplingParams
+
+# One output token with logprobs as the runner reports it: (chosen logprob, [(token id, logprob)] top-n).
+WireLogprobs = tuple[float, list[tuple[int, float]]]
+
+
+# ---- API process -> engine core (one message holds every command a client had ready) ---------
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # validated by the API process; msgspec rebuilds the frozen dataclass
+    client_index: int  # which API process gets this request's outputs
+
+
+class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
+    request_id: str
+    reason: str  # a FinishReason value: "abort", or "stop" when the client matched a stop string
+    stop_reason: int | str | None = None
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """Fail whatever is left and exit (sent by the launcher after the API processes have drained)."""
+
+
+ClientCommand = AddRequest | AbortRequest | Shutdown
+
+
+# ---- engine core -> one API process (one message per engine step) ------------------------
+
+
+class TokenOutput(msgspec.Struct, array_like=True):
+    """What one step produced for one request (EngineOutput on the wire)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[WireLogprobs] | None
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+    queue_time: float | None = None
+
+
+class Rejection(msgspec.Struct, array_like=True):
+    request_id: str
+    message: str
+    status: int  # 400: the engine refused the input; 429: the engine holds --max-queue requests already
+
+
+class WireStats(msgspec.Struct, array_like=True):
+    """EngineStats on the wire: the figures /metrics shows."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_free_blocks: int
+    num_blocks: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_preemptions: int
+
+
+class EngineBatch(msgspec.Struct, tag="batch", array_like=True):
+    outputs: list[TokenOutput] = []
+    accepted: list[str] = []
+    rejected: list[Rejection] = []
+    stats: WireStats | None = None
+
+
+class EngineInfo(msgspec.Struct, tag="info"):
+    """What the API processes need to know of the loaded engine (sent once, at start)."""
+
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    pid: int
+
+
+class EngineFailed(msgspec.Struct, tag="failed"):
+    """The engine could not start (bad model path, out of memory ...)."""
+
+    message: str
+
+
+StartupReply = EngineInfo | EngineFailed
+
+
+def stats_to_wire(stats: object) -> WireStats:
+    return WireStats(**{name: getattr(stats, name) for name in WireStats.__struct_fields__})

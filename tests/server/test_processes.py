@@ -1,0 +1,116 @@
+"""The process split as users run it: the engine core killed mid-stream, several API processes, no orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.procs import ServeProcess, wait_gone
+
+
+@pytest.fixture
+def serve_factory(tmp_path):
+    started: list[ServeProcess] = []
+
+    def start(*extra: str) -> ServeProcess:
+        server = ServeProcess(str(tmp_path / f"server-{len(started)}.log"), *extra)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.close()
+
+
+def test_engine_killed_mid_stream_fails_requests_and_the_server_exits_nonzero(serve_factory):
+    server = serve_factory()
+    server.wait_healthy()
+    children = server.descendants()
+    engine_pid = server.engine_pid()
+    assert engine_pid in children
+    events: list[str] = []
+    first = threading.Event()
+    done = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        first.set()
+        finally:
+            done.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first.wait(120), server.read_log()
+    os.kill(engine_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert done.wait(10), "the open stream did not end after the engine died"
+    assert time.monotonic() - killed_at < 5
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "engine core process" in error["message"] and "died" in error["message"]
+    try:  # /health says so while the server is still up (then it exits)
+        health = httpx.get(f"{server.url}/health", timeout=5)
+        assert health.status_code == 503, health.text
+    except httpx.TransportError:
+        pass
+    assert server.proc.wait(timeout=60) != 0, server.read_log()
+    assert not wait_gone(children), "a child of tandem serve outlived it"
+
+
+def _complete(url: str, i: int) -> dict:
+    body = {"prompt": f"Item {i}:", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _metric(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == name:
+                total += sample.value
+    return total
+
+
+def test_two_api_processes_serve_and_count_across_processes_then_shut_down_clean(serve_factory):
+    server = serve_factory("--api-server-count", "2")
+    server.wait_healthy()
+    children = server.descendants()
+    assert len(children) >= 3  # the engine core and two API processes (plus multiprocessing's tracker)
+    num = 12
+    results: list[dict] = []
+    threads = [threading.Thread(target=lambda i=i: results.append(_complete(server.url, i))) for i in range(num)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert len(results) == num and all(r["usage"]["completion_tokens"] == 4 for r in results)
+    # Whichever process answers /metrics, the counts are the whole server's.
+    for _ in range(4):
+        assert _metric(server.url, "tandem_request_success_total") == num
+        assert _metric(server.url, "tandem_generation_tokens_total") == 4 * num
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=90) == 0, server.read_log()
+    assert not wait_gone(children), "a child of tandem serve outlived it"
+    leftover = [line for line in server.read_log(tail=None).splitlines() if "Traceback" in line]
+    assert not leftover, server.read_log()
+
+
+def test_bad_model_path_exits_nonzero_with_the_reason(serve_factory):
+    server = serve_factory("--model", "/no/such/model")
+    assert server.proc.wait(timeout=120) != 0
+    assert "/no/such/model" in server.read_log()
