@@ -124,7 +124,7 @@ def test_chat_in_browser(server: Server, browser, tmp_path):
         # 1. A reply streams in: the text is seen at two or more different non-empty lengths, then finishes.
         page.fill("#system", "You are a helpful assistant.")
         page.fill("#temperature", "0")
-        page.fill("#max-tokens", "40")
+        page.fill("#max-tokens", "24")
         page.evaluate("""() => {
             window.lengths = [];
             new MutationObserver(() => {
@@ -169,7 +169,10 @@ def test_chat_in_browser(server: Server, browser, tmp_path):
             assert time.monotonic() < deadline, "the server did not abort the stopped request:\n" + server.log()
             time.sleep(0.2)
         assert server.metric(ABORTED) == aborted_before + 1
-        assert server.metric("tandem_num_requests_running") == 0
+        # The engine's own counts reach /metrics a moment later (they come from the engine process).
+        while server.metric("tandem_num_requests_running") != 0:
+            assert time.monotonic() < deadline, "the aborted request still runs in the engine:\n" + server.log()
+            time.sleep(0.2)
 
         # 4. A bad setting: the server's error message appears in the page verbatim.
         page.fill("#temperature", "-1")
