@@ -17,7 +17,9 @@ DEFAULT_PROMPTS = [
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF folder, .gguf file or named shape (default: embedded SmolLM2-135M)")
+    g.add_argument("--model", default=None,
+                   help="HF folder, .gguf file, Hugging Face Hub id (org/name) or named shape (default: embedded SmolLM2-135M)")
+    g.add_argument("--revision", default=None, help="branch, tag or commit of a Hub model id (default: main)")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto")
@@ -35,7 +37,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
-        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        model=args.model, revision=args.revision, load_format=args.load_format, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -45,6 +45,7 @@ class ModelConfig:
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     tokenizer: str | None = None  # None: from the model folder / GGUF
+    revision: str | None = None  # branch, tag or commit of a Hugging Face Hub model id; None: main
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda if available, else cpu
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
@@ -67,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
+            raise ValueError(f"revision must be a non-empty branch, tag or commit, got {self.revision!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

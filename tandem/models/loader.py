@@ -116,8 +116,10 @@ def resolve_source(config: EngineConfig) -> ModelSource:
     """Decides where config and weights come from; ValueError naming the path when it cannot be used."""
     model = config.model or default_model_path()
     if config.load_format == "dummy" and model in NAMED_SHAPES:
+        if config.revision is not None:
+            raise ValueError(f"revision {config.revision!r} applies to a Hugging Face Hub id, not the shape {model!r}")
         return ModelSource("dummy", None, model)
-    path = _local_path(model)
+    path = _local_path(model, config.revision)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"model file {path!r} is not a .gguf file (a model folder or a .gguf file is expected)")
@@ -143,20 +145,70 @@ def _classify_folder(folder: str, load_format: str) -> tuple[str, str]:
     raise ValueError(f"model folder {folder!r} has no config.json with *.safetensors weights and no .gguf file")
 
 
-def _local_path(model: str) -> str:
+def _local_path(model: str, revision: str | None = None, require_config: bool = True) -> str:
+    """A local file or folder as given, else a Hugging Face Hub id resolved to its cached snapshot folder."""
     path = os.path.expanduser(model)
     if os.path.exists(path):
+        if revision is not None:
+            raise ValueError(f"revision {revision!r} applies to a Hugging Face Hub id; {model!r} is a local path")
         return path
     if not _HUB_ID.match(model) or model.endswith(".gguf"):
         raise ValueError(f"model {model!r} not found: no such file or folder")
+    return hub_snapshot(model, revision, require_config)
+
+
+# What tandem reads from a hub repo: configs, tokenizer files, safetensors weights (root folder only;
+# consolidated.safetensors is the Mistral-native duplicate of the HF-format shards).
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "merges.txt", "vocab.txt", "*.jinja"]
+HUB_IGNORE_PATTERNS = ["*/*", "consolidated*"]
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None, require_config: bool = True) -> str:
+    """Downloads repo_id (once) into the Hugging Face cache and returns its snapshot folder.
+
+    Offline (HF_HUB_OFFLINE=1, or the Hub unreachable) a cached snapshot is used; a miss is a ValueError
+    that names the repo, the cache folder and what to do. HF_TOKEN (or a stored login) authenticates.
+    """
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub import errors as hub_errors
     except ImportError:
-        raise ValueError(f"model {model!r} not found: no such file or folder (huggingface_hub not installed)") from None
+        raise ValueError(f"model {repo_id!r} not found: no such file or folder (and huggingface_hub, "
+                         "needed to download Hub ids, is not installed)") from None
+    # Read at call time (huggingface_hub reads these once, at import).
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    cache_dir = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    at = f" at revision {revision!r}" if revision else ""
     try:
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
-    except Exception as exc:  # offline, unknown repo, gated: all mean "not available here"
-        raise ValueError(f"model {model!r} not found: not a local path and the hub download failed ({exc})") from None
+        folder = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=offline,
+                                   token=os.environ.get("HF_TOKEN") or None,
+                                   allow_patterns=HUB_ALLOW_PATTERNS, ignore_patterns=HUB_IGNORE_PATTERNS)
+    except hub_errors.RevisionNotFoundError:
+        raise ValueError(f"model {repo_id!r}: revision {revision!r} does not exist on the Hugging Face Hub") from None
+    except hub_errors.GatedRepoError:
+        raise ValueError(f"model {repo_id!r} is gated on the Hugging Face Hub: accept its terms on its page, then "
+                         "set HF_TOKEN to a token of that account") from None
+    except hub_errors.RepositoryNotFoundError:
+        raise ValueError(f"model {repo_id!r} not found: no such local path, and no such repository on the Hugging "
+                         "Face Hub (if it is private, set HF_TOKEN to a token that can read it)") from None
+    except hub_errors.LocalEntryNotFoundError as exc:
+        if offline:
+            raise ValueError(
+                f"model {repo_id!r}{at} is not a local path and not in the Hugging Face cache ({cache_dir}), and "
+                f"downloads are off (HF_HUB_OFFLINE=1). Download it once on a machine that is online (run with "
+                f"--model {repo_id} there, HF_HUB_OFFLINE unset, and the same cache), or pass a local folder."
+            ) from None
+        raise ValueError(
+            f"model {repo_id!r}{at} is not a local path and not in the Hugging Face cache ({cache_dir}), and the "
+            f"Hub could not be reached ({type(exc.__cause__ or exc).__name__}). Connect to the internet (or set "
+            "HF_ENDPOINT to a mirror) and run again, or pass a local folder."
+        ) from None
+    except Exception as exc:  # an incomplete cached snapshot, an HTTP error: the hub's own message says which
+        raise ValueError(f"model {repo_id!r}{at}: the Hugging Face Hub download failed: {exc}") from None
+    if require_config and not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(f"model {repo_id!r}{at} has no config.json in its Hub repo (snapshot {folder}); tandem "
+                         "loads Hugging Face folders with safetensors weights, or a local .gguf file")
+    return folder
 
 
 def _hf_config(source: ModelSource, overrides: dict[str, Any]):
@@ -230,7 +282,7 @@ def _load_tokenizer(config: EngineConfig, source: ModelSource):
     from transformers import AutoTokenizer
 
     if config.tokenizer is not None:
-        return AutoTokenizer.from_pretrained(_local_path(config.tokenizer))
+        return AutoTokenizer.from_pretrained(_local_path(config.tokenizer, require_config=False))
     if source.path is None:
         return None  # named shape: benchmarks feed token ids
     if source.path.endswith(".gguf"):

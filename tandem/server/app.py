@@ -16,6 +16,7 @@ from tandem.server import protocol as p
 from tandem.server.async_engine import AsyncEngine
 from tandem.server.protocol import ApiError
 from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
+from tandem.server.playground import add_playground_routes
 from tandem.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_names: list[str], ma
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.serving = serving
+    add_playground_routes(app)
 
     def check_auth(request: Request) -> None:
         if api_key is None:
