@@ -103,7 +103,8 @@ class ModelRunner:
                         self._decode_step_fn, graph_batch_sizes(self.max_num_seqs), self.streams.compute,
                         sample_fn=self._decode_sample_fn,
                     )
-                logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs.graphs), time.perf_counter() - t0)
+                logger.info("captured %d decode + %d sampling CUDA graphs in %.1f s", len(self.graphs.graphs),
+                            len(self.graphs.sample_graphs), time.perf_counter() - t0)
         self._events = [StepEvents(self.device, self.timing) for _ in range(2)]
         self._step_index = 0
         self._prev_rows: dict[str, int] = {}  # request id -> row in the previous step's sampled tokens
