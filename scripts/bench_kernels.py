@@ -1,12 +1,20 @@
 """Decode attention benchmark on CUDA: paged Triton kernel vs torch SDPA on contiguous KV, against copy bandwidth.
 
-    python scripts/bench_kernels.py --out out/bench_kernels.json [--sweep]
+    python scripts/bench_kernels.py --out out/bench_kernels.json [--sweep] [--graph-max-len 4096]
 
-For every (batch, seq_len) it times `paged_decode_attention` with triton.testing.do_bench (median, L2 flushed
-before each run), counts the bytes the step must read/write (all K/V of every context + q + out), and reports
-GB/s and the fraction of a device-to-device copy bandwidth measured in the same run (read + write bytes, the
-roofline convention of BENCHMARKS.md). The peer is torch SDPA (enable_gqa) on a contiguous KV of the same
-contents. --sweep also times a grid of tile/warp/stage/split settings and reports the best, for tuning.
+For every (batch, seq_len) it times `paged_decode_attention` as the engine runs it, inside a CUDA graph
+(GPU time only: at small shapes a Python-launched Triton kernel is bound by its ~20 us launch, which a
+decode graph never pays), with the L2 cache flushed before every call; the peer is torch SDPA (enable_gqa)
+on a contiguous KV of the same contents, timed the same way. The eager (triton.testing.do_bench) times are
+kept beside them (`*_eager_ms`). It counts the bytes the step must read/write (all K/V of every context +
+q + out) and reports GB/s and the fraction of a device-to-device copy bandwidth measured in the same run
+(read + write bytes, the roofline convention of BENCHMARKS.md).
+
+--sweep also times a grid of (block_n, num_warps, num_stages, num_splits) per shape, keeps the whole table
+in the JSON (`sweep`), prints the best config per shape, and a summary of the best split count per
+(batch x kv heads, KV tiles), from which choose_num_splits' constants are picked. --graph-max-len N sizes
+the default split count from N instead of the true context, as the engine's decode graphs do (they are
+captured for max_model_len).
 """
 
 from __future__ import annotations
@@ -39,6 +47,42 @@ def median_ms(fn, rep: int = 200) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+
+
+def graph_ms(fn, reps: int = 20, flush_bytes: int = 256 << 20) -> float:
+    """GPU milliseconds per call of fn, from CUDA-graph replays of [L2 flush, fn] x reps minus [L2 flush] x reps."""
+    flush = torch.empty(flush_bytes, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compile / autotune / allocate outside the capture
+            fn()
+    torch.cuda.synchronize()
+
+    def capture(with_fn: bool) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(reps):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        return graph
+
+    def time_graph(graph: torch.cuda.CUDAGraph) -> float:
+        times = []
+        for _ in range(7):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    both, only_flush = capture(True), capture(False)
+    ms = (time_graph(both) - time_graph(only_flush)) / reps
+    del both, only_flush, flush
+    return max(ms, 1e-6)
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
@@ -90,20 +134,20 @@ def bench_shape(args, batch, seq_len, copy_gbs, device) -> dict:
     out = torch.empty_like(q)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     block_n = decode_block_n(args.head_dim, dtype)
-    splits = choose_num_splits(batch, args.num_kv_heads, seq_len, block_n, num_sms)
+    splits = choose_num_splits(batch, args.num_kv_heads, args.graph_max_len or seq_len, block_n, num_sms)
 
-    def run_tandem(num_splits=splits, rep=200, **cfg):
+    def run_tandem(num_splits=splits, graph=True, **cfg):
         workspace = torch.empty(decode_workspace_numel(batch, args.num_heads, args.head_dim, num_splits),
                                 dtype=torch.float32, device=device)
         fn = lambda: paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,  # noqa: E731
                                             num_splits=num_splits, workspace=workspace, **cfg)
-        return median_ms(fn, rep)
+        return graph_ms(fn) if graph else median_ms(fn)
 
     ms = run_tandem()
     row = {
         "batch": batch, "seq_len": seq_len, "num_splits": splits, "block_n": block_n,
         "kv_bytes": kv_bytes, "bytes": total_bytes,
-        "tandem_ms": ms, "tandem_gbs": total_bytes / (ms * 1e-3) / 1e9,
+        "tandem_ms": ms, "tandem_gbs": total_bytes / (ms * 1e-3) / 1e9, "tandem_eager_ms": run_tandem(graph=False),
     }
     row["tandem_copy_fraction"] = row["tandem_gbs"] / copy_gbs
 
@@ -113,7 +157,8 @@ def bench_shape(args, batch, seq_len, copy_gbs, device) -> dict:
         ref = sdpa_decode(q, keys, values, scale)
         row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
         row["rel_err_vs_sdpa"] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        sdpa_ms = median_ms(lambda: sdpa_decode(q, keys, values, scale))
+        sdpa_ms = graph_ms(lambda: sdpa_decode(q, keys, values, scale))
+        row["sdpa_eager_ms"] = median_ms(lambda: sdpa_decode(q, keys, values, scale))
         row.update({"sdpa_ms": sdpa_ms, "sdpa_gbs": total_bytes / (sdpa_ms * 1e-3) / 1e9,
                     "speedup_vs_sdpa": sdpa_ms / ms})
         row["sdpa_copy_fraction"] = row["sdpa_gbs"] / copy_gbs
@@ -122,24 +167,47 @@ def bench_shape(args, batch, seq_len, copy_gbs, device) -> dict:
     del keys, values
 
     if args.sweep:
-        best = None
-        split_options = sorted({max(1, splits // 2), splits, min(64, splits * 2), 1})
-        for bn, warps, stages, ns in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), split_options):
+        best, table = None, []
+        num_tiles = -(-seq_len // block_n)
+        split_options = sorted({1, splits} | {n for n in (2, 4, 8, 16, 32, 64) if n <= 2 * num_tiles})
+        for bn, warps, stages, ns in itertools.product((32, 64, 128), (4, 8), (2, 3), split_options):
             try:
-                t = run_tandem(num_splits=ns, rep=50, block_n=bn, num_warps=warps, num_stages=stages)
+                t = run_tandem(num_splits=ns, block_n=bn, num_warps=warps, num_stages=stages)
             except Exception as exc:  # out of shared memory etc.: record and move on
                 row.setdefault("sweep_errors", []).append(f"bn={bn} w={warps} s={stages} splits={ns}: {exc!r}"[:200])
                 continue
+            entry = {"ms": t, "block_n": bn, "num_warps": warps, "num_stages": stages, "num_splits": ns}
+            table.append(entry)
             if best is None or t < best["ms"]:
-                best = {"ms": t, "block_n": bn, "num_warps": warps, "num_stages": stages, "num_splits": ns}
+                best = dict(entry)
         if best is not None:
             best["gbs"] = total_bytes / (best["ms"] * 1e-3) / 1e9
             best["copy_fraction"] = best["gbs"] / copy_gbs
+            if "sdpa_ms" in row:
+                best["speedup_vs_sdpa"] = row["sdpa_ms"] / best["ms"]
         row["sweep_best"] = best
+        row["sweep"] = table
 
     del q, k_cache, v_cache, block_tables, seq_lens, out
     torch.cuda.empty_cache()
     return row
+
+
+def print_sweep_summary(rows: list[dict], num_kv_heads: int) -> None:
+    """Best config per shape, and per shape the fastest split count at the default tile settings."""
+    print("\nsweep: best per shape (programs = batch x kv heads; tiles = KV tiles of block_n per sequence)")
+    print(f"{'batch':>5} {'seq':>6} {'programs':>8} {'best us':>8} {'bn':>4} {'w':>2} {'s':>2} {'splits':>6} "
+          f"{'vs sdpa':>7}   us by splits at the default block_n, 4 warps, 2 stages")
+    for row in rows:
+        best = row.get("sweep_best")
+        if not best:
+            continue
+        default = {e["num_splits"]: e["ms"] for e in row["sweep"]
+                   if e["block_n"] == row["block_n"] and e["num_warps"] == 4 and e["num_stages"] == 2}
+        by_split = " ".join(f"{ns}:{ms * 1e3:.1f}" for ns, ms in sorted(default.items()))
+        print(f"{row['batch']:>5} {row['seq_len']:>6} {row['batch'] * num_kv_heads:>8} {best['ms'] * 1e3:>8.1f} "
+              f"{best['block_n']:>4} {best['num_warps']:>2} {best['num_stages']:>2} {best['num_splits']:>6} "
+              f"{best.get('speedup_vs_sdpa', float('nan')):>7.2f}   {by_split}")
 
 
 def main() -> None:
@@ -153,6 +221,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--sweep", action="store_true", help="also search tile/warp/stage/split settings")
+    parser.add_argument("--graph-max-len", type=int, default=0,
+                        help="size the default split count from this static bound (the engine's max_model_len)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
@@ -185,10 +255,13 @@ def main() -> None:
         "layout": {"num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim,
                    "block_size": args.block_size, "dtype": args.dtype},
         "copy_bandwidth_gbs": copy_gbs,
-        "timing": "triton.testing.do_bench median, L2 flushed before each run",
+        "timing": "CUDA-graph replay, L2 flushed before each call (GPU time); *_eager_ms: triton do_bench median",
+        "graph_max_len": args.graph_max_len or None,
         "bytes_counted": "K and V of every context position + q + out + block tables + seq_lens",
         "rows": rows,
     }
+    if args.sweep:
+        print_sweep_summary(rows, args.num_kv_heads)
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2))

@@ -11,10 +11,13 @@ import triton.language as tl
 from tandem.layers.attention_metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
-# Each decode split reads at least this many KV tiles, so its partial result is worth the reduction.
-MIN_TILES_PER_SPLIT = 4
+# Each decode split reads at least this many KV tiles. A split's partial costs D + 1 fp32 written and read
+# back by the reduce, against 2 * block_n * D cache elements per tile, so one tile already pays for it; and
+# at batch 1 with a short context every split is a chain of dependent loads (block table, K, V), so more,
+# shorter chains finish sooner. (It was 4: bs1 x 512 then ran 16 programs on 132 SMs.)
+MIN_TILES_PER_SPLIT = 1
 MAX_SPLITS = 64
-# How many decode programs per SM we aim for before splitting a sequence's KV further.
+# How many decode programs per SM we aim for (a few waves) before splitting a sequence's KV further.
 PROGRAMS_PER_SM = 4
 
 
@@ -174,11 +177,19 @@ def decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
     return max(16, min(128, 16384 // (triton.next_power_of_2(head_dim) * dtype.itemsize)))
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
-    """Splits per sequence from shapes only (CUDA-graph safe); correctness never depends on the value."""
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int,
+    *, min_tiles_per_split: int = MIN_TILES_PER_SPLIT, programs_per_sm: int = PROGRAMS_PER_SM,
+) -> int:
+    """Splits per sequence from shapes only (CUDA-graph safe); correctness never depends on the value.
+
+    batch x kv heads x splits aims at programs_per_sm waves of the SMs, but no split gets fewer than
+    min_tiles_per_split tiles of the static bound max_seq_len (the device spreads a sequence's actual tiles
+    over the splits, so in a graph captured for max_model_len short contexts leave the last splits empty).
+    """
     programs = max(1, batch * num_kv_heads)
-    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
-    worth = triton.cdiv(triton.cdiv(max(max_seq_len, 1), block_n), MIN_TILES_PER_SPLIT)
+    want = triton.cdiv(programs_per_sm * num_sms, programs)
+    worth = triton.cdiv(triton.cdiv(max(max_seq_len, 1), block_n), max(1, min_tiles_per_split))
     return max(1, min(want, worth, MAX_SPLITS))
 
 

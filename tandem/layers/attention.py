@@ -29,5 +29,11 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta)
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        """Attention alone, for callers that wrote this step's K/V already (the fused rotary + KV write)."""
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

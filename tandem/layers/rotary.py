@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.kernels.ops import force_triton
+from tandem.kernels.ops import force_triton, write_kv
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -89,3 +89,38 @@ def apply_rotary_qk(
         rotary_triton(q, k, cos, sin)
         return q, k
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def rotary_write_kv(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], may be a strided view of the fused qkv output
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    q_norm: nn.Module | None = None,  # per-head RMSNorm of q and k (Qwen3), both or neither
+    k_norm: nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q/k norm,) rotary and the KV-cache write; returns the (q, k) that attention reads.
+
+    On CUDA one fused kernel does all of it per layer, normalizing and rotating q and k IN PLACE; on CPU
+    the separate reference layers run (norm outputs are fresh tensors, q and k are left untouched).
+    """
+    norms = q_norm is not None and k_norm is not None
+    fusable = not norms or q_norm.eps == k_norm.eps  # type: ignore[union-attr]
+    if (q.is_cuda or force_triton()) and fusable:
+        from tandem.kernels.triton_rotary_kv import rotary_write_kv_triton  # lazy: no Triton on CPU
+
+        rotary_write_kv_triton(
+            q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
+            q_norm.weight if norms else None, k_norm.weight if norms else None,  # type: ignore[union-attr]
+            q_norm.eps if norms else 1e-6,  # type: ignore[union-attr]
+        )
+        return q, k
+    if q_norm is not None and k_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    q, k = apply_rotary_qk(q, k, cos, sin)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q, k

@@ -14,7 +14,7 @@ from tandem.layers.attention import Attention
 from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.layers.linear import Embedding, Linear, lm_head_logits
 from tandem.layers.norm import RMSNorm
-from tandem.layers.rotary import RotaryEmbedding, apply_rotary_qk
+from tandem.layers.rotary import RotaryEmbedding, rotary_write_kv
 from tandem.models.weights import WeightLoader
 
 # Hugging Face projection name -> (our fused projection, shard index in it).
@@ -60,11 +60,11 @@ class LlamaAttention(nn.Module):
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # On CUDA this rotates in place (into qkv, or the norms' fresh outputs); qkv is this layer's own buffer.
-        q, k = apply_rotary_qk(q, k, *rotary)
-        out = self.attn(q, k, v, k_cache, v_cache, meta)  # [num_tokens, num_heads * head_dim]
+        # On CUDA one kernel normalizes (Qwen3) and rotates q and k in place (qkv is this layer's own buffer)
+        # and writes k and v into the cache.
+        q, k = rotary_write_kv(q, k, v, *rotary, k_cache, v_cache, meta.slot_mapping,
+                               self.q_norm if self.qk_norm else None, self.k_norm if self.qk_norm else None)
+        out = self.attn.attend(q, k_cache, v_cache, meta)  # [num_tokens, num_heads * head_dim]
         return self.o_proj(out)
 
 

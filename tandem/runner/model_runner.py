@@ -17,7 +17,7 @@ import torch
 from tandem.config import EngineConfig, ModelConfig
 from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.models.loader import load_model_and_tokenizer, model_max_len
-from tandem.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from tandem.runner.cuda_graphs import DecodeGraphs, SamplerVariant, graph_batch_sizes, sampler_variant
 from tandem.runner.input_buffers import StepBuffers
 from tandem.runner.sampler import sample
 from tandem.runner.streams import DeviceStreams, StepEvents
@@ -100,9 +100,11 @@ class ModelRunner:
                 t0 = time.perf_counter()
                 with torch.inference_mode():
                     self.graphs = DecodeGraphs(
-                        self._decode_step_fn, graph_batch_sizes(self.max_num_seqs), self.streams.compute
+                        self._decode_step_fn, graph_batch_sizes(self.max_num_seqs), self.streams.compute,
+                        sample_fn=self._decode_sample_fn,
                     )
-                logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs.graphs), time.perf_counter() - t0)
+                logger.info("captured %d decode + %d sampling CUDA graphs in %.1f s", len(self.graphs.graphs),
+                            len(self.graphs.sample_graphs), time.perf_counter() - t0)
         self._events = [StepEvents(self.device, self.timing) for _ in range(2)]
         self._step_index = 0
         self._prev_rows: dict[str, int] = {}  # request id -> row in the previous step's sampled tokens
@@ -205,6 +207,33 @@ class ModelRunner:
         out.copy_(logits)  # the pool's temporary is freed at the end of capture and reused by smaller graphs
         return out
 
+    def _decode_sample_fn(self, slot: int, batch_size: int, variant: SamplerVariant) -> None:
+        # All batch_size rows are sampled (padding rows too: their outputs are never downloaded or carried).
+        self._sample_into(slot, self._graph_logits[:batch_size], batch_size, all_greedy=not variant.random,
+                          any_top_k_top_p=variant.top_k_top_p, num_logprobs=MAX_LOGPROBS if variant.logprobs else -1)
+
+    def _sample_into(self, slot: int, logits: torch.Tensor, num_rows: int, all_greedy: bool,
+                     any_top_k_top_p: bool, num_logprobs: int) -> None:
+        """Samples logits [num_rows, vocab] with the slot's static per-row parameters into its output buffers.
+
+        Any top-n request computes the top MAX_LOGPROBS (the host reads the first n columns), so eager steps
+        and captured graphs, which cannot know n, run the same ops.
+        """
+        buf = self.buffers[slot]
+        ints, longs, floats = buf.ints.dev, buf.longs.dev, buf.floats.dev
+        top_n = MAX_LOGPROBS if num_logprobs > 0 else num_logprobs
+        out = sample(
+            logits, floats["temperature"][:num_rows], ints["top_k"][:num_rows], floats["top_p"][:num_rows],
+            longs["seeds"][:num_rows], longs["sample_pos"][:num_rows],
+            all_greedy=all_greedy, any_top_k_top_p=any_top_k_top_p, num_logprobs=top_n,
+        )
+        buf.out_tokens[:num_rows].copy_(out.token_ids)
+        if out.logprobs is not None:
+            buf.out_logprob[:num_rows].copy_(out.logprobs)
+        if out.top_ids is not None and out.top_logprobs is not None:
+            buf.out_top_ids[:num_rows, :top_n].copy_(out.top_ids)
+            buf.out_top_lp[:num_rows, :top_n].copy_(out.top_logprobs)
+
     # ---------------------------------------------------------------- host-side preparation
 
     def _prepare(self, sched: SchedulerOutput, slot: int, pad_to: int | None) -> _StepShape:
@@ -270,6 +299,12 @@ class ModelRunner:
             carry_src[t:pad_to] = -1
             qsl[num_seqs + 1 : pad_to + 1] = np.arange(t + 1, pad_to + 1)
             seq_lens[num_seqs:pad_to] = 0
+            # Sampled inside the graph too: valid greedy parameters, whatever the slot held before.
+            temperature[num_seqs:pad_to] = 0.0
+            top_p[num_seqs:pad_to] = 1.0
+            top_k[num_seqs:pad_to] = 0
+            seeds[num_seqs:pad_to] = 0
+            sample_pos[num_seqs:pad_to] = 0
         self._prev_rows = rows
         return _StepShape(all_greedy, any_filter, num_logprobs, max_query_len, max_seq_len, num_context)
 
@@ -295,22 +330,14 @@ class ModelRunner:
         with streams.on("compute"):
             streams.record("compute", events.compute_start)
             if graph_bs is not None:
-                logits = self.graphs.replay(slot, graph_bs)[:num_seqs]  # type: ignore[union-attr]
+                # Forward, then sampling of the same static logits: two graph launches, no kernel outside.
+                self.graphs.replay(slot, graph_bs)  # type: ignore[union-attr]
+                variant = sampler_variant(shape.all_greedy, shape.any_top_k_top_p, num_logprobs)
+                self.graphs.replay_sample(slot, graph_bs, variant)  # type: ignore[union-attr]
             else:
                 logits = self._forward(slot, num_tokens, num_seqs, shape.max_query_len, shape.max_seq_len,
                                        all_rows=decode_only)
-            ints, longs, floats = buf.ints.dev, buf.longs.dev, buf.floats.dev
-            out = sample(
-                logits, floats["temperature"][:num_seqs], ints["top_k"][:num_seqs], floats["top_p"][:num_seqs],
-                longs["seeds"][:num_seqs], longs["sample_pos"][:num_seqs],
-                all_greedy=shape.all_greedy, any_top_k_top_p=shape.any_top_k_top_p, num_logprobs=num_logprobs,
-            )
-            buf.out_tokens[:num_seqs].copy_(out.token_ids)
-            if out.logprobs is not None:
-                buf.out_logprob[:num_seqs].copy_(out.logprobs)
-            if out.top_ids is not None and out.top_logprobs is not None:
-                buf.out_top_ids[:num_seqs, :num_logprobs].copy_(out.top_ids)
-                buf.out_top_lp[:num_seqs, :num_logprobs].copy_(out.top_logprobs)
+                self._sample_into(slot, logits, num_seqs, shape.all_greedy, shape.any_top_k_top_p, num_logprobs)
             streams.record("compute", events.compute_done)
         streams.wait("d2h", events.compute_done)
         with streams.on("d2h"):

@@ -157,7 +157,8 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
     from tandem.runner.sampler import sample
 
     hot = [ModelRunner.launch, ModelRunner._prepare, ModelRunner._forward, StepBuffers.upload,
-           StepBuffers.download, DecodeGraphs.replay, sample, EngineCore.step, EngineCore._update]
+           StepBuffers.download, DecodeGraphs.replay, DecodeGraphs.replay_sample, ModelRunner._sample_into,
+           sample, EngineCore.step, EngineCore._update]
     for fn in hot:
         assert _calls(fn) == [], f"{fn.__qualname__} syncs with the GPU: {_calls(fn)}"
     # wait(): exactly one synchronize, on the step's d2h_done event; .tolist() only on host numpy views.

@@ -393,3 +393,27 @@ def test_gpu_decode_cuda_graph_replay_matches_eager():
                                        num_splits=num_splits)
         torch.cuda.synchronize()
         assert torch.equal(static_out, eager)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5, 16, 64])
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_many_splits_odd_lengths_and_padding_rows(num_splits, group):
+    # More splits than tiles (most empty), odd context lengths, and seq_len 0 rows that must read exactly 0.
+    seq_lens = [0, 1, 17, 63, 0, 129, 3]
+    case = make_case(seq_lens, [1] * len(seq_lens), group=group, head_dim=32, block_size=16, dtype=torch.float32,
+                     seed=num_splits + group)
+    m = case.meta
+    out = paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
+                                 out=poisoned_like(case.q), num_splits=num_splits, block_n=16)
+    assert_matches(out, dense_reference(case), torch.float32)
+    for i, n in enumerate(seq_lens):
+        if n == 0:
+            assert torch.equal(out[i], torch.zeros_like(out[i]))
+
+
+def test_num_splits_fill_the_gpu_at_batch_one_short_context():
+    # bs1 x 512 tokens x 8 kv heads, 64-token tiles: one tile per split, 8 x 8 = 64 programs (was 2 x 8).
+    assert choose_num_splits(1, 8, 512, 64, 132) == 8
+    # Enough programs already: no split.
+    assert choose_num_splits(256, 8, 512, 64, 132) == 1
+    assert choose_num_splits(1, 8, 512, 64, 132, min_tiles_per_split=4) == 2

@@ -1,0 +1,226 @@
+"""Per-kernel profile of one decode step (forward graph + sampling graph replay) for named random-weight shapes.
+
+    python scripts/profile_decode.py --out out/profile [--workloads bs1,seed-async,nano] [--context 512]
+
+For each workload the engine is built with random weights of the named shape (load_format=dummy), every row
+gets a prompt of --context tokens and decodes a few steps in sync mode; then the last decode step's slot is
+re-uploaded from its pinned host buffers and its captured graphs are replayed: timed with CUDA events (median
+step time), and profiled with torch.profiler (kernel name, time per step, launches per step, share of the
+step). The weight-bytes floor is weight bytes / a device-to-device copy bandwidth measured in the same run
+(read + write bytes, the roofline convention of tandem.bench.roofline); the KV floor adds the K/V the step
+reads. Writes profile_<workload>.json and .md per workload and summary.md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tandem import LLM, SamplingParams  # noqa: E402
+from tandem.bench.roofline import measure_ceilings, model_cost  # noqa: E402
+from tandem.runner.cuda_graphs import sampler_variant  # noqa: E402
+
+# workload -> (named shape, batch): the shapes of the bs1, seed-async and nano benchmarks (prefix: llama-3.2-1b).
+WORKLOADS = {
+    "bs1": ("llama-2-7b", 1),
+    "seed-async": ("llama-3-8b", 32),
+    "nano": ("qwen3-0.6b", 256),
+    "prefix": ("llama-3.2-1b", 32),
+}
+DECODE_STEPS = 4
+REPLAYS = 10
+
+
+def build(shape: str, batch: int, context: int) -> LLM:
+    max_model_len = context + 64
+    blocks_per_seq = -(-max_model_len // 16)
+    return LLM(model=shape, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=max_model_len,
+               max_num_seqs=batch, max_num_batched_tokens=max(8192, context), num_kv_blocks=batch * blocks_per_seq + 8,
+               overlap=False, seed=0)
+
+
+def decode_a_few_steps(llm: LLM, batch: int, context: int, greedy: bool) -> None:
+    engine = llm.engine
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    params = (SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True) if greedy
+              else SamplingParams(temperature=0.8, top_p=0.95, max_tokens=48, ignore_eos=True, seed=1))
+    for i in range(batch):
+        engine.add_request(f"p{i}", [rng.randrange(10, vocab - 10) for _ in range(context)], params)
+    decode_steps = 0
+    for _ in range(10_000):
+        engine.step()  # sync mode: each step is finished when step() returns
+        running = engine.scheduler.running
+        prefilled = len(running) == batch and all(r.num_computed_tokens > context for r in running)
+        decode_steps += prefilled  # every row past its prompt: that step was decode-only
+        if decode_steps >= DECODE_STEPS:
+            break
+    else:
+        raise RuntimeError("the engine never reached decode with every row running")
+    torch.cuda.synchronize()
+
+
+def profile_kernels(fn) -> dict[str, list[float]]:  # type: ignore[no-untyped-def]
+    """Kernel name -> durations (us) over REPLAYS calls of fn; host-to-device copies left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPLAYS):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = collections.defaultdict(list)
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA or "memcpy" in evt.name.lower():
+            continue  # host-side ops, and the re-upload (not part of the step)
+        per_kernel[evt.name].append(evt.time_range.elapsed_us())
+    return per_kernel
+
+
+def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool) -> dict:
+    shape, batch = WORKLOADS[name]
+    t0 = time.perf_counter()
+    llm = build(shape, batch, context)
+    engine, runner = llm.engine, llm.engine.runner
+    graphs = runner.graphs
+    if graphs is None:
+        raise RuntimeError("CUDA graphs are off; the profile is of graph replays")
+    build_s = time.perf_counter() - t0
+    decode_a_few_steps(llm, batch, context, greedy)
+    slot = (runner._step_index - 1) % 2
+    num_seqs = len(engine.scheduler.running)  # all decoding: the last step's batch
+    graph_bs = graphs.padded_size(num_seqs)
+    buf = runner.buffers[slot]
+    variant = sampler_variant(greedy, not greedy, -1)
+    stream = runner.streams.compute
+
+    def replay() -> None:
+        # Re-upload the slot's inputs first: the carry-over adds into input_ids, so a bare replay would
+        # add the carried tokens twice.
+        with torch.cuda.stream(stream):
+            buf.upload(graph_bs)
+            graphs.replay(slot, graph_bs)
+            graphs.replay_sample(slot, graph_bs, variant)
+
+    def upload_only() -> None:
+        with torch.cuda.stream(stream):
+            buf.upload(graph_bs)
+
+    def timed(fn) -> float:  # type: ignore[no-untyped-def]
+        times = []
+        for _ in range(REPLAYS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            fn()
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(times)
+
+    replay()
+    torch.cuda.synchronize()
+    step_us = timed(replay) - timed(upload_only)
+
+    def eager_step() -> None:
+        # The same work launched kernel by kernel (only if the profiler cannot see inside graph replays).
+        with torch.cuda.stream(stream), torch.inference_mode():
+            buf.upload(graph_bs)
+            logits = runner._forward(slot, graph_bs, graph_bs, 1, runner.max_model_len, all_rows=True)
+            runner._sample_into(slot, logits, graph_bs, not variant.random, variant.top_k_top_p, -1)
+
+    mode = "graph"
+    per_kernel = profile_kernels(replay)
+    if not per_kernel:
+        mode = "eager (the profiler saw no kernels inside graph replays)"
+        per_kernel = profile_kernels(eager_step)
+    total_us = sum(sum(v) for v in per_kernel.values()) / REPLAYS
+    rows = sorted(
+        ({"kernel": k, "time_us": sum(v) / REPLAYS, "count": len(v) / REPLAYS,
+          "share": (sum(v) / REPLAYS) / total_us if total_us else 0.0} for k, v in per_kernel.items()),
+        key=lambda r: -r["time_us"],
+    )
+    cost = model_cost(runner.model, runner.model_config)
+    context_tokens = sum(r.num_computed_tokens for r in engine.scheduler.running)
+    kv_bytes = context_tokens * cost.kv_bytes_per_token
+    weight_floor_us = cost.weight_bytes / (copy_gbps * 1e9) * 1e6
+    kv_floor_us = (cost.weight_bytes + kv_bytes) / (copy_gbps * 1e9) * 1e6
+    result = {
+        "workload": name, "shape": shape, "batch": batch, "graph_batch_size": graph_bs, "context": context,
+        "sampler_variant": variant._asdict(), "profiled": mode, "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "build_s": round(build_s, 1),
+        "step_us": step_us, "kernel_sum_us": total_us, "copy_gbps": copy_gbps,
+        "weight_bytes": cost.weight_bytes, "kv_bytes": kv_bytes,
+        "weight_floor_us": weight_floor_us, "weight_kv_floor_us": kv_floor_us,
+        "roofline_fraction": kv_floor_us / step_us if step_us > 0 else None,
+        "kernels": rows,
+    }
+    del llm, engine, runner, graphs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def markdown(res: dict) -> str:
+    lines = [
+        f"### {res['workload']}: {res['shape']} at batch {res['batch']}, context {res['context']} ({res['device']})",
+        "",
+        f"step {res['step_us']:.1f} us (kernels sum {res['kernel_sum_us']:.1f} us); weight floor "
+        f"{res['weight_floor_us']:.1f} us, weight + KV floor {res['weight_kv_floor_us']:.1f} us "
+        f"(copy {res['copy_gbps']:.0f} GB/s): roofline fraction {res['roofline_fraction']:.3f}; "
+        f"profiled: {res['profiled']}",
+        "",
+        "| kernel | time us | count | share |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in res["kernels"]:
+        name = r["kernel"].replace("|", "/")
+        name = name if len(name) <= 110 else name[:107] + "..."
+        lines.append(f"| `{name}` | {r['time_us']:.1f} | {r['count']:g} | {100 * r['share']:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for the JSON and markdown tables")
+    parser.add_argument("--workloads", default="bs1,seed-async,nano", help=f"comma list of {sorted(WORKLOADS)}")
+    parser.add_argument("--context", type=int, default=512, help="prompt tokens per row")
+    parser.add_argument("--sampling", choices=("greedy", "top-p"), default="greedy")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_decode.py needs a CUDA GPU")
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"unknown workload(s) {unknown}; known: {sorted(WORKLOADS)}")
+    if args.context < 1:
+        raise SystemExit("--context must be >= 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    copy_gbps = measure_ceilings(torch.device("cuda")).copy_gbps
+    torch.cuda.empty_cache()
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s (read + write)", flush=True)
+    summary = []
+    for name in names:
+        t0 = time.perf_counter()
+        res = profile_workload(name, args.context, copy_gbps, args.sampling == "greedy")
+        (out / f"profile_{name}.json").write_text(json.dumps(res, indent=2))
+        md = markdown(res)
+        (out / f"profile_{name}.md").write_text(md)
+        summary.append(md)
+        print(md, flush=True)
+        print(f"({name}: {time.perf_counter() - t0:.0f} s)", flush=True)
+    (out / "summary.md").write_text("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
