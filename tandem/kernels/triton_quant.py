@@ -24,7 +24,7 @@ def _quant_per_token_kernel(
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX_C)
     scale = tl.math.div_rn(amax, FP8_MAX_C)
-    q = tl.math.div_rn(x, scale)
+    q = tl.math.div_rn(x, tl.broadcast_to(scale, [BLOCK_D]))
     q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
     tl.store(q_ptr + row * dim + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
