@@ -3,6 +3,7 @@ and the conversion of Hugging Face FP8 checkpoints (per-tensor, per-channel or 1
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -16,6 +17,10 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 MIN_AMAX = 1e-12
 # _scaled_mm needs K and N divisible by 16; other shapes stay in the model dtype.
 FP8_ALIGN = 16
+# Up to this many rows (decode batches) fp8_linear runs a Triton FP8-weight GEMM instead of _scaled_mm:
+# _scaled_mm's rowwise CUTLASS kernels tile N by 128 with no split-K, so a 4096-wide output at M <= 64 runs
+# on 32 CTAs and cannot stream the weight at full HBM bandwidth. 0 sends every size to _scaled_mm.
+SMALL_M = int(os.environ.get("TANDEM_FP8_SMALL_M", "32"))
 
 # Hugging Face quantization_config.quant_method values whose checkpoints hold float8_e4m3fn weights.
 CHECKPOINT_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors")
@@ -73,13 +78,20 @@ def fp8_linear(
     weight_scale: torch.Tensor,  # [out, 1] fp32
     bias: torch.Tensor | None,  # [out] in x's dtype
 ) -> torch.Tensor:  # [..., out] in x's dtype
-    """x W^T + b with W in FP8: x is quantized per token, then one rowwise-scaled FP8 GEMM (cuBLAS/CUTLASS)
-    that applies both scales and the bias in its epilogue. No host sync and no data-dependent shape, so
-    it captures in CUDA graphs. On the CPU it runs the reference (tests; the engine refuses fp8 there)."""
+    """x W^T + b with W in FP8. Above SMALL_M rows x is quantized per token, then one rowwise-scaled FP8
+    GEMM (torch._scaled_mm) applies both scales and the bias in its epilogue; up to SMALL_M rows (decode)
+    a Triton kernel multiplies the bf16 rows by the widened FP8 weight (weight-only: x is not quantized).
+    No host sync and no data-dependent shape, so both capture in CUDA graphs. On the CPU it runs the
+    reference (tests; the engine refuses fp8 there)."""
     if not x.is_cuda:
         return fp8_linear_reference(x, weight, weight_scale, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] <= SMALL_M:
+        from tandem.kernels.triton_quant import fp8_weight_matmul_triton
+
+        out = fp8_weight_matmul_triton(x2, weight, weight_scale, bias)
+        return out.view(*lead, out.shape[-1])
     xq, x_scale = quantize_activation_per_token(x2)
     # Rowwise scaling: scale_a [M, 1], scale_b [1, N] (fp32, unit inner stride); mat2 column-major [K, N],
     # which W.t() of the row-major [N, K] weight is.
@@ -89,12 +101,14 @@ def fp8_linear(
 
 
 def fp8_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+    quantize_activations: bool = True,
 ) -> torch.Tensor:
-    """Same quantization as fp8_linear, then dequantize both operands and multiply in fp32."""
-    xq, x_scale = quantize_activation_per_token_ref(x.reshape(-1, x.shape[-1]))
-    out = F.linear(dequantize_fp8(xq, x_scale), dequantize_fp8(weight, weight_scale),
-                   None if bias is None else bias.float())
+    """fp8_linear's math in fp32: x quantized per token (the _scaled_mm path) or not (the small-M path),
+    times the dequantized weight."""
+    x2 = x.reshape(-1, x.shape[-1])
+    x32 = dequantize_fp8(*quantize_activation_per_token_ref(x2)) if quantize_activations else x2.float()
+    out = F.linear(x32, dequantize_fp8(weight, weight_scale), None if bias is None else bias.float())
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
