@@ -15,7 +15,8 @@
 #
 # $OUT receives at most 8 files, no subfolders: gpu-check.log (everything printed), gpu-tests.xml (JUnit),
 # kernels.json, bench.json (the workloads merged, as `tandem bench --out` writes them), fp8-report.json (the
-# SmolLM2 fp8 vs bf16 agreement from tests/gpu/test_fp8.py) and timeline-<w>.png;
+# SmolLM2 fp8 vs bf16 agreement from tests/gpu/test_fp8.py), fp8-linear.json (with QUANTIZATION=fp8:
+# scripts/bench_fp8_linear.py) and timeline-<w>.png;
 # when the PNGs would push the count past 8 they are packed into timelines.tar instead.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -113,6 +114,9 @@ bench_stage() {
     run_step "bench_kernels" "$KERNELS_S" python3 scripts/bench_kernels.py --out "$OUT/kernels.json"
   else
     SUMMARY+=("SKIPPED  bench_kernels (scripts/bench_kernels.py not found)")
+  fi
+  if [ "${QUANTIZATION:-}" = fp8 ]; then
+    run_step "bench_fp8_linear" "$KERNELS_S" python3 scripts/bench_fp8_linear.py --out "$OUT/fp8-linear.json"
   fi
   local peers=()
   [ -n "${PEERS:-}" ] && peers=(--peers "$PEERS")

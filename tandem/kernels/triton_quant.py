@@ -100,6 +100,7 @@ def fp8_weight_matmul_triton(
     weight: torch.Tensor,  # [N, K] float8_e4m3fn row-major
     weight_scale: torch.Tensor,  # [N, 1] fp32
     bias: torch.Tensor | None,  # [N]
+    tile: dict[str, int] | None = None,  # overrides BLOCK_N / BLOCK_K / num_warps / num_stages (tuning sweeps)
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """x (W * scale)^T + b for a few rows: reads the FP8 weight once, at up to one program per SM."""
     m, k = x.shape
@@ -114,12 +115,12 @@ def fp8_weight_matmul_triton(
     # Narrow tiles when wide ones would leave SMs idle: the weight stream is the whole cost at small M.
     sms = _num_sms(x.device.index) if x.is_cuda else 132
     block_n = 64 if triton.cdiv(n, 64) >= sms else 32
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    cfg = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3, **(tile or {})}
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, block_m))
     _fp8_weight_matmul_kernel[grid](
         x, weight, weight_scale, bias if bias is not None else weight_scale, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3,
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, BLOCK_M=block_m, **cfg,
     )
     return out
 
