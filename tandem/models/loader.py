@@ -115,9 +115,10 @@ def load_model_and_tokenizer(
 
 
 def quantize_linears_fp8(model: nn.Module) -> list[str]:
-    """Turns every Linear but the lm_head into FP8 with per-output-channel scales, one module at a time so
-    only one layer's high-precision copy is alive besides the model; returns the names left unquantized
-    (shapes _scaled_mm cannot take). Embeddings and the lm_head keep the model dtype."""
+    """Turns every Linear but the lm_head into FP8 with per-output-channel scales, one module at a time (each
+    full-precision weight is freed as its FP8 copy appears: the peak is the loaded model plus one weight's
+    temporaries); returns the names left unquantized (shapes _scaled_mm cannot take). Embeddings and the
+    lm_head keep the model dtype."""
     skipped = []
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name.split(".")[-1] != "lm_head" and not module.quantize_fp8_():
