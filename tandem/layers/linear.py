@@ -32,7 +32,7 @@ class Linear(nn.Module):
         is freed); False, and nothing changes, for shapes _scaled_mm cannot take (not multiples of 16)."""
         if self.weight.dtype == FP8_DTYPE:
             return True
-        if not fp8_supported_shape(self.out_features, self.in_features):
+        if not fp8_supported_shape(*self.weight.shape):  # the local shape (tensor-parallel shards included)
             return False
         q, scale = quantize_weight_fp8(self.weight.data)
         self.weight = nn.Parameter(q, requires_grad=False)
