@@ -2,7 +2,10 @@
 PyTorch reference, CUDA-graph capture, tiny random models and the embedded SmolLM2 in fp8 against bf16.
 
 Stated tolerances: one fp8 linear is within relative L2 5e-2 of bf16 (both operands rounded to e4m3, <= 2^-4
-relative each); a whole tiny random model's logits within 0.15 (the CPU tests measure 0.05-0.09 in fp32).
+relative each); a whole tiny random model's logits within relative L2 0.25 and max |diff| 0.6 of bf16 (the same
+models in fp32 through the CPU reference measure 0.125 / 0.31 for llama and 0.066 / 0.14 for qwen3). Tiny random
+models predict one token almost everywhere, often by a hair (qwen3: a 0.037 top-2 gap), so greedy agreement
+there is all or nothing; the test demands instead that fp8's choice is within 0.1 of bf16's best logit.
 The SmolLM2 test prints (and writes to $TANDEM_FP8_REPORT, if set) the greedy agreement with bf16 over 32
 new tokens on 16 chat prompts and the mean |log-prob difference| of bf16's chosen tokens, teacher-forced.
 """
@@ -41,7 +44,9 @@ from tests.models.paged_kv import PagedKV, Seq  # noqa: E402
 DEVICE = "cuda"
 VOCAB = 512
 LINEAR_REL_L2 = 5e-2
-LOGITS_REL_L2 = 0.15
+LOGITS_REL_L2 = 0.25
+LOGITS_MAX_ABS = 0.6
+NEAR_BEST = 0.1
 COMMON = dict(vocab_size=VOCAB, initializer_range=0.05, bos_token_id=1, eos_token_id=2)
 TINY = {
     "llama": lambda: transformers.LlamaConfig(
@@ -95,12 +100,11 @@ def make_llm(folder: str | None, **overrides) -> LLM:
     return LLM(**kwargs)
 
 
-def prefill_logprobs(model, mc, tokens: list[int]) -> torch.Tensor:  # [len(tokens), vocab] fp32
+def prefill_logits(model, mc, tokens: list[int]) -> torch.Tensor:  # [len(tokens), vocab] fp32
     kv = PagedKV(mc, num_blocks=64, block_size=16, dtype=torch.bfloat16, device=DEVICE)
     step = kv.step([Seq(list(tokens))])
     with torch.inference_mode():
-        logits = model.compute_logits(model(step.input_ids, step.positions, kv.kv_cache, step.meta))
-    return torch.log_softmax(logits.float(), dim=-1)
+        return model.compute_logits(model(step.input_ids, step.positions, kv.kv_cache, step.meta)).float()
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -173,12 +177,15 @@ def test_tiny_model_fp8_close_to_bf16(arch, checkpoint):
                                          torch.bfloat16)
     assert fp8.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8_DTYPE
     tokens = [random.Random(0).randrange(3, VOCAB) for _ in range(96)]
-    ref, got = prefill_logprobs(bf16, mc, tokens), prefill_logprobs(fp8, mc, tokens)
-    err = rel_l2(got, ref)
+    ref, got = prefill_logits(bf16, mc, tokens), prefill_logits(fp8, mc, tokens)
+    err, max_abs = rel_l2(got, ref), (got - ref).abs().max().item()
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"{arch}: fp8 vs bf16 logits relative L2 {err:.4f}, argmax agreement {agree:.3f}")
-    assert err < LOGITS_REL_L2
-    assert agree >= 0.7
+    # How much worse, under bf16, the token fp8 picks is than bf16's own pick.
+    regret = (ref.max(-1).values - ref.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)).max().item()
+    print(f"{arch}: fp8 vs bf16 logits relative L2 {err:.4f}, max |diff| {max_abs:.3f}, "
+          f"argmax agreement {agree:.3f}, worst bf16 gap of fp8's choice {regret:.4f}")
+    assert err < LOGITS_REL_L2 and max_abs < LOGITS_MAX_ABS
+    assert regret < NEAR_BEST
 
 
 @pytest.mark.gpu
@@ -207,7 +214,7 @@ def test_fp8_engine_graphs_equal_eager(checkpoint):
     ref = [o.outputs[0].token_ids for o in bf16.generate(prompts, params, use_tqdm=False)]
     first = [next((j for j, (a, b) in enumerate(zip(r, g)) if a != b), len(r)) for r, (g, _) in zip(ref, eager)]
     print(f"tiny llama fp8 vs bf16: first greedy difference at {first} of 24")
-    assert sum(f > 0 for f in first) >= 5  # the first new token (prefill logits) mostly agrees
+    assert sum(f > 0 for f in first) >= 5  # the first new token (prefill logits; top-2 gap ~0.44) mostly agrees
 
 
 # ----------------------------------------------------------------------------- SmolLM2
@@ -230,7 +237,8 @@ def test_smollm2_fp8_vs_bf16_report():
     for prompt, tokens in runs["bf16"]:  # teacher-forced on the bf16 continuation
         seq, rows = prompt + tokens, torch.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens))
         chosen = torch.tensor(tokens)
-        lp = {name: prefill_logprobs(m, mc, seq).cpu()[rows, chosen] for name, (m, mc) in models.items()}
+        lp = {name: torch.log_softmax(prefill_logits(m, mc, seq), dim=-1).cpu()[rows, chosen]
+              for name, (m, mc) in models.items()}
         diffs.append((lp["fp8"] - lp["bf16"]).abs())
     report = {
         "model": "SmolLM2-135M-Instruct (embedded GGUF, dequantized, then bf16 / fp8 per-channel)",
