@@ -8,6 +8,9 @@ models predict one token almost everywhere, often by a hair (qwen3: a 0.037 top-
 there is all or nothing; the test demands instead that fp8's choice is within 0.1 of bf16's best logit.
 The SmolLM2 test prints (and writes to $TANDEM_FP8_REPORT, if set) the greedy agreement with bf16 over 32
 new tokens on 16 chat prompts and the mean |log-prob difference| of bf16's chosen tokens, teacher-forced.
+It asserts only sane bounds: the 135M model is fragile (the same test in fp32 on the CPU, activations
+quantized in every step, gives 0.41 position-wise agreement; answers diverge after ~12 tokens on average,
+mostly in the chatter that ignore_eos forces past the end of the answer).
 """
 
 from __future__ import annotations
@@ -253,7 +256,8 @@ def test_smollm2_fp8_vs_bf16_report():
     if os.environ.get("TANDEM_FP8_REPORT"):
         with open(os.environ["TANDEM_FP8_REPORT"], "w") as f:
             json.dump(report, f, indent=2)
-    assert report["greedy_token_agreement"] > 0.5
+    assert report["greedy_token_agreement"] > 0.25
+    assert report["agreeing_prefix_fraction"] > 0.2
     assert report["mean_abs_logprob_diff"] < 0.5
 
 
