@@ -10,13 +10,16 @@
 #              1000 x 256 all in flight with 4 API processes, the stream pass and Poisson 400 req/s)
 #   WORKLOADS  comma list for `tandem bench` (default bs1,seed-async,nano,prefix); each runs in its own process
 #   SCALE      --scale for `tandem bench` (default 1.0); PEERS  --peers (default: the CLI's hf,sync,eager)
+#   QUANTIZATION  --quantization for `tandem bench` (fp8; with PEERS=bf16 each workload reports fp8 / bf16)
 #   BUDGET_S   wall seconds for the whole script (default 560, under the device's 600 s per command); every step
 #              gets at most what is left minus RESERVE_S (default 25) and is stopped there, so the summary and
 #              the files under $OUT always get written. Steps that find no time left are reported SKIPPED.
 #   TESTS_S, KERNELS_S, BENCH_S  per-step caps in seconds (defaults 300, 90, 420)
 #
 # $OUT receives at most 8 files, no subfolders: gpu-check.log (everything printed), gpu-tests.xml (JUnit),
-# kernels.json, bench.json (the workloads merged, as `tandem bench --out` writes them) and timeline-<w>.png;
+# kernels.json, bench.json (the workloads merged, as `tandem bench --out` writes them), fp8-report.json (the
+# SmolLM2 fp8 vs bf16 agreement from tests/gpu/test_fp8.py), fp8-linear.json (with QUANTIZATION=fp8:
+# scripts/bench_fp8_linear.py) and timeline-<w>.png;
 # when the PNGs would push the count past 8 they are packed into timelines.tar instead.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -105,7 +108,7 @@ tests_stage() {
   local paths=()
   for p in tests/gpu tests/kernels; do [ -d "$p" ] && paths+=("$p"); done
   run_step "pytest -m gpu ${paths[*]}" "$TESTS_S" \
-    python3 -m pytest -q -m gpu "${paths[@]}" -p no:cacheprovider --durations=15 \
+    env TANDEM_FP8_REPORT="$OUT/fp8-report.json" python3 -m pytest -q -m gpu "${paths[@]}" -p no:cacheprovider --durations=15 \
     --junitxml="$OUT/gpu-tests.xml"
 }
 
@@ -115,8 +118,12 @@ bench_stage() {
   else
     SUMMARY+=("SKIPPED  bench_kernels (scripts/bench_kernels.py not found)")
   fi
+  if [ "${QUANTIZATION:-}" = fp8 ]; then
+    run_step "bench_fp8_linear" "$KERNELS_S" python3 scripts/bench_fp8_linear.py --out "$OUT/fp8-linear.json"
+  fi
   local peers=()
   [ -n "${PEERS:-}" ] && peers=(--peers "$PEERS")
+  [ -n "${QUANTIZATION:-}" ] && peers+=(--quantization "$QUANTIZATION")
   local w
   for w in ${WORKLOADS//,/ }; do
     # One process per workload: a timeout or crash in one keeps the others' results.
@@ -221,6 +228,10 @@ if os.path.exists(junit):
             print(f"    {bad[0].tag.upper()} {case.get('name')}: {message}")
         if props:
             print(f"    {case.get('name')}: {props}")
+fp8 = os.path.join(out, "fp8-report.json")
+if os.path.exists(fp8):
+    with open(fp8) as f:
+        print("  fp8 vs bf16 (SmolLM2): " + json.dumps(json.load(f)))
 bench = os.path.join(out, "bench.json")
 if os.path.exists(bench):
     with open(bench) as f:

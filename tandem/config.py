@@ -62,8 +62,14 @@ class EngineConfig:
     overlap: bool = True
     cuda_graph: bool = True
     seed: int = 0
+    quantization: str | None = None  # None | fp8 (weights in float8_e4m3fn, per-output-channel scales)
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):
+            # Rowwise-scaled FP8 GEMMs write bfloat16 (the only output type every torch/CUDA combination has).
+            raise ValueError(f"quantization fp8 runs with dtype bfloat16 (or auto), got {self.dtype!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

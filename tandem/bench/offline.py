@@ -124,7 +124,8 @@ def load_hf_peer(w: Workload, dtype: str, device: str) -> Any:
     return model.to(device).eval()
 
 
-def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | None) -> dict[str, Any]:
+def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | None,
+                   quantization: str | None = None) -> dict[str, Any]:
     import torch
 
     from tandem import LLM
@@ -133,7 +134,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     device = w.device if (w.device != "cuda" or torch.cuda.is_available()) else "cpu"
     dtype = w.dtype if device.startswith("cuda") else "float32"
     result: dict[str, Any] = {"workload": w.name, "what": w.what, "device": _device_name(device), "dtype": dtype,
-                              "scale": scale, "date": time.strftime("%Y-%m-%d"), "peers": {}}
+                              "scale": scale, "date": time.strftime("%Y-%m-%d"), "quantization": quantization,
+                              "peers": {}}
     peer_results: dict[str, Any] = {}
     vocab = None
     # transformers first, then free it, so tandem can size its KV cache from what is left.
@@ -153,7 +155,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    llm_kwargs: dict[str, Any] = dict(dtype=dtype, device=device, max_num_seqs=max(min(w.num_requests, 256), 1))
+    llm_kwargs: dict[str, Any] = dict(dtype=dtype, device=device, max_num_seqs=max(min(w.num_requests, 256), 1),
+                                      quantization=quantization)
     if w.model is not None:
         llm_kwargs.update(model=w.model, load_format="dummy")
     max_len = max(w.prompt_len) + max(w.output_len) + w.shared_prefix_len
@@ -165,7 +168,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     run_tandem(llm, warm)  # compile kernels, fill allocator caches
     llm.engine.scheduler.reset_prefix_cache()
     main = run_tandem(llm, requests, record=True)
-    ceilings = measure_ceilings(torch.device(device))
+    ceilings = measure_ceilings(torch.device(device), fp8=quantization == "fp8")
     cost = model_cost(llm.engine.runner.model, llm.engine.model_config)
     floor = floor_seconds(main["_step_log"], cost, ceilings)
     variants: dict[str, Callable[[], dict[str, Any]]] = {}
@@ -194,8 +197,24 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         "tokens_per_s": main["tokens_per_s"], "total_tokens_per_s": main["total_tokens_per_s"],
         "seconds": main["seconds"], "generated_tokens": main["generated_tokens"], "num_steps": main["num_steps"],
         "gpu_busy_pct": main["gpu_busy_pct"], "roofline_floor_s": floor, "roofline_fraction": floor / main["seconds"],
-        "ceilings": {"copy_gbps": ceilings.copy_gbps, "matmul_tflops": ceilings.matmul_tflops},
+        "ceilings": {"copy_gbps": ceilings.copy_gbps, "matmul_tflops": ceilings.matmul_tflops,
+                     "fp8_matmul_tflops": ceilings.fp8_matmul_tflops},
+        "weight_bytes": cost.weight_bytes,
     })
+    if quantization is not None and "bf16" in peers:
+        # The same workload unquantized, in a fresh engine once this one's memory is back (each sizes its
+        # KV cache from what is free): the ratio fp8 / bf16 lands in result["ratios"]["tandem bf16"].
+        del llm
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        llm = LLM(**{**llm_kwargs, "quantization": None})
+        run_tandem(llm, warm)
+        llm.engine.scheduler.reset_prefix_cache()
+        r = run_tandem(llm, requests)
+        r.update(token_agreement(r["_outputs"], main["_outputs"]))
+        r["weight_bytes"] = model_cost(llm.engine.runner.model, llm.engine.model_config).weight_bytes
+        peer_results["tandem bf16"] = r
     for name, r in peer_results.items():
         result["peers"][name] = r["tokens_per_s"]
         result.setdefault("peer_details", {})[name] = {k: v for k, v in r.items() if not k.startswith("_")}
@@ -270,7 +289,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results.append(run_serve_workload(args))
             continue
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
-        results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir))
+        results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.quantization))
         _print_table(results[-1:])
     _print_table([r for r in results if r["workload"] != "serve"])
     if args.out:
@@ -285,8 +304,11 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
     bench = sub.add_parser("bench", help="offline throughput of named workloads with peers side by side; "
                                          "`tandem bench serve` for serving latency")
     bench.add_argument("--workload", default="cpu", help=f"comma list of {sorted(WORKLOADS) + ['serve']} or all")
-    bench.add_argument("--peers", default="hf,sync,eager,noprefix",
-                       help="comma list: hf (transformers), sync, eager (no CUDA graphs), noprefix")
+    bench.add_argument("--peers", default="hf,sync,eager,noprefix,bf16",
+                       help="comma list: hf (transformers), sync, eager (no CUDA graphs), noprefix, "
+                            "bf16 (with --quantization: the unquantized engine, for the fp8 / bf16 ratio)")
+    bench.add_argument("--quantization", default=None, choices=["fp8"],
+                       help="run tandem with FP8 weights (roofline on FP8 bytes)")
     bench.add_argument("--no-peers", action="store_true")
     bench.add_argument("--scale", type=float, default=1.0, help="shrink prompt/output lengths (smoke runs)")
     bench.add_argument("--out", default=None, help="write results JSON here")

@@ -15,10 +15,11 @@ from tandem.config import ModelConfig
 class Ceilings:
     copy_gbps: float  # device-to-device copy, bytes read + written per second / 1e9
     matmul_tflops: float  # large bf16 (GPU) / fp32 (CPU) matmul
+    fp8_matmul_tflops: float | None = None  # large rowwise-scaled FP8 matmul (measured for fp8 runs only)
 
 
-def measure_ceilings(device: torch.device) -> Ceilings:
-    """Both ceilings measured in this process (BENCHMARKS.md: never from a datasheet)."""
+def measure_ceilings(device: torch.device, fp8: bool = False) -> Ceilings:
+    """The ceilings measured in this process (BENCHMARKS.md: never from a datasheet)."""
     if device.type == "cuda":
         n_bytes = 4 << 30
         src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
@@ -33,7 +34,18 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     b = torch.randn(dim, dim, device=device, dtype=dtype)
     copy_s = _median_seconds(lambda: dst.copy_(src), device)
     mm_s = _median_seconds(lambda: torch.mm(a, b), device)
-    return Ceilings(copy_gbps=2 * n_bytes / copy_s / 1e9, matmul_tflops=2 * dim**3 / mm_s / 1e12)
+    fp8_tflops = None
+    if fp8:
+        from tandem.layers.quantization import FP8_DTYPE
+
+        a8, b8 = a.to(FP8_DTYPE), b.to(FP8_DTYPE)
+        sa = torch.ones(dim, 1, device=device)
+        sb = torch.ones(1, dim, device=device)
+        fp8_s = _median_seconds(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb,
+                                                         out_dtype=torch.bfloat16), device)
+        fp8_tflops = 2 * dim**3 / fp8_s / 1e12
+    return Ceilings(copy_gbps=2 * n_bytes / copy_s / 1e9, matmul_tflops=2 * dim**3 / mm_s / 1e12,
+                    fp8_matmul_tflops=fp8_tflops)
 
 
 def _median_seconds(fn, device: torch.device, reps: int = 10) -> float:  # type: ignore[no-untyped-def]
@@ -57,28 +69,38 @@ def _median_seconds(fn, device: torch.device, reps: int = 10) -> float:  # type:
 
 @dataclass(frozen=True, slots=True)
 class ModelCost:
-    weight_bytes: int  # read once per step (indexed-only embedding tables excluded)
+    weight_bytes: int  # read once per step (indexed-only embedding tables excluded); FP8 weights 1 byte + scales
     body_params: int  # parameters a token's forward multiplies by (no embedding, no lm_head)
     lm_head_params: int
     kv_bytes_per_token: int  # K and V of all layers for one token
     attn_flops_per_pair: int  # FLOPs of one (query token, context token) pair over all layers
+    fp8_body_params: int = 0  # the body parameters stored (and multiplied) in FP8
 
 
 def model_cost(model: nn.Module, mc: ModelConfig) -> ModelCost:
-    elem = next(model.parameters()).element_size()
-    total, embed = 0, 0
+    from tandem.layers.quantization import FP8_DTYPE
+
+    total, embed, total_bytes, embed_bytes, fp8 = 0, 0, 0, 0, 0
     for name, p in model.named_parameters():
         total += p.numel()
+        total_bytes += p.numel() * p.element_size()
         if "embed" in name or name.endswith(("wte.weight", "wpe.weight")):
             embed += p.numel()
+            embed_bytes += p.numel() * p.element_size()
+        elif p.dtype == FP8_DTYPE:
+            fp8 += p.numel()
+    # Per-output-channel scales of FP8 linears are read with their weights.
+    total_bytes += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith("weight_scale"))
+    elem = embed_bytes // max(embed, 1)  # the model dtype: embeddings (and the KV cache) are never FP8
     lm_head = mc.vocab_size * mc.hidden_size
-    indexed_only = embed - (lm_head if mc.tie_word_embeddings else 0)
+    indexed_only_bytes = embed_bytes - (lm_head * elem if mc.tie_word_embeddings else 0)
     return ModelCost(
-        weight_bytes=(total - indexed_only) * elem,
+        weight_bytes=total_bytes - indexed_only_bytes,
         body_params=total - embed - (0 if mc.tie_word_embeddings else lm_head),
         lm_head_params=lm_head,
         kv_bytes_per_token=mc.kv_bytes_per_token * elem,
         attn_flops_per_pair=4 * mc.num_layers * mc.num_heads * mc.head_dim,
+        fp8_body_params=fp8,
     )
 
 
@@ -86,11 +108,14 @@ def floor_seconds(step_log: list[tuple[int, int, int]], cost: ModelCost, ceil: C
     """Σ over steps of max(bytes / bandwidth, flops / matmul rate)."""
     total = 0.0
     bw, rate = ceil.copy_gbps * 1e9, ceil.matmul_tflops * 1e12
+    # FP8 linears run at the FP8 matmul rate (the bf16 one when it was not measured).
+    fp8_rate = (ceil.fp8_matmul_tflops or ceil.matmul_tflops) * 1e12
     for num_seqs, num_tokens, num_context in step_log:
         bytes_ = cost.weight_bytes + num_context * cost.kv_bytes_per_token
         # Attention pairs: decode rows read their whole context; prefill tokens ~half on average.
         pairs = num_context if num_tokens == num_seqs else num_context * max(num_tokens // max(num_seqs, 1), 1) // 2
-        flops = 2 * cost.body_params * num_tokens + 2 * cost.lm_head_params * num_seqs
+        flops = 2 * (cost.body_params - cost.fp8_body_params) * num_tokens + 2 * cost.lm_head_params * num_seqs
         flops += cost.attn_flops_per_pair * pairs
-        total += max(bytes_ / bw, flops / rate)
+        compute_s = flops / rate + 2 * cost.fp8_body_params * num_tokens / fp8_rate
+        total += max(bytes_ / bw, compute_s)
     return total

@@ -1,10 +1,13 @@
-"""Linear and embedding layers whose parameters start uninitialized (the loader fills every one)."""
+"""Linear and embedding layers whose parameters start uninitialized (the loader fills every one); Linear
+optionally holds its weight in FP8 with per-output-channel scales."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tandem.layers.quantization import FP8_DTYPE, fp8_linear, fp8_supported_shape, quantize_weight_fp8
 
 
 class Linear(nn.Module):
@@ -16,9 +19,25 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        # [out, 1] fp32 once quantize_fp8_() has turned the weight into float8_e4m3fn; None in the model dtype.
+        self.register_buffer("weight_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def quantize_fp8_(self) -> bool:
+        """Replaces the loaded weight by its FP8 copy and per-output-channel scales (the high-precision copy
+        is freed); False, and nothing changes, for shapes _scaled_mm cannot take (not multiples of 16)."""
+        if self.weight.dtype == FP8_DTYPE:
+            return True
+        if not fp8_supported_shape(*self.weight.shape):  # the local shape (tensor-parallel shards included)
+            return False
+        q, scale = quantize_weight_fp8(self.weight.data)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = scale
+        return True
 
 
 class Embedding(nn.Module):

@@ -17,6 +17,7 @@ from torch import nn
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.layers.linear import Embedding, Linear
+from tandem.layers.quantization import checkpoint_fp8_config, dequantize_fp8_checkpoint
 from tandem.models.gguf_weights import iter_gguf_weights
 from tandem.models.registry import MODEL_REGISTRY, model_config_from_hf
 
@@ -103,13 +104,36 @@ def load_model_and_tokenizer(
     elif source.format == "gguf":
         model.load_weights(iter_gguf_weights(source.path, model_config))
     else:
-        model.load_weights(_iter_safetensors(source.path))
+        weights = _iter_safetensors(source.path)
+        fp8_config = checkpoint_fp8_config(_read_config_json(source.path))
+        if fp8_config is not None:
+            weights = dequantize_fp8_checkpoint(weights, fp8_config)
+        model.load_weights(weights)
+    if config.quantization == "fp8":
+        quantize_linears_fp8(model)
     return model.eval(), model_config, _load_tokenizer(config, source)
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
     """The tokenizer alone (an API process needs it, not the weights); None for a named shape."""
     return _load_tokenizer(config, resolve_source(config))
+
+
+def quantize_linears_fp8(model: nn.Module) -> list[str]:
+    """Turns every Linear but the lm_head into FP8 with per-output-channel scales, one module at a time (each
+    full-precision weight is freed as its FP8 copy appears: the peak is the loaded model plus one weight's
+    temporaries); returns the names left unquantized (shapes _scaled_mm cannot take). Embeddings and the
+    lm_head keep the model dtype."""
+    skipped = []
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and name.split(".")[-1] != "lm_head" and not module.quantize_fp8_():
+            skipped.append(name)
+    return skipped
+
+
+def _read_config_json(folder: str) -> dict[str, Any]:
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
 
 
 def resolve_source(config: EngineConfig) -> ModelSource:
@@ -221,8 +245,7 @@ def _hf_config(source: ModelSource, overrides: dict[str, Any]):
         folder, name = os.path.split(source.path)
         values = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
     else:
-        with open(os.path.join(source.path, "config.json")) as f:
-            values = json.load(f)
+        values = _read_config_json(source.path)
     values = apply_overrides(values, overrides)
     model_type = values.pop("model_type", None)
     if model_type is None:

@@ -16,6 +16,7 @@ import torch
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.layers.attention_metadata import AttentionMetadata
+from tandem.layers.quantization import check_fp8_device
 from tandem.models.loader import load_model_and_tokenizer, model_max_len
 from tandem.runner.cuda_graphs import DecodeGraphs, SamplerVariant, graph_batch_sizes, sampler_variant
 from tandem.runner.input_buffers import StepBuffers
@@ -70,6 +71,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
+        if config.quantization == "fp8":
+            check_fp8_device(self.device)
         self.model, self.model_config, self.tokenizer = load_model_and_tokenizer(config, self.device, self.dtype)
         self.model.eval()
         mc: ModelConfig = self.model_config

@@ -1,0 +1,115 @@
+"""FP8 linear benchmark on CUDA: bf16 F.linear vs the FP8 paths of fp8_linear at decode and prefill sizes.
+
+    python scripts/bench_fp8_linear.py --out out/fp8_linear.json [--sweep]
+
+For the Llama-3-8B and Llama-2-7B projection shapes and several row counts M it times (triton.testing.do_bench,
+median) bf16 `F.linear`, the Triton FP8-weight GEMM (`fp8_weight_matmul_triton`, used up to SMALL_M rows) and
+the per-token-quantized `torch._scaled_mm` path (used above it, quantization kernel included), and reports each
+as weight GB/s and as a fraction of a device-to-device copy bandwidth measured in the same run (BENCHMARKS.md's
+roofline convention), plus the fp8 / bf16 speedup. Pick TANDEM_FP8_SMALL_M from where `triton` stops beating
+`scaled_mm`. --sweep also times a grid of Triton tiles per shape and reports the best (for tuning the default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tandem.kernels.triton_quant import fp8_weight_matmul_triton  # noqa: E402
+from tandem.layers.quantization import quantize_activation_per_token, quantize_weight_fp8  # noqa: E402
+
+# (name, N, K) of the fused projections.
+SHAPES = {
+    "llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+    "llama-2-7b": [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096), ("down", 4096, 11008)],
+}
+ROWS = [1, 8, 16, 32, 64, 128, 256]
+
+
+def median_ms(fn, rep: int = 100) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def scaled_mm_path(x, q, scale):  # what fp8_linear runs above SMALL_M
+    xq, xs = quantize_activation_per_token(x)
+    return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--models", default=",".join(SHAPES))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs CUDA")
+    device = torch.device("cuda")
+    copy_gbs = copy_bandwidth_gbs(device)
+    print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s")
+    rows_out = []
+    for model in args.models.split(","):
+        for name, n, k in SHAPES[model]:
+            gen = torch.Generator(device=device).manual_seed(0)
+            w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+            q, scale = quantize_weight_fp8(w)
+            for m in ROWS:
+                x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+                t = {
+                    "bf16": median_ms(lambda: F.linear(x, w)),
+                    "triton": median_ms(lambda: fp8_weight_matmul_triton(x, q, scale, None)),
+                    "scaled_mm": median_ms(lambda: scaled_mm_path(x, q, scale)),
+                }
+                row = {"model": model, "proj": name, "N": n, "K": k, "M": m, "ms": t,
+                       "copy_fraction": {
+                           "bf16": 2 * n * k / (t["bf16"] * 1e-3) / 1e9 / copy_gbs,
+                           "triton": n * k / (t["triton"] * 1e-3) / 1e9 / copy_gbs,
+                           "scaled_mm": n * k / (t["scaled_mm"] * 1e-3) / 1e9 / copy_gbs},
+                       "speedup_vs_bf16": {p: t["bf16"] / t[p] for p in ("triton", "scaled_mm")}}
+                if args.sweep and m in (1, 32):
+                    best = None
+                    for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4, 5)):
+                        tile = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+                        try:
+                            ms = median_ms(lambda: fp8_weight_matmul_triton(x, q, scale, None, tile), rep=30)
+                        except Exception:  # out of shared memory / registers for this tile
+                            continue
+                        if best is None or ms < best[0]:
+                            best = (ms, tile)
+                    if best is not None:
+                        row["best_triton_tile"] = {"ms": best[0], **best[1],
+                                                   "copy_fraction": n * k / (best[0] * 1e-3) / 1e9 / copy_gbs}
+                rows_out.append(row)
+                print(f"{model:<11} {name:<8} M={m:<4} bf16 {t['bf16'] * 1e3:8.1f} us  "
+                      f"triton {t['triton'] * 1e3:8.1f} us ({row['speedup_vs_bf16']['triton']:.2f}x)  "
+                      f"scaled_mm {t['scaled_mm'] * 1e3:8.1f} us ({row['speedup_vs_bf16']['scaled_mm']:.2f}x)"
+                      + (f"  best tile {row['best_triton_tile']}" if "best_triton_tile" in row else ""), flush=True)
+            del w, q, scale
+            torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows_out}, f, indent=2)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""FP8 (e4m3) weights: per-output-channel quantization, per-token activation scaling, the _scaled_mm linear,
+and the conversion of Hugging Face FP8 checkpoints (per-tensor, per-channel or 128x128-block scales)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+QUANTIZATION_METHODS = ("fp8",)
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# Rows whose |max| is below this get scale MIN_AMAX / FP8_MAX: an all-zero row quantizes to zeros, never NaN.
+MIN_AMAX = 1e-12
+# _scaled_mm needs K and N divisible by 16; other shapes stay in the model dtype.
+FP8_ALIGN = 16
+# Up to this many rows (decode batches) fp8_linear runs a Triton FP8-weight GEMM instead of _scaled_mm:
+# _scaled_mm's rowwise CUTLASS kernels tile N by 128 with no split-K, so a 4096-wide output at M <= 64 runs
+# on 32 CTAs and cannot stream the weight at full HBM bandwidth. 0 sends every size to _scaled_mm.
+SMALL_M = int(os.environ.get("TANDEM_FP8_SMALL_M", "32"))
+
+# Hugging Face quantization_config.quant_method values whose checkpoints hold float8_e4m3fn weights.
+CHECKPOINT_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors")
+# Activation / KV-cache scales of static schemes: tandem scales activations per token on the fly instead.
+_IGNORED_SCALES = (".input_scale", ".output_scale", ".k_scale", ".v_scale", ".kv_scale")
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """ValueError unless `device` is a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)."""
+    need = "fp8 needs a CUDA GPU with compute capability >= 8.9 (Ada/Hopper)"
+    if device.type != "cuda":
+        raise ValueError(f"{need}; this run is on {device.type}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(f"{need}; {torch.cuda.get_device_name(device)} has compute capability {major}.{minor}")
+
+
+def fp8_supported_shape(out_features: int, in_features: int) -> bool:
+    return out_features % FP8_ALIGN == 0 and in_features % FP8_ALIGN == 0
+
+
+def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (e4m3 [out, in], fp32 scale [out, 1]) with weight ~= q * scale, row max -> 448."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1, keepdim=True)
+    scale = amax.clamp(min=MIN_AMAX) / FP8_MAX
+    q = (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 [out, in] x fp32 [out, 1] (or a scalar) -> fp32 [out, in]."""
+    return q.float() * scale.float()
+
+
+def quantize_activation_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, k] float -> (e4m3 [n, k] row-major, fp32 scale [n, 1]); one fused Triton kernel on CUDA."""
+    if x.is_cuda:
+        from tandem.kernels.triton_quant import quantize_per_token_triton  # lazy: CPU runs never import Triton
+
+        return quantize_per_token_triton(x)
+    return quantize_activation_per_token_ref(x)
+
+
+def quantize_activation_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch definition the Triton kernel must reproduce bit for bit: IEEE fp32 division, RNE cast."""
+    x32 = x.float()
+    scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    return (x32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [..., in] bfloat16
+    weight: torch.Tensor,  # [out, in] float8_e4m3fn, row-major
+    weight_scale: torch.Tensor,  # [out, 1] fp32
+    bias: torch.Tensor | None,  # [out] in x's dtype
+) -> torch.Tensor:  # [..., out] in x's dtype
+    """x W^T + b with W in FP8. Above SMALL_M rows x is quantized per token, then one rowwise-scaled FP8
+    GEMM (torch._scaled_mm) applies both scales and the bias in its epilogue; up to SMALL_M rows (decode)
+    a Triton kernel multiplies the bf16 rows by the widened FP8 weight (weight-only: x is not quantized).
+    No host sync and no data-dependent shape, so both capture in CUDA graphs. On the CPU it runs the
+    reference (tests; the engine refuses fp8 there)."""
+    if not x.is_cuda:
+        return fp8_linear_reference(x, weight, weight_scale, bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] <= SMALL_M:
+        from tandem.kernels.triton_quant import fp8_weight_matmul_triton
+
+        out = fp8_weight_matmul_triton(x2, weight, weight_scale, bias)
+        return out.view(*lead, out.shape[-1])
+    xq, x_scale = quantize_activation_per_token(x2)
+    # Rowwise scaling: scale_a [M, 1], scale_b [1, N] (fp32, unit inner stride); mat2 column-major [K, N],
+    # which W.t() of the row-major [N, K] weight is.
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias,
+                           out_dtype=x.dtype)
+    return out.view(*lead, out.shape[-1])
+
+
+def fp8_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+    quantize_activations: bool = True,
+) -> torch.Tensor:
+    """fp8_linear's math in fp32: x quantized per token (the _scaled_mm path) or not (the small-M path),
+    times the dequantized weight."""
+    x2 = x.reshape(-1, x.shape[-1])
+    x32 = dequantize_fp8(*quantize_activation_per_token_ref(x2)) if quantize_activations else x2.float()
+    out = F.linear(x32, dequantize_fp8(weight, weight_scale), None if bias is None else bias.float())
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+# ----------------------------------------------------------------------------- FP8 checkpoints
+
+
+def checkpoint_fp8_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
+    """config.json's quantization_config when it describes FP8 weights; None without one; ValueError for
+    other quantization methods (GPTQ, AWQ, ...), which tandem does not load."""
+    qc = hf_config.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method")
+    if method not in CHECKPOINT_METHODS:
+        raise ValueError(f"checkpoint quantization {method!r} is not supported (FP8 checkpoints only: "
+                         f"quant_method in {CHECKPOINT_METHODS})")
+    if method == "compressed-tensors":
+        groups = (qc.get("config_groups") or {}).values()
+        weights = [g.get("weights") or {} for g in groups]
+        if not weights or any(w.get("type") != "float" or w.get("num_bits") != 8 for w in weights):
+            raise ValueError("compressed-tensors checkpoint is not FP8 (only 8-bit float weights are supported)")
+    return qc
+
+
+def dequantize_checkpoint_weight(
+    weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int] | None, name: str
+) -> torch.Tensor:
+    """FP8 [out, in] and its scale -> fp32 [out, in]. The scale multiplies (HF `weight_scale` and
+    `weight_scale_inv` both do) and is a scalar, per output channel ([out] / [out, 1]), or one per block
+    ([ceil(out / bo), ceil(in / bi)])."""
+    out_f, in_f = weight.shape
+    s = scale.float()
+    if s.numel() == 1:
+        return weight.float() * s.reshape(())
+    if s.shape in ((out_f,), (out_f, 1)):
+        return weight.float() * s.reshape(out_f, 1)
+    if block_size is not None and s.dim() == 2:
+        bo, bi = block_size
+        if s.shape == (-(-out_f // bo), -(-in_f // bi)):
+            full = s.repeat_interleave(bo, dim=0)[:out_f].repeat_interleave(bi, dim=1)[:, :in_f]
+            return weight.float() * full
+    raise ValueError(f"FP8 weight {name!r} {tuple(weight.shape)}: scale of shape {tuple(scale.shape)} is neither "
+                     f"per-tensor, per-channel nor per-block (weight_block_size {block_size})")
+
+
+def dequantize_fp8_checkpoint(
+    weights: Iterable[tuple[str, torch.Tensor]], quant_config: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An FP8 checkpoint's tensors with every `X.weight` (float8) joined to its `X.weight_scale` or
+    `X.weight_scale_inv` and yielded dequantized to fp32; other tensors pass through, static activation
+    scales are dropped. The model loads these like a bf16 checkpoint; with quantization="fp8" its linears
+    are then re-quantized per output channel (exact for per-channel checkpoints, since every row keeps its
+    maximum, and at least as fine as a per-tensor or per-block scale otherwise)."""
+    block = quant_config.get("weight_block_size")
+    block_size = (int(block[0]), int(block[1])) if block else None
+    pending_weights: dict[str, torch.Tensor] = {}
+    pending_scales: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if name.endswith(_IGNORED_SCALES):
+            continue
+        for suffix in (".weight_scale_inv", ".weight_scale"):
+            if name.endswith(suffix):
+                prefix = name[: -len(suffix)]
+                if prefix in pending_weights:
+                    w = pending_weights.pop(prefix)
+                    yield prefix + ".weight", dequantize_checkpoint_weight(w, tensor, block_size, prefix + ".weight")
+                else:
+                    pending_scales[prefix] = tensor
+                break
+        else:
+            if tensor.dtype != FP8_DTYPE:
+                if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+                    raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}; only float8_e4m3fn is supported")
+                yield name, tensor
+            elif not name.endswith(".weight") or tensor.dim() != 2:
+                raise ValueError(f"FP8 tensor {name!r} of shape {tuple(tensor.shape)} is not a linear weight")
+            else:
+                prefix = name[: -len(".weight")]
+                if prefix in pending_scales:
+                    yield name, dequantize_checkpoint_weight(tensor, pending_scales.pop(prefix), block_size, name)
+                else:
+                    pending_weights[prefix] = tensor
+    if pending_weights:
+        raise ValueError(f"FP8 weights without a weight_scale: {sorted(pending_weights)[:4]}")
+    if pending_scales:
+        raise ValueError(f"weight scales without an FP8 weight: {sorted(pending_scales)[:4]}")
