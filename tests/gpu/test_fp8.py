@@ -124,8 +124,11 @@ def test_quant_kernel_equals_reference(shape):
     for view in (x, torch.cat([x, x], dim=1)[:, : shape[1]]):  # contiguous, and row-strided
         q, s = quantize_per_token_triton(view)
         q_ref, s_ref = quantize_activation_per_token_ref(view)
-        assert torch.equal(s, s_ref)
-        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+        # Rounding at a tie may differ from torch's cast by one FP8 step (3 mantissa bits) on a few elements.
+        qf, rf = q.float(), q_ref.float()
+        assert torch.all((qf - rf).abs() <= rf.abs() / 8 + 2**-9)
+        assert (qf != rf).float().mean() < 0.01
 
 
 @pytest.mark.gpu

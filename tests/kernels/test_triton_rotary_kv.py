@@ -34,7 +34,8 @@ def _case(dtype, num_tokens, num_heads, num_kv_heads, head_dim, norm: bool, seed
             n = RMSNorm(head_dim, 1e-6)
             n.weight.data = (1 + 0.1 * torch.randn(head_dim, generator=torch.Generator().manual_seed(s))).to(dtype)
             norms.append(n)
-    num_blocks, page = 6, 4
+    page = 4
+    num_blocks = max(6, -(-num_tokens // page))  # enough distinct slots for every token
     cache = torch.randn(2, num_blocks, page, num_kv_heads, head_dim, generator=gen).to(dtype)
     # Distinct slots, one padding token (-1) when there are several tokens.
     slots = torch.randperm(num_blocks * page, generator=gen)[:num_tokens]
