@@ -17,7 +17,7 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
 ) -> None:
-    if k.is_cuda or force_triton():
+    if use_triton(k):
         from tandem.kernels.triton_kv import write_kv_triton  # lazy: CPU-only runs never import Triton
 
         write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
@@ -32,11 +32,19 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    if q.is_cuda or force_triton():
+    if use_triton(q):
         from tandem.kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Triton kernels for CUDA tensors, unless TANDEM_REFERENCE_KERNELS=1 asks for the PyTorch references
+    (to tell a kernel's error from anything else's; run it with CUDA graphs off)."""
+    if x.is_cuda:
+        return os.environ.get("TANDEM_REFERENCE_KERNELS") != "1"
+    return force_triton()
 
 
 def force_triton() -> bool:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.ops import force_triton
+from tandem.kernels.ops import use_triton
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2 * d] holding gate then up; returns silu(gate) * up, [..., d]."""
-    if x.is_cuda or force_triton():
+    if use_triton(x):
         from tandem.kernels.triton_fused import silu_and_mul_triton  # lazy: no Triton on CPU
 
         return silu_and_mul_triton(x)

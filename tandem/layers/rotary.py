@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.kernels.ops import force_triton, write_kv
+from tandem.kernels.ops import use_triton, write_kv
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -83,7 +83,7 @@ def apply_rotary_qk(
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated (q, k). On CUDA one fused kernel rotates q and k IN PLACE; on CPU they are left untouched."""
-    if q.is_cuda or force_triton():
+    if use_triton(q):
         from tandem.kernels.triton_fused import rotary_triton  # lazy: no Triton on CPU
 
         rotary_triton(q, k, cos, sin)
@@ -110,7 +110,7 @@ def rotary_write_kv(
     """
     norms = q_norm is not None and k_norm is not None
     fusable = not norms or q_norm.eps == k_norm.eps  # type: ignore[union-attr]
-    if (q.is_cuda or force_triton()) and fusable:
+    if (use_triton(q)) and fusable:
         from tandem.kernels.triton_rotary_kv import rotary_write_kv_triton  # lazy: no Triton on CPU
 
         rotary_write_kv_triton(

@@ -109,12 +109,20 @@ def write_report():
             json.dump(REPORT, f, indent=2)
 
 
-def test_fp32_greedy_text_equals_transformers(stops):
+def test_fp32_greedy_text_equals_transformers(stops, monkeypatch):
     prompts, ours = _tandem("float32")
+    # The same engine with the PyTorch reference kernels: tells a Triton kernel's error from anything else's.
+    monkeypatch.setenv("TANDEM_REFERENCE_KERNELS", "1")
+    _, reference = _tandem("float32", cuda_graph=False)
+    monkeypatch.delenv("TANDEM_REFERENCE_KERNELS")
     theirs = _hf(torch.float32, prompts, next(iter(stops)))
     ours, theirs = [_until_stop(x, stops) for x in ours], [_until_stop(x, stops) for x in theirs]
-    REPORT["fp32_identical"] = sum(a == b for a, b in zip(ours, theirs))
+    reference = [_until_stop(x, stops) for x in reference]
     REPORT["fp32_prompts"] = len(QUESTIONS)
+    REPORT["fp32_identical"] = sum(a == b for a, b in zip(ours, theirs))
+    REPORT["fp32_reference_kernels_identical"] = sum(a == b for a, b in zip(reference, theirs))
+    REPORT["fp32_triton_vs_reference_kernels_identical"] = sum(a == b for a, b in zip(ours, reference))
+    REPORT["fp32_agreement"] = _agreement(ours, theirs)
     for q, a, b in zip(QUESTIONS, ours, theirs):
         assert a == b, f"{q!r}: tandem {a} != transformers {b}"
 
