@@ -16,6 +16,7 @@ from tandem.config import EngineConfig
 from tandem.profiling.timeline import Timeline
 from tandem.request import FinishReason, Request
 from tandem.runner.model_runner import Logprobs, ModelRunner, StepHandle
+from tandem.runner.tensor_parallel import run_worker, start_tensor_parallel
 from tandem.sampling_params import SamplingParams
 from tandem.scheduler.output import SchedulerOutput
 from tandem.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -56,7 +57,12 @@ class EngineStats:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        # tensor_parallel_size > 1: this process is rank 0 (spawning ranks 1..N-1), or under torchrun any rank.
+        group = start_tensor_parallel(config)
+        if group is not None and group.rank != 0:
+            run_worker(config, group)  # a torchrun rank other than 0 serves rank 0's steps, then its process ends
+            raise SystemExit(0)
+        self.runner = ModelRunner(config, group)
         self.tokenizer = self.runner.tokenizer
         self.model_config = self.runner.model_config
         # A request can never grow past what the whole KV pool holds (block 0 is reserved).
@@ -235,7 +241,7 @@ class EngineCore:
     def _drop(self, handle: StepHandle) -> None:
         """Waits out a step whose results are discarded, so its slot is free before it is rewritten."""
         try:
-            handle.events.d2h_done.synchronize()
+            self.runner.drain(handle)
         except Exception:  # the device itself failed: nothing left to wait for
             logger.exception("could not wait for a dropped step")
 
@@ -244,6 +250,10 @@ class EngineCore:
             return fn()
         with self.timeline.span(name):
             return fn()
+
+    def shutdown(self) -> None:
+        """Releases the tensor-parallel workers; the engine cannot step afterwards."""
+        self.runner.shutdown()
 
     # ---------------------------------------------------------------- profiling and stats
 

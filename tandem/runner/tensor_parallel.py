@@ -1,0 +1,296 @@
+"""Tensor-parallel ranks: process-group setup, worker processes, and rank 0's per-step message to them.
+
+Rank 0 is the engine's own process: it schedules, prepares each step into its pinned slot buffers and
+broadcasts those buffers (a fixed int64 header, then the int32/int64/float32 regions) on a CPU gloo
+group before launching the step on its own GPU. Ranks 1..N-1 (spawned here, or started by torchrun)
+receive the same bytes into their own slot buffers and launch the same H2D/compute sequence; the
+model's all-reduces tie the GPUs together, so rank 0 never waits on another rank's GPU, only on its own
+d2h_done. A dead worker is seen through its process sentinel; a worker exits when rank 0 goes away.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tandem.config import EngineConfig, ParallelConfig
+from tandem.layers.parallel import set_tp_group
+
+if TYPE_CHECKING:
+    from tandem.runner.input_buffers import StepBuffers
+    from tandem.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Set in every process that runs NCCL: no NVLink multicast (NVLS), which these machines must not use.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+_INIT_TIMEOUT = timedelta(minutes=10)  # weight loading of a 70B shard can take minutes before the first collective
+
+_OP_STEP, _OP_STOP = 1, 2
+_HEADER_LEN = 12
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel rank is gone: the group cannot run another step."""
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What a rank needs besides the slot buffers to launch a step: the message header."""
+
+    slot: int
+    num_seqs: int
+    num_tokens: int
+    graph_bs: int | None  # None: eager
+    all_greedy: bool
+    any_top_k_top_p: bool
+    num_logprobs: int  # -1: none
+    max_query_len: int
+    max_seq_len: int
+    step_index: int
+
+    def encode(self, out: np.ndarray) -> None:
+        out[:] = (_OP_STEP, self.slot, self.num_seqs, self.num_tokens, self.graph_bs or 0, self.all_greedy,
+                  self.any_top_k_top_p, self.num_logprobs, self.max_query_len, self.max_seq_len, self.step_index, 0)
+
+    @staticmethod
+    def decode(h: np.ndarray) -> StepPlan:
+        v = [int(x) for x in h]
+        return StepPlan(v[1], v[2], v[3], v[4] or None, bool(v[5]), bool(v[6]), v[7], v[8], v[9], v[10])
+
+
+def torchrun_rank() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when launched by torchrun (RANK and WORLD_SIZE set), else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return rank, world, int(os.environ.get("LOCAL_RANK", rank))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    device = config.resolved_device()
+    if device.type != "cuda":
+        return device
+    if config.device.startswith("cuda:"):
+        raise ValueError("with tensor_parallel_size > 1 give device 'cuda' or 'auto': rank r uses GPU r of the node")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(f"tensor-parallel local rank {local_rank} needs GPU {local_rank} but only "
+                         f"{torch.cuda.device_count()} are visible")
+    return torch.device("cuda", local_rank)
+
+
+class TensorParallelGroup:
+    """This process's rank, the gloo group that carries step messages, and (on rank 0) the spawned workers."""
+
+    def __init__(self, rank: int, size: int, device: torch.device, procs: list[Any]) -> None:
+        self.parallel = ParallelConfig(rank, size)
+        self.device = device
+        self.procs = procs  # rank 0 of a spawned group: the workers; else empty
+        self.cpu_group = dist.new_group(backend="gloo")
+        self._header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        self._header_np = self._header.numpy()
+        self.failure: str | None = None
+        self.closed = False
+
+    @property
+    def rank(self) -> int:
+        return self.parallel.rank
+
+    @property
+    def size(self) -> int:
+        return self.parallel.size
+
+    # ---------------------------------------------------------------- liveness
+
+    def check_alive(self) -> None:
+        """Raises WorkerDiedError once any spawned worker has exited (cheap: a non-blocking waitpid)."""
+        if self.failure is None:
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.exitcode is not None:
+                    self.failure = f"tensor-parallel worker rank {rank} exited (exit code {proc.exitcode})"
+                    break
+        if self.failure is not None:
+            raise WorkerDiedError(self.failure)
+
+    def wait_event(self, event: Any) -> None:
+        """Rank 0's one wait per step, polling so that a dead worker (whose all-reduce never comes) is an
+        error instead of a hang. Without spawned workers to watch it is a plain synchronize."""
+        if not self.procs:
+            event.synchronize()
+            return
+        while not event.query():
+            self.check_alive()
+            time.sleep(20e-6)
+
+    def min_over_ranks(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t[0])
+
+    # ---------------------------------------------------------------- step messages
+
+    def send_step(self, plan: StepPlan, buf: StepBuffers) -> None:
+        """Rank 0: the header, then the slot's filled host regions, to every worker (CPU to CPU only)."""
+        self.check_alive()
+        plan.encode(self._header_np)
+        try:
+            dist.broadcast(self._header, src=0, group=self.cpu_group)
+            for region in _regions(buf, plan):
+                dist.broadcast(region, src=0, group=self.cpu_group)
+        except Exception as exc:
+            self.failure = self.failure or f"tensor-parallel step broadcast failed: {exc}"
+            self.check_alive()
+            raise WorkerDiedError(self.failure) from exc
+
+    def recv_plan(self) -> StepPlan | None:
+        """Worker: the next step's header, or None when rank 0 says stop."""
+        dist.broadcast(self._header, src=0, group=self.cpu_group)
+        if int(self._header_np[0]) == _OP_STOP:
+            return None
+        return StepPlan.decode(self._header_np)
+
+    def recv_payload(self, plan: StepPlan, buf: StepBuffers) -> None:
+        """Worker: the slot's host regions, written in place into this rank's pinned buffers."""
+        for region in _regions(buf, plan):
+            dist.broadcast(region, src=0, group=self.cpu_group)
+
+    def close(self) -> None:
+        """Rank 0: tells the workers to stop and reaps them; every rank leaves the process group."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.rank == 0 and self.failure is None:
+            try:
+                self._header_np[:] = 0
+                self._header_np[0] = _OP_STOP
+                dist.broadcast(self._header, src=0, group=self.cpu_group)
+            except Exception:  # a worker already gone: it is reaped below
+                logger.warning("could not send stop to the tensor-parallel workers", exc_info=True)
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(timeout=5)
+        if self.failure is None and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                logger.warning("destroy_process_group failed", exc_info=True)
+
+
+def _regions(buf: StepBuffers, plan: StepPlan) -> list[torch.Tensor]:
+    """The host tensors one step fills: ints up to the used block-table rows, all longs and floats."""
+    rows = plan.graph_bs or plan.num_seqs
+    used_ints = buf.ints.offsets["block_tables"] + rows * buf.max_blocks_per_seq
+    return [buf.ints.cpu[:used_ints], buf.longs.cpu, buf.floats.cpu]
+
+
+# ---------------------------------------------------------------- setup
+
+
+def start_tensor_parallel(config: EngineConfig) -> TensorParallelGroup | None:
+    """Joins (torchrun) or creates (spawning ranks 1..N-1) the tensor-parallel group; None for one rank."""
+    size = config.tensor_parallel_size
+    launched = torchrun_rank()
+    if launched is None and size == 1:
+        return None
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)  # inherited by the spawned workers too
+    procs: list[Any] = []
+    if launched is not None:
+        rank, world, local_rank = launched
+        if world != size:
+            raise ValueError(f"torchrun started {world} processes but tensor_parallel_size is {size}: "
+                             f"pass --tensor-parallel-size {world}")
+        init_method = "env://"
+    else:
+        if dist.is_initialized():
+            raise ValueError("a torch.distributed process group already exists in this process; "
+                             "tensor_parallel_size > 1 spawns its own (or launch with torchrun)")
+        rank, local_rank = 0, 0
+        device = _rank_device(config, local_rank)
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, {torch.cuda.device_count()} visible")
+        port = _free_port()
+        init_method = f"tcp://127.0.0.1:{port}"
+        ctx = multiprocessing.get_context("spawn")
+        for r in range(1, size):
+            proc = ctx.Process(target=_spawned_worker_main, args=(config, r, size, init_method, os.getpid()),
+                               name=f"tandem-tp-rank{r}", daemon=True)
+            proc.start()
+            procs.append(proc)
+    device = _rank_device(config, local_rank)
+    group = _init_group(device, rank, size, init_method, procs)
+    if rank == 0:
+        atexit.register(group.close)
+    return group
+
+
+def _init_group(device: torch.device, rank: int, size: int, init_method: str, procs: list[Any]
+                ) -> TensorParallelGroup:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device  # eager NCCL communicator: created before any graph capture
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=_INIT_TIMEOUT,
+                                **kwargs)
+    except Exception:
+        for proc in procs:
+            proc.kill()
+        raise
+    set_tp_group(None)  # the default group is the tensor-parallel group
+    return TensorParallelGroup(rank, size, device, procs)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A spawned worker must not outlive rank 0 (even one killed with SIGKILL)."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="tandem-tp-parent-watch", daemon=True).start()
+
+
+def _spawned_worker_main(config: EngineConfig, rank: int, size: int, init_method: str, parent_pid: int) -> None:
+    _exit_with_parent(parent_pid)
+    device = _rank_device(config, rank)
+    group = _init_group(device, rank, size, init_method, [])
+    run_worker(config, group)
+
+
+def run_worker(config: EngineConfig, group: TensorParallelGroup) -> None:
+    """Ranks 1..N-1: build this rank's runner, then replay rank 0's steps until it says stop or goes away."""
+    from tandem.runner.model_runner import ModelRunner
+
+    runner: ModelRunner = ModelRunner(config, group)
+    try:
+        while True:
+            plan = group.recv_plan()
+            if plan is None:
+                break
+            runner.launch_remote(plan)
+    finally:
+        group.close()
