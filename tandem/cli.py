@@ -31,6 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sync", action="store_true", help="overlap off: finish each step before scheduling the next")
     g.add_argument("--no-cuda-graph", action="store_true", help="eager decode (no CUDA graphs)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over N GPUs (one process each; or launch N processes with torchrun)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -40,7 +42,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, overlap=not args.sync,
-        cuda_graph=not args.no_cuda_graph, seed=args.seed,
+        cuda_graph=not args.no_cuda_graph, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

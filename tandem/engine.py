@@ -62,7 +62,12 @@ class EngineCore:
         if group is not None and group.rank != 0:
             run_worker(config, group)  # a torchrun rank other than 0 serves rank 0's steps, then its process ends
             raise SystemExit(0)
-        self.runner = ModelRunner(config, group)
+        try:
+            self.runner = ModelRunner(config, group)
+        except BaseException:
+            if group is not None:
+                group.abort()
+            raise
         self.tokenizer = self.runner.tokenizer
         self.model_config = self.runner.model_config
         # A request can never grow past what the whole KV pool holds (block 0 is reserved).

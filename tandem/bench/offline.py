@@ -124,7 +124,8 @@ def load_hf_peer(w: Workload, dtype: str, device: str) -> Any:
     return model.to(device).eval()
 
 
-def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | None) -> dict[str, Any]:
+def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | None,
+                   tensor_parallel_size: int = 1) -> dict[str, Any]:
     import torch
 
     from tandem import LLM
@@ -133,7 +134,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     device = w.device if (w.device != "cuda" or torch.cuda.is_available()) else "cpu"
     dtype = w.dtype if device.startswith("cuda") else "float32"
     result: dict[str, Any] = {"workload": w.name, "what": w.what, "device": _device_name(device), "dtype": dtype,
-                              "scale": scale, "date": time.strftime("%Y-%m-%d"), "peers": {}}
+                              "scale": scale, "date": time.strftime("%Y-%m-%d"), "peers": {},
+                              "tensor_parallel_size": tensor_parallel_size}
     peer_results: dict[str, Any] = {}
     vocab = None
     # transformers first, then free it, so tandem can size its KV cache from what is left.
@@ -153,7 +155,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    llm_kwargs: dict[str, Any] = dict(dtype=dtype, device=device, max_num_seqs=max(min(w.num_requests, 256), 1))
+    llm_kwargs: dict[str, Any] = dict(dtype=dtype, device=device, max_num_seqs=max(min(w.num_requests, 256), 1),
+                                      tensor_parallel_size=tensor_parallel_size)
     if w.model is not None:
         llm_kwargs.update(model=w.model, load_format="dummy")
     max_len = max(w.prompt_len) + max(w.output_len) + w.shared_prefix_len
@@ -166,7 +169,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     llm.engine.scheduler.reset_prefix_cache()
     main = run_tandem(llm, requests, record=True)
     ceilings = measure_ceilings(torch.device(device))
-    cost = model_cost(llm.engine.runner.model, llm.engine.model_config)
+    cost = model_cost(llm.engine.runner.model, llm.engine.model_config, tensor_parallel_size)
     floor = floor_seconds(main["_step_log"], cost, ceilings)
     variants: dict[str, Callable[[], dict[str, Any]]] = {}
     if "sync" in peers:
@@ -181,9 +184,26 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         peer_results[name] = r
     if w.shared_prefix_len and "noprefix" in peers:
         result["prefix_cache"] = prefix_ablation(llm, requests, main["_outputs"])
+    if tensor_parallel_size > 1 and "tp1" in peers:
+        # The same requests on one GPU in a fresh engine, after the sharded one has freed every GPU.
+        llm.shutdown()
+        del llm
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        try:
+            r = run_fresh_tandem({**llm_kwargs, "tensor_parallel_size": 1}, requests, warm)
+        except (ValueError, torch.OutOfMemoryError) as exc:  # e.g. a 70B shape does not fit one GPU
+            result["tp1_error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            r["same_tokens_as_main"] = r["_outputs"] == main["_outputs"]
+            r.update(token_agreement(r["_outputs"], main["_outputs"]))
+            peer_results["tandem TP=1"] = r
+        llm = None
     timelines = {"tandem (overlap)": main["_timeline"]}
-    if "tandem --sync" in peer_results:
-        timelines["tandem --sync"] = peer_results["tandem --sync"]["_timeline"]
+    for name in ("tandem --sync", "tandem TP=1"):
+        if name in peer_results:
+            timelines[name] = peer_results[name]["_timeline"]
     if out_dir is not None:
         from tandem.profiling.timeline import plot_timelines
 
@@ -200,11 +220,27 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         result["peers"][name] = r["tokens_per_s"]
         result.setdefault("peer_details", {})[name] = {k: v for k, v in r.items() if not k.startswith("_")}
         result.setdefault("ratios", {})[name] = main["tokens_per_s"] / r["tokens_per_s"]
+    if llm is not None:
+        llm.shutdown()
     del llm
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return result
+
+
+def run_fresh_tandem(llm_kwargs: dict[str, Any], requests: list[tuple[list[int], int]],
+                     warm: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """A peer engine built for one measured pass (warmed up first), then released."""
+    from tandem import LLM
+
+    peer = LLM(**llm_kwargs)
+    try:
+        run_tandem(peer, warm)
+        peer.engine.scheduler.reset_prefix_cache()
+        return run_tandem(peer, requests, record=True)
+    finally:
+        peer.shutdown()
 
 
 def prefix_ablation(llm: Any, requests: list[tuple[list[int], int]], outputs_with_cache: list[list[int]]
@@ -264,7 +300,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results = []
     for n in names:
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
-        results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir))
+        results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.tensor_parallel_size))
         _print_table(results[-1:])
     _print_table(results)
     if args.out:
@@ -280,7 +316,10 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
                                          "`tandem bench serve` for serving latency")
     bench.add_argument("--workload", default="cpu", help=f"comma list of {sorted(WORKLOADS)} or all")
     bench.add_argument("--peers", default="hf,sync,eager,noprefix",
-                       help="comma list: hf (transformers), sync, eager (no CUDA graphs), noprefix")
+                       help="comma list: hf (transformers), sync, eager (no CUDA graphs), noprefix, "
+                            "tp1 (with --tensor-parallel-size N > 1: the same run on one GPU, in a fresh engine)")
+    bench.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="shard tandem's model over this many GPUs (the tp1 peer runs unsharded)")
     bench.add_argument("--no-peers", action="store_true")
     bench.add_argument("--scale", type=float, default=1.0, help="shrink prompt/output lengths (smoke runs)")
     bench.add_argument("--out", default=None, help="write results JSON here")

@@ -64,21 +64,25 @@ class ModelCost:
     attn_flops_per_pair: int  # FLOPs of one (query token, context token) pair over all layers
 
 
-def model_cost(model: nn.Module, mc: ModelConfig) -> ModelCost:
+def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1) -> ModelCost:
+    """Per-GPU cost: with tensor parallelism `model` is one rank's shard, and every term is that rank's share
+    (the ranks run in parallel; the all-reduces are not counted)."""
+    tp = tensor_parallel_size
     elem = next(model.parameters()).element_size()
     total, embed = 0, 0
     for name, p in model.named_parameters():
         total += p.numel()
         if "embed" in name or name.endswith(("wte.weight", "wpe.weight")):
             embed += p.numel()
-    lm_head = mc.vocab_size * mc.hidden_size
+    lm_head = -(-mc.vocab_size // tp) * mc.hidden_size
     indexed_only = embed - (lm_head if mc.tie_word_embeddings else 0)
+    kv_heads = max(mc.num_kv_heads // tp, 1)
     return ModelCost(
         weight_bytes=(total - indexed_only) * elem,
         body_params=total - embed - (0 if mc.tie_word_embeddings else lm_head),
         lm_head_params=lm_head,
-        kv_bytes_per_token=mc.kv_bytes_per_token * elem,
-        attn_flops_per_pair=4 * mc.num_layers * mc.num_heads * mc.head_dim,
+        kv_bytes_per_token=2 * mc.num_layers * kv_heads * mc.head_dim * elem,
+        attn_flops_per_pair=4 * mc.num_layers * (mc.num_heads // tp) * mc.head_dim,
     )
 
 

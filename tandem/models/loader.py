@@ -118,6 +118,12 @@ def load_model_and_tokenizer(
     return model.eval(), model_config, tokenizer
 
 
+def load_model_config(config: EngineConfig) -> ModelConfig:
+    """The model's architecture numbers alone (no weights), e.g. to validate a tensor-parallel split early."""
+    source = resolve_source(config)
+    return model_config_from_hf(_hf_config(source, config.hf_overrides), _generation_eos_ids(source))
+
+
 def resolve_source(config: EngineConfig) -> ModelSource:
     """Decides where config and weights come from; ValueError naming the path when it cannot be used."""
     model = config.model or default_model_path()

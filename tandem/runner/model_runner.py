@@ -299,10 +299,15 @@ class ModelRunner:
         shape = self._prepare(sched, slot, graph_bs)
         plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,
                         shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self._step_index)
-        if self.group is not None:
+        if self.group is None:
+            events = self._enqueue(plan, download=True)
+        else:
             # The other ranks get the filled host buffers before this rank launches (CPU to CPU only).
             self.group.send_step(plan, self.buffers[slot])
-        events = self._enqueue(plan, download=True)
+            try:
+                events = self._enqueue(plan, download=True)
+            except Exception as exc:  # on gloo the model's collectives run here: a dead peer surfaces now
+                self.group.raise_failure(exc)
         self._step_index += 1  # only once enqueued: a failed launch leaves the slot order unchanged
         return StepHandle(sched, slot, num_seqs, shape.num_logprobs, events, graph_bs, num_tokens,
                           self._step_index - 1, shape.num_context_tokens)

@@ -19,14 +19,14 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig, ParallelConfig
-from tandem.layers.parallel import set_tp_group
+from tandem.layers.parallel import check_tp_shape, set_tp_group
 
 if TYPE_CHECKING:
     from tandem.runner.input_buffers import StepBuffers
@@ -130,6 +130,21 @@ class TensorParallelGroup:
         if self.failure is not None:
             raise WorkerDiedError(self.failure)
 
+    def raise_failure(self, exc: Exception) -> NoReturn:
+        """A collective or broadcast failed: names the worker that died (given a moment to be reaped) or
+        reports the failure; every later step fails with the same error."""
+        deadline = time.monotonic() + (2.0 if self.procs else 0.0)
+        while True:
+            try:
+                self.check_alive()
+            except WorkerDiedError as died:
+                raise died from exc
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        self.failure = f"tensor-parallel collective failed: {type(exc).__name__}: {exc}"
+        raise WorkerDiedError(self.failure) from exc
+
     def wait_event(self, event: Any) -> None:
         """Rank 0's one wait per step, polling so that a dead worker (whose all-reduce never comes) is an
         error instead of a hang. Without spawned workers to watch it is a plain synchronize."""
@@ -156,9 +171,7 @@ class TensorParallelGroup:
             for region in _regions(buf, plan):
                 dist.broadcast(region, src=0, group=self.cpu_group)
         except Exception as exc:
-            self.failure = self.failure or f"tensor-parallel step broadcast failed: {exc}"
-            self.check_alive()
-            raise WorkerDiedError(self.failure) from exc
+            self.raise_failure(exc)
 
     def recv_plan(self) -> StepPlan | None:
         """Worker: the next step's header, or None when rank 0 says stop."""
@@ -171,6 +184,16 @@ class TensorParallelGroup:
         """Worker: the slot's host regions, written in place into this rank's pinned buffers."""
         for region in _regions(buf, plan):
             dist.broadcast(region, src=0, group=self.cpu_group)
+
+    def abort(self) -> None:
+        """Rank 0 after a failed start: kills the workers and leaves the process group."""
+        self.failure = self.failure or "tensor-parallel group aborted"
+        self.closed = True
+        for proc in self.procs:
+            proc.kill()
+            proc.join(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def close(self) -> None:
         """Rank 0: tells the workers to stop and reaps them; every rank leaves the process group."""
@@ -214,6 +237,10 @@ def start_tensor_parallel(config: EngineConfig) -> TensorParallelGroup | None:
         return None
     for key, value in NCCL_ENV.items():
         os.environ.setdefault(key, value)  # inherited by the spawned workers too
+    from tandem.models.loader import load_model_config
+
+    # Before any process starts: a model that cannot be split is a ValueError here, not in N processes.
+    check_tp_shape(load_model_config(config), ParallelConfig(0, size))
     procs: list[Any] = []
     if launched is not None:
         rank, world, local_rank = launched

@@ -1,0 +1,141 @@
+"""Tensor parallelism on the CPU (gloo, two processes): TP=2 gives TP=1's greedy tokens; dead ranks fail cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tests.parallel.tiny_models import FAMILIES, VOCAB, save_tiny
+
+pytest.importorskip("transformers")
+
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4, block_size=8,
+              max_num_batched_tokens=16)  # 16-token budget: the 30-token prompts prefill in chunks
+PREFIX = [(7 * i) % (VOCAB - 4) + 4 for i in range(24)]  # three 8-token blocks shared by two prompts
+
+
+def _workload(llm: LLM) -> tuple[list[list[int]], int]:
+    """Prefix hit, chunked prefill and (with a 16-block pool) preemption; returns (tokens, cached tokens)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    first = llm.generate([PREFIX + [5, 9, 11]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                         use_tqdm=False)
+    prompts = [PREFIX + [12, 13], [(3 * i) % (VOCAB - 4) + 4 for i in range(30)], [40, 41, 42, 43] * 7, [99, 98]]
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in first + outs], outs[0].num_cached_tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    return {f: save_tiny(f, tmp_path_factory.mktemp(f)) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_greedy_tokens_equal_tp1(tiny_folders, family):
+    folder = tiny_folders[family]
+    reference = LLM(folder, num_kv_blocks=256, **ENGINE)
+    expected, _ = _workload(reference)
+    sharded = LLM(folder, tensor_parallel_size=2, num_kv_blocks=16, **ENGINE)
+    try:
+        # KV heads per rank: 2 -> 1 split, qwen3's single head replicated, gpt2's 4 (MHA) -> 2.
+        assert sharded.engine.runner.num_kv_heads == (2 if family == "gpt2" else 1)
+        got, cached = _workload(sharded)
+        stats = sharded.engine.stats()
+    finally:
+        sharded.shutdown()
+    assert got == expected, family
+    assert cached >= len(PREFIX), "the second prompt should reuse the cached prefix"
+    assert stats.num_preemptions > 0, "the 16-block pool should force preemption"
+
+
+def test_tp_size_validation(tiny_folders):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(tiny_folders["llama"], tensor_parallel_size=0, **ENGINE)
+    with pytest.raises(ValueError, match="attention heads"):
+        LLM(tiny_folders["llama"], tensor_parallel_size=3, **ENGINE)
+
+
+def test_dead_rank_fails_the_engine_cleanly(tiny_folders):
+    llm = LLM(tiny_folders["llama"], tensor_parallel_size=2, num_kv_blocks=64, **ENGINE)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 50
+        worker = llm.engine.runner.group.procs[0]
+        engine = llm.engine
+        engine.add_request("a", [5, 6, 7, 8], params)
+        engine.step()
+        os.kill(worker.pid, signal.SIGKILL)  # mid-run: the request is half generated
+        deadline = time.monotonic() + 30
+        errors = []
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            errors += [o.error for o in engine.step() if o.error is not None]
+        assert not engine.has_unfinished_requests(), "the engine hung after a rank died"
+        assert errors and "rank 1" in errors[0], errors
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1"):
+            llm.generate([[1, 2, 3]], params, use_tqdm=False)
+        assert time.monotonic() - start < 10
+    finally:
+        llm.shutdown()
+
+
+def test_worker_exits_when_rank0_is_killed(tiny_folders, tmp_path):
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import sys\n"
+        "from tandem import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({tiny_folders['llama']!r}, tensor_parallel_size=2, num_kv_blocks=16, device='cpu',"
+        " dtype='float32', max_model_len=64)\n"
+        "    print(llm.engine.runner.group.procs[0].pid, flush=True)\n"
+        "    sys.stdin.read()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                            text=True)
+    try:
+        worker_pid = int(proc.stdout.readline())
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while _alive(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(worker_pid), "the worker outlived rank 0"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_torchrun_two_processes(tiny_folders):
+    folder = tiny_folders["qwen2"]
+    prompts = [[5, 6, 7, 8], [9, 10, 11] * 9]
+    reference = LLM(folder, num_kv_blocks=64, **{**ENGINE, "max_num_batched_tokens": 4096})
+    expected = [o.outputs[0].token_ids for o in reference.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "tests/parallel/torchrun_entry.py", folder, json.dumps(prompts)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1, done.stdout  # rank 0 only
+    assert json.loads(lines[0][len("TOKENS "):]) == expected
