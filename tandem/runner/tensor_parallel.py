@@ -1,7 +1,7 @@
 """Tensor-parallel ranks: process-group setup, worker processes, and rank 0's per-step message to them.
 
 Rank 0 is the engine's own process: it schedules, prepares each step into its pinned slot buffers and
-broadcasts those buffers (a fixed int64 header, then the int32/int64/float32 regions) on a CPU gloo
+broadcasts those buffers (a fixed int64 header, then the int32/int64/float32 regions packed) on a CPU gloo
 group before launching the step on its own GPU. Ranks 1..N-1 (spawned here, or started by torchrun)
 receive the same bytes into their own slot buffers and launch the same H2D/compute sequence; the
 model's all-reduces tie the GPUs together, so rank 0 never waits on another rank's GPU, only on its own
@@ -62,6 +62,7 @@ class StepPlan:
     step_index: int
 
     def encode(self, out: np.ndarray) -> None:
+        # The last field is the payload's byte count, set by send_step.
         out[:] = (_OP_STEP, self.slot, self.num_seqs, self.num_tokens, self.graph_bs or 0, self.all_greedy,
                   self.any_top_k_top_p, self.num_logprobs, self.max_query_len, self.max_seq_len, self.step_index, 0)
 
@@ -107,8 +108,11 @@ class TensorParallelGroup:
         self.cpu_group = dist.new_group(backend="gloo")
         self._header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
         self._header_np = self._header.numpy()
+        self._stage: torch.Tensor | None = None
+        self._stage_np = np.empty(0, dtype=np.uint8)
         self.failure: str | None = None
         self.closed = False
+        self.saved_num_threads = torch.get_num_threads()  # restored on close
 
     @property
     def rank(self) -> int:
@@ -166,10 +170,16 @@ class TensorParallelGroup:
         """Rank 0: the header, then the slot's filled host regions, to every worker (CPU to CPU only)."""
         self.check_alive()
         plan.encode(self._header_np)
+        stage = self._staging(buf)
+        offset = 0
+        for region in _regions(buf, plan):  # one packed payload: two gloo broadcasts per step in all
+            raw = region.numpy().view(np.uint8)
+            stage[offset : offset + raw.size] = raw
+            offset += raw.size
+        self._header_np[-1] = offset
         try:
             dist.broadcast(self._header, src=0, group=self.cpu_group)
-            for region in _regions(buf, plan):
-                dist.broadcast(region, src=0, group=self.cpu_group)
+            dist.broadcast(self._stage[:offset], src=0, group=self.cpu_group)
         except Exception as exc:
             self.raise_failure(exc)
 
@@ -182,8 +192,24 @@ class TensorParallelGroup:
 
     def recv_payload(self, plan: StepPlan, buf: StepBuffers) -> None:
         """Worker: the slot's host regions, written in place into this rank's pinned buffers."""
+        stage = self._staging(buf)
+        size = int(self._header_np[-1])
+        dist.broadcast(self._stage[:size], src=0, group=self.cpu_group)
+        offset = 0
         for region in _regions(buf, plan):
-            dist.broadcast(region, src=0, group=self.cpu_group)
+            raw = region.numpy().view(np.uint8)
+            raw[:] = stage[offset : offset + raw.size]
+            offset += raw.size
+        if offset != size:
+            raise RuntimeError(f"tensor-parallel step message of {size} bytes, expected {offset}")
+
+    def _staging(self, buf: StepBuffers) -> np.ndarray:
+        """The packed-payload byte buffer (allocated once, as large as a slot's host regions)."""
+        if self._stage is None:
+            total = sum(b.cpu.numel() * b.cpu.element_size() for b in (buf.ints, buf.longs, buf.floats))
+            self._stage = torch.empty(total, dtype=torch.uint8)
+            self._stage_np = self._stage.numpy()
+        return self._stage_np
 
     def abort(self) -> None:
         """Rank 0 after a failed start: kills the workers and leaves the process group."""
@@ -194,6 +220,7 @@ class TensorParallelGroup:
             proc.join(timeout=5)
         if dist.is_initialized():
             dist.destroy_process_group()
+        torch.set_num_threads(self.saved_num_threads)
 
     def close(self) -> None:
         """Rank 0: tells the workers to stop and reaps them; every rank leaves the process group."""
@@ -217,6 +244,7 @@ class TensorParallelGroup:
                 dist.destroy_process_group()
             except Exception:
                 logger.warning("destroy_process_group failed", exc_info=True)
+        torch.set_num_threads(self.saved_num_threads)
 
 
 def _regions(buf: StepBuffers, plan: StepPlan) -> list[torch.Tensor]:
@@ -274,6 +302,10 @@ def start_tensor_parallel(config: EngineConfig) -> TensorParallelGroup | None:
 def _init_group(device: torch.device, rank: int, size: int, init_method: str, procs: list[Any]
                 ) -> TensorParallelGroup:
     backend = "nccl" if device.type == "cuda" else "gloo"
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        # The ranks share the machine's cores; oversubscribed OpenMP pools spin against each other.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -286,7 +318,9 @@ def _init_group(device: torch.device, rank: int, size: int, init_method: str, pr
             proc.kill()
         raise
     set_tp_group(None)  # the default group is the tensor-parallel group
-    return TensorParallelGroup(rank, size, device, procs)
+    group = TensorParallelGroup(rank, size, device, procs)
+    group.saved_num_threads = threads
+    return group
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -24,7 +24,7 @@ PREFIX = [(7 * i) % (VOCAB - 4) + 4 for i in range(24)]  # three 8-token blocks 
 
 def _workload(llm: LLM) -> tuple[list[list[int]], int]:
     """Prefix hit, chunked prefill and (with a 16-block pool) preemption; returns (tokens, cached tokens)."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     first = llm.generate([PREFIX + [5, 9, 11]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                          use_tqdm=False)
     prompts = [PREFIX + [12, 13], [(3 * i) % (VOCAB - 4) + 4 for i in range(30)], [40, 41, 42, 43] * 7, [99, 98]]
