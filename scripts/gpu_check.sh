@@ -7,6 +7,7 @@
 #   STAGE      tests | bench | all (default all)
 #   WORKLOADS  comma list for `tandem bench` (default bs1,seed-async,nano,prefix); each runs in its own process
 #   SCALE      --scale for `tandem bench` (default 1.0); PEERS  --peers (default: the CLI's hf,sync,eager)
+#   TP         --tensor-parallel-size for `tandem bench` (default 1); with TP=2 use e.g. PEERS=tp1,sync
 #   BUDGET_S   wall seconds for the whole script (default 560, under the device's 600 s per command); every step
 #              gets at most what is left minus RESERVE_S (default 25) and is stopped there, so the summary and
 #              the files under $OUT always get written. Steps that find no time left are reported SKIPPED.
@@ -114,6 +115,7 @@ bench_stage() {
   fi
   local peers=()
   [ -n "${PEERS:-}" ] && peers=(--peers "$PEERS")
+  [ -n "${TP:-}" ] && peers+=(--tensor-parallel-size "$TP")
   local w
   for w in ${WORKLOADS//,/ }; do
     # One process per workload: a timeout or crash in one keeps the others' results.

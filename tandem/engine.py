@@ -16,7 +16,7 @@ from tandem.config import EngineConfig
 from tandem.profiling.timeline import Timeline
 from tandem.request import FinishReason, Request
 from tandem.runner.model_runner import Logprobs, ModelRunner, StepHandle
-from tandem.runner.tensor_parallel import run_worker, start_tensor_parallel
+from tandem.runner.tensor_parallel import exit_worker, run_worker, start_tensor_parallel
 from tandem.sampling_params import SamplingParams
 from tandem.scheduler.output import SchedulerOutput
 from tandem.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -61,7 +61,7 @@ class EngineCore:
         group = start_tensor_parallel(config)
         if group is not None and group.rank != 0:
             run_worker(config, group)  # a torchrun rank other than 0 serves rank 0's steps, then its process ends
-            raise SystemExit(0)
+            exit_worker()
         try:
             self.runner = ModelRunner(config, group)
         except BaseException:
@@ -277,6 +277,10 @@ class EngineCore:
 
     def stop_timeline(self) -> Timeline | None:
         tl, self.timeline = self.timeline, None
+        group = self.runner.group
+        if tl is not None and group is not None and group.failure is None:
+            for rank, step, start, end in group.collect_spans():  # the other ranks' GPUs, lanes gpu1..gpuN-1
+                tl.add_gpu("compute", start, end, step, lane=f"gpu{rank}")
         self.runner.set_timing(False)
         self._timeline_base = None
         return tl

@@ -50,6 +50,8 @@ def run_tandem(llm: Any, requests: list[tuple[list[int], int]], *, overlap: bool
         "seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
         "total_tokens_per_s": (generated + prompt) / seconds, "num_steps": len(step_log),
         "gpu_busy_pct": tl.gpu_busy_pct() if tl is not None else None,
+        # Tensor parallelism: every rank's GPU ("gpu" is rank 0, "gpu1".. the others).
+        "gpu_busy_pct_per_rank": {n: tl.gpu_busy_pct(n) for n in tl.gpu_lanes()} if tl is not None else None,
         "_timeline": tl, "_step_log": step_log, "_outputs": [o.outputs[0].token_ids for o in outs],
     }
 
@@ -213,7 +215,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     result.update({
         "tokens_per_s": main["tokens_per_s"], "total_tokens_per_s": main["total_tokens_per_s"],
         "seconds": main["seconds"], "generated_tokens": main["generated_tokens"], "num_steps": main["num_steps"],
-        "gpu_busy_pct": main["gpu_busy_pct"], "roofline_floor_s": floor, "roofline_fraction": floor / main["seconds"],
+        "gpu_busy_pct": main["gpu_busy_pct"], "gpu_busy_pct_per_rank": main["gpu_busy_pct_per_rank"],
+        "roofline_floor_s": floor, "roofline_fraction": floor / main["seconds"],
         "ceilings": {"copy_gbps": ceilings.copy_gbps, "matmul_tflops": ceilings.matmul_tflops},
     })
     for name, r in peer_results.items():

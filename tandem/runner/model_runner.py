@@ -116,6 +116,9 @@ class ModelRunner:
                     )
                 logger.info("captured %d CUDA graphs in %.1f s", len(self.graphs.graphs), time.perf_counter() - t0)
         self._events = [StepEvents(self.device, self.timing) for _ in range(2)]
+        self._span_pending: list[int | None] = [None, None]  # worker: timed step per slot not yet read
+        self._span_base: tuple[object, float] = (None, 0.0)
+        self._spans: list[tuple[int, float, float]] = []
         self._step_index = 0
         self._prev_rows: dict[str, int] = {}  # request id -> row in the previous step's sampled tokens
 
@@ -298,7 +301,7 @@ class ModelRunner:
         graph_bs = self.graphs.padded_size(num_seqs) if (self.graphs is not None and decode_only) else None
         shape = self._prepare(sched, slot, graph_bs)
         plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,
-                        shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self._step_index)
+                        shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self._step_index, self.timing)
         if self.group is None:
             events = self._enqueue(plan, download=True)
         else:
@@ -318,12 +321,55 @@ class ModelRunner:
         if plan.step_index != self._step_index or plan.slot != self._step_index % 2:
             raise RuntimeError(f"tensor-parallel rank {self.parallel.rank} expected step {self._step_index}, "
                                f"got step {plan.step_index} (slot {plan.slot})")
+        if plan.timing != self.timing:
+            self._set_worker_timing(plan.timing)
         # This rank's own GPU must be done with the slot's previous step before its buffers are rewritten
         # (rank 0 has the same guarantee from its wait on that step).
         self._events[plan.slot].compute_done.synchronize()
+        self._record_worker_span(plan.slot)
         self.group.recv_payload(plan, self.buffers[plan.slot])  # type: ignore[union-attr]
         self._enqueue(plan, download=False)
+        if self.timing:
+            self._span_pending[plan.slot] = plan.step_index
         self._step_index += 1
+
+    # ---------------------------------------------------------------- worker GPU spans (timeline)
+
+    def _set_worker_timing(self, enabled: bool) -> None:
+        """Worker: new events for the timeline; the old ones may still guard in-flight steps, so drain first."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for slot in (0, 1):
+            self._record_worker_span(slot)
+        self.set_timing(enabled)
+        if enabled and self.device.type == "cuda":
+            base = torch.cuda.Event(enable_timing=True)
+            base.record(self.streams.compute)
+            base.synchronize()
+            self._span_base = (base, time.perf_counter())
+
+    def _record_worker_span(self, slot: int) -> None:
+        """Worker: the GPU span of the slot's last timed step, whose compute_done has already fired."""
+        step = self._span_pending[slot]
+        if step is None:
+            return
+        self._span_pending[slot] = None
+        ev = self._events[slot]
+        if self.device.type != "cuda":
+            self._spans.append((step, ev.compute_start.time, ev.compute_done.time))  # type: ignore[attr-defined]
+            return
+        base_event, base_time = self._span_base
+        self._spans.append((step, base_time + base_event.elapsed_time(ev.compute_start) / 1000.0,
+                            base_time + base_event.elapsed_time(ev.compute_done) / 1000.0))
+
+    def take_worker_spans(self) -> list[tuple[int, float, float]]:
+        """Worker: (step, start, end) of every timed step so far, waiting for the last ones to finish."""
+        for slot in (0, 1):
+            if self._span_pending[slot] is not None:
+                self._events[slot].compute_done.synchronize()
+                self._record_worker_span(slot)
+        spans, self._spans = self._spans, []
+        return spans
 
     def _enqueue(self, plan: StepPlan, download: bool) -> StepEvents:
         """H2D of the slot, forward (graph or eager), sampling, and (rank 0) D2H, ordered by the slot's events."""

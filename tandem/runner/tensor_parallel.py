@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -38,8 +39,9 @@ logger = logging.getLogger(__name__)
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 _INIT_TIMEOUT = timedelta(minutes=10)  # weight loading of a 70B shard can take minutes before the first collective
 
-_OP_STEP, _OP_STOP = 1, 2
-_HEADER_LEN = 12
+_IDLE_TIMEOUT = timedelta(days=365)
+_OP_STEP, _OP_STOP, _OP_REPORT = 1, 2, 3
+_HEADER_LEN = 13
 
 
 class WorkerDiedError(RuntimeError):
@@ -60,16 +62,18 @@ class StepPlan:
     max_query_len: int
     max_seq_len: int
     step_index: int
+    timing: bool = False  # ranks record their steps' GPU spans for the timeline
 
     def encode(self, out: np.ndarray) -> None:
         # The last field is the payload's byte count, set by send_step.
         out[:] = (_OP_STEP, self.slot, self.num_seqs, self.num_tokens, self.graph_bs or 0, self.all_greedy,
-                  self.any_top_k_top_p, self.num_logprobs, self.max_query_len, self.max_seq_len, self.step_index, 0)
+                  self.any_top_k_top_p, self.num_logprobs, self.max_query_len, self.max_seq_len, self.step_index,
+                  self.timing, 0)
 
     @staticmethod
     def decode(h: np.ndarray) -> StepPlan:
         v = [int(x) for x in h]
-        return StepPlan(v[1], v[2], v[3], v[4] or None, bool(v[5]), bool(v[6]), v[7], v[8], v[9], v[10])
+        return StepPlan(v[1], v[2], v[3], v[4] or None, bool(v[5]), bool(v[6]), v[7], v[8], v[9], v[10], bool(v[11]))
 
 
 def torchrun_rank() -> tuple[int, int, int] | None:
@@ -105,7 +109,8 @@ class TensorParallelGroup:
         self.parallel = ParallelConfig(rank, size)
         self.device = device
         self.procs = procs  # rank 0 of a spawned group: the workers; else empty
-        self.cpu_group = dist.new_group(backend="gloo")
+        # Workers block on this group between steps: an idle server must not time them out.
+        self.cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
         self._header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
         self._header_np = self._header.numpy()
         self._stage: torch.Tensor | None = None
@@ -183,12 +188,38 @@ class TensorParallelGroup:
         except Exception as exc:
             self.raise_failure(exc)
 
-    def recv_plan(self) -> StepPlan | None:
-        """Worker: the next step's header, or None when rank 0 says stop."""
+    def recv_plan(self) -> StepPlan | str | None:
+        """Worker: the next step's header, "report" when rank 0 asks for GPU spans, None when it says stop."""
         dist.broadcast(self._header, src=0, group=self.cpu_group)
-        if int(self._header_np[0]) == _OP_STOP:
+        op = int(self._header_np[0])
+        if op == _OP_STOP:
             return None
+        if op == _OP_REPORT:
+            return "report"
         return StepPlan.decode(self._header_np)
+
+    def collect_spans(self) -> list[tuple[int, int, float, float]]:
+        """Rank 0: every worker's recorded (rank, step, start, end) GPU spans since the last call (perf_counter
+        clock, which all processes of one machine share). Not per step: after a timed run."""
+        self.check_alive()
+        self._header_np[:] = 0
+        self._header_np[0] = _OP_REPORT
+        dist.broadcast(self._header, src=0, group=self.cpu_group)
+        spans = []
+        for rank in range(1, self.size):
+            count = torch.zeros(1, dtype=torch.int64)
+            dist.recv(count, src=rank, group=self.cpu_group)
+            rows = torch.zeros(int(count[0]), 3, dtype=torch.float64)
+            if rows.numel():
+                dist.recv(rows, src=rank, group=self.cpu_group)
+            spans += [(rank, int(step), start, end) for step, start, end in rows.tolist()]
+        return spans
+
+    def send_spans(self, spans: list[tuple[int, float, float]]) -> None:
+        """Worker: its (step, start, end) spans to rank 0 (the answer to collect_spans)."""
+        dist.send(torch.tensor([len(spans)], dtype=torch.int64), dst=0, group=self.cpu_group)
+        if spans:
+            dist.send(torch.tensor(spans, dtype=torch.float64), dst=0, group=self.cpu_group)
 
     def recv_payload(self, plan: StepPlan, buf: StepBuffers) -> None:
         """Worker: the slot's host regions, written in place into this rank's pinned buffers."""
@@ -218,8 +249,7 @@ class TensorParallelGroup:
         for proc in self.procs:
             proc.kill()
             proc.join(timeout=5)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_process_group()
         torch.set_num_threads(self.saved_num_threads)
 
     def close(self) -> None:
@@ -239,12 +269,29 @@ class TensorParallelGroup:
             if proc.exitcode is None:
                 proc.kill()
                 proc.join(timeout=5)
-        if self.failure is None and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                logger.warning("destroy_process_group failed", exc_info=True)
+        if self.rank == 0:
+            _leave_process_group()
         torch.set_num_threads(self.saved_num_threads)
+
+
+def _leave_process_group(timeout_s: float = 10.0) -> None:
+    """destroy_process_group, given up on after timeout_s: NCCL communicators captured in CUDA graphs can
+    hang in ncclCommDestroy (pytorch issue 115388), and shutdown must not."""
+    if not dist.is_initialized():
+        return
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            logger.warning("destroy_process_group failed", exc_info=True)
+
+    thread = threading.Thread(target=destroy, name="tandem-tp-destroy", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning("destroy_process_group did not return in %.0f s; a new tensor-parallel engine in this "
+                       "process will not start", timeout_s)
 
 
 def _regions(buf: StepBuffers, plan: StepPlan) -> list[torch.Tensor]:
@@ -340,6 +387,15 @@ def _spawned_worker_main(config: EngineConfig, rank: int, size: int, init_method
     device = _rank_device(config, rank)
     group = _init_group(device, rank, size, init_method, [])
     run_worker(config, group)
+    exit_worker()
+
+
+def exit_worker(code: int = 0) -> NoReturn:
+    """Ends a worker process without interpreter teardown (where NCCL communicators may hang)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def run_worker(config: EngineConfig, group: TensorParallelGroup) -> None:
@@ -352,6 +408,11 @@ def run_worker(config: EngineConfig, group: TensorParallelGroup) -> None:
             plan = group.recv_plan()
             if plan is None:
                 break
+            if plan == "report":
+                group.send_spans(runner.take_worker_spans())
+                continue
             runner.launch_remote(plan)
-    finally:
-        group.close()
+    except Exception:
+        # Rank 0 gone (its socket closed) or this rank failed: rank 0 sees this process exit.
+        logger.exception("tensor-parallel rank %d stops", group.rank)
+        exit_worker(1)

@@ -66,9 +66,16 @@ def test_dead_rank_fails_the_engine_cleanly(tiny_folders):
     llm = LLM(tiny_folders["llama"], tensor_parallel_size=2, num_kv_blocks=64, **ENGINE)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
-        assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 50
-        worker = llm.engine.runner.group.procs[0]
         engine = llm.engine
+        engine.start_timeline()
+        assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 50
+        tl = engine.stop_timeline()
+        # Both ranks' GPU (here: compute) spans, one per step each.
+        assert tl.gpu_lanes() == ["gpu", "gpu1"]
+        steps = {lane: sorted(s.step for s in tl.spans if s.lane == lane) for lane in tl.gpu_lanes()}
+        assert steps["gpu1"] == steps["gpu"] and len(steps["gpu"]) >= 50
+        assert 0 < tl.gpu_busy_pct("gpu1") <= 100
+        worker = llm.engine.runner.group.procs[0]
         engine.add_request("a", [5, 6, 7, 8], params)
         engine.step()
         os.kill(worker.pid, signal.SIGKILL)  # mid-run: the request is half generated
