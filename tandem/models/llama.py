@@ -89,7 +89,8 @@ class LlamaMLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"{config.architecture}: unsupported hidden_act {config.hidden_act!r} (expected silu)")
         inter = config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, column_parts([inter, inter], tp, fused_source=False))
+        gate_up = column_parts([inter, inter], tp, fused_source=False)  # gate_proj and up_proj split on their own
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, gate_up)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,7 @@ def _rank_device(config: EngineConfig, local_rank: int) -> torch.device:
 class TensorParallelGroup:
     """This process's rank, the gloo group that carries step messages, and (on rank 0) the spawned workers."""
 
-    def __init__(self, rank: int, size: int, device: torch.device, procs: list[Any]) -> None:
+    def __init__(self, rank: int, size: int, device: torch.device, procs: list[Any], saved_num_threads: int) -> None:
         self.parallel = ParallelConfig(rank, size)
         self.device = device
         self.procs = procs  # rank 0 of a spawned group: the workers; else empty
@@ -117,7 +117,7 @@ class TensorParallelGroup:
         self._stage_np = np.empty(0, dtype=np.uint8)
         self.failure: str | None = None
         self.closed = False
-        self.saved_num_threads = torch.get_num_threads()  # restored on close
+        self.saved_num_threads = saved_num_threads  # torch's CPU thread count before this group: restored on close
 
     @property
     def rank(self) -> int:
@@ -363,11 +363,10 @@ def _init_group(device: torch.device, rank: int, size: int, init_method: str, pr
     except Exception:
         for proc in procs:
             proc.kill()
+        torch.set_num_threads(threads)
         raise
     set_tp_group(None)  # the default group is the tensor-parallel group
-    group = TensorParallelGroup(rank, size, device, procs)
-    group.saved_num_threads = threads
-    return group
+    return TensorParallelGroup(rank, size, device, procs, threads)
 
 
 def _exit_with_parent(parent_pid: int) -> None:

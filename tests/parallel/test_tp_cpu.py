@@ -128,7 +128,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_torchrun_two_processes(tiny_folders):
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_torchrun_two_processes(tiny_folders, nodes):
+    """One torchrun agent with two processes, or two agents of one process each (the two-node launch, on
+    one machine)."""
     folder = tiny_folders["qwen2"]
     prompts = [[5, 6, 7, 8], [9, 10, 11] * 9]
     reference = LLM(folder, num_kv_blocks=64, **{**ENGINE, "max_num_batched_tokens": 4096})
@@ -138,11 +141,22 @@ def test_torchrun_two_processes(tiny_folders):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
-           "--master-addr", "127.0.0.1", "--master-port", str(port),
-           "tests/parallel/torchrun_entry.py", folder, json.dumps(prompts)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
-    assert len(lines) == 1, done.stdout  # rank 0 only
+    agents = []
+    for node in range(nodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(2 // nodes),
+               "--nnodes", str(nodes), "--node-rank", str(node), "--master-addr", "127.0.0.1",
+               "--master-port", str(port), "tests/parallel/torchrun_entry.py", folder, json.dumps(prompts)]
+        agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    stdout = ""
+    try:
+        for agent in agents:
+            out, err = agent.communicate(timeout=120)
+            assert agent.returncode == 0, err[-3000:]
+            stdout += out
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    lines = [line for line in stdout.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1, stdout  # rank 0 only
     assert json.loads(lines[0][len("TOKENS "):]) == expected
