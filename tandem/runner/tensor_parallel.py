@@ -40,7 +40,7 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 _INIT_TIMEOUT = timedelta(minutes=10)  # weight loading of a 70B shard can take minutes before the first collective
 
 _IDLE_TIMEOUT = timedelta(days=365)
-_OP_STEP, _OP_STOP, _OP_REPORT = 1, 2, 3
+_OP_STEP, _OP_STOP, _OP_REPORT, _OP_ALL_REDUCE_BENCH = 1, 2, 3, 4
 _HEADER_LEN = 13
 
 
@@ -196,7 +196,35 @@ class TensorParallelGroup:
             return None
         if op == _OP_REPORT:
             return "report"
+        if op == _OP_ALL_REDUCE_BENCH:
+            num_tokens, hidden, count, reps = (int(x) for x in self._header_np[1:5])
+            self._all_reduce_loop(num_tokens, hidden, count, reps)
+            return "bench"
         return StepPlan.decode(self._header_np)
+
+    def measure_all_reduce(self, num_tokens: int, hidden: int, count: int, reps: int = 5) -> float:
+        """Rank 0, between steps: milliseconds of `count` back-to-back eager all-reduces of [num_tokens, hidden]
+        in the model dtype (a step's worth: 2 per layer + the embedding's), the mean over `reps` rounds."""
+        self.check_alive()
+        self._header_np[:] = 0
+        self._header_np[:5] = (_OP_ALL_REDUCE_BENCH, num_tokens, hidden, count, reps)
+        dist.broadcast(self._header, src=0, group=self.cpu_group)
+        return self._all_reduce_loop(num_tokens, hidden, count, reps)
+
+    def _all_reduce_loop(self, num_tokens: int, hidden: int, count: int, reps: int) -> float:
+        from tandem.layers.parallel import all_reduce
+
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        x = torch.zeros(num_tokens, hidden, dtype=dtype, device=self.device)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        for _ in range(3):
+            all_reduce(x)
+        sync()
+        start = time.perf_counter()
+        for _ in range(reps * count):
+            all_reduce(x)
+        sync()
+        return (time.perf_counter() - start) * 1e3 / reps
 
     def collect_spans(self) -> list[tuple[int, int, float, float]]:
         """Rank 0: every worker's recorded (rank, step, start, end) GPU spans since the last call (perf_counter
@@ -409,6 +437,8 @@ def run_worker(config: EngineConfig, group: TensorParallelGroup) -> None:
                 break
             if plan == "report":
                 group.send_spans(runner.take_worker_spans())
+                continue
+            if plan == "bench":
                 continue
             runner.launch_remote(plan)
     except Exception:

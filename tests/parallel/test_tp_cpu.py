@@ -75,6 +75,7 @@ def test_dead_rank_fails_the_engine_cleanly(tiny_folders):
         steps = {lane: sorted(s.step for s in tl.spans if s.lane == lane) for lane in tl.gpu_lanes()}
         assert steps["gpu1"] == steps["gpu"] and len(steps["gpu"]) >= 50
         assert 0 < tl.gpu_busy_pct("gpu1") <= 100
+        assert llm.engine.runner.group.measure_all_reduce(1, 64, 5, reps=2) > 0  # workers join the bench loop
         worker = llm.engine.runner.group.procs[0]
         engine.add_request("a", [5, 6, 7, 8], params)
         engine.step()
