@@ -23,12 +23,15 @@ PREFIX = [(7 * i) % (VOCAB - 4) + 4 for i in range(24)]  # three 8-token blocks 
 
 
 def _workload(llm: LLM) -> tuple[list[list[int]], int]:
-    """Prefix hit, chunked prefill and (with a 16-block pool) preemption; returns (tokens, cached tokens)."""
+    """Prefix hit, chunked prefill, a sampled request and (with a 16-block pool) preemption; returns
+    (tokens, cached tokens)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     first = llm.generate([PREFIX + [5, 9, 11]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                          use_tqdm=False)
     prompts = [PREFIX + [12, 13], [(3 * i) % (VOCAB - 4) + 4 for i in range(30)], [40, 41, 42, 43] * 7, [99, 98]]
-    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    # The last request samples (seeded): every rank must draw the same tokens for its own carry-over.
+    sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=12, ignore_eos=True, seed=7)
+    outs = llm.generate(prompts, [greedy] * 3 + [sampled], use_tqdm=False)
     return [o.outputs[0].token_ids for o in first + outs], outs[0].num_cached_tokens
 
 
