@@ -110,7 +110,8 @@ def test_tp2_dead_worker_fails_cleanly(folders, tmp_path):
 
     script = tmp_path / "dead_worker.py"
     script.write_text(DEAD_WORKER_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(script), folders["llama"]], capture_output=True, text=True,
                           timeout=300, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith(("ERRORS", "UNFINISHED"))]

@@ -17,6 +17,7 @@ from tests.parallel.tiny_models import FAMILIES, VOCAB, save_tiny
 
 pytest.importorskip("transformers")
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4, block_size=8,
               max_num_batched_tokens=16)  # 16-token budget: the 30-token prompts prefill in chunks
 PREFIX = [(7 * i) % (VOCAB - 4) + 4 for i in range(24)]  # three 8-token blocks shared by two prompts
@@ -108,7 +109,7 @@ def test_worker_exits_when_rank0_is_killed(tiny_folders, tmp_path):
         "    print(llm.engine.runner.group.procs[0].pid, flush=True)\n"
         "    sys.stdin.read()\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                             text=True)
     try:
@@ -144,12 +145,13 @@ def test_torchrun_two_processes(tiny_folders, nodes):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    entry = os.path.join(REPO, "tests", "parallel", "torchrun_entry.py")
     agents = []
     for node in range(nodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(2 // nodes),
                "--nnodes", str(nodes), "--node-rank", str(node), "--master-addr", "127.0.0.1",
-               "--master-port", str(port), "tests/parallel/torchrun_entry.py", folder, json.dumps(prompts)]
+               "--master-port", str(port), entry, folder, json.dumps(prompts)]
         agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     stdout = ""
     try:
