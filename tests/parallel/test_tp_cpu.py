@@ -145,7 +145,8 @@ def test_torchrun_two_processes(tiny_folders, nodes):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
     entry = os.path.join(REPO, "tests", "parallel", "torchrun_entry.py")
     agents = []
     for node in range(nodes):
