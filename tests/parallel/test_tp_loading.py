@@ -66,7 +66,6 @@ def test_safetensors_shards_match_the_full_model(tmp_path, family):
     _check(save_tiny(family, tmp_path), 2, [0, 1])
 
 
-@pytest.mark.slow  # dequantizes the 135M GGUF twice
 def test_gguf_shard_matches_the_full_model():
     # SmolLM2-135M: 9 heads, 3 KV heads, intermediate 1536, vocab 49152 -> three ranks; rank 1 checked.
     from tandem.models.loader import default_model_path
