@@ -11,6 +11,7 @@
 #   WORKLOADS  comma list for `tandem bench` (default bs1,seed-async,nano,prefix); each runs in its own process
 #   SCALE      --scale for `tandem bench` (default 1.0); PEERS  --peers (default: the CLI's hf,sync,eager)
 #   QUANTIZATION  --quantization for `tandem bench` (fp8; with PEERS=bf16 each workload reports fp8 / bf16)
+#   TP         --tensor-parallel-size for `tandem bench` (default 1); with TP=2 use e.g. PEERS=tp1,sync
 #   BUDGET_S   wall seconds for the whole script (default 560, under the device's 600 s per command); every step
 #              gets at most what is left minus RESERVE_S (default 25) and is stopped there, so the summary and
 #              the files under $OUT always get written. Steps that find no time left are reported SKIPPED.
@@ -124,6 +125,7 @@ bench_stage() {
   local peers=()
   [ -n "${PEERS:-}" ] && peers=(--peers "$PEERS")
   [ -n "${QUANTIZATION:-}" ] && peers+=(--quantization "$QUANTIZATION")
+  [ -n "${TP:-}" ] && peers+=(--tensor-parallel-size "$TP")
   local w
   for w in ${WORKLOADS//,/ }; do
     # One process per workload: a timeout or crash in one keeps the others' results.

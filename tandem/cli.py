@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: FP8 weights with per-channel scales, FP8 matmuls (CUDA, compute capability >= 8.9)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over N GPUs (one process each; or launch N processes with torchrun)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -45,6 +47,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, overlap=not args.sync,
         cuda_graph=not args.no_cuda_graph, seed=args.seed, quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -42,6 +42,18 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """This process's place in the tensor-parallel group: rank r of size ranks (0 of 1 when unsharded)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is not in [0, {self.size})")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     tokenizer: str | None = None  # None: from the model folder / GGUF
@@ -63,6 +75,7 @@ class EngineConfig:
     cuda_graph: bool = True
     seed: int = 0
     quantization: str | None = None  # None | fp8 (weights in float8_e4m3fn, per-output-channel scales)
+    tensor_parallel_size: int = 1  # GPUs (or CPU processes) one model is sharded over, Megatron-style
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "fp8"):
@@ -88,6 +101,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
 

@@ -16,6 +16,7 @@ from tandem.config import EngineConfig
 from tandem.profiling.timeline import Timeline
 from tandem.request import FinishReason, Request
 from tandem.runner.model_runner import Logprobs, ModelRunner, StepHandle
+from tandem.runner.tensor_parallel import exit_worker, run_worker, start_tensor_parallel
 from tandem.sampling_params import SamplingParams
 from tandem.scheduler.output import SchedulerOutput
 from tandem.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -56,7 +57,17 @@ class EngineStats:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        # tensor_parallel_size > 1: this process is rank 0 (spawning ranks 1..N-1), or under torchrun any rank.
+        group = start_tensor_parallel(config)
+        if group is not None and group.rank != 0:
+            run_worker(config, group)  # a torchrun rank other than 0 serves rank 0's steps, then its process ends
+            exit_worker()
+        try:
+            self.runner = ModelRunner(config, group)
+        except BaseException:
+            if group is not None:
+                group.abort()
+            raise
         self.tokenizer = self.runner.tokenizer
         self.model_config = self.runner.model_config
         # A request can never grow past what the whole KV pool holds (block 0 is reserved).
@@ -235,7 +246,7 @@ class EngineCore:
     def _drop(self, handle: StepHandle) -> None:
         """Waits out a step whose results are discarded, so its slot is free before it is rewritten."""
         try:
-            handle.events.d2h_done.synchronize()
+            self.runner.drain(handle)
         except Exception:  # the device itself failed: nothing left to wait for
             logger.exception("could not wait for a dropped step")
 
@@ -244,6 +255,10 @@ class EngineCore:
             return fn()
         with self.timeline.span(name):
             return fn()
+
+    def shutdown(self) -> None:
+        """Releases the tensor-parallel workers; the engine cannot step afterwards."""
+        self.runner.shutdown()
 
     # ---------------------------------------------------------------- profiling and stats
 
@@ -262,6 +277,10 @@ class EngineCore:
 
     def stop_timeline(self) -> Timeline | None:
         tl, self.timeline = self.timeline, None
+        group = self.runner.group
+        if tl is not None and group is not None and group.failure is None:
+            for rank, step, start, end in group.collect_spans():  # the other ranks' GPUs, lanes gpu1..gpuN-1
+                tl.add_gpu("compute", start, end, step, lane=f"gpu{rank}")
         self.runner.set_timing(False)
         self._timeline_base = None
         return tl

@@ -46,6 +46,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel worker processes (they also stop when this process exits)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

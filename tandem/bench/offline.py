@@ -50,6 +50,8 @@ def run_tandem(llm: Any, requests: list[tuple[list[int], int]], *, overlap: bool
         "seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
         "total_tokens_per_s": (generated + prompt) / seconds, "num_steps": len(step_log),
         "gpu_busy_pct": tl.gpu_busy_pct() if tl is not None else None,
+        # Tensor parallelism: every rank's GPU ("gpu" is rank 0, "gpu1".. the others).
+        "gpu_busy_pct_per_rank": {n: tl.gpu_busy_pct(n) for n in tl.gpu_lanes()} if tl is not None else None,
         "_timeline": tl, "_step_log": step_log, "_outputs": [o.outputs[0].token_ids for o in outs],
     }
 
@@ -125,7 +127,7 @@ def load_hf_peer(w: Workload, dtype: str, device: str) -> Any:
 
 
 def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | None,
-                   quantization: str | None = None) -> dict[str, Any]:
+                   quantization: str | None = None, tensor_parallel_size: int = 1) -> dict[str, Any]:
     import torch
 
     from tandem import LLM
@@ -135,7 +137,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     dtype = w.dtype if device.startswith("cuda") else "float32"
     result: dict[str, Any] = {"workload": w.name, "what": w.what, "device": _device_name(device), "dtype": dtype,
                               "scale": scale, "date": time.strftime("%Y-%m-%d"), "quantization": quantization,
-                              "peers": {}}
+                              "peers": {}, "tensor_parallel_size": tensor_parallel_size}
     peer_results: dict[str, Any] = {}
     vocab = None
     # transformers first, then free it, so tandem can size its KV cache from what is left.
@@ -156,7 +158,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     llm_kwargs: dict[str, Any] = dict(dtype=dtype, device=device, max_num_seqs=max(min(w.num_requests, 256), 1),
-                                      quantization=quantization)
+                                      quantization=quantization, tensor_parallel_size=tensor_parallel_size)
     if w.model is not None:
         llm_kwargs.update(model=w.model, load_format="dummy")
     max_len = max(w.prompt_len) + max(w.output_len) + w.shared_prefix_len
@@ -169,8 +171,16 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     llm.engine.scheduler.reset_prefix_cache()
     main = run_tandem(llm, requests, record=True)
     ceilings = measure_ceilings(torch.device(device), fp8=quantization == "fp8")
-    cost = model_cost(llm.engine.runner.model, llm.engine.model_config)
+    cost = model_cost(llm.engine.runner.model, llm.engine.model_config, tensor_parallel_size)
     floor = floor_seconds(main["_step_log"], cost, ceilings)
+    group = llm.engine.runner.group
+    if group is not None:
+        # A step's all-reduces (2 per layer + the embedding's) of [tokens, hidden], eager, between steps.
+        mc = llm.engine.model_config
+        result["all_reduce_ms_per_step"] = {
+            str(t): group.measure_all_reduce(t, mc.hidden_size, 2 * mc.num_layers + 1)
+            for t in sorted({1, llm_kwargs["max_num_seqs"]})
+        }
     variants: dict[str, Callable[[], dict[str, Any]]] = {}
     if "sync" in peers:
         variants["tandem --sync"] = lambda: run_tandem(llm, requests, overlap=False, record=True)
@@ -184,9 +194,29 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         peer_results[name] = r
     if w.shared_prefix_len and "noprefix" in peers:
         result["prefix_cache"] = prefix_ablation(llm, requests, main["_outputs"])
+    if tensor_parallel_size > 1 and "tp1" in peers:
+        # The same requests on one GPU in a fresh engine, after the sharded one has freed every GPU.
+        llm.shutdown()
+        del llm
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        try:
+            r = run_fresh_tandem({**llm_kwargs, "tensor_parallel_size": 1}, requests, warm)
+        except (ValueError, torch.OutOfMemoryError) as exc:  # e.g. a 70B shape does not fit one GPU
+            result["tp1_error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            # Dummy weights are drawn per shard, so TP=1 is another random model: tokens comparable only for
+            # real checkpoints (the tests check TP=2 == TP=1 on those).
+            if w.model is None:
+                r["same_tokens_as_main"] = r["_outputs"] == main["_outputs"]
+                r.update(token_agreement(r["_outputs"], main["_outputs"]))
+            peer_results["tandem TP=1"] = r
+        llm = None
     timelines = {"tandem (overlap)": main["_timeline"]}
-    if "tandem --sync" in peer_results:
-        timelines["tandem --sync"] = peer_results["tandem --sync"]["_timeline"]
+    for name in ("tandem --sync", "tandem TP=1"):
+        if name in peer_results:
+            timelines[name] = peer_results[name]["_timeline"]
     if out_dir is not None:
         from tandem.profiling.timeline import plot_timelines
 
@@ -196,7 +226,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     result.update({
         "tokens_per_s": main["tokens_per_s"], "total_tokens_per_s": main["total_tokens_per_s"],
         "seconds": main["seconds"], "generated_tokens": main["generated_tokens"], "num_steps": main["num_steps"],
-        "gpu_busy_pct": main["gpu_busy_pct"], "roofline_floor_s": floor, "roofline_fraction": floor / main["seconds"],
+        "gpu_busy_pct": main["gpu_busy_pct"], "gpu_busy_pct_per_rank": main["gpu_busy_pct_per_rank"],
+        "roofline_floor_s": floor, "roofline_fraction": floor / main["seconds"],
         "ceilings": {"copy_gbps": ceilings.copy_gbps, "matmul_tflops": ceilings.matmul_tflops,
                      "fp8_matmul_tflops": ceilings.fp8_matmul_tflops},
         "weight_bytes": cost.weight_bytes,
@@ -219,11 +250,27 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         result["peers"][name] = r["tokens_per_s"]
         result.setdefault("peer_details", {})[name] = {k: v for k, v in r.items() if not k.startswith("_")}
         result.setdefault("ratios", {})[name] = main["tokens_per_s"] / r["tokens_per_s"]
+    if llm is not None:
+        llm.shutdown()
     del llm
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return result
+
+
+def run_fresh_tandem(llm_kwargs: dict[str, Any], requests: list[tuple[list[int], int]],
+                     warm: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """A peer engine built for one measured pass (warmed up first), then released."""
+    from tandem import LLM
+
+    peer = LLM(**llm_kwargs)
+    try:
+        run_tandem(peer, warm)
+        peer.engine.scheduler.reset_prefix_cache()
+        return run_tandem(peer, requests, record=True)
+    finally:
+        peer.shutdown()
 
 
 def prefix_ablation(llm: Any, requests: list[tuple[list[int], int]], outputs_with_cache: list[list[int]]
@@ -270,6 +317,9 @@ def _print_table(results: list[dict[str, Any]]) -> None:
             pc = r["prefix_cache"]
             peers += (f"; prefill {pc['prefill_speedup']:.2f}x faster with prefix cache, "
                       f"same tokens: {pc['same_tokens_without_cache']}")
+        if r.get("all_reduce_ms_per_step"):
+            peers += "; all-reduce ms/step (tokens: ms) " + ", ".join(
+                f"{t}: {ms:.2f}" for t, ms in r["all_reduce_ms_per_step"].items())
         print(f"{r['workload']:<11} {r['tokens_per_s']:>10.1f} {r['seconds']:>8.2f} {r['roofline_fraction']:>8.3f} "
               f"{busy:>8}  {peers}")
 
@@ -289,7 +339,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results.append(run_serve_workload(args))
             continue
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
-        results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.quantization))
+        results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.quantization,
+                                      args.tensor_parallel_size))
         _print_table(results[-1:])
     _print_table([r for r in results if r["workload"] != "serve"])
     if args.out:
@@ -306,9 +357,12 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
     bench.add_argument("--workload", default="cpu", help=f"comma list of {sorted(WORKLOADS) + ['serve']} or all")
     bench.add_argument("--peers", default="hf,sync,eager,noprefix,bf16",
                        help="comma list: hf (transformers), sync, eager (no CUDA graphs), noprefix, "
-                            "bf16 (with --quantization: the unquantized engine, for the fp8 / bf16 ratio)")
+                            "bf16 (with --quantization: the unquantized engine, for the fp8 / bf16 ratio), "
+                            "tp1 (with --tensor-parallel-size N > 1: the same run on one GPU, in a fresh engine)")
     bench.add_argument("--quantization", default=None, choices=["fp8"],
                        help="run tandem with FP8 weights (roofline on FP8 bytes)")
+    bench.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="shard tandem's model over this many GPUs (the tp1 peer runs unsharded)")
     bench.add_argument("--no-peers", action="store_true")
     bench.add_argument("--scale", type=float, default=1.0, help="shrink prompt/output lengths (smoke runs)")
     bench.add_argument("--out", default=None, help="write results JSON here")

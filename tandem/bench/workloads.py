@@ -30,6 +30,10 @@ WORKLOADS: dict[str, Workload] = {
         Workload("nano", "qwen3-0.6b", 256, (100, 1024), (100, 1024), what="many short requests"),
         Workload("prefix", "llama-3.2-1b", 256, (64, 64), (128, 128), shared_prefix_len=1024,
                  what="prefix sharing"),
+        Workload("70b-bs1", "llama-3-70b", 1, (128, 128), (256, 256),
+                 what="Llama-3-70B shape at batch 1 (needs --tensor-parallel-size >= 2 in bf16)"),
+        Workload("70b-batch", "llama-3-70b", 32, (256, 256), (512, 512),
+                 what="Llama-3-70B shape, 32 requests (needs --tensor-parallel-size >= 2 in bf16)"),
     ]
 }
 

@@ -8,12 +8,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.config import ModelConfig
+from tandem.config import ModelConfig, ParallelConfig
 from tandem.layers.activation import activation_fn
 from tandem.layers.attention import Attention
 from tandem.layers.attention_metadata import AttentionMetadata
-from tandem.layers.linear import Embedding, Linear, lm_head_logits
+from tandem.layers.linear import Embedding
 from tandem.layers.norm import LayerNorm
+from tandem.layers.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    check_tp_shape,
+    column_parts,
+    materialize,
+    parallel_logits,
+    transpose,
+)
 from tandem.models.weights import WeightLoader
 
 # Hugging Face GPT-2 uses Conv1D, whose weight is [in, out]: these are transposed on load.
@@ -23,12 +33,13 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
+        self.num_heads = config.num_heads // tp.size  # this rank's heads
         self.head_dim = config.head_dim
-        self.c_attn = Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
-        self.c_proj = Linear(config.hidden_size, config.hidden_size, bias=True)
+        hidden = config.hidden_size
+        self.c_attn = ColumnParallelLinear(hidden, column_parts([hidden] * 3, tp, fused_source=True), bias=True)
+        self.c_proj = RowParallelLinear(hidden, hidden, tp, bias=True)
         self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(
@@ -41,10 +52,11 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
         super().__init__()
-        self.c_fc = Linear(config.hidden_size, config.intermediate_size, bias=True)
-        self.c_proj = Linear(config.intermediate_size, config.hidden_size, bias=True)
+        inter = config.intermediate_size
+        self.c_fc = ColumnParallelLinear(config.hidden_size, column_parts([inter], tp, fused_source=True), bias=True)
+        self.c_proj = RowParallelLinear(inter, config.hidden_size, tp, bias=True)
         self.act = activation_fn(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,12 +64,12 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
         super().__init__()
         self.ln_1 = LayerNorm(config.hidden_size, config.norm_eps)
-        self.attn = GPT2Attention(config)
+        self.attn = GPT2Attention(config, tp)
         self.ln_2 = LayerNorm(config.hidden_size, config.norm_eps)
-        self.mlp = GPT2MLP(config)
+        self.mlp = GPT2MLP(config, tp)
 
     def forward(
         self, hidden: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
@@ -67,21 +79,24 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
         super().__init__()
-        self.wte = Embedding(config.vocab_size, config.hidden_size)
-        self.wpe = Embedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_layers))
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.wpe = Embedding(config.max_position_embeddings, config.hidden_size)  # replicated
+        self.h = nn.ModuleList(GPT2Block(config, tp) for _ in range(config.num_layers))
         self.ln_f = LayerNorm(config.hidden_size, config.norm_eps)
 
 
 class GPT2LMHeadModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelConfig | None = None) -> None:
         super().__init__()
         if config.num_kv_heads != config.num_heads:
             raise ValueError("gpt2 has no grouped-query attention: num_kv_heads must equal num_heads")
+        tp = tp or ParallelConfig()
+        check_tp_shape(config, tp)
         self.config = config
-        self.transformer = GPT2Model(config)
+        self.tp = tp
+        self.transformer = GPT2Model(config, tp)
 
     def forward(
         self,
@@ -96,15 +111,34 @@ class GPT2LMHeadModel(nn.Module):
         return self.transformer.ln_f(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        return lm_head_logits(hidden, self.transformer.wte.weight)
+        return parallel_logits(hidden, self.transformer.wte.weight, self.config.vocab_size, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hugging Face (name, tensor or lazy slice) pairs; each rank keeps only its shard."""
         loader = WeightLoader(self)
+        modules = dict(self.named_modules())
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES) or name == "lm_head.weight":  # lm_head is tied to wte
                 continue
             param_name = name if name.startswith("transformer.") else f"transformer.{name}"
             if param_name.endswith(_CONV1D):
-                tensor = tensor.t()
-            loader.copy(param_name, tensor, source=name)
+                tensor = transpose(tensor)
+            module_name, _, leaf = param_name.rpartition(".")
+            module = modules.get(module_name)
+            offset = 0
+            if isinstance(module, ColumnParallelLinear):
+                # c_attn is q, k, v stacked: each third is split over the ranks on its own.
+                for part in range(len(module.parts)):
+                    local, offset = module.shard_for_load(tensor, part)
+                    loader.copy(param_name, local, offset, source=name)
+                continue
+            if isinstance(module, RowParallelLinear):
+                tensor = module.shard_for_load(tensor, is_bias=leaf == "bias")
+                if tensor is None:
+                    continue  # the bias lives on rank 0
+            elif isinstance(module, VocabParallelEmbedding):
+                tensor = module.shard_for_load(tensor)
+            else:
+                tensor = materialize(tensor)
+            loader.copy(param_name, tensor, offset, source=name)
         loader.finish()

@@ -8,11 +8,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.config import ModelConfig
+from tandem.config import ModelConfig, ParallelConfig
 from tandem.layers.activation import silu_and_mul
 from tandem.layers.attention import Attention
 from tandem.layers.attention_metadata import AttentionMetadata
-from tandem.layers.linear import Embedding, Linear, lm_head_logits
+from tandem.layers.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    check_tp_shape,
+    column_parts,
+    kv_head_start,
+    local_kv_heads,
+    materialize,
+    parallel_logits,
+)
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, rotary_write_kv
 from tandem.models.weights import WeightLoader
@@ -29,17 +40,21 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        # This rank's heads: a 1/tp share of the query heads, and its KV heads (split, or one replicated).
+        self.num_heads = config.num_heads // tp.size
+        self.num_kv_heads = local_kv_heads(config, tp)
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.shard_sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        # Checkpoints hold q_proj, k_proj and v_proj apart: source rows count within each.
+        kv_start = kv_head_start(config, tp) * self.head_dim
+        parts = [(tp.rank * q_size, q_size), (kv_start, kv_size), (kv_start, kv_size)]
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, parts, bias=config.attention_bias)
         # Qwen2 has a bias on q/k/v only; Llama's attention_bias covers o_proj too.
         o_bias = config.attention_bias and config.architecture != "qwen2"
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, tp, bias=o_bias)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
@@ -69,22 +84,24 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"{config.architecture}: unsupported hidden_act {config.hidden_act!r} (expected silu)")
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        inter = config.intermediate_size
+        gate_up = column_parts([inter, inter], tp, fused_source=False)  # gate_proj and up_proj split on their own
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, gate_up)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
@@ -108,10 +125,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         # One cos/sin table shared by all layers (no parameters: not in checkpoints).
         self.rotary_emb = RotaryEmbedding(
@@ -120,12 +137,16 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelConfig | None = None) -> None:
         super().__init__()
+        tp = tp or ParallelConfig()
+        check_tp_shape(config, tp)
         self.config = config
-        self.model = LlamaModel(config)
+        self.tp = tp
+        self.model = LlamaModel(config, tp)
         # Tied models read logits through the embedding table; no separate lm_head parameter exists.
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else ParallelLMHead(config.hidden_size, config.vocab_size, tp))
 
     def forward(
         self,
@@ -144,25 +165,33 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return lm_head_logits(hidden, weight)
+        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hugging Face (name, tensor or lazy slice) pairs; each rank keeps only its shard."""
         loader = WeightLoader(self)
+        modules = dict(self.named_modules())
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
                 continue
             parts = name.split(".")
             fused = _FUSED.get(parts[-2]) if len(parts) >= 2 else None
-            if fused is None:
-                loader.copy(name, tensor)
-                continue
-            target, shard = fused
-            param_name = ".".join(parts[:-2] + [target, parts[-1]])
-            loader.copy(param_name, tensor, self._shard_offset(target, shard), source=name)
+            shard = 0
+            if fused is not None:
+                target, shard = fused
+                parts = parts[:-2] + [target, parts[-1]]
+            param_name = ".".join(parts)
+            module = modules.get(".".join(parts[:-1]))
+            offset = 0
+            if isinstance(module, ColumnParallelLinear):
+                tensor, offset = module.shard_for_load(tensor, shard)
+            elif isinstance(module, RowParallelLinear):
+                tensor = module.shard_for_load(tensor, is_bias=parts[-1] == "bias")
+                if tensor is None:
+                    continue  # the bias lives on rank 0
+            elif isinstance(module, (VocabParallelEmbedding, ParallelLMHead)):
+                tensor = module.shard_for_load(tensor)
+            else:
+                tensor = materialize(tensor)
+            loader.copy(param_name, tensor, offset, source=name)
         loader.finish()
-
-    def _shard_offset(self, target: str, shard: int) -> int:
-        config = self.config
-        if target == "gate_up_proj":
-            return shard * config.intermediate_size
-        return (0, config.num_heads, config.num_heads + config.num_kv_heads)[shard] * config.head_dim

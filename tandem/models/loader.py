@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.config import EngineConfig, ModelConfig
+from tandem.config import EngineConfig, ModelConfig, ParallelConfig
 from tandem.layers.linear import Embedding, Linear
 from tandem.layers.quantization import checkpoint_fp8_config, dequantize_fp8_checkpoint
 from tandem.models.gguf_weights import iter_gguf_weights
@@ -28,6 +28,11 @@ NAMED_SHAPES: dict[str, dict[str, Any]] = {
     "llama-3-8b": dict(
         model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+    ),
+    "llama-3-70b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
         rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
     ),
     "llama-2-7b": dict(
@@ -89,29 +94,42 @@ def model_max_len(model_config: ModelConfig, requested: int | None = None) -> in
 
 
 def load_model_and_tokenizer(
-    config: EngineConfig, device: torch.device | str, dtype: torch.dtype
+    config: EngineConfig, device: torch.device | str, dtype: torch.dtype, tp: ParallelConfig | None = None,
+    load_tokenizer: bool = True,
 ) -> tuple[nn.Module, ModelConfig, Any]:
-    """Returns (model in eval mode on device/dtype, its ModelConfig, tokenizer or None for a named shape)."""
+    """Returns (model in eval mode on device/dtype, its ModelConfig, tokenizer or None for a named shape).
+
+    With tp.size > 1 the model holds rank tp.rank's shard: safetensors are read slice by slice, GGUF
+    tensors are sliced after dequantizing, and dummy weights are drawn at the shard's shape."""
     device = torch.device(device)
+    tp = tp or ParallelConfig()
     source = resolve_source(config)
     hf_config = _hf_config(source, config.hf_overrides)
     model_config = model_config_from_hf(hf_config, _generation_eos_ids(source))
     model_cls = MODEL_REGISTRY[model_config.architecture]
     with torch.device(device), _default_dtype(dtype):
-        model = model_cls(model_config)
+        model = model_cls(model_config, tp)
     if source.format == "dummy":
         init_dummy_weights(model, config.seed, device)
     elif source.format == "gguf":
         model.load_weights(iter_gguf_weights(source.path, model_config))
     else:
-        weights = _iter_safetensors(source.path)
         fp8_config = checkpoint_fp8_config(_read_config_json(source.path))
+        # Lazy slices let a rank read only its shard; FP8 checkpoints are dequantized whole first.
+        weights = _iter_safetensors(source.path, lazy=tp.size > 1 and fp8_config is None)
         if fp8_config is not None:
             weights = dequantize_fp8_checkpoint(weights, fp8_config)
         model.load_weights(weights)
     if config.quantization == "fp8":
         quantize_linears_fp8(model)
-    return model.eval(), model_config, _load_tokenizer(config, source)
+    tokenizer = _load_tokenizer(config, source) if load_tokenizer else None
+    return model.eval(), model_config, tokenizer
+
+
+def load_model_config(config: EngineConfig) -> ModelConfig:
+    """The model's architecture numbers alone (no weights), e.g. to validate a tensor-parallel split early."""
+    source = resolve_source(config)
+    return model_config_from_hf(_hf_config(source, config.hf_overrides), _generation_eos_ids(source))
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
@@ -284,7 +302,23 @@ def _generation_eos_ids(source: ModelSource) -> list[Any]:
         return [json.load(f).get("eos_token_id")]
 
 
-def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+class _SafetensorsSlice:
+    """A tensor of an open safetensors file, read only as far as narrow() asks (a rank's shard)."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index]
+
+    def full(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+def _iter_safetensors(folder: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every checkpoint tensor; with lazy, (name, _SafetensorsSlice) instead."""
     from safetensors import safe_open
 
     index = os.path.join(folder, "model.safetensors.index.json")
@@ -298,7 +332,7 @@ def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(os.path.join(folder, file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (_SafetensorsSlice(f, name) if lazy else f.get_tensor(name))
 
 
 def _load_tokenizer(config: EngineConfig, source: ModelSource):

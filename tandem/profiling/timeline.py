@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class Span:
-    lane: str  # "cpu" or "gpu"
+    lane: str  # "cpu", "gpu" (rank 0's), or "gpu1".. for the other tensor-parallel ranks
     name: str
     start: float  # time.perf_counter seconds
     end: float
@@ -31,21 +31,25 @@ class Timeline:
         finally:
             self.spans.append(Span("cpu", name, start, time.perf_counter(), self.step))
 
-    def add_gpu(self, name: str, start: float, end: float, step: int) -> None:
-        self.spans.append(Span("gpu", name, start, end, step))
+    def add_gpu(self, name: str, start: float, end: float, step: int, lane: str = "gpu") -> None:
+        self.spans.append(Span(lane, name, start, end, step))
+
+    def gpu_lanes(self) -> list[str]:
+        """"gpu" (rank 0) first, then the other ranks' lanes."""
+        return sorted({s.lane for s in self.spans if s.lane.startswith("gpu")}, key=lambda n: (len(n), n))
 
     def window(self) -> tuple[float, float]:
         if not self.spans:
             return 0.0, 0.0
         return min(s.start for s in self.spans), max(s.end for s in self.spans)
 
-    def gpu_busy_pct(self) -> float:
-        """Share of the recorded window during which at least one GPU span is active."""
+    def gpu_busy_pct(self, lane: str = "gpu") -> float:
+        """Share of the recorded window during which at least one GPU span of `lane` is active."""
         start, end = self.window()
         if end <= start:
             return 0.0
         busy, cursor = 0.0, start
-        for s in sorted((s for s in self.spans if s.lane == "gpu"), key=lambda s: s.start):
+        for s in sorted((s for s in self.spans if s.lane == lane), key=lambda s: s.start):
             lo, hi = max(s.start, cursor), s.end
             if hi > lo:
                 busy += hi - lo
@@ -76,19 +80,22 @@ def plot_timelines(timelines: dict[str, Timeline], path: str, max_seconds: float
 
     colors = {"schedule": "#1f77b4", "prepare": "#17becf", "launch": "#9467bd", "wait": "#d62728",
               "update": "#ff7f0e", "compute": "#2ca02c"}
-    fig, axes = plt.subplots(len(timelines), 1, figsize=(14, 1.8 * len(timelines) + 0.6), squeeze=False)
+    rows = sum(len(tl.gpu_lanes() or ["gpu"]) + 1 for tl in timelines.values())
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(14, 0.9 * rows + 0.6), squeeze=False)
     for ax, (label, tl) in zip(axes[:, 0], timelines.items()):
         begin, t1 = tl.window()
         t0 = begin + start_frac * (t1 - begin)
         horizon = (t1 - t0) if max_seconds is None else min(max_seconds, t1 - t0)
-        for row, lane in enumerate(("gpu", "cpu")):
+        lanes = [*reversed(tl.gpu_lanes() or ["gpu"]), "cpu"]  # bottom to top: GPU N-1 .. GPU 0, CPU
+        for row, lane in enumerate(lanes):
             bars = [(s.start - t0, s.end - s.start, colors.get(s.name, "#7f7f7f"))
                     for s in tl.spans if s.lane == lane and s.end >= t0 and s.start - t0 <= horizon]
             if bars:
                 ax.broken_barh([(b[0] * 1e3, b[1] * 1e3) for b in bars], (row * 10, 8),
                                facecolors=[b[2] for b in bars])
         ax.set_xlim(0, horizon * 1e3)
-        ax.set_yticks([4, 14], ["GPU", "CPU"])
+        ax.set_yticks([4 + 10 * i for i in range(len(lanes))],
+                      [{"gpu": "GPU", "cpu": "CPU"}.get(n, f"GPU {n[3:]}") for n in lanes])
         ax.set_title(f"{label}: GPU busy {tl.gpu_busy_pct():.1f}% over {(t1 - begin):.2f} s "
                      f"(window from {t0 - begin:.2f} s)", fontsize=10)
         ax.set_xlabel("ms into the window")

@@ -14,14 +14,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.config import EngineConfig, ModelConfig
+from tandem.config import EngineConfig, ModelConfig, ParallelConfig
 from tandem.layers.attention_metadata import AttentionMetadata
+from tandem.layers.parallel import local_kv_heads
 from tandem.layers.quantization import check_fp8_device
 from tandem.models.loader import load_model_and_tokenizer, model_max_len
 from tandem.runner.cuda_graphs import DecodeGraphs, SamplerVariant, graph_batch_sizes, sampler_variant
 from tandem.runner.input_buffers import StepBuffers
 from tandem.runner.sampler import sample
 from tandem.runner.streams import DeviceStreams, StepEvents
+from tandem.runner.tensor_parallel import StepPlan, TensorParallelGroup
 from tandem.sampling_params import MAX_LOGPROBS
 from tandem.scheduler.output import SchedulerOutput
 
@@ -64,18 +66,25 @@ class _StepShape:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    """One rank's model, KV cache shard, slot buffers, streams and graphs. With a tensor-parallel group,
+    rank 0 (the engine's) broadcasts each prepared step; the other ranks run it through launch_remote."""
+
+    def __init__(self, config: EngineConfig, group: TensorParallelGroup | None = None) -> None:
         self.config = config
-        self.device = config.resolved_device()
+        self.group = group
+        self.parallel = group.parallel if group is not None else ParallelConfig()
+        self.device = group.device if group is not None else config.resolved_device()
         self.dtype = config.resolved_dtype()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
         if config.quantization == "fp8":
             check_fp8_device(self.device)
-        self.model, self.model_config, self.tokenizer = load_model_and_tokenizer(config, self.device, self.dtype)
+        self.model, self.model_config, self.tokenizer = load_model_and_tokenizer(
+            config, self.device, self.dtype, self.parallel, load_tokenizer=self.parallel.rank == 0)
         self.model.eval()
         mc: ModelConfig = self.model_config
+        self.num_kv_heads = local_kv_heads(mc, self.parallel)  # this rank's share of the KV heads
         self.max_model_len = config.max_model_len or min(model_max_len(mc), 8192)
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
@@ -88,9 +97,12 @@ class ModelRunner:
             for _ in range(2)
         ]
         self.num_blocks = config.num_kv_blocks or self._num_blocks_from_memory()
-        # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+        if group is not None and config.num_kv_blocks is None:
+            # One scheduler drives every rank: all KV shards get the block count of the tightest GPU.
+            self.num_blocks = group.min_over_ranks(self.num_blocks)
+        # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads (this rank's), head_dim]
         self.kv_cache = torch.zeros(
-            mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim,
+            mc.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, mc.head_dim,
             dtype=self.dtype, device=self.device,
         )
         self.graphs: DecodeGraphs | None = None
@@ -109,6 +121,9 @@ class ModelRunner:
                 logger.info("captured %d decode + %d sampling CUDA graphs in %.1f s", len(self.graphs.graphs),
                             len(self.graphs.sample_graphs), time.perf_counter() - t0)
         self._events = [StepEvents(self.device, self.timing) for _ in range(2)]
+        self._span_pending: list[int | None] = [None, None]  # worker: timed step per slot not yet read
+        self._span_base: tuple[object, float] = (None, 0.0)
+        self._spans: list[tuple[int, float, float]] = []
         self._step_index = 0
         self._prev_rows: dict[str, int] = {}  # request id -> row in the previous step's sampled tokens
 
@@ -121,7 +136,8 @@ class ModelRunner:
 
     def _kv_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return self.model_config.kv_bytes_per_token * self.block_size * elem
+        mc = self.model_config
+        return 2 * mc.num_layers * self.num_kv_heads * mc.head_dim * self.block_size * elem
 
     def _num_blocks_from_memory(self) -> int:
         if self.device.type != "cuda":
@@ -147,7 +163,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         num_tokens = self.max_num_tokens
-        scratch = torch.zeros(mc.num_layers, 2, 1, self.block_size, mc.num_kv_heads, mc.head_dim,
+        scratch = torch.zeros(mc.num_layers, 2, 1, self.block_size, self.num_kv_heads, mc.head_dim,
                               dtype=self.dtype, device=self.device)
         ids = torch.zeros(num_tokens, dtype=torch.int32, device=self.device)
         meta = AttentionMetadata(
@@ -322,7 +338,81 @@ class ModelRunner:
         decode_only = num_tokens == num_seqs
         graph_bs = self.graphs.padded_size(num_seqs) if (self.graphs is not None and decode_only) else None
         shape = self._prepare(sched, slot, graph_bs)
-        num_logprobs = shape.num_logprobs
+        plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,
+                        shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self._step_index, self.timing)
+        if self.group is None:
+            events = self._enqueue(plan, download=True)
+        else:
+            # The other ranks get the filled host buffers before this rank launches (CPU to CPU only).
+            self.group.send_step(plan, self.buffers[slot])
+            try:
+                events = self._enqueue(plan, download=True)
+            except Exception as exc:  # on gloo the model's collectives run here: a dead peer surfaces now
+                self.group.raise_failure(exc)
+        self._step_index += 1  # only once enqueued: a failed launch leaves the slot order unchanged
+        return StepHandle(sched, slot, num_seqs, shape.num_logprobs, events, graph_bs, num_tokens,
+                          self._step_index - 1, shape.num_context_tokens)
+
+    @torch.inference_mode()
+    def launch_remote(self, plan: StepPlan) -> None:
+        """Ranks 1..N-1: rank 0's step, received into this rank's slot buffers, launched without the D2H."""
+        if plan.step_index != self._step_index or plan.slot != self._step_index % 2:
+            raise RuntimeError(f"tensor-parallel rank {self.parallel.rank} expected step {self._step_index}, "
+                               f"got step {plan.step_index} (slot {plan.slot})")
+        if plan.timing != self.timing:
+            self._set_worker_timing(plan.timing)
+        # This rank's own GPU must be done with the slot's previous step before its buffers are rewritten
+        # (rank 0 has the same guarantee from its wait on that step).
+        self._events[plan.slot].compute_done.synchronize()
+        self._record_worker_span(plan.slot)
+        self.group.recv_payload(plan, self.buffers[plan.slot])  # type: ignore[union-attr]
+        self._enqueue(plan, download=False)
+        if self.timing:
+            self._span_pending[plan.slot] = plan.step_index
+        self._step_index += 1
+
+    # ---------------------------------------------------------------- worker GPU spans (timeline)
+
+    def _set_worker_timing(self, enabled: bool) -> None:
+        """Worker: new events for the timeline; the old ones may still guard in-flight steps, so drain first."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for slot in (0, 1):
+            self._record_worker_span(slot)
+        self.set_timing(enabled)
+        if enabled and self.device.type == "cuda":
+            base = torch.cuda.Event(enable_timing=True)
+            base.record(self.streams.compute)
+            base.synchronize()
+            self._span_base = (base, time.perf_counter())
+
+    def _record_worker_span(self, slot: int) -> None:
+        """Worker: the GPU span of the slot's last timed step, whose compute_done has already fired."""
+        step = self._span_pending[slot]
+        if step is None:
+            return
+        self._span_pending[slot] = None
+        ev = self._events[slot]
+        if self.device.type != "cuda":
+            self._spans.append((step, ev.compute_start.time, ev.compute_done.time))  # type: ignore[attr-defined]
+            return
+        base_event, base_time = self._span_base
+        self._spans.append((step, base_time + base_event.elapsed_time(ev.compute_start) / 1000.0,
+                            base_time + base_event.elapsed_time(ev.compute_done) / 1000.0))
+
+    def take_worker_spans(self) -> list[tuple[int, float, float]]:
+        """Worker: (step, start, end) of every timed step so far, waiting for the last ones to finish."""
+        for slot in (0, 1):
+            if self._span_pending[slot] is not None:
+                self._events[slot].compute_done.synchronize()
+                self._record_worker_span(slot)
+        spans, self._spans = self._spans, []
+        return spans
+
+    def _enqueue(self, plan: StepPlan, download: bool) -> StepEvents:
+        """H2D of the slot, forward (graph or eager), sampling, and (rank 0) D2H, ordered by the slot's events."""
+        slot, num_seqs, num_tokens, graph_bs = plan.slot, plan.num_seqs, plan.num_tokens, plan.graph_bs
+        num_logprobs = plan.num_logprobs
         buf = self.buffers[slot]
         events = self._events[slot]  # free to re-record: the slot's previous step was waited for
         streams = self.streams
@@ -335,24 +425,28 @@ class ModelRunner:
             if graph_bs is not None:
                 # Forward, then sampling of the same static logits: two graph launches, no kernel outside.
                 self.graphs.replay(slot, graph_bs)  # type: ignore[union-attr]
-                variant = sampler_variant(shape.all_greedy, shape.any_top_k_top_p, num_logprobs)
+                variant = sampler_variant(plan.all_greedy, plan.any_top_k_top_p, num_logprobs)
                 self.graphs.replay_sample(slot, graph_bs, variant)  # type: ignore[union-attr]
             else:
-                logits = self._forward(slot, num_tokens, num_seqs, shape.max_query_len, shape.max_seq_len,
-                                       all_rows=decode_only)
-                self._sample_into(slot, logits, num_seqs, shape.all_greedy, shape.any_top_k_top_p, num_logprobs)
+                logits = self._forward(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len,
+                                       all_rows=num_tokens == num_seqs)
+                # Every rank samples from the same all-gathered logits with the same counter-based noise, so
+                # each holds the same tokens for its own carry-over.
+                self._sample_into(slot, logits, num_seqs, plan.all_greedy, plan.any_top_k_top_p, num_logprobs)
             streams.record("compute", events.compute_done)
-        streams.wait("d2h", events.compute_done)
-        with streams.on("d2h"):
-            buf.download(num_seqs, num_logprobs)
-            streams.record("d2h", events.d2h_done)
-        self._step_index += 1  # only once enqueued: a failed launch leaves the slot order unchanged
-        return StepHandle(sched, slot, num_seqs, num_logprobs, events, graph_bs, num_tokens,
-                          self._step_index - 1, shape.num_context_tokens)
+        if download:
+            streams.wait("d2h", events.compute_done)
+            with streams.on("d2h"):
+                buf.download(num_seqs, num_logprobs)
+                streams.record("d2h", events.d2h_done)
+        return events
 
     def wait(self, handle: StepHandle) -> StepResult:
         """Blocks until the step's tokens are in host memory: the one CPU wait per step."""
-        handle.events.d2h_done.synchronize()
+        if self.group is not None:
+            self.group.wait_event(handle.events.d2h_done)  # polls, so that a dead rank is an error, not a hang
+        else:
+            handle.events.d2h_done.synchronize()
         buf, n = self.buffers[handle.slot], handle.num_seqs
         token_ids = buf.host_tokens_np[:n].tolist()
         logprobs: list[Logprobs] | None = None
@@ -379,3 +473,16 @@ class ModelRunner:
         start = base_time + base_event.elapsed_time(ev.compute_start) / 1000.0  # type: ignore[attr-defined]
         end = base_time + base_event.elapsed_time(ev.compute_done) / 1000.0  # type: ignore[attr-defined]
         return start, end
+
+    def drain(self, handle: StepHandle) -> None:
+        """Waits out a step whose results are discarded (returns at once when a rank is dead)."""
+        if self.group is not None:
+            if self.group.failure is None:
+                self.group.wait_event(handle.events.d2h_done)
+        else:
+            handle.events.d2h_done.synchronize()
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers (no-op with one rank)."""
+        if self.group is not None:
+            self.group.close()

@@ -1,0 +1,225 @@
+"""Megatron-style tensor-parallel layers: column/row-parallel Linear subclasses, vocab-parallel embedding and logits.
+
+Every rank holds a slice of each sharded weight. A column-parallel layer keeps whole output rows (its
+input is replicated, its output is this rank's part); a row-parallel layer keeps input columns and ends
+with one all-reduce. The collectives run on the group set by `set_tp_group` (the default process group
+when none is set); with one rank every layer is exactly its base class.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from tandem.config import ModelConfig, ParallelConfig
+from tandem.layers.linear import Embedding, Linear, lm_head_logits
+
+_GROUP: Any = None  # the tensor-parallel process group (None: the default group)
+
+
+def set_tp_group(group: Any) -> None:
+    global _GROUP
+    _GROUP = group
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sums x over the ranks in place (captured into CUDA graphs as an NCCL kernel)."""
+    dist.all_reduce(x, group=_GROUP)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor, size: int) -> torch.Tensor:
+    """[n, d] per rank -> [n, size * d], rank r's columns at [r * d, (r + 1) * d)."""
+    if x.device.type == "cuda":
+        out = torch.empty(size, *x.shape, dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=_GROUP)
+    else:  # gloo: the list form
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=_GROUP)
+        out = torch.stack(parts)
+    return out.permute(1, 0, 2).reshape(x.shape[0], size * x.shape[1])
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def check_tp_shape(config: ModelConfig, tp: ParallelConfig) -> None:
+    """ValueError when the model cannot be split evenly over tp.size ranks."""
+    n = tp.size
+    if n == 1:
+        return
+    name = config.architecture
+    if config.num_heads % n:
+        raise ValueError(f"{name}: {config.num_heads} attention heads cannot be split over tensor_parallel_size={n}")
+    kv = config.num_kv_heads
+    if (kv >= n and kv % n) or (kv < n and n % kv):
+        raise ValueError(f"{name}: {kv} KV heads cannot be split or replicated over tensor_parallel_size={n}")
+    if config.intermediate_size % n:
+        raise ValueError(f"{name}: intermediate size {config.intermediate_size} is not divisible by "
+                         f"tensor_parallel_size={n}")
+
+
+def local_kv_heads(config: ModelConfig, tp: ParallelConfig) -> int:
+    """KV heads this rank holds: split when there are at least as many as ranks, else one replicated head."""
+    return max(config.num_kv_heads // tp.size, 1)
+
+
+def kv_head_start(config: ModelConfig, tp: ParallelConfig) -> int:
+    """Index of the first KV head of this rank (ranks r*kv//n share head r*kv//n when kv < n)."""
+    if config.num_kv_heads >= tp.size:
+        return tp.rank * (config.num_kv_heads // tp.size)
+    return tp.rank * config.num_kv_heads // tp.size
+
+
+# ---------------------------------------------------------------- loading only a rank's shard
+
+
+class LazyTensor(Protocol):
+    """A checkpoint tensor not read yet: narrow() reads only the slice (safetensors get_slice)."""
+
+    shape: tuple[int, ...]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
+
+    def full(self) -> torch.Tensor: ...
+
+
+def take(t: torch.Tensor | LazyTensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, start + length) of a tensor or lazy tensor."""
+    if start == 0 and length == t.shape[dim]:
+        return t if isinstance(t, torch.Tensor) else t.full()
+    return t.narrow(dim, start, length)
+
+
+def materialize(t: torch.Tensor | LazyTensor) -> torch.Tensor:
+    return t if isinstance(t, torch.Tensor) else t.full()
+
+
+class TransposedLazy:
+    """The transpose of a lazy [in, out] tensor (GPT-2's Conv1D), still read slice by slice."""
+
+    def __init__(self, inner: LazyTensor) -> None:
+        self.inner = inner
+        self.shape = tuple(reversed(inner.shape))
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.inner.narrow(1 - dim, start, length).t()
+
+    def full(self) -> torch.Tensor:
+        return self.inner.full().t()
+
+
+def transpose(t: torch.Tensor | LazyTensor) -> torch.Tensor | LazyTensor:
+    return t.t() if isinstance(t, torch.Tensor) else TransposedLazy(t)
+
+
+# ---------------------------------------------------------------- layers
+
+
+class ColumnParallelLinear(Linear):
+    """Output rows split over ranks. `parts` lists the fused sub-projections (q, k, v or gate, up) as
+    (first row of this rank in the checkpoint tensor that shard_for_load gets for the part, rows this
+    rank keeps); the local weight is their concatenation."""
+
+    def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool = False) -> None:
+        super().__init__(in_features, sum(n for _, n in parts), bias=bias)
+        self.parts = parts
+
+    def shard_for_load(self, tensor: torch.Tensor | LazyTensor, part: int = 0) -> tuple[torch.Tensor, int]:
+        """(this rank's rows of a checkpoint weight or bias of sub-projection `part`, row offset in the param)."""
+        start, rows = self.parts[part]
+        offset = sum(n for _, n in self.parts[:part])
+        return take(tensor, 0, start, rows), offset
+
+
+def column_parts(full_sizes: list[int], tp: ParallelConfig, fused_source: bool) -> list[tuple[int, int]]:
+    """Even split of each sub-projection: rank r keeps rows [r * s / n, (r + 1) * s / n) of each. Source rows
+    count from the start of the fused checkpoint tensor (fused_source, GPT-2's c_attn) or of each part's own."""
+    parts, base = [], 0
+    for size in full_sizes:
+        rows = size // tp.size
+        parts.append((base + tp.rank * rows, rows))
+        base += size if fused_source else 0
+    return parts
+
+
+class RowParallelLinear(Linear):
+    """Input columns split over ranks; the partial products are summed by one all-reduce. The bias lives
+    on rank 0 only, so it is added exactly once."""
+
+    def __init__(self, in_features: int, out_features: int, tp: ParallelConfig, bias: bool = False) -> None:
+        super().__init__(in_features // tp.size, out_features, bias=bias and tp.rank == 0)
+        self.tp = tp
+        self.has_bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return all_reduce(y) if self.tp.size > 1 else y
+
+    def shard_for_load(self, tensor: torch.Tensor | LazyTensor, is_bias: bool) -> torch.Tensor | None:
+        """This rank's columns of the weight; the bias on rank 0, None (skip it) elsewhere."""
+        if is_bias:
+            return materialize(tensor) if self.tp.rank == 0 else None
+        cols = self.in_features
+        return take(tensor, 1, self.tp.rank * cols, cols)
+
+
+def _vocab_rows(vocab_size: int, tp: ParallelConfig) -> int:
+    return -(-vocab_size // tp.size)  # ceil: the last rank's tail rows are zero padding
+
+
+def _vocab_shard(tensor: torch.Tensor | LazyTensor, vocab_size: int, tp: ParallelConfig) -> torch.Tensor:
+    rows = _vocab_rows(vocab_size, tp)
+    start = tp.rank * rows
+    n = max(min(rows, vocab_size - start), 0)
+    local = take(tensor, 0, start, n)
+    if n == rows:
+        return local
+    padded = torch.zeros(rows, *local.shape[1:], dtype=local.dtype)
+    padded[:n] = local
+    return padded
+
+
+class VocabParallelEmbedding(Embedding):
+    """Rows [r * ceil(V / n), (r + 1) * ceil(V / n)) of the table on rank r; lookups outside them give
+    zeros, and one all-reduce assembles the embeddings."""
+
+    def __init__(self, vocab_size: int, embedding_dim: int, tp: ParallelConfig) -> None:
+        rows = _vocab_rows(vocab_size, tp)
+        super().__init__(rows, embedding_dim)
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.start = tp.rank * rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(ids)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = super().forward(local.masked_fill(outside, 0))
+        return all_reduce(out.masked_fill_(outside[:, None], 0.0))
+
+    def shard_for_load(self, tensor: torch.Tensor | LazyTensor) -> torch.Tensor:
+        return _vocab_shard(tensor, self.vocab_size, self.tp)
+
+
+class ParallelLMHead(Linear):
+    """The untied output projection, vocabulary rows split like VocabParallelEmbedding."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, tp: ParallelConfig) -> None:
+        super().__init__(hidden_size, _vocab_rows(vocab_size, tp))
+        self.tp = tp
+        self.vocab_size = vocab_size
+
+    def shard_for_load(self, tensor: torch.Tensor | LazyTensor) -> torch.Tensor:
+        return _vocab_shard(tensor, self.vocab_size, self.tp)
+
+
+def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: ParallelConfig) -> torch.Tensor:
+    """[n, hidden] against this rank's vocabulary rows, all-gathered: [n, vocab] float32, the same on every rank."""
+    local = lm_head_logits(hidden, weight)
+    if tp.size == 1:
+        return local
+    return all_gather_last_dim(local, tp.size)[:, :vocab_size]

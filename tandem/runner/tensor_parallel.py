@@ -1,0 +1,447 @@
+"""Tensor-parallel ranks: process-group setup, worker processes, and rank 0's per-step message to them.
+
+Rank 0 is the engine's own process: it schedules, prepares each step into its pinned slot buffers and
+broadcasts those buffers (a fixed int64 header, then the int32/int64/float32 regions packed) on a CPU gloo
+group before launching the step on its own GPU. Ranks 1..N-1 (spawned here, or started by torchrun)
+receive the same bytes into their own slot buffers and launch the same H2D/compute sequence; the
+model's all-reduces tie the GPUs together, so rank 0 never waits on another rank's GPU, only on its own
+d2h_done. A dead worker is seen through its process sentinel; a worker exits when rank 0 goes away.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tandem.config import EngineConfig, ParallelConfig
+from tandem.layers.parallel import check_tp_shape, set_tp_group
+
+if TYPE_CHECKING:
+    from tandem.runner.input_buffers import StepBuffers
+    from tandem.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Set in every process that runs NCCL: no NVLink multicast (NVLS), which these machines must not use.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+_INIT_TIMEOUT = timedelta(minutes=10)  # weight loading of a 70B shard can take minutes before the first collective
+
+_IDLE_TIMEOUT = timedelta(days=365)
+_OP_STEP, _OP_STOP, _OP_REPORT, _OP_ALL_REDUCE_BENCH = 1, 2, 3, 4
+_HEADER_LEN = 13
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel rank is gone: the group cannot run another step."""
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What a rank needs besides the slot buffers to launch a step: the message header."""
+
+    slot: int
+    num_seqs: int
+    num_tokens: int
+    graph_bs: int | None  # None: eager
+    all_greedy: bool
+    any_top_k_top_p: bool
+    num_logprobs: int  # -1: none
+    max_query_len: int
+    max_seq_len: int
+    step_index: int
+    timing: bool = False  # ranks record their steps' GPU spans for the timeline
+
+    def encode(self, out: np.ndarray) -> None:
+        # The last field is the payload's byte count, set by send_step.
+        out[:] = (_OP_STEP, self.slot, self.num_seqs, self.num_tokens, self.graph_bs or 0, self.all_greedy,
+                  self.any_top_k_top_p, self.num_logprobs, self.max_query_len, self.max_seq_len, self.step_index,
+                  self.timing, 0)
+
+    @staticmethod
+    def decode(h: np.ndarray) -> StepPlan:
+        v = [int(x) for x in h]
+        return StepPlan(v[1], v[2], v[3], v[4] or None, bool(v[5]), bool(v[6]), v[7], v[8], v[9], v[10], bool(v[11]))
+
+
+def torchrun_rank() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when launched by torchrun (RANK and WORLD_SIZE set), else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return rank, world, int(os.environ.get("LOCAL_RANK", rank))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    device = config.resolved_device()
+    if device.type != "cuda":
+        return device
+    if config.device.startswith("cuda:"):
+        raise ValueError("with tensor_parallel_size > 1 give device 'cuda' or 'auto': rank r uses GPU r of the node")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(f"tensor-parallel local rank {local_rank} needs GPU {local_rank} but only "
+                         f"{torch.cuda.device_count()} are visible")
+    return torch.device("cuda", local_rank)
+
+
+class TensorParallelGroup:
+    """This process's rank, the gloo group that carries step messages, and (on rank 0) the spawned workers."""
+
+    def __init__(self, rank: int, size: int, device: torch.device, procs: list[Any], saved_num_threads: int) -> None:
+        self.parallel = ParallelConfig(rank, size)
+        self.device = device
+        self.procs = procs  # rank 0 of a spawned group: the workers; else empty
+        # Workers block on this group between steps: an idle server must not time them out.
+        self.cpu_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+        self._header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        self._header_np = self._header.numpy()
+        self._stage: torch.Tensor | None = None
+        self._stage_np = np.empty(0, dtype=np.uint8)
+        self.failure: str | None = None
+        self.closed = False
+        self.saved_num_threads = saved_num_threads  # torch's CPU thread count before this group: restored on close
+
+    @property
+    def rank(self) -> int:
+        return self.parallel.rank
+
+    @property
+    def size(self) -> int:
+        return self.parallel.size
+
+    # ---------------------------------------------------------------- liveness
+
+    def check_alive(self) -> None:
+        """Raises WorkerDiedError once any spawned worker has exited (cheap: a non-blocking waitpid)."""
+        if self.failure is None:
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.exitcode is not None:
+                    self.failure = f"tensor-parallel worker rank {rank} exited (exit code {proc.exitcode})"
+                    break
+        if self.failure is not None:
+            raise WorkerDiedError(self.failure)
+
+    def raise_failure(self, exc: Exception) -> NoReturn:
+        """A collective or broadcast failed: names the worker that died (given a moment to be reaped) or
+        reports the failure; every later step fails with the same error."""
+        deadline = time.monotonic() + (2.0 if self.procs else 0.0)
+        while True:
+            try:
+                self.check_alive()
+            except WorkerDiedError as died:
+                raise died from exc
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        self.failure = f"tensor-parallel collective failed: {type(exc).__name__}: {exc}"
+        raise WorkerDiedError(self.failure) from exc
+
+    def wait_event(self, event: Any) -> None:
+        """Rank 0's one wait per step, polling so that a dead worker (whose all-reduce never comes) is an
+        error instead of a hang. Without spawned workers to watch it is a plain synchronize."""
+        if not self.procs:
+            event.synchronize()
+            return
+        while not event.query():
+            self.check_alive()
+            time.sleep(20e-6)
+
+    def min_over_ranks(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t[0])
+
+    # ---------------------------------------------------------------- step messages
+
+    def send_step(self, plan: StepPlan, buf: StepBuffers) -> None:
+        """Rank 0: the header, then the slot's filled host regions, to every worker (CPU to CPU only)."""
+        self.check_alive()
+        plan.encode(self._header_np)
+        stage = self._staging(buf)
+        offset = 0
+        for region in _regions(buf, plan):  # one packed payload: two gloo broadcasts per step in all
+            raw = region.numpy().view(np.uint8)
+            stage[offset : offset + raw.size] = raw
+            offset += raw.size
+        self._header_np[-1] = offset
+        try:
+            dist.broadcast(self._header, src=0, group=self.cpu_group)
+            dist.broadcast(self._stage[:offset], src=0, group=self.cpu_group)
+        except Exception as exc:
+            self.raise_failure(exc)
+
+    def recv_plan(self) -> StepPlan | str | None:
+        """Worker: the next step's header, "report" when rank 0 asks for GPU spans, None when it says stop."""
+        dist.broadcast(self._header, src=0, group=self.cpu_group)
+        op = int(self._header_np[0])
+        if op == _OP_STOP:
+            return None
+        if op == _OP_REPORT:
+            return "report"
+        if op == _OP_ALL_REDUCE_BENCH:
+            num_tokens, hidden, count, reps = (int(x) for x in self._header_np[1:5])
+            self._all_reduce_loop(num_tokens, hidden, count, reps)
+            return "bench"
+        return StepPlan.decode(self._header_np)
+
+    def measure_all_reduce(self, num_tokens: int, hidden: int, count: int, reps: int = 5) -> float:
+        """Rank 0, between steps: milliseconds of `count` back-to-back eager all-reduces of [num_tokens, hidden]
+        in the model dtype (a step's worth: 2 per layer + the embedding's), the mean over `reps` rounds."""
+        self.check_alive()
+        self._header_np[:] = 0
+        self._header_np[:5] = (_OP_ALL_REDUCE_BENCH, num_tokens, hidden, count, reps)
+        dist.broadcast(self._header, src=0, group=self.cpu_group)
+        return self._all_reduce_loop(num_tokens, hidden, count, reps)
+
+    def _all_reduce_loop(self, num_tokens: int, hidden: int, count: int, reps: int) -> float:
+        from tandem.layers.parallel import all_reduce
+
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        x = torch.zeros(num_tokens, hidden, dtype=dtype, device=self.device)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        for _ in range(3):
+            all_reduce(x)
+        sync()
+        start = time.perf_counter()
+        for _ in range(reps * count):
+            all_reduce(x)
+        sync()
+        return (time.perf_counter() - start) * 1e3 / reps
+
+    def collect_spans(self) -> list[tuple[int, int, float, float]]:
+        """Rank 0: every worker's recorded (rank, step, start, end) GPU spans since the last call (perf_counter
+        clock, which all processes of one machine share). Not per step: after a timed run."""
+        self.check_alive()
+        self._header_np[:] = 0
+        self._header_np[0] = _OP_REPORT
+        dist.broadcast(self._header, src=0, group=self.cpu_group)
+        spans = []
+        for rank in range(1, self.size):
+            count = torch.zeros(1, dtype=torch.int64)
+            dist.recv(count, src=rank, group=self.cpu_group)
+            rows = torch.zeros(int(count[0]), 3, dtype=torch.float64)
+            if rows.numel():
+                dist.recv(rows, src=rank, group=self.cpu_group)
+            spans += [(rank, int(step), start, end) for step, start, end in rows.tolist()]
+        return spans
+
+    def send_spans(self, spans: list[tuple[int, float, float]]) -> None:
+        """Worker: its (step, start, end) spans to rank 0 (the answer to collect_spans)."""
+        dist.send(torch.tensor([len(spans)], dtype=torch.int64), dst=0, group=self.cpu_group)
+        if spans:
+            dist.send(torch.tensor(spans, dtype=torch.float64), dst=0, group=self.cpu_group)
+
+    def recv_payload(self, plan: StepPlan, buf: StepBuffers) -> None:
+        """Worker: the slot's host regions, written in place into this rank's pinned buffers."""
+        stage = self._staging(buf)
+        size = int(self._header_np[-1])
+        dist.broadcast(self._stage[:size], src=0, group=self.cpu_group)
+        offset = 0
+        for region in _regions(buf, plan):
+            raw = region.numpy().view(np.uint8)
+            raw[:] = stage[offset : offset + raw.size]
+            offset += raw.size
+        if offset != size:
+            raise RuntimeError(f"tensor-parallel step message of {size} bytes, expected {offset}")
+
+    def _staging(self, buf: StepBuffers) -> np.ndarray:
+        """The packed-payload byte buffer (allocated once, as large as a slot's host regions)."""
+        if self._stage is None:
+            total = sum(b.cpu.numel() * b.cpu.element_size() for b in (buf.ints, buf.longs, buf.floats))
+            self._stage = torch.empty(total, dtype=torch.uint8)
+            self._stage_np = self._stage.numpy()
+        return self._stage_np
+
+    def abort(self) -> None:
+        """Rank 0 after a failed start: kills the workers and leaves the process group."""
+        self.failure = self.failure or "tensor-parallel group aborted"
+        self.closed = True
+        for proc in self.procs:
+            proc.kill()
+            proc.join(timeout=5)
+        _leave_process_group()
+        torch.set_num_threads(self.saved_num_threads)
+
+    def close(self) -> None:
+        """Rank 0: tells the workers to stop and reaps them; every rank leaves the process group."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.rank == 0 and self.failure is None:
+            try:
+                self._header_np[:] = 0
+                self._header_np[0] = _OP_STOP
+                dist.broadcast(self._header, src=0, group=self.cpu_group)
+            except Exception:  # a worker already gone: it is reaped below
+                logger.warning("could not send stop to the tensor-parallel workers", exc_info=True)
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(timeout=5)
+        if self.rank == 0:
+            _leave_process_group()
+        torch.set_num_threads(self.saved_num_threads)
+
+
+def _leave_process_group(timeout_s: float = 10.0) -> None:
+    """destroy_process_group, given up on after timeout_s: NCCL communicators captured in CUDA graphs can
+    hang in ncclCommDestroy (pytorch issue 115388), and shutdown must not."""
+    if not dist.is_initialized():
+        return
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            logger.warning("destroy_process_group failed", exc_info=True)
+
+    thread = threading.Thread(target=destroy, name="tandem-tp-destroy", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        logger.warning("destroy_process_group did not return in %.0f s; a new tensor-parallel engine in this "
+                       "process will not start", timeout_s)
+
+
+def _regions(buf: StepBuffers, plan: StepPlan) -> list[torch.Tensor]:
+    """The host tensors one step fills: ints up to the used block-table rows, all longs and floats."""
+    rows = plan.graph_bs or plan.num_seqs
+    used_ints = buf.ints.offsets["block_tables"] + rows * buf.max_blocks_per_seq
+    return [buf.ints.cpu[:used_ints], buf.longs.cpu, buf.floats.cpu]
+
+
+# ---------------------------------------------------------------- setup
+
+
+def start_tensor_parallel(config: EngineConfig) -> TensorParallelGroup | None:
+    """Joins (torchrun) or creates (spawning ranks 1..N-1) the tensor-parallel group; None for one rank."""
+    size = config.tensor_parallel_size
+    launched = torchrun_rank()
+    if launched is None and size == 1:
+        return None
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)  # inherited by the spawned workers too
+    from tandem.models.loader import load_model_config
+
+    # Before any process starts: a model that cannot be split is a ValueError here, not in N processes.
+    check_tp_shape(load_model_config(config), ParallelConfig(0, size))
+    procs: list[Any] = []
+    if launched is not None:
+        rank, world, local_rank = launched
+        if world != size:
+            raise ValueError(f"torchrun started {world} processes but tensor_parallel_size is {size}: "
+                             f"pass --tensor-parallel-size {world}")
+        init_method = "env://"
+    else:
+        if dist.is_initialized():
+            raise ValueError("a torch.distributed process group already exists in this process; "
+                             "tensor_parallel_size > 1 spawns its own (or launch with torchrun)")
+        rank, local_rank = 0, 0
+        device = _rank_device(config, local_rank)
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, {torch.cuda.device_count()} visible")
+        port = _free_port()
+        init_method = f"tcp://127.0.0.1:{port}"
+        ctx = multiprocessing.get_context("spawn")
+        for r in range(1, size):
+            proc = ctx.Process(target=_spawned_worker_main, args=(config, r, size, init_method, os.getpid()),
+                               name=f"tandem-tp-rank{r}", daemon=True)
+            proc.start()
+            procs.append(proc)
+    device = _rank_device(config, local_rank)
+    group = _init_group(device, rank, size, init_method, procs)
+    if rank == 0:
+        atexit.register(group.close)
+    return group
+
+
+def _init_group(device: torch.device, rank: int, size: int, init_method: str, procs: list[Any]
+                ) -> TensorParallelGroup:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        # The ranks share the machine's cores; oversubscribed OpenMP pools spin against each other.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device  # eager NCCL communicator: created before any graph capture
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=_INIT_TIMEOUT,
+                                **kwargs)
+    except Exception:
+        for proc in procs:
+            proc.kill()
+        torch.set_num_threads(threads)
+        raise
+    set_tp_group(None)  # the default group is the tensor-parallel group
+    return TensorParallelGroup(rank, size, device, procs, threads)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A spawned worker must not outlive rank 0 (even one killed with SIGKILL)."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="tandem-tp-parent-watch", daemon=True).start()
+
+
+def _spawned_worker_main(config: EngineConfig, rank: int, size: int, init_method: str, parent_pid: int) -> None:
+    _exit_with_parent(parent_pid)
+    device = _rank_device(config, rank)
+    group = _init_group(device, rank, size, init_method, [])
+    run_worker(config, group)
+    exit_worker()
+
+
+def exit_worker(code: int = 0) -> NoReturn:
+    """Ends a worker process without interpreter teardown (where NCCL communicators may hang)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
+def run_worker(config: EngineConfig, group: TensorParallelGroup) -> None:
+    """Ranks 1..N-1: build this rank's runner, then replay rank 0's steps until it says stop or goes away."""
+    from tandem.runner.model_runner import ModelRunner
+
+    runner: ModelRunner = ModelRunner(config, group)
+    try:
+        while True:
+            plan = group.recv_plan()
+            if plan is None:
+                break
+            if plan == "report":
+                group.send_spans(runner.take_worker_spans())
+                continue
+            if plan == "bench":
+                continue
+            runner.launch_remote(plan)
+    except Exception:
+        # Rank 0 gone (its socket closed) or this rank failed: rank 0 sees this process exit.
+        logger.exception("tensor-parallel rank %d stops", group.rank)
+        exit_worker(1)
