@@ -237,4 +237,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addrs: list[st
                                                  core.runner.num_blocks, os.getpid())))
     startup.close()
     freeze_gc()
-    loop.run()
+    try:
+        loop.run()
+    finally:
+        shutdown = getattr(core, "shutdown", None)  # tensor-parallel workers go with their engine
+        if shutdown is not None:
+            shutdown()
