@@ -17,12 +17,12 @@ CPU_ENGINE_ARGS = ["--device", "cpu", "--max-model-len", "256", "--num-kv-blocks
 
 
 class ServeProcess:
-    def __init__(self, log_path: str, *extra: str, log_level: str = "info") -> None:
+    def __init__(self, log_path: str, *extra: str, log_level: str = "info", module: str = "tandem.cli") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(self.port),
              *CPU_ENGINE_ARGS, "--log-level", log_level, *extra],
             cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 

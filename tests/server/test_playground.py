@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,9 +16,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.server.conftest import free_port
+from tests.server.procs import ServeProcess
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -50,34 +48,18 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """`python -m tandem serve` with the embedded model and an API key, as a subprocess."""
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("playground") / "server.log")
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem", "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-         "--max-model-len", "256", "--num-kv-blocks", "128", "--api-key", API_KEY, "--log-level", "warning"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    live = Server(f"http://127.0.0.1:{port}", proc, log_path)
+    serve = ServeProcess(str(tmp_path_factory.mktemp("playground") / "server.log"), "--api-key", API_KEY,
+                         log_level="warning", module="tandem")
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, "server exited:\n" + live.log()
-            try:
-                if httpx.get(f"{live.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up:\n" + live.log()
-            time.sleep(0.25)
-        yield live
+        serve.wait_healthy(timeout_s=180)
+        yield Server(serve.url, serve.proc, serve.log.name)
     finally:
-        proc.terminate()
+        serve.proc.terminate()
         try:
-            proc.wait(timeout=60)
+            serve.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            pass
+        serve.close()
 
 
 def test_page_and_static_files_need_no_key(server: Server):
