@@ -7,7 +7,8 @@ median) bf16 `F.linear`, the Triton FP8-weight GEMM (`fp8_weight_matmul_triton`,
 the per-token-quantized `torch._scaled_mm` path (used above it, quantization kernel included), and reports each
 as weight GB/s and as a fraction of a device-to-device copy bandwidth measured in the same run (BENCHMARKS.md's
 roofline convention), plus the fp8 / bf16 speedup. Pick TANDEM_FP8_SMALL_M from where `triton` stops beating
-`scaled_mm`. --sweep also times a grid of Triton tiles per shape and reports the best (for tuning the default).
+`scaled_mm`. --sweep also times a grid of Triton tiles and split-K counts per shape at M in SWEEP_ROWS and reports
+the best beside the default that `fp8_matmul_tile` picks (for tuning that heuristic).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tandem.kernels.triton_quant import fp8_weight_matmul_triton  # noqa: E402
+from tandem.kernels.triton_quant import fp8_matmul_tile, fp8_weight_matmul_triton  # noqa: E402
 from tandem.layers.quantization import quantize_activation_per_token, quantize_weight_fp8  # noqa: E402
 
 # (name, N, K) of the fused projections.
@@ -32,6 +33,7 @@ SHAPES = {
     "llama-2-7b": [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096), ("down", 4096, 11008)],
 }
 ROWS = [1, 8, 16, 32, 64, 128, 256]
+SWEEP_ROWS = (1, 32)
 
 
 def median_ms(fn, rep: int = 100) -> float:
@@ -84,19 +86,23 @@ def main() -> None:
                            "triton": n * k / (t["triton"] * 1e-3) / 1e9 / copy_gbs,
                            "scaled_mm": n * k / (t["scaled_mm"] * 1e-3) / 1e9 / copy_gbs},
                        "speedup_vs_bf16": {p: t["bf16"] / t[p] for p in ("triton", "scaled_mm")}}
-                if args.sweep and m in (1, 32):
-                    best = None
-                    for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4, 5)):
-                        tile = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+                if args.sweep and m in SWEEP_ROWS:
+                    best, table = None, []
+                    for bn, warps, stages, split in itertools.product((32, 64, 128), (4, 8), (3, 4), (1, 2, 4, 8)):
+                        tile = {"BLOCK_N": bn, "BLOCK_K": 256 if k % 256 == 0 else 128, "num_warps": warps,
+                                "num_stages": stages, "SPLIT_K": split}
                         try:
                             ms = median_ms(lambda: fp8_weight_matmul_triton(x, q, scale, None, tile), rep=30)
                         except Exception:  # out of shared memory / registers for this tile
                             continue
+                        table.append({"us": round(ms * 1e3, 2), **tile})
                         if best is None or ms < best[0]:
                             best = (ms, tile)
+                    row["sweep"] = sorted(table, key=lambda e: e["us"])
                     if best is not None:
                         row["best_triton_tile"] = {"ms": best[0], **best[1],
                                                    "copy_fraction": n * k / (best[0] * 1e-3) / 1e9 / copy_gbs}
+                row["default_tile"] = fp8_matmul_tile(m, n, k, torch.cuda.get_device_properties(device).multi_processor_count)
                 rows_out.append(row)
                 print(f"{model:<11} {name:<8} M={m:<4} bf16 {t['bf16'] * 1e3:8.1f} us  "
                       f"triton {t['triton'] * 1e3:8.1f} us ({row['speedup_vs_bf16']['triton']:.2f}x)  "

@@ -11,6 +11,8 @@
 #   WORKLOADS  comma list for `tandem bench` (default bs1,seed-async,nano,prefix); each runs in its own process
 #   SCALE      --scale for `tandem bench` (default 1.0); PEERS  --peers (default: the CLI's hf,sync,eager)
 #   QUANTIZATION  --quantization for `tandem bench` (fp8; with PEERS=bf16 each workload reports fp8 / bf16)
+#   FP8_SWEEP  1: scripts/bench_fp8_linear.py also sweeps tiles and split-K (with QUANTIZATION=fp8)
+#   KERNELS    0: skip scripts/bench_kernels.py (the decode-attention kernel table)
 #   TP         --tensor-parallel-size for `tandem bench` (default 1); with TP=2 use e.g. PEERS=tp1,sync
 #   BUDGET_S   wall seconds for the whole script (default 560, under the device's 600 s per command); every step
 #              gets at most what is left minus RESERVE_S (default 25) and is stopped there, so the summary and
@@ -114,13 +116,17 @@ tests_stage() {
 }
 
 bench_stage() {
-  if [ -f scripts/bench_kernels.py ]; then
+  if [ "${KERNELS:-1}" = 0 ]; then
+    SUMMARY+=("SKIPPED  bench_kernels (KERNELS=0)")
+  elif [ -f scripts/bench_kernels.py ]; then
     run_step "bench_kernels" "$KERNELS_S" python3 scripts/bench_kernels.py --out "$OUT/kernels.json"
   else
     SUMMARY+=("SKIPPED  bench_kernels (scripts/bench_kernels.py not found)")
   fi
   if [ "${QUANTIZATION:-}" = fp8 ]; then
-    run_step "bench_fp8_linear" "$KERNELS_S" python3 scripts/bench_fp8_linear.py --out "$OUT/fp8-linear.json"
+    local sweep=()
+    [ "${FP8_SWEEP:-0}" = 1 ] && sweep=(--sweep)
+    run_step "bench_fp8_linear" "$KERNELS_S" python3 scripts/bench_fp8_linear.py "${sweep[@]}" --out "$OUT/fp8-linear.json"
   fi
   local peers=()
   [ -n "${PEERS:-}" ] && peers=(--peers "$PEERS")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tandem.config import EngineConfig
 from tandem.profiling.timeline import Timeline
-from tandem.request import FinishReason, Request
+from tandem.request import FinishReason, Request, RequestStatus
 from tandem.runner.model_runner import Logprobs, ModelRunner, StepHandle
 from tandem.runner.tensor_parallel import exit_worker, run_worker, start_tensor_parallel
 from tandem.sampling_params import SamplingParams
@@ -91,7 +91,6 @@ class EngineCore:
         self.overlap = config.overlap
         self._rng = random.Random(config.seed)
         self._requests: dict[str, Request] = {}  # unfinished requests
-        self._num_sent: dict[str, int] = {}  # output tokens already handed out per request
         self._inflight: StepHandle | None = None
         self.timeline: Timeline | None = None
         self.step_log: list[tuple[int, int, int]] | None = None  # (seqs, tokens, context tokens) per step
@@ -137,7 +136,6 @@ class EngineCore:
         )
         self.scheduler.add_request(request)  # raises ValueError if it can never fit the KV pool
         self._requests[request_id] = request
-        self._num_sent[request_id] = 0
         self.num_prompt_tokens += num_prompt
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
@@ -153,7 +151,6 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
-        self._num_sent.pop(request_id, None)
 
     # ---------------------------------------------------------------- the loop
 
@@ -170,6 +167,8 @@ class EngineCore:
         try:
             sched = self._timed("schedule", self.scheduler.schedule)
             handle = self._timed("launch", lambda: self.runner.launch(sched)) if sched.scheduled else None
+            if tl is not None and handle is not None and handle.prepared_at:
+                tl.split_last("launch", "prepare", handle.prepared_at)  # host-buffer writes, then the enqueue
         except Exception as exc:  # a failure to build or launch the step fails its requests, not the engine
             logger.exception("engine step failed at launch")
             failed = self._fail(sched.scheduled if sched is not None else [], exc)
@@ -204,26 +203,25 @@ class EngineCore:
         return self._timed("update", lambda: self._update(handle.sched, result.token_ids, result.logprobs))
 
     def _update(self, sched: SchedulerOutput, token_ids: list[int], logprobs: list[Logprobs] | None) -> list[EngineOutput]:
+        # A request is in a step at most once and each sampling entry appends one token, so every touched
+        # request's new output is exactly its last token.
         touched = self.scheduler.update_from_output(sched, token_ids, logprobs)
         outputs: list[EngineOutput] = []
+        requests = self._requests
         for req in touched:
             rid = req.request_id
-            if rid not in self._requests:
+            if rid not in requests:
                 continue  # aborted meanwhile: its token is dropped
-            sent = self._num_sent[rid]
-            new_tokens = req.output_token_ids[sent:]
-            self._num_sent[rid] = req.num_output_tokens
-            self.num_generation_tokens += len(new_tokens)
-            new_lp = None
-            if req.sampling_params.logprobs is not None:
-                new_lp = req.output_logprobs[sent : sent + len(new_tokens)]
+            new_lp = req.output_logprobs[-1:] if req.sampling_params.logprobs is not None else None
             queue_time = (req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else None
+            finished = req.status is RequestStatus.FINISHED
             outputs.append(
-                EngineOutput(rid, new_tokens, new_lp, req.is_finished, req.finish_reason, req.stop_reason,
-                             req.num_prompt_tokens, max(req.num_cached_tokens, 0), queue_time=queue_time)
+                EngineOutput(rid, req.output_token_ids[-1:], new_lp, finished, req.finish_reason, req.stop_reason,
+                             len(req.prompt_token_ids), max(req.num_cached_tokens, 0), queue_time=queue_time)
             )
-            if req.is_finished:
-                self._forget(rid)
+            if finished:
+                del requests[rid]
+        self.num_generation_tokens += len(outputs)
         return outputs
 
     def _fail(self, scheduled: list, exc: Exception) -> list[EngineOutput]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from collections.abc import Sequence
@@ -45,6 +46,10 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        # Start-up objects (modules, weights' Python wrappers, tokenizer) leave the collector's reach, so a
+        # full collection during generate() walks only what requests allocate (as the server processes do).
+        gc.collect()
+        gc.freeze()
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel worker processes (they also stop when this process exits)."""

@@ -87,18 +87,19 @@ class Request:
 
     def check_stop(self) -> bool:
         """Sets finish_reason if the last output token ends the request; returns whether it does."""
-        if self.num_output_tokens == 0:
+        num_output = len(self.output_token_ids)
+        if num_output == 0:
             return False
         token = self.output_token_ids[-1]
         sp = self.sampling_params
-        if self.num_output_tokens >= sp.min_tokens:
+        if num_output >= sp.min_tokens:
             if not sp.ignore_eos and token in self.eos_token_ids:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, None
                 return True
             if token in sp.stop_token_ids:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, token
                 return True
-        if self.num_output_tokens >= self.max_output_tokens:
+        if num_output >= self.max_output_tokens:
             self.finish_reason = FinishReason.LENGTH
             return True
         return False

@@ -58,41 +58,82 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 @triton.jit
 def _fp8_weight_matmul_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
+    M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Program = BLOCK_M rows x BLOCK_N output channels over the whole K (no split-K: fixed summation order,
-    # so a row's result does not depend on the batch it is in). The e4m3 weight tile is widened to x's
-    # dtype in registers (exact: e4m3 values are bf16/fp16 values) and the channel scale applied at the end.
+    # Program = BLOCK_M rows x BLOCK_N output channels over K range [pid_k * K_SPLIT, +K_SPLIT) (K_SPLIT is a
+    # multiple of BLOCK_K). The e4m3 weight tile is widened to x's dtype in registers (exact: e4m3 values are
+    # bf16/fp16 values). SPLIT_K == 1 applies the channel scale and bias here; otherwise the fp32 partial sums
+    # go to ws [SPLIT_K, M, N] and _split_k_reduce_kernel adds them in split order. The split depends on
+    # (N, K) only, so a row's result never depends on the batch it is in, and two runs agree bit for bit.
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] view of W^T
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_begin + offs_k)[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_begin + offs_k)[:, None]  # [BLOCK_K, BLOCK_N] of W^T
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in range(0, tl.cdiv(K, BLOCK_K)):
-        k0 = kt * BLOCK_K
+    for k0 in range(k_begin, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
         else:
-            k_mask = (k0 + offs_k) < K
+            k_mask = (k0 + offs_k) < k_end
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
         acc = tl.dot(x, w.to(x.dtype), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if SPLIT_K == 1:
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        ws_ptrs = ws_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+        tl.store(ws_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    ws_ptr, s_ptr, b_ptr, out_ptr, M, N, stride_om,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # out[m, n] = (ws[0, m, n] + ws[1, m, n] + ...) * scale[n] + bias[n], always in split order.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    m = offs // N
+    n = offs % N
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    acc = acc * tl.load(s_ptr + n, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        acc = acc + tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_matmul_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
+    """Tile and split-K for the small-M GEMM, from the shape alone (never from the data: graph-safe, and the
+    same split for a row whatever batch it is in). At small M the weight stream is the whole cost, so the
+    grid must keep enough loads in flight on every SM: narrow N tiles where N is small, then split K until
+    about four programs share each SM, keeping at least four K tiles per program."""
+    block_k = 256 if k % 256 == 0 else 128
+    block_n = 64 if triton.cdiv(n, 64) >= sms else 32
+    k_tiles = triton.cdiv(k, block_k)
+    split_k = 1
+    while split_k < 8 and triton.cdiv(n, block_n) * split_k * 2 <= 4 * sms and k_tiles // (split_k * 2) >= 4:
+        split_k *= 2
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 3}
 
 
 def fp8_weight_matmul_triton(
@@ -100,9 +141,10 @@ def fp8_weight_matmul_triton(
     weight: torch.Tensor,  # [N, K] float8_e4m3fn row-major
     weight_scale: torch.Tensor,  # [N, 1] fp32
     bias: torch.Tensor | None,  # [N]
-    tile: dict[str, int] | None = None,  # overrides BLOCK_N / BLOCK_K / num_warps / num_stages (tuning sweeps)
+    tile: dict[str, int] | None = None,  # overrides BLOCK_N / BLOCK_K / SPLIT_K / num_warps / num_stages
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """x (W * scale)^T + b for a few rows: reads the FP8 weight once, at up to one program per SM."""
+    """x (W * scale)^T + b for a few rows: reads the FP8 weight once, split over K where N alone is too narrow
+    to fill the GPU."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1:
@@ -110,18 +152,25 @@ def fp8_weight_matmul_triton(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_m = max(16, triton.next_power_of_2(m))
-    block_k = 256 if k % 256 == 0 else 128
-    # Narrow tiles when wide ones would leave SMs idle: the weight stream is the whole cost at small M.
+    block_m = min(64, max(16, triton.next_power_of_2(m)))  # more rows tile over the grid's third axis
     sms = _num_sms(x.device.index) if x.is_cuda else 132
-    block_n = 64 if triton.cdiv(n, 64) >= sms else 32
-    cfg = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3, **(tile or {})}
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, block_m))
+    cfg = {**fp8_matmul_tile(m, n, k, sms), **(tile or {})}
+    split_k = cfg.pop("SPLIT_K")
+    k_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), split_k) * cfg["BLOCK_K"]
+    split_k = triton.cdiv(k, k_split)  # rounding K_SPLIT up to whole tiles can leave fewer splits
+    ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    b = bias if bias is not None else weight_scale
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), split_k, triton.cdiv(m, block_m))
     _fp8_weight_matmul_kernel[grid](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, out,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, BLOCK_M=block_m, **cfg,
+        x, weight, weight_scale, b, out, ws,
+        m, n, k, k_split, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, SPLIT_K=split_k, BLOCK_M=block_m, **cfg,
     )
+    if split_k > 1:
+        block = 1024
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            ws, weight_scale, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block,
+        )
     return out
 
 

@@ -7,8 +7,12 @@ one non_blocking copy per packed buffer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+
+from tandem.scheduler.output import SchedulerOutput
 
 
 class PackedBuffer:
@@ -96,6 +100,11 @@ class StepBuffers:
         else:
             self.host_tokens, self.host_logprob = self.out_tokens, self.out_logprob
             self.host_top_ids, self.host_top_lp = self.out_top_ids, self.out_top_lp
+        # Block-table rows persist between this slot's steps: row i holds the first table_lens[i] entries of
+        # the block list table_rows[i] (compared by identity: a request's list only grows while it holds
+        # blocks, and a preempted request gets a new one), so a decode step rewrites only rows that changed.
+        self.table_rows: list[list[int] | None] = [None] * max_num_seqs
+        self.table_lens: list[int] = [0] * max_num_seqs
         self.host_tokens_np = self.host_tokens.numpy()
         self.host_logprob_np = self.host_logprob.numpy()
         self.host_top_ids_np = self.host_top_ids.numpy()
@@ -118,3 +127,129 @@ class StepBuffers:
         if num_logprobs > 0:
             self.host_top_ids[:num_seqs].copy_(self.out_top_ids[:num_seqs], non_blocking=True)
             self.host_top_lp[:num_seqs].copy_(self.out_top_lp[:num_seqs], non_blocking=True)
+
+
+@dataclass(slots=True)
+class StepShape:
+    """What `write_step` learns about a step while writing it, for the launch."""
+
+    all_greedy: bool
+    any_top_k_top_p: bool
+    num_logprobs: int  # -1: no row asked for log-probabilities
+    max_query_len: int
+    max_seq_len: int
+    num_context_tokens: int
+
+
+def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, int], block_size: int,
+               pad_to: int | None, rows: dict[str, int]) -> StepShape:
+    """Writes a scheduled step into the slot's pinned host buffers; fills `rows` (request id -> row).
+
+    One Python pass gathers per-row values into lists, then each field gets one numpy assignment: a
+    numpy scalar store costs about as much as a whole list append, and a decode step at batch 256 would
+    otherwise spend milliseconds in them. `prev_rows` maps request ids to rows of the previous step's
+    sampled tokens (the carry-over sources).
+    """
+    ints, longs, floats = buf.ints.np, buf.longs.np, buf.floats.np
+    input_ids, positions, slot_mapping = ints["input_ids"], ints["positions"], longs["slot_mapping"]
+    block_tables, table_rows, table_lens = ints["block_tables"], buf.table_rows, buf.table_lens
+    bs = block_size
+    num_seqs = len(sched.scheduled)
+    num_tokens = sched.num_scheduled_tokens
+    # Rows of one-token requests (decode), written together at the end by fancy indexing.
+    one_t: list[int] = []
+    one_ids: list[int] = []
+    one_pos: list[int] = []
+    one_slot: list[int] = []
+    carry_t: list[int] = []
+    carry_rows: list[int] = []
+    query_lens: list[int] = []
+    ends: list[int] = []
+    temperature: list[float] = []
+    top_p: list[float] = []
+    top_k: list[int] = []
+    seeds: list[int] = []
+    num_logprobs, any_filter = -1, False
+    t = 0
+    for i, s in enumerate(sched.scheduled):
+        req, n, start = s.request, s.num_scheduled_tokens, s.num_computed_tokens
+        end = start + n
+        blocks = s.block_ids
+        if n == 1:
+            one_t.append(t)
+            one_ids.append(s.token_ids[0])
+            one_pos.append(start)
+            one_slot.append(blocks[start // bs] * bs + start % bs)
+        else:
+            pos = np.arange(start, end)
+            input_ids[t : t + n] = s.token_ids
+            positions[t : t + n] = pos
+            slot_mapping[t : t + n] = np.asarray(blocks)[pos // bs] * bs + pos % bs
+        t += n
+        if s.carry:
+            carry_t.append(t - 1)
+            carry_rows.append(prev_rows[req.request_id])
+        num_used = (end + bs - 1) // bs
+        if table_rows[i] is blocks:
+            done = table_lens[i]
+            if done < num_used:
+                block_tables[i, done:num_used] = blocks[done:num_used]
+                table_lens[i] = num_used
+        else:
+            block_tables[i, :num_used] = blocks[:num_used]
+            table_rows[i], table_lens[i] = blocks, num_used
+        sp = req.sampling_params
+        query_lens.append(n)
+        ends.append(end)
+        temperature.append(sp.temperature)
+        top_p.append(sp.top_p)
+        top_k.append(sp.top_k)
+        seeds.append(req.sampling_seed)
+        if sp.temperature != 0.0 and (sp.top_k > 0 or sp.top_p < 1.0):
+            any_filter = True
+        if sp.logprobs is not None:
+            num_logprobs = max(num_logprobs, sp.logprobs)
+        rows[req.request_id] = i
+    if one_t:
+        if len(one_t) == num_tokens:  # decode-only: the rows are 0..n-1 in order
+            input_ids[:num_tokens] = one_ids
+            positions[:num_tokens] = one_pos
+            slot_mapping[:num_tokens] = one_slot
+        else:
+            input_ids[one_t] = one_ids
+            positions[one_t] = one_pos
+            slot_mapping[one_t] = one_slot
+    carry_src = longs["carry_src"]
+    carry_src[:num_tokens] = -1
+    if carry_t:
+        carry_src[carry_t] = carry_rows
+    seq_lens, qsl = ints["seq_lens"], ints["query_start_loc"]
+    seq_lens[:num_seqs] = ends
+    qsl[0] = 0
+    if num_tokens == num_seqs:
+        qsl[1 : num_seqs + 1] = np.arange(1, num_seqs + 1)
+    else:
+        np.cumsum(query_lens, out=qsl[1 : num_seqs + 1])
+    ints["logits_indices"][:num_seqs] = qsl[1 : num_seqs + 1] - 1
+    floats["temperature"][:num_seqs] = temperature
+    floats["top_p"][:num_seqs] = top_p
+    ints["top_k"][:num_seqs] = top_k
+    longs["seeds"][:num_seqs] = seeds
+    longs["sample_pos"][:num_seqs] = ends
+    all_greedy = not any(temperature)
+    if pad_to is not None and pad_to > num_seqs:
+        # Padding rows of a captured decode graph: no KV write, empty context, no carry; sampled inside the
+        # graph too, so they get valid greedy parameters whatever the slot held before.
+        input_ids[t:pad_to] = 0
+        positions[t:pad_to] = 0
+        slot_mapping[t:pad_to] = -1
+        carry_src[t:pad_to] = -1
+        qsl[num_seqs + 1 : pad_to + 1] = np.arange(t + 1, pad_to + 1)
+        seq_lens[num_seqs:pad_to] = 0
+        floats["temperature"][num_seqs:pad_to] = 0.0
+        floats["top_p"][num_seqs:pad_to] = 1.0
+        ints["top_k"][num_seqs:pad_to] = 0
+        longs["seeds"][num_seqs:pad_to] = 0
+        longs["sample_pos"][num_seqs:pad_to] = 0
+    return StepShape(all_greedy, any_filter, num_logprobs, max(query_lens, default=0), max(ends, default=0),
+                     sum(ends))

@@ -11,7 +11,6 @@ import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tandem.config import EngineConfig, ModelConfig, ParallelConfig
@@ -20,7 +19,7 @@ from tandem.layers.parallel import local_kv_heads
 from tandem.layers.quantization import check_fp8_device
 from tandem.models.loader import load_model_and_tokenizer, model_max_len
 from tandem.runner.cuda_graphs import DecodeGraphs, SamplerVariant, graph_batch_sizes, sampler_variant
-from tandem.runner.input_buffers import StepBuffers
+from tandem.runner.input_buffers import StepBuffers, StepShape, write_step
 from tandem.runner.sampler import sample
 from tandem.runner.streams import DeviceStreams, StepEvents
 from tandem.runner.tensor_parallel import StepPlan, TensorParallelGroup
@@ -45,24 +44,13 @@ class StepHandle:
     num_tokens: int = 0
     step_index: int = 0
     num_context_tokens: int = 0  # sum of the sequences' context lengths: KV the step reads
+    prepared_at: float = 0.0  # perf_counter when the host buffers were written (timeline only)
 
 
 @dataclass(slots=True)
 class StepResult:
     token_ids: list[int]
     logprobs: list[Logprobs] | None
-
-
-@dataclass(slots=True)
-class _StepShape:
-    """What `_prepare` learns about a step while writing it, for the launch."""
-
-    all_greedy: bool
-    any_top_k_top_p: bool
-    num_logprobs: int  # -1: no row asked for log-probabilities
-    max_query_len: int
-    max_seq_len: int
-    num_context_tokens: int
 
 
 class ModelRunner:
@@ -255,77 +243,12 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- host-side preparation
 
-    def _prepare(self, sched: SchedulerOutput, slot: int, pad_to: int | None) -> _StepShape:
-        """Writes the step into the slot's pinned host buffers (one pass over the scheduled requests)."""
-        buf = self.buffers[slot]
-        ints, longs, floats = buf.ints.np, buf.longs.np, buf.floats.np
-        input_ids, positions = ints["input_ids"], ints["positions"]
-        qsl, seq_lens, logits_idx = ints["query_start_loc"], ints["seq_lens"], ints["logits_indices"]
-        block_tables, top_k = ints["block_tables"], ints["top_k"]
-        slot_mapping, carry_src = longs["slot_mapping"], longs["carry_src"]
-        seeds, sample_pos = longs["seeds"], longs["sample_pos"]
-        temperature, top_p = floats["temperature"], floats["top_p"]
-        bs = self.block_size
-        prev_rows = self._prev_rows
+    def _prepare(self, sched: SchedulerOutput, slot: int, pad_to: int | None) -> StepShape:
+        """Writes the step into the slot's pinned host buffers and remembers each request's output row."""
         rows: dict[str, int] = {}
-        all_greedy, any_filter, num_logprobs = True, False, -1
-        max_query_len = max_seq_len = num_context = 0
-        t = 0
-        qsl[0] = 0
-        for i, s in enumerate(sched.scheduled):
-            req, n, start = s.request, s.num_scheduled_tokens, s.num_computed_tokens
-            end = start + n
-            blocks = s.block_ids
-            if n == 1:
-                input_ids[t] = s.token_ids[0]
-                positions[t] = start
-                slot_mapping[t] = blocks[start // bs] * bs + start % bs
-                carry_src[t] = -1
-            else:
-                pos = np.arange(start, end)
-                input_ids[t : t + n] = s.token_ids
-                positions[t : t + n] = pos
-                slot_mapping[t : t + n] = np.asarray(blocks)[pos // bs] * bs + pos % bs
-                carry_src[t : t + n] = -1
-            if s.carry:
-                carry_src[t + n - 1] = prev_rows[req.request_id]
-            t += n
-            qsl[i + 1] = t
-            seq_lens[i] = end
-            logits_idx[i] = t - 1
-            num_used_blocks = (end + bs - 1) // bs
-            block_tables[i, :num_used_blocks] = blocks[:num_used_blocks]
-            sp = req.sampling_params
-            temperature[i] = sp.temperature
-            top_p[i] = sp.top_p
-            top_k[i] = sp.top_k
-            seeds[i] = req.sampling_seed
-            sample_pos[i] = end
-            all_greedy &= sp.temperature == 0.0
-            any_filter |= sp.temperature != 0.0 and (sp.top_k > 0 or sp.top_p < 1.0)
-            if sp.logprobs is not None:
-                num_logprobs = max(num_logprobs, sp.logprobs)
-            max_query_len = max(max_query_len, n)
-            max_seq_len = max(max_seq_len, end)
-            num_context += end
-            rows[req.request_id] = i
-        num_seqs = len(sched.scheduled)
-        if pad_to is not None and pad_to > num_seqs:
-            # Padding rows of a captured decode graph: no KV write, empty context, no carry.
-            input_ids[t:pad_to] = 0
-            positions[t:pad_to] = 0
-            slot_mapping[t:pad_to] = -1
-            carry_src[t:pad_to] = -1
-            qsl[num_seqs + 1 : pad_to + 1] = np.arange(t + 1, pad_to + 1)
-            seq_lens[num_seqs:pad_to] = 0
-            # Sampled inside the graph too: valid greedy parameters, whatever the slot held before.
-            temperature[num_seqs:pad_to] = 0.0
-            top_p[num_seqs:pad_to] = 1.0
-            top_k[num_seqs:pad_to] = 0
-            seeds[num_seqs:pad_to] = 0
-            sample_pos[num_seqs:pad_to] = 0
+        shape = write_step(self.buffers[slot], sched, self._prev_rows, self.block_size, pad_to, rows)
         self._prev_rows = rows
-        return _StepShape(all_greedy, any_filter, num_logprobs, max_query_len, max_seq_len, num_context)
+        return shape
 
     # ---------------------------------------------------------------- launch / wait
 
@@ -338,6 +261,7 @@ class ModelRunner:
         decode_only = num_tokens == num_seqs
         graph_bs = self.graphs.padded_size(num_seqs) if (self.graphs is not None and decode_only) else None
         shape = self._prepare(sched, slot, graph_bs)
+        prepared_at = time.perf_counter() if self.timing else 0.0
         plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,
                         shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self._step_index, self.timing)
         if self.group is None:
@@ -351,7 +275,7 @@ class ModelRunner:
                 self.group.raise_failure(exc)
         self._step_index += 1  # only once enqueued: a failed launch leaves the slot order unchanged
         return StepHandle(sched, slot, num_seqs, shape.num_logprobs, events, graph_bs, num_tokens,
-                          self._step_index - 1, shape.num_context_tokens)
+                          self._step_index - 1, shape.num_context_tokens, prepared_at)
 
     @torch.inference_mode()
     def launch_remote(self, plan: StepPlan) -> None:

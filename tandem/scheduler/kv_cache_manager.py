@@ -96,6 +96,15 @@ class KVCacheManager:
         """
         request_id = request.request_id
         blocks = self._blocks.get(request_id)
+        if blocks is not None and not computed_blocks:
+            # Fast path of a decode step: the new positions fit the blocks held, and no block filled up
+            # with known tokens since the last publish (publishing once per block, not once per token).
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(blocks) * self.block_size and (
+                not self.enable_prefix_caching
+                or min(total, len(request.all_token_ids)) // self.block_size <= self._num_published[request_id]
+            ):
+                return blocks
         assert not (computed_blocks and blocks), "prefix blocks are only taken at admission"
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total = num_computed + num_new_tokens

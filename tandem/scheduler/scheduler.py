@@ -113,16 +113,20 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        allocate = self.kv_cache_manager.allocate_slots
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(running) and budget > 0:
+            request = running[i]
             num_new = self._num_running_tokens(request, budget)
             if num_new == 0:
                 i += 1
                 continue
-            block_ids = self._allocate_or_preempt(request, num_new, preempted)
+            block_ids = allocate(request, num_new)
             if block_ids is None:
-                break  # the request preempted itself: it was the last one running
+                block_ids = self._preempt_until_fits(request, num_new, preempted)
+                if block_ids is None:
+                    break  # the request preempted itself: it was the last one running
             scheduled.append(self._schedule_tokens(request, num_new, block_ids))
             budget -= num_new
             i += 1
@@ -133,24 +137,25 @@ class Scheduler:
         return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=total, preempted_request_ids=preempted)
 
     def _num_running_tokens(self, request: Request, budget: int) -> int:
-        if request.num_output_tokens + request.num_pending_tokens >= request.max_output_tokens:
+        pending = request.num_pending_tokens
+        if len(request.output_token_ids) + pending >= request.max_output_tokens:
             return 0  # finishes when its pending token arrives; more compute would be wasted
-        num_new = request.num_tokens_with_pending - request.num_computed_tokens
+        num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
         if num_new > budget and not self.config.enable_chunked_prefill:
             return 0
         return min(num_new, budget)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> list[int] | None:
-        """Allocates, preempting from the tail of `running` until it fits; None if `request` itself went."""
+    def _preempt_until_fits(self, request: Request, num_new: int, preempted: list[str]) -> list[int] | None:
+        """Preempts from the tail of `running` until `request`'s allocation fits; None if `request` itself went."""
         while True:
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
-            if block_ids is not None:
-                return block_ids
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
                 return None
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if block_ids is not None:
+                return block_ids
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the KV, start over from the front of the queue."""
@@ -192,19 +197,21 @@ class Scheduler:
         """Builds the entry for positions [num_computed, num_computed + num_new) and advances the counters."""
         start = request.num_computed_tokens
         end = start + num_new
-        num_known = request.num_tokens
+        known = request.all_token_ids
+        num_known = len(known)
+        pending = request.num_pending_tokens
         # At most one step ahead of this one is unresolved: update_from_output(N) runs before schedule(N+2).
-        assert request.num_pending_tokens <= 1, f"{request.request_id}: two steps in flight ahead of this one"
-        assert end <= request.num_tokens_with_pending
+        assert pending <= 1, f"{request.request_id}: two steps in flight ahead of this one"
+        assert end <= num_known + pending
         carry = end > num_known
         if carry:
             # Only the last position can be pending: the token the previous step is sampling.
-            assert end == num_known + 1 and request.num_pending_tokens == 1
-            token_ids = request.all_token_ids[start:num_known]
+            assert end == num_known + 1 and pending == 1
+            token_ids = known[start:num_known]
             token_ids.append(PLACEHOLDER_TOKEN_ID)
         else:
-            token_ids = request.all_token_ids[start:end]
-        sample = end == request.num_tokens_with_pending
+            token_ids = known[start:end]
+        sample = end == num_known + pending
         request.num_computed_tokens = end
         if sample:
             request.num_pending_tokens += 1
@@ -226,11 +233,12 @@ class Scheduler:
     ) -> list[Request]:
         """Applies a finished step's sampled tokens (row i = out.scheduled[i]); returns the requests touched."""
         touched: list[Request] = []
+        finished = RequestStatus.FINISHED
         for i, entry in enumerate(out.scheduled):
             if not entry.sample:
                 continue
             request = entry.request
-            if request.is_finished:
+            if request.status is finished:
                 continue  # aborted or stopped while this step was in flight: never output
             assert request.num_pending_tokens > 0, f"{request.request_id}: token arrived that was not pending"
             request.num_pending_tokens -= 1

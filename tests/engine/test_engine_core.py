@@ -152,11 +152,11 @@ def _calls(fn) -> list[tuple[str, str]]:
 def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
     from tandem.engine import EngineCore
     from tandem.runner.cuda_graphs import DecodeGraphs
-    from tandem.runner.input_buffers import StepBuffers
+    from tandem.runner.input_buffers import StepBuffers, write_step
     from tandem.runner.model_runner import ModelRunner
     from tandem.runner.sampler import sample
 
-    hot = [ModelRunner.launch, ModelRunner._prepare, ModelRunner._forward, StepBuffers.upload,
+    hot = [ModelRunner.launch, ModelRunner._prepare, write_step, ModelRunner._forward, StepBuffers.upload,
            StepBuffers.download, DecodeGraphs.replay, DecodeGraphs.replay_sample, ModelRunner._sample_into,
            sample, EngineCore.step, EngineCore._update]
     for fn in hot:

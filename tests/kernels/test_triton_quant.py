@@ -12,7 +12,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tandem.kernels.triton_quant import _fp8_weight_matmul_kernel, _quant_per_token_kernel
+from tandem.kernels.triton_quant import _fp8_weight_matmul_kernel, _quant_per_token_kernel, _split_k_reduce_kernel
 
 target = GPUTarget("cuda", 90, 32)
 quant = ASTSource(
@@ -20,13 +20,19 @@ quant = ASTSource(
     signature={"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "dim": "i32", "stride_x": "i64",
                "FP8_MAX_C": "constexpr", "MIN_AMAX_C": "constexpr", "BLOCK_D": "constexpr"},
     constexprs={"FP8_MAX_C": 448.0, "MIN_AMAX_C": 1e-12, "BLOCK_D": 4096})
-names = ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om",
-         "HAS_BIAS", "EVEN_K", "BLOCK_M", "BLOCK_N", "BLOCK_K"]
-types = ["*bf16", "*fp8e4nv", "*fp32", "*bf16", "*bf16", "i32", "i32", "i32", "i32", "i32", "i32"] + ["constexpr"] * 5
+names = ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "out_ptr", "ws_ptr", "M", "N", "K", "K_SPLIT", "stride_xm",
+         "stride_wn", "stride_om", "HAS_BIAS", "EVEN_K", "SPLIT_K", "BLOCK_M", "BLOCK_N", "BLOCK_K"]
+types = ["*bf16", "*fp8e4nv", "*fp32", "*bf16", "*bf16", "*fp32"] + ["i32"] * 7 + ["constexpr"] * 6
 matmul = ASTSource(fn=_fp8_weight_matmul_kernel, signature=dict(zip(names, types)),
-                   constexprs={"HAS_BIAS": True, "EVEN_K": False, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256})
+                   constexprs={"HAS_BIAS": True, "EVEN_K": False, "SPLIT_K": 4, "BLOCK_M": 16, "BLOCK_N": 32,
+                               "BLOCK_K": 256})
+reduce = ASTSource(
+    fn=_split_k_reduce_kernel,
+    signature={"ws_ptr": "*fp32", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
+               "stride_om": "i32", "HAS_BIAS": "constexpr", "SPLIT_K": "constexpr", "BLOCK": "constexpr"},
+    constexprs={"HAS_BIAS": True, "SPLIT_K": 4, "BLOCK": 1024})
 out = {}
-for name, src in (("quant", quant), ("matmul", matmul)):
+for name, src in (("quant", quant), ("matmul", matmul), ("reduce", reduce)):
     ptx = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
     out[name] = sorted({l.split()[0] for l in ptx.splitlines() if l.strip() and not l.lstrip().startswith("//")})
 json.dump(out, sys.stdout)
@@ -34,7 +40,7 @@ json.dump(out, sys.stdout)
 
 
 def test_kernels_compile_for_sm90():
-    """Both kernels compile for Hopper without a GPU (in a fresh process: TRITON_INTERPRET=1 in this one
+    """The kernels compile for Hopper without a GPU (in a fresh process: TRITON_INTERPRET=1 in this one
     turns triton.language's own helpers into interpreted functions); the quantizer keeps the reference's
     rounding: IEEE division and a round-to-nearest-even e4m3 conversion."""
     import json
@@ -55,10 +61,15 @@ def test_kernels_compile_for_sm90():
     assert any(op.startswith(("mma.", "wgmma.")) for op in ops["matmul"])  # tensor cores
 
 
-@pytest.mark.parametrize("m,n,k,bias", [(1, 96, 512, True), (5, 64, 256, False), (17, 48, 160, True)])
-def test_fp8_weight_matmul_matches_reference(m, n, k, bias):
+@pytest.mark.parametrize("m,n,k,bias,split_k", [
+    (1, 96, 512, True, 1), (5, 64, 256, False, 1), (17, 48, 160, True, 1),
+    (1, 96, 1024, True, 4),  # four whole splits
+    (3, 40, 640, False, 2),  # 640 = 2.5 tiles of 256: the last split is short and masked
+    (2, 64, 384, True, 8),  # more splits asked than K tiles: fewer splits run
+])
+def test_fp8_weight_matmul_matches_reference(m, n, k, bias, split_k):
     """The small-M FP8-weight GEMM (fp32 rows on the CPU interpreter, fp16 / bf16 on a GPU) against the
-    weight-only reference: same widened weight and channel scale, fp32 accumulation."""
+    weight-only reference: same widened weight and channel scale, fp32 accumulation; with split-K too."""
     import torch
 
     from tandem.kernels.triton_quant import fp8_weight_matmul_triton
@@ -70,7 +81,12 @@ def test_fp8_weight_matmul_matches_reference(m, n, k, bias):
     x = torch.randn(m, k, generator=gen).to(device, dtype)
     q, scale = quantize_weight_fp8((torch.randn(n, k, generator=gen) * 0.05).to(device))
     b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
-    out = fp8_weight_matmul_triton(x, q, scale, b)
+    tile = {"BLOCK_N": 32, "BLOCK_K": 256 if k % 256 == 0 else 128, "SPLIT_K": split_k}
+    if split_k > 1:
+        tile["BLOCK_K"] = 256 if k >= 512 else 128
+    out = fp8_weight_matmul_triton(x, q, scale, b, tile)
+    again = fp8_weight_matmul_triton(x, q, scale, b, tile)
+    assert torch.equal(out, again)  # fixed summation order
     ref = fp8_linear_reference(x, q, scale, b, quantize_activations=False)
     assert out.shape == (m, n) and out.dtype == dtype
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
