@@ -2,8 +2,8 @@
 
     python scripts/bench_fp8_linear.py --out out/fp8_linear.json [--sweep]
 
-For the Llama-3-8B and Llama-2-7B projection shapes and several row counts M it times (triton.testing.do_bench,
-median) bf16 `F.linear`, the Triton FP8-weight GEMM (`fp8_weight_matmul_triton`, used up to SMALL_M rows) and
+For the Llama-3-8B and Llama-2-7B projection shapes and several row counts M it times (inside CUDA graphs with the
+L2 cache flushed before every call, as a decode step streams each layer's weights cold) bf16 `F.linear`, the Triton FP8-weight GEMM (`fp8_weight_matmul_triton`, used up to SMALL_M rows) and
 the per-token-quantized `torch._scaled_mm` path (used above it, quantization kernel included), and reports each
 as weight GB/s and as a fraction of a device-to-device copy bandwidth measured in the same run (BENCHMARKS.md's
 roofline convention), plus the fp8 / bf16 speedup. Pick TANDEM_FP8_SMALL_M from where `triton` stops beating
@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import graph_ms  # noqa: E402  (CUDA-graph timing with the L2 flushed before every call)
 
 from tandem.kernels.triton_quant import fp8_matmul_tile, fp8_weight_matmul_triton  # noqa: E402
 from tandem.layers.quantization import quantize_activation_per_token, quantize_weight_fp8  # noqa: E402
@@ -76,9 +79,9 @@ def main() -> None:
             for m in ROWS:
                 x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
                 t = {
-                    "bf16": median_ms(lambda: F.linear(x, w)),
-                    "triton": median_ms(lambda: fp8_weight_matmul_triton(x, q, scale, None)),
-                    "scaled_mm": median_ms(lambda: scaled_mm_path(x, q, scale)),
+                    "bf16": graph_ms(lambda: F.linear(x, w)),
+                    "triton": graph_ms(lambda: fp8_weight_matmul_triton(x, q, scale, None)),
+                    "scaled_mm": graph_ms(lambda: scaled_mm_path(x, q, scale)),
                 }
                 row = {"model": model, "proj": name, "N": n, "K": k, "M": m, "ms": t,
                        "copy_fraction": {
@@ -92,7 +95,7 @@ def main() -> None:
                         tile = {"BLOCK_N": bn, "BLOCK_K": 256 if k % 256 == 0 else 128, "num_warps": warps,
                                 "num_stages": stages, "SPLIT_K": split}
                         try:
-                            ms = median_ms(lambda: fp8_weight_matmul_triton(x, q, scale, None, tile), rep=30)
+                            ms = graph_ms(lambda: fp8_weight_matmul_triton(x, q, scale, None, tile), reps=10)
                         except Exception:  # out of shared memory / registers for this tile
                             continue
                         table.append({"us": round(ms * 1e3, 2), **tile})

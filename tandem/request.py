@@ -30,7 +30,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
-    max_model_len: int
+    max_model_len: int  # change it through limit_context(), which keeps max_output_tokens in step
     sampling_seed: int  # the seed the sampler uses: the user's, or one drawn by the engine
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
@@ -47,10 +47,21 @@ class Request:
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # The output length at which the request stops for length (max_tokens or the context); a field, not a
+    # property, because the scheduler and the stop check read it for every request in every step.
+    max_output_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        self.limit_context(self.max_model_len)
+
+    def limit_context(self, max_model_len: int) -> None:
+        """Sets the context limit and the output length it allows."""
+        self.max_model_len = max_model_len
+        by_context = max_model_len - len(self.prompt_token_ids)
+        mt = self.sampling_params.max_tokens
+        self.max_output_tokens = by_context if mt is None else min(mt, by_context)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -69,13 +80,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def max_output_tokens(self) -> int:
-        """The output length at which the request stops for length (max_tokens or the context)."""
-        by_context = self.max_model_len - self.num_prompt_tokens
-        mt = self.sampling_params.max_tokens
-        return by_context if mt is None else min(mt, by_context)
 
     @property
     def is_finished(self) -> bool:

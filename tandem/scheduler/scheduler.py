@@ -82,7 +82,7 @@ class Scheduler:
                 f"{self.config.max_kv_tokens} ({self.config.num_blocks - 1} blocks of {self.config.block_size})"
             )
         # Positions 0..max_model_len-2 get KV (the last output token is never fed back).
-        request.max_model_len = min(max_model_len, self.config.max_kv_tokens + 1)
+        request.limit_context(min(max_model_len, self.config.max_kv_tokens + 1))
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -114,14 +114,18 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         allocate = self.kv_cache_manager.allocate_slots
+        chunked = self.config.enable_chunked_prefill
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = self._num_running_tokens(request, budget)
-            if num_new == 0:
+            pending = request.num_pending_tokens
+            num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
+            if (len(request.output_token_ids) + pending >= request.max_output_tokens  # done once pending lands
+                    or num_new == 0 or (num_new > budget and not chunked)):
                 i += 1
                 continue
+            num_new = min(num_new, budget)
             block_ids = allocate(request, num_new)
             if block_ids is None:
                 block_ids = self._preempt_until_fits(request, num_new, preempted)
@@ -135,15 +139,6 @@ class Scheduler:
             self._admit(budget, scheduled)
         total = sum(s.num_scheduled_tokens for s in scheduled)
         return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=total, preempted_request_ids=preempted)
-
-    def _num_running_tokens(self, request: Request, budget: int) -> int:
-        pending = request.num_pending_tokens
-        if len(request.output_token_ids) + pending >= request.max_output_tokens:
-            return 0  # finishes when its pending token arrives; more compute would be wasted
-        num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
-        if num_new > budget and not self.config.enable_chunked_prefill:
-            return 0
-        return min(num_new, budget)
 
     def _preempt_until_fits(self, request: Request, num_new: int, preempted: list[str]) -> list[int] | None:
         """Preempts from the tail of `running` until `request`'s allocation fits; None if `request` itself went."""
@@ -215,15 +210,8 @@ class Scheduler:
         request.num_computed_tokens = end
         if sample:
             request.num_pending_tokens += 1
-        return ScheduledRequest(
-            request=request,
-            num_computed_tokens=start,
-            num_scheduled_tokens=num_new,
-            token_ids=token_ids,
-            carry=carry,
-            block_ids=block_ids,
-            sample=sample,
-        )
+        # Positional: keyword construction costs twice as much, and this runs for every request every step.
+        return ScheduledRequest(request, start, num_new, token_ids, carry, block_ids, sample)
 
     def update_from_output(
         self,
@@ -242,7 +230,7 @@ class Scheduler:
                 continue  # aborted or stopped while this step was in flight: never output
             assert request.num_pending_tokens > 0, f"{request.request_id}: token arrived that was not pending"
             request.num_pending_tokens -= 1
-            request.append_output_token(int(sampled_token_ids[i]))
+            request.append_output_token(sampled_token_ids[i])
             if logprobs is not None and request.sampling_params.logprobs is not None:
                 request.output_logprobs.append(logprobs[i])
             if request.first_token_time is None:

@@ -55,7 +55,7 @@ def reference(request: Request, config: SchedulerConfig | None = None) -> tuple[
     """What the request generates when run alone, token by token (under the scheduler's context clamp)."""
     r = clone(request)
     if config is not None:
-        r.max_model_len = min(r.max_model_len, config.max_model_len, config.max_kv_tokens + 1)
+        r.limit_context(min(r.max_model_len, config.max_model_len, config.max_kv_tokens + 1))
     while True:
         r.append_output_token(fake_next_token(r.all_token_ids))
         if r.check_stop():
