@@ -12,7 +12,9 @@
 #   SCALE      --scale for `tandem bench` (default 1.0); PEERS  --peers (default: the CLI's hf,sync,eager)
 #   QUANTIZATION  --quantization for `tandem bench` (fp8; with PEERS=bf16 each workload reports fp8 / bf16)
 #   FP8_SWEEP  1: scripts/bench_fp8_linear.py also sweeps tiles and split-K (with QUANTIZATION=fp8)
-#   KERNELS    0: skip scripts/bench_kernels.py (the decode-attention kernel table)
+#   KERNELS    0: skip scripts/bench_kernels.py (the decode-attention kernel table) and bench_fp8_linear.py
+#   MAX_FILES  files this run may leave under $OUT (default 8, the device tool's limit; lower it when several
+#              runs share one $OUT): timeline PNGs beyond it go into timelines.tar
 #   TP         --tensor-parallel-size for `tandem bench` (default 1); with TP=2 use e.g. PEERS=tp1,sync
 #   BUDGET_S   wall seconds for the whole script (default 560, under the device's 600 s per command); every step
 #              gets at most what is left minus RESERVE_S (default 25) and is stopped there, so the summary and
@@ -36,7 +38,7 @@ RESERVE_S=${RESERVE_S:-25}
 TESTS_S=${TESTS_S:-300}
 KERNELS_S=${KERNELS_S:-90}
 BENCH_S=${BENCH_S:-420}
-MAX_FILES=8
+MAX_FILES=${MAX_FILES:-8}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
 SUMMARY=()
@@ -123,7 +125,7 @@ bench_stage() {
   else
     SUMMARY+=("SKIPPED  bench_kernels (scripts/bench_kernels.py not found)")
   fi
-  if [ "${QUANTIZATION:-}" = fp8 ]; then
+  if [ "${QUANTIZATION:-}" = fp8 ] && [ "${KERNELS:-1}" != 0 ]; then
     local sweep=()
     [ "${FP8_SWEEP:-0}" = 1 ] && sweep=(--sweep)
     run_step "bench_fp8_linear" "$KERNELS_S" python3 scripts/bench_fp8_linear.py "${sweep[@]}" --out "$OUT/fp8-linear.json"
