@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M to time")
+    parser.add_argument("--sweep-rows", default=",".join(map(str, SWEEP_ROWS)), help="row counts M to sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
@@ -76,7 +78,7 @@ def main() -> None:
             gen = torch.Generator(device=device).manual_seed(0)
             w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
             q, scale = quantize_weight_fp8(w)
-            for m in ROWS:
+            for m in [int(v) for v in args.rows.split(",")]:
                 x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
                 t = {
                     "bf16": graph_ms(lambda: F.linear(x, w)),
@@ -89,7 +91,7 @@ def main() -> None:
                            "triton": n * k / (t["triton"] * 1e-3) / 1e9 / copy_gbs,
                            "scaled_mm": n * k / (t["scaled_mm"] * 1e-3) / 1e9 / copy_gbs},
                        "speedup_vs_bf16": {p: t["bf16"] / t[p] for p in ("triton", "scaled_mm")}}
-                if args.sweep and m in SWEEP_ROWS:
+                if args.sweep and str(m) in args.sweep_rows.split(","):
                     best, table = None, []
                     for bn, warps, stages, split in itertools.product((32, 64, 128), (4, 8), (3, 4), (1, 2, 4, 8)):
                         tile = {"BLOCK_N": bn, "BLOCK_K": 256 if k % 256 == 0 else 128, "num_warps": warps,
