@@ -127,15 +127,19 @@ def fp8_matmul_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
     same split for a row whatever batch it is in). At small M the weight stream is the whole cost, so the
     grid must keep enough loads in flight on every SM, keeping at least four K tiles per program."""
     block_k = 256 if k % 256 == 0 else 128
-    # Measured on an H100 (scripts/bench_fp8_linear.py --sweep): 32-wide N tiles are best up to 16 rows and
-    # twice as slow as 64-wide ones at 32 rows; split K until the grid holds about two programs per SM.
-    block_n = 32 if m <= 16 else 64
+    # Chosen from H100 runs (benchmarks/results/README.md): up to 16 rows, 32-wide N tiles unless N alone fills
+    # the SMs, split until ~4 programs per SM (bs1 fp8/bf16 1.57x, against 1.51x with ~2); above 16 rows,
+    # 64-wide tiles (32-wide ones ran twice as slow at 32 rows) and ~2 programs per SM (seed-async 1.25x).
+    if m <= 16:
+        block_n = 64 if triton.cdiv(n, 64) >= sms else 32
+        max_programs = 4 * sms
+    else:
+        block_n, max_programs = 64, 2 * sms
     k_tiles = triton.cdiv(k, block_k)
     split_k = 1
-    while split_k < 8 and triton.cdiv(n, block_n) * split_k * 2 <= 2 * sms and k_tiles // (split_k * 2) >= 4:
+    while split_k < 8 and triton.cdiv(n, block_n) * split_k * 2 <= max_programs and k_tiles // (split_k * 2) >= 4:
         split_k *= 2
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4,
-            "num_stages": 4 if m <= 16 else 3}
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 3}
 
 
 def fp8_weight_matmul_triton(
