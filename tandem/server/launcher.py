@@ -280,17 +280,13 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _api_process_main(settings: ApiSettings, endpoints: EngineEndpoints, client_index: int) -> None:
-    """Body of API process i of N (N > 1)."""
+def _api_process_main(settings: ApiSettings, endpoints: EngineEndpoints, client_index: int,
+                      sock: socket.socket) -> None:
+    """Body of API process i of N (N > 1), serving on its own SO_REUSEPORT socket (bound by the launcher)."""
     set_process_name(f"tandem-api-{client_index}")
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s api-{client_index}: %(message)s")
     server, _, died = build_api_server(settings, endpoints, client_index)
-    try:
-        sock = reuse_port_socket(settings.host, settings.port)
-    except OSError as exc:
-        logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
-        raise SystemExit(1)
     _run_quietly_on_signal(server, sockets=[sock])
     raise SystemExit(1 if died or not server.started else 0)
 
@@ -380,12 +376,25 @@ def set_process_name(name: str) -> None:
 
 
 def _serve_with_api_processes(settings: ApiSettings, engines: Engines, count: int) -> int:
+    # Every API process's socket is bound and listening before any of them starts: the kernel spreads
+    # connections over all N from the first one (a socket's backlog waits for its process). Were each process
+    # to bind its own when ready, the first ones up would take every early connection, and kept-alive
+    # connections would keep that skew for the whole run.
+    try:
+        socks = [reuse_port_socket(settings.host, settings.port) for _ in range(count)]
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
+        return 1
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_api_process_main, name=f"tandem-api-{i}",
-                         args=(settings, EngineEndpoints.of(engines, i), i))
+                         args=(settings, EngineEndpoints.of(engines, i), i, socks[i]))
              for i in range(count)]
-    for proc in procs:
-        proc.start()
+    try:
+        for proc in procs:
+            proc.start()  # the child gets its own descriptor of socks[i] at spawn
+    finally:
+        for sock in socks:
+            sock.close()
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     failed = False

@@ -91,6 +91,9 @@ def test_two_api_processes_serve_and_count_across_processes_then_shut_down_clean
     server.wait_healthy()
     children = server.descendants()
     assert len(children) >= 3  # the engine core and two API processes (plus multiprocessing's tracker)
+    # Both SO_REUSEPORT sockets listen as soon as the server answers at all (the launcher binds them before
+    # the API processes start), so early kept-alive connections cannot all pile onto the first process up.
+    assert _num_listeners(server.port) == 2
     num = 12
     results: list[dict] = []
     threads = [threading.Thread(target=lambda i=i: results.append(_complete(server.url, i))) for i in range(num)]
@@ -145,3 +148,19 @@ def test_data_parallel_two_engine_replicas_serve_every_request_once(serve_factor
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(timeout=90) == 0, server.read_log()
     assert not wait_gone(children), "a child of tandem serve outlived it"
+
+
+def _num_listeners(port: int) -> int:
+    """Listening TCP sockets on `port` (IPv4 and IPv6), from /proc/net/tcp*."""
+    count = 0
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: TCP_LISTEN
+                count += 1
+    return count
