@@ -48,6 +48,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching, overlap=not args.sync,
         cuda_graph=not args.no_cuda_graph, seed=args.seed, quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=getattr(args, "data_parallel_size", 1),  # generate's and serve's own flag
     )
 
 
@@ -85,8 +86,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for prompt, out in zip(prompts, outputs):
         c = out.outputs[0]
         print(f"--- {prompt!r}\n{c.text!r}  [{len(c.token_ids)} tokens, finish: {c.finish_reason}]")
+    dp = llm.config.data_parallel_size
+    where = llm.engine.runner.device if dp == 1 else f"{dp} replicas, device {llm.config.device}"
     print(f"\n{len(outputs)} requests, {num_generated} generated tokens in {seconds:.2f} s: "
-          f"{num_generated / seconds:.1f} tok/s ({llm.engine.runner.device}, {llm.config.resolved_dtype()})")
+          f"{num_generated / seconds:.1f} tok/s ({where}, {llm.config.resolved_dtype()})")
+    llm.shutdown()
     return 0
 
 
@@ -98,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few built-in prompts")
+    gen.add_argument("--data-parallel-size", type=int, default=1,
+                     help="engine replicas (processes), each on its own GPU(s) (x --tensor-parallel-size)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="wrap each prompt in the chat template (default: for the built-in prompts only)")
     gen.set_defaults(func=cmd_generate)

@@ -76,6 +76,7 @@ class EngineConfig:
     seed: int = 0
     quantization: str | None = None  # None | fp8 (weights in float8_e4m3fn, per-output-channel scales)
     tensor_parallel_size: int = 1  # GPUs (or CPU processes) one model is sharded over, Megatron-style
+    data_parallel_size: int = 1  # whole-engine replicas, each on its own tensor_parallel_size GPUs
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "fp8"):
@@ -101,8 +102,14 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.data_parallel_size > 1 and self.device.startswith("cuda:"):
+            # Each replica is given its own GPUs through CUDA_VISIBLE_DEVICES and numbers them from 0.
+            raise ValueError(f"data_parallel_size > 1 picks each replica's GPUs itself: use device 'cuda' or "
+                             f"'auto', not {self.device!r} (restrict the GPUs with CUDA_VISIBLE_DEVICES)")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
 

@@ -1,4 +1,4 @@
-"""LLM: offline batched generation over EngineCore, with a progress bar."""
+"""LLM: offline batched generation over EngineCore (or its data-parallel replicas), with a progress bar."""
 
 from __future__ import annotations
 
@@ -35,7 +35,11 @@ class _Sequence:
 
 
 class LLM:
-    """`LLM(model=None)` serves the embedded SmolLM2-135M-Instruct; keyword arguments are EngineConfig fields."""
+    """`LLM(model=None)` serves the embedded SmolLM2-135M-Instruct; keyword arguments are EngineConfig fields.
+
+    data_parallel_size=M > 1 runs M engine replica processes (DataParallelEngine) and spreads the requests
+    over them; with 1 the engine runs in this process.
+    """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         known = {f.name for f in fields(EngineConfig)}
@@ -43,7 +47,13 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown LLM argument(s) {unknown}; valid ones: {sorted(known)}")
         self.config = EngineConfig(model=model, **kwargs)
-        self.engine = EngineCore(self.config)
+        self.engine: Any
+        if self.config.data_parallel_size > 1:
+            from tandem.data_parallel import DataParallelEngine  # ZeroMQ only when there are replicas
+
+            self.engine = DataParallelEngine(self.config)
+        else:
+            self.engine = EngineCore(self.config)  # in this process, no IPC
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
         # Start-up objects (modules, weights' Python wrappers, tokenizer) leave the collector's reach, so a
@@ -52,8 +62,14 @@ class LLM:
         gc.freeze()
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel worker processes (they also stop when this process exits)."""
+        """Stops the tensor-parallel workers or data-parallel replicas (they also stop when this process exits)."""
         self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

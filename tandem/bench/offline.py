@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from tandem.bench.workloads import WORKLOADS, Workload, make_requests
@@ -27,8 +28,8 @@ def _device_name(device: str) -> str:
 def run_tandem(llm: Any, requests: list[tuple[list[int], int]], *, overlap: bool = True, graphs: bool = True,
                record: bool = False) -> dict[str, Any]:
     """One timed pass of `requests` through an existing LLM; ablations flip the engine between passes."""
-    from tandem import SamplingParams
-
+    if llm.config.data_parallel_size > 1:
+        return run_data_parallel(llm, requests, overlap=overlap, graphs=graphs, record=record)
     engine = llm.engine
     saved_graphs = engine.runner.graphs
     engine.overlap = overlap
@@ -36,23 +37,46 @@ def run_tandem(llm: Any, requests: list[tuple[list[int], int]], *, overlap: bool
         engine.runner.graphs = None
     engine.step_log = []
     tl = engine.start_timeline() if record else None
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
-    start = time.perf_counter()
-    outs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    r = _timed_generate(llm, requests)
     if record:
         engine.stop_timeline()
     step_log, engine.step_log = engine.step_log, None
     engine.runner.graphs, engine.overlap = saved_graphs, llm.config.overlap
+    r.update({
+        "num_steps": len(step_log),
+        "gpu_busy_pct": tl.gpu_busy_pct() if tl is not None else None,
+        # Tensor parallelism: every rank's GPU ("gpu" is rank 0, "gpu1".. the others).
+        "gpu_busy_pct_per_rank": {n: tl.gpu_busy_pct(n) for n in tl.gpu_lanes()} if tl is not None else None,
+        "_timeline": tl, "_step_log": step_log,
+    })
+    return r
+
+
+def run_data_parallel(llm: Any, requests: list[tuple[list[int], int]], *, overlap: bool = True,
+                      graphs: bool = True, record: bool = False) -> dict[str, Any]:
+    """One timed pass through data-parallel replicas: tokens/s only, since their steps, GPU spans and
+    engine switches live in other processes."""
+    if not overlap or not graphs or record:
+        raise ValueError("--sync, --no-cuda-graph and timelines need data_parallel_size=1: "
+                         "the replicas run in other processes")
+    r = _timed_generate(llm, requests)
+    r.update({"num_steps": None, "gpu_busy_pct": None, "gpu_busy_pct_per_rank": None, "_timeline": None,
+              "_step_log": None})
+    return r
+
+
+def _timed_generate(llm: Any, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+    from tandem import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     prompt = sum(len(p) for p, _ in requests)
     return {
         "seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
-        "total_tokens_per_s": (generated + prompt) / seconds, "num_steps": len(step_log),
-        "gpu_busy_pct": tl.gpu_busy_pct() if tl is not None else None,
-        # Tensor parallelism: every rank's GPU ("gpu" is rank 0, "gpu1".. the others).
-        "gpu_busy_pct_per_rank": {n: tl.gpu_busy_pct(n) for n in tl.gpu_lanes()} if tl is not None else None,
-        "_timeline": tl, "_step_log": step_log, "_outputs": [o.outputs[0].token_ids for o in outs],
+        "total_tokens_per_s": (generated + prompt) / seconds, "_outputs": [o.outputs[0].token_ids for o in outs],
     }
 
 
@@ -127,7 +151,8 @@ def load_hf_peer(w: Workload, dtype: str, device: str) -> Any:
 
 
 def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | None,
-                   quantization: str | None = None, tensor_parallel_size: int = 1) -> dict[str, Any]:
+                   quantization: str | None = None, tensor_parallel_size: int = 1,
+                   data_parallel_size: int = 1) -> dict[str, Any]:
     import torch
 
     from tandem import LLM
@@ -137,7 +162,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     dtype = w.dtype if device.startswith("cuda") else "float32"
     result: dict[str, Any] = {"workload": w.name, "what": w.what, "device": _device_name(device), "dtype": dtype,
                               "scale": scale, "date": time.strftime("%Y-%m-%d"), "quantization": quantization,
-                              "peers": {}, "tensor_parallel_size": tensor_parallel_size}
+                              "peers": {}, "tensor_parallel_size": tensor_parallel_size,
+                              "data_parallel_size": data_parallel_size}
     peer_results: dict[str, Any] = {}
     vocab = None
     # transformers first, then free it, so tandem can size its KV cache from what is left.
@@ -158,11 +184,14 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     llm_kwargs: dict[str, Any] = dict(dtype=dtype, device=device, max_num_seqs=max(min(w.num_requests, 256), 1),
-                                      quantization=quantization, tensor_parallel_size=tensor_parallel_size)
+                                      quantization=quantization, tensor_parallel_size=tensor_parallel_size,
+                                      data_parallel_size=data_parallel_size)
     if w.model is not None:
         llm_kwargs.update(model=w.model, load_format="dummy")
     max_len = max(w.prompt_len) + max(w.output_len) + w.shared_prefix_len
     llm_kwargs["max_model_len"] = max(int(max_len * scale) + 16, 64)
+    if data_parallel_size > 1:
+        return bench_data_parallel(result, peer_results, w, peers, scale, llm_kwargs)
     llm = LLM(**llm_kwargs)
     vocab = llm.engine.model_config.vocab_size
     requests = make_requests(w, vocab, scale=scale)
@@ -246,10 +275,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         r.update(token_agreement(r["_outputs"], main["_outputs"]))
         r["weight_bytes"] = model_cost(llm.engine.runner.model, llm.engine.model_config).weight_bytes
         peer_results["tandem bf16"] = r
-    for name, r in peer_results.items():
-        result["peers"][name] = r["tokens_per_s"]
-        result.setdefault("peer_details", {})[name] = {k: v for k, v in r.items() if not k.startswith("_")}
-        result.setdefault("ratios", {})[name] = main["tokens_per_s"] / r["tokens_per_s"]
+    _add_peers(result, main, peer_results)
     if llm is not None:
         llm.shutdown()
     del llm
@@ -257,6 +283,57 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return result
+
+
+def bench_data_parallel(result: dict[str, Any], peer_results: dict[str, Any], w: Workload, peers: list[str],
+                        scale: float, llm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The workload over data_parallel_size replicas (each its own process and GPU(s)); the dp1 peer runs
+    the same requests on one engine in a fresh LLM once the replicas are gone, for the DP / one-GPU ratio."""
+    from tandem import LLM
+
+    llm = LLM(**llm_kwargs)
+    try:
+        vocab = llm.engine.vocab_size
+        requests = make_requests(w, vocab, scale=scale)
+        warm = _replica_warmup(w, vocab, scale, llm_kwargs["data_parallel_size"])
+        run_tandem(llm, warm)
+        main = run_tandem(llm, requests)
+    finally:
+        llm.shutdown()
+    if "dp1" in peers:
+        r = run_fresh_tandem({**llm_kwargs, "data_parallel_size": 1}, requests, warm)
+        # Dummy weights are drawn from the seed in every replica, so the tokens compare (bf16 may round apart).
+        r["same_tokens_as_main"] = r["_outputs"] == main["_outputs"]
+        r.update(token_agreement(r["_outputs"], main["_outputs"]))
+        peer_results["tandem DP=1"] = r
+    skipped = sorted(set(peers) & {"sync", "eager", "noprefix", "bf16", "tp1"})
+    if skipped:
+        result["peers_not_run"] = {p: "needs data_parallel_size=1" for p in skipped}
+    result.update({
+        "tokens_per_s": main["tokens_per_s"], "total_tokens_per_s": main["total_tokens_per_s"],
+        "seconds": main["seconds"], "generated_tokens": main["generated_tokens"], "num_steps": None,
+        # GPU spans and step logs stay in the replica processes. A roofline floor would be per replica
+        # (each GPU streams its own weights every step of its own batches), and needs those step logs.
+        "gpu_busy_pct": None, "gpu_busy_pct_per_rank": None, "roofline_floor_s": None, "roofline_fraction": None,
+    })
+    _add_peers(result, main, peer_results)
+    return result
+
+
+def _replica_warmup(w: Workload, vocab: int, scale: float, data_parallel_size: int) -> list[tuple[list[int], int]]:
+    """Warm-up requests that reach every replica and share no prefix with the measured ones (the replicas'
+    prefix caches cannot be reset from here): another seed, no shared prefix (which would route them all
+    to one replica), four per replica."""
+    requests = make_requests(replace(w, shared_prefix_len=0, num_requests=4 * data_parallel_size), vocab,
+                             seed=1, scale=scale)
+    return [(p, min(n, 4)) for p, n in requests]
+
+
+def _add_peers(result: dict[str, Any], main: dict[str, Any], peer_results: dict[str, Any]) -> None:
+    for name, r in peer_results.items():
+        result["peers"][name] = r["tokens_per_s"]
+        result.setdefault("peer_details", {})[name] = {k: v for k, v in r.items() if not k.startswith("_")}
+        result.setdefault("ratios", {})[name] = main["tokens_per_s"] / r["tokens_per_s"]
 
 
 def run_fresh_tandem(llm_kwargs: dict[str, Any], requests: list[tuple[list[int], int]],
@@ -312,6 +389,7 @@ def _print_table(results: list[dict[str, Any]]) -> None:
     print(f"\n{'workload':<11} {'tok/s':>10} {'seconds':>8} {'roofline':>8} {'gpu busy':>8}  peers (tok/s, tandem x)")
     for r in results:
         busy = f"{r['gpu_busy_pct']:.1f}%" if r.get("gpu_busy_pct") is not None else "-"
+        roofline = f"{r['roofline_fraction']:.3f}" if r.get("roofline_fraction") is not None else "-"
         peers = ", ".join(f"{k}: {v:.1f} ({r['ratios'][k]:.2f}x)" for k, v in r["peers"].items())
         if "prefix_cache" in r:
             pc = r["prefix_cache"]
@@ -320,7 +398,7 @@ def _print_table(results: list[dict[str, Any]]) -> None:
         if r.get("all_reduce_ms_per_step"):
             peers += "; all-reduce ms/step (tokens: ms) " + ", ".join(
                 f"{t}: {ms:.2f}" for t, ms in r["all_reduce_ms_per_step"].items())
-        print(f"{r['workload']:<11} {r['tokens_per_s']:>10.1f} {r['seconds']:>8.2f} {r['roofline_fraction']:>8.3f} "
+        print(f"{r['workload']:<11} {r['tokens_per_s']:>10.1f} {r['seconds']:>8.2f} {roofline:>8} "
               f"{busy:>8}  {peers}")
 
 
@@ -330,6 +408,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if n not in WORKLOADS and n != "serve":
             raise ValueError(f"unknown workload {n!r}; choose from {sorted(WORKLOADS) + ['serve']} or all")
     peers = [] if args.no_peers else args.peers.split(",")
+    for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
+                        ("--data-parallel-size", args.data_parallel_size)):
+        if value < 1:  # before any peer has loaded a model
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     results = []
     for n in names:
         if n == "serve":  # offline against a server it starts: a table of its own
@@ -340,7 +422,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             continue
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
         results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.quantization,
-                                      args.tensor_parallel_size))
+                                      args.tensor_parallel_size, args.data_parallel_size))
         _print_table(results[-1:])
     _print_table([r for r in results if r["workload"] != "serve"])
     if args.out:
@@ -358,11 +440,15 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
     bench.add_argument("--peers", default="hf,sync,eager,noprefix,bf16",
                        help="comma list: hf (transformers), sync, eager (no CUDA graphs), noprefix, "
                             "bf16 (with --quantization: the unquantized engine, for the fp8 / bf16 ratio), "
-                            "tp1 (with --tensor-parallel-size N > 1: the same run on one GPU, in a fresh engine)")
+                            "tp1 (with --tensor-parallel-size N > 1: the same run on one GPU, in a fresh engine), "
+                            "dp1 (with --data-parallel-size M > 1: the same run on one engine, in a fresh LLM); "
+                            "with M > 1 only hf and dp1 run")
     bench.add_argument("--quantization", default=None, choices=["fp8"],
                        help="run tandem with FP8 weights (roofline on FP8 bytes)")
     bench.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="shard tandem's model over this many GPUs (the tp1 peer runs unsharded)")
+    bench.add_argument("--data-parallel-size", type=int, default=1,
+                       help="run tandem as this many engine replicas, each on its own GPU(s) (the dp1 peer: one)")
     bench.add_argument("--no-peers", action="store_true")
     bench.add_argument("--scale", type=float, default=1.0, help="shrink prompt/output lengths (smoke runs)")
     bench.add_argument("--out", default=None, help="write results JSON here")

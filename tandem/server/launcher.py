@@ -130,7 +130,7 @@ def start_engines(config: EngineConfig, *, num_api_servers: int = 1, data_parall
             process = ctx.Process(target=run_engine_core, name=f"tandem-engine-core-{r}",
                                   args=(config, input_addr, output_addrs, max_queue, writer, log_level, core_class,
                                         r))
-            with _visible_gpus(_replica_gpus(config, r, data_parallel_size)):
+            with _child_env(replica_env(config, r, data_parallel_size)):
                 process.start()
             writer.close()
             started.append((process, reader, input_addr))
@@ -149,18 +149,39 @@ def start_engines(config: EngineConfig, *, num_api_servers: int = 1, data_parall
     return Engines(replicas, output_addrs, ipc_dir)
 
 
-def _replica_gpus(config: EngineConfig, replica: int, data_parallel_size: int) -> str | None:
-    """The CUDA_VISIBLE_DEVICES value of a replica, or None to leave the environment as it is."""
-    if data_parallel_size == 1 or config.device == "cpu":
-        return None
-    tp = getattr(config, "tensor_parallel_size", 1)
+def replica_env(config: EngineConfig, replica: int, data_parallel_size: int) -> dict[str, str]:
+    """Environment variables a replica process starts with, beside this process's own.
+
+    On GPUs: CUDA_VISIBLE_DEVICES (its own GPUs) and NVLink multicast off (values set here win). On the
+    CPU: an equal share of the cores, since the replicas' OpenMP pools would otherwise spin against each other.
+    """
+    if data_parallel_size == 1:
+        return {}
+    tp = config.tensor_parallel_size
+    if not _uses_cuda(config):
+        if "OMP_NUM_THREADS" in os.environ:
+            return {}
+        return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (data_parallel_size * tp)))}
+    from tandem.runner.tensor_parallel import NCCL_ENV
+
+    env = {key: value for key, value in NCCL_ENV.items() if key not in os.environ}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(_cuda_device_count())]
-    need = (replica + 1) * tp
-    if need > len(ids):
+    if data_parallel_size * tp > len(ids):
         raise ValueError(f"data_parallel_size x tensor_parallel_size needs {data_parallel_size * tp} GPUs; "
                          f"{len(ids)} are visible")
-    return ",".join(ids[replica * tp:need])
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[replica * tp:(replica + 1) * tp])
+    return env
+
+
+def _uses_cuda(config: EngineConfig) -> bool:
+    if config.device == "cpu":
+        return False
+    if config.device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return True
 
 
 def _cuda_device_count() -> int:
@@ -170,20 +191,18 @@ def _cuda_device_count() -> int:
 
 
 @contextlib.contextmanager
-def _visible_gpus(value: str | None) -> Iterator[None]:
-    """Sets CUDA_VISIBLE_DEVICES while a child process starts (spawn copies the environment then)."""
-    if value is None:
-        yield
-        return
-    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = value
+def _child_env(values: dict[str, str]) -> Iterator[None]:
+    """Sets environment variables while a child process starts (spawn copies the environment then)."""
+    previous = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _startup_reply(reader: Any, process: BaseProcess) -> EngineInfo:

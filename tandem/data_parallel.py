@@ -1,0 +1,263 @@
+"""DataParallelEngine: M engine-core replica processes driven from this one, behind EngineCore's interface.
+
+`LLM(..., data_parallel_size=M)` starts the engine-core processes `tandem serve --data-parallel-size M`
+runs (`start_engines`: each a whole engine on its own GPU(s), or all on the CPU) and talks to them over
+ZeroMQ with the server's msgspec messages. `add_request` validates the prompt here, so a bad one is a
+ValueError at once, and routes it (prefix affinity, then load); `step` sends the queued commands and
+returns the outputs every replica has produced since. The replicas step on their own, never waiting for
+this process, which only routes, collects and detokenizes. A replica that dies ends the whole engine
+with a RuntimeError naming it; shutdown (or exit) stops and reaps every replica.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from dataclasses import replace
+from typing import Any
+
+import msgspec
+import zmq
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.engine import EngineOutput
+from tandem.request import FinishReason
+from tandem.sampling_params import SamplingParams
+from tandem.server.messages import (
+    AbortRequest, AddRequest, ClientCommand, EngineBatch, TokenOutput, WireStats, merge_stats)
+from tandem.server.router import ReplicaRouter
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 1000  # a waiting step wakes this often even when nothing happens (signals, Ctrl-C)
+UNBOUNDED_QUEUE = 1 << 30  # offline: every prompt of a generate() call is queued at once, none refused
+
+
+class DataParallelEngine:
+    """M engine-core replicas seen as one engine: add_request / abort_request / step / stats / shutdown."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from tandem.models.loader import resolve_source
+        from tandem.runner.tensor_parallel import torchrun_rank
+        from tandem.server.launcher import start_engines
+
+        if torchrun_rank() is not None:
+            raise ValueError("data_parallel_size > 1 starts its own engine processes; it cannot run under "
+                             "torchrun (use torchrun for tensor parallelism only)")
+        # A bad model path is a ValueError here, as with one engine; a Hub model downloads once, not M times.
+        resolve_source(config)
+        self.config = config
+        self.data_parallel_size = config.data_parallel_size
+        self._model_config: ModelConfig | None = None
+        self._failure: str | None = None
+        self._closed = False
+        # The tokenizer loads here while the replicas load their models (it takes seconds).
+        tokenizer: list[Any] = []
+        loader = threading.Thread(target=lambda: tokenizer.append(_load_tokenizer(config)), daemon=True)
+        loader.start()
+        self.engines = start_engines(replace(config, data_parallel_size=1), num_api_servers=1,
+                                     data_parallel_size=config.data_parallel_size, max_queue=UNBOUNDED_QUEUE,
+                                     log_level="warning")
+        self._ctx = zmq.Context()
+        try:
+            loader.join()
+            if not tokenizer:
+                raise RuntimeError("the tokenizer could not be loaded")
+            if isinstance(tokenizer[0], BaseException):
+                raise tokenizer[0]
+            self.tokenizer = tokenizer[0]
+            info = self.engines.info  # the smallest context any replica allows
+            self.max_model_len = info.max_model_len
+            self.vocab_size = info.vocab_size
+            self.router = ReplicaRouter(config.data_parallel_size, config.block_size)
+            self._pull = self._ctx.socket(zmq.PULL)
+            self._pull.setsockopt(zmq.RCVHWM, 0)
+            self._pull.bind(self.engines.output_addrs[0])  # every replica's outputs arrive here
+            self._pushes: list[zmq.Socket] = []
+            for addr in self.engines.input_addrs:
+                push = self._ctx.socket(zmq.PUSH)
+                push.setsockopt(zmq.SNDHWM, 0)
+                push.connect(addr)
+                self._pushes.append(push)
+        except BaseException:
+            self.engines.stop()
+            self._ctx.destroy(linger=0)
+            raise
+        # A dead replica's sentinel becomes readable: a step waits on outputs and deaths at once.
+        self._poller = zmq.Poller()
+        self._poller.register(self._pull, zmq.POLLIN)
+        self._sentinels = {r.process.sentinel: i for i, r in enumerate(self.engines.replicas)}
+        for fd in self._sentinels:
+            self._poller.register(fd, zmq.POLLIN)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineBatch)
+        self._outboxes: list[list[ClientCommand]] = [[] for _ in self._pushes]
+        self._replica_of: dict[str, int] = {}  # unfinished request id -> its replica
+        self._replica_stats: list[WireStats | None] = [None] * config.data_parallel_size
+        atexit.register(self.shutdown)  # before multiprocessing's own exit hook joins the replicas
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Checks everything a replica would refuse (EngineCore.add_request's rules), so a bad prompt is a
+        ValueError here and now, as with one engine; then queues the request on its replica."""
+        self._check_open()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self._replica_of:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token id {t!r} is not an integer in [0, {self.vocab_size})")
+        num_prompt = len(prompt_token_ids)
+        # max_model_len is already capped by every replica's KV pool, so the scheduler's pool check holds too.
+        if num_prompt >= self.max_model_len:
+            raise ValueError(f"the prompt has {num_prompt} tokens but the context limit (max_model_len) is "
+                             f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit")
+        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {num_prompt} tokens exceeds the "
+                             f"context limit of {self.max_model_len} tokens")
+        replica = self.router.pick(prompt_token_ids)
+        self._replica_of[request_id] = replica
+        self._outboxes[replica].append(AddRequest(request_id, list(prompt_token_ids), params, 0))
+
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
+                      stop_reason: int | str | None = None) -> None:
+        """Ends a request now; unknown ids are ignored. Sent at once: no step may follow (an exception)."""
+        replica = self._replica_of.pop(request_id, None)
+        if replica is None or self._closed:
+            return
+        self.router.release(replica)
+        self._outboxes[replica].append(AbortRequest(request_id, reason.value, stop_reason))
+        self._flush()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._replica_of)
+
+    def replica_of(self, request_id: str) -> int | None:
+        """The replica serving an unfinished request."""
+        return self._replica_of.get(request_id)
+
+    # ---------------------------------------------------------------- step
+
+    def step(self) -> list[EngineOutput]:
+        """Sends the queued commands, then returns every output that has arrived (waiting for some while
+        requests are unfinished). Raises RuntimeError naming the replica if one has died."""
+        self._check_open()
+        self._flush()
+        outputs: list[EngineOutput] = []
+        if not self._replica_of:
+            return outputs
+        while True:
+            ready = dict(self._poller.poll(POLL_MS))
+            dead = [self._sentinels[fd] for fd in ready if fd in self._sentinels]
+            if dead:
+                self._die(dead[0])
+            if self._pull in ready:
+                break
+        while True:
+            try:
+                frame = self._pull.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return outputs
+            self._take(self._decoder.decode(frame.buffer), outputs)
+
+    def _take(self, batch: EngineBatch, outputs: list[EngineOutput]) -> None:
+        r = batch.engine_index
+        if batch.stats is not None:
+            self._replica_stats[r] = batch.stats
+        for rejection in batch.rejected:  # not expected: add_request checked what the replica checks
+            if self._replica_of.pop(rejection.request_id, None) is not None:
+                self.router.release(r)
+                message = f"data-parallel replica {r} refused the request: {rejection.message}"
+                outputs.append(EngineOutput(rejection.request_id, [], None, True, FinishReason.ABORT, None, 0, 0,
+                                            error=message))
+        for out in batch.outputs:
+            if out.request_id not in self._replica_of:
+                continue  # aborted here meanwhile
+            if out.finished:
+                self.router.release(self._replica_of.pop(out.request_id))
+            outputs.append(_engine_output(out, r))
+
+    def _flush(self) -> None:
+        for replica, commands in enumerate(self._outboxes):
+            if commands:
+                self._pushes[replica].send(self._encoder.encode(commands), copy=False)
+                self._outboxes[replica] = []
+
+    def _die(self, r: int) -> None:
+        replica = self.engines.replicas[r]
+        replica.process.join(1)  # the exit code is there once the sentinel fired
+        self._failure = (f"data-parallel replica {r} (pid {replica.info.pid}) died with exit code "
+                         f"{replica.process.exitcode}; the engine is shut down")
+        logger.error("%s", self._failure)
+        self.shutdown()
+        raise RuntimeError(self._failure)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(self._failure or "the data-parallel engine is shut down")
+
+    # ---------------------------------------------------------------- figures, profiling, shutdown
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The architecture's numbers (read from the model on first use: the replicas hold the weights)."""
+        if self._model_config is None:
+            from tandem.models.loader import load_model_config
+
+            self._model_config = load_model_config(self.config)
+        return self._model_config
+
+    def stats(self) -> WireStats | None:
+        """The replicas' latest figures merged (None until each has reported)."""
+        parts = self._replica_stats
+        if any(p is None for p in parts):
+            return None
+        return merge_stats(parts)  # type: ignore[arg-type]
+
+    def start_timeline(self) -> None:
+        raise ValueError("timeline profiling needs data_parallel_size=1: the replicas' GPUs are in other processes")
+
+    @property
+    def replica_pids(self) -> list[int]:
+        return self.engines.pids
+
+    def shutdown(self) -> None:
+        """Stops every replica (each fails what it still holds) and reaps it; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        self._replica_of.clear()
+        code = self.engines.stop()
+        # Closed after the replicas are gone: their last outputs still find a reader, so none lingers.
+        for sock in (*self._pushes, self._pull):
+            sock.close(linger=0)
+        self._ctx.term()
+        logger.debug("data-parallel replicas stopped (exit code %s)", code)
+
+    def __repr__(self) -> str:
+        return f"DataParallelEngine(replicas={self.data_parallel_size}, pids={self.replica_pids})"
+
+
+def _load_tokenizer(config: EngineConfig) -> Any:
+    from tandem.models.loader import load_tokenizer
+
+    try:
+        return load_tokenizer(config)
+    except BaseException as exc:  # handed to the caller's thread
+        return exc
+
+
+def _engine_output(out: TokenOutput, replica: int) -> EngineOutput:
+    error = f"data-parallel replica {replica}: {out.error}" if out.error is not None else None
+    reason = FinishReason(out.finish_reason) if out.finish_reason is not None else None
+    return EngineOutput(out.request_id, out.new_token_ids, out.new_logprobs, out.finished, reason, out.stop_reason,
+                        out.num_prompt_tokens, out.num_cached_tokens, error, out.queue_time)
+

@@ -1,0 +1,137 @@
+"""Data parallelism on the CPU with a tiny model: validation, replica environments, DP x TP, a replica killed
+mid-generate, and the offline bench's DP run beside its dp1 peer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.config import EngineConfig
+from tests.parallel.tiny_models import VOCAB, save_tiny
+
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=256, max_num_seqs=8, num_kv_blocks=64)
+PROMPTS = [[(5 * i + j) % (VOCAB - 4) + 4 for j in range(3 + i)] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return save_tiny("llama", tmp_path_factory.mktemp("llama"))
+
+
+def _alive(pids: list[int]) -> list[int]:
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.parametrize("value", [0, -1, "2", 1.5, True])
+def test_data_parallel_size_is_validated(value):
+    with pytest.raises(ValueError, match="data_parallel_size must be a positive integer"):
+        EngineConfig(data_parallel_size=value)
+
+
+def test_bad_data_parallel_settings_fail_before_any_process_starts(tiny_llama):
+    before = psutil.Process().children(recursive=True)
+    with pytest.raises(ValueError, match="data_parallel_size must be a positive integer"):
+        LLM(tiny_llama, data_parallel_size=0, **ENGINE)
+    with pytest.raises(ValueError, match="use device 'cuda' or 'auto'"):
+        LLM(tiny_llama, data_parallel_size=2, **{**ENGINE, "device": "cuda:1"})
+    with pytest.raises(ValueError, match="not found"):
+        LLM("/no/such/model", data_parallel_size=2, **ENGINE)
+    if not _cuda_count() >= 2:
+        with pytest.raises(ValueError, match="needs 2 GPUs"):
+            LLM(tiny_llama, data_parallel_size=2, **{**ENGINE, "device": "cuda"})
+    assert psutil.Process().children(recursive=True) == before
+
+    from tandem.cli import main
+
+    assert main(["generate", "--model", tiny_llama, "--device", "cpu", "--data-parallel-size", "0"]) == 2
+    assert main(["bench", "--workload", "cpu", "--no-peers", "--data-parallel-size", "0"]) == 2
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def test_replica_env(monkeypatch):
+    from tandem.server import launcher
+
+    for key in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                "NVSHMEM_DISABLE_NVLS"):
+        monkeypatch.delenv(key, raising=False)
+    cpu = EngineConfig(device="cpu")
+    assert launcher.replica_env(cpu, 0, 1) == {}
+    assert launcher.replica_env(cpu, 1, 2) == {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2))}
+    monkeypatch.setattr(launcher, "_cuda_device_count", lambda: 4)
+    gpu = EngineConfig(device="cuda", tensor_parallel_size=2)
+    env = launcher.replica_env(gpu, 1, 2)
+    assert env == {"CUDA_VISIBLE_DEVICES": "2,3", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                   "NVSHMEM_DISABLE_NVLS": "1"}
+    with pytest.raises(ValueError, match="needs 6 GPUs; 4 are visible"):
+        launcher.replica_env(gpu, 0, 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # set by the user: kept
+    env = launcher.replica_env(EngineConfig(device="cuda"), 2, 3)
+    assert env["CUDA_VISIBLE_DEVICES"] == "6" and "NCCL_NVLS_ENABLE" not in env
+
+
+def test_dp2_times_tp2_gives_one_engines_tokens(tiny_llama):
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(tiny_llama, **ENGINE).generate(PROMPTS, greedy, use_tqdm=False)]
+    with LLM(tiny_llama, data_parallel_size=2, tensor_parallel_size=2, **ENGINE) as llm:
+        pids = llm.engine.replica_pids
+        # Each replica is rank 0 of its own tensor-parallel pair.
+        workers = [c.pid for p in pids for c in psutil.Process(p).children(recursive=True)]
+        assert len(workers) >= 2
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    assert got == expected
+    assert not _alive(pids + workers), "a replica or its tensor-parallel worker outlived shutdown"
+
+
+def test_killed_replica_fails_generate_promptly_and_leaves_no_process(tiny_llama):
+    import multiprocessing
+
+    llm = LLM(tiny_llama, data_parallel_size=2, **ENGINE)
+    engine = llm.engine
+    pids = engine.replica_pids
+    step = engine.step
+    killed_at: list[float] = []
+
+    def step_then_kill():  # kills replica 1 once the first tokens are back: generate() is mid-run
+        outputs = step()
+        if outputs and not killed_at:
+            os.kill(pids[1], signal.SIGKILL)
+            killed_at.append(time.monotonic())
+        return outputs
+
+    engine.step = step_then_kill
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    with pytest.raises(RuntimeError, match=rf"replica 1 \(pid {pids[1]}\) died"):
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    assert killed_at and time.monotonic() - killed_at[0] < 5
+    assert not _alive(pids), "a replica outlived the failure"
+    assert not [p for p in multiprocessing.active_children() if p.pid in pids]
+    with pytest.raises(RuntimeError, match="replica 1"):  # the engine stays failed, it does not hang
+        llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    llm.shutdown()  # idempotent
+
+
+def test_bench_runs_dp2_beside_its_dp1_peer(tiny_llama, capsys):
+    from tandem.bench.offline import _print_table, bench_workload
+    from tandem.bench.workloads import Workload
+
+    w = Workload("tiny", tiny_llama, 8, (8, 16), (8, 16), dtype="float32", device="cpu")
+    r = bench_workload(w, ["dp1", "sync"], 1.0, None, data_parallel_size=2)
+    assert r["data_parallel_size"] == 2 and r["tokens_per_s"] > 0
+    assert r["generated_tokens"] == r["peer_details"]["tandem DP=1"]["generated_tokens"]
+    assert r["peer_details"]["tandem DP=1"]["same_tokens_as_main"]
+    assert r["ratios"]["tandem DP=1"] == pytest.approx(r["tokens_per_s"] / r["peers"]["tandem DP=1"])
+    assert r["roofline_fraction"] is None and r["gpu_busy_pct"] is None
+    assert r["peers_not_run"] == {"sync": "needs data_parallel_size=1"}
+    _print_table([r])
+    assert "tandem DP=1" in capsys.readouterr().out
