@@ -21,11 +21,12 @@ import msgspec
 import zmq
 
 from tandem.config import EngineConfig, ModelConfig
-from tandem.engine import EngineOutput
+from tandem.engine import check_new_request
+from tandem.outputs import EngineOutput
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
 from tandem.server.messages import (
-    AbortRequest, AddRequest, ClientCommand, EngineBatch, TokenOutput, WireStats, merge_stats)
+    AbortRequest, AddRequest, ClientCommand, EngineBatch, WireStats, merge_stats)
 from tandem.server.router import ReplicaRouter
 
 logger = logging.getLogger(__name__)
@@ -103,25 +104,9 @@ class DataParallelEngine:
         """Checks everything a replica would refuse (EngineCore.add_request's rules), so a bad prompt is a
         ValueError here and now, as with one engine; then queues the request on its replica."""
         self._check_open()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id must be a non-empty string")
-        if request_id in self._replica_of:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        for t in prompt_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token id {t!r} is not an integer in [0, {self.vocab_size})")
-        num_prompt = len(prompt_token_ids)
         # max_model_len is already capped by every replica's KV pool, so the scheduler's pool check holds too.
-        if num_prompt >= self.max_model_len:
-            raise ValueError(f"the prompt has {num_prompt} tokens but the context limit (max_model_len) is "
-                             f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit")
-        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {num_prompt} tokens exceeds the "
-                             f"context limit of {self.max_model_len} tokens")
+        check_new_request(request_id, prompt_token_ids, params, self._replica_of, self.vocab_size,
+                          self.max_model_len)
         replica = self.router.pick(prompt_token_ids)
         self._replica_of[request_id] = replica
         self._outboxes[replica].append(AddRequest(request_id, list(prompt_token_ids), params, 0))
@@ -182,7 +167,9 @@ class DataParallelEngine:
                 continue  # aborted here meanwhile
             if out.finished:
                 self.router.release(self._replica_of.pop(out.request_id))
-            outputs.append(_engine_output(out, r))
+            if out.error is not None:
+                out.error = f"data-parallel replica {r}: {out.error}"
+            outputs.append(out)
 
     def _flush(self) -> None:
         for replica, commands in enumerate(self._outboxes):
@@ -255,9 +242,4 @@ def _load_tokenizer(config: EngineConfig) -> Any:
         return exc
 
 
-def _engine_output(out: TokenOutput, replica: int) -> EngineOutput:
-    error = f"data-parallel replica {replica}: {out.error}" if out.error is not None else None
-    reason = FinishReason(out.finish_reason) if out.finish_reason is not None else None
-    return EngineOutput(out.request_id, out.new_token_ids, out.new_logprobs, out.finished, reason, out.stop_reason,
-                        out.num_prompt_tokens, out.num_cached_tokens, error, out.queue_time)
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Container
 from dataclasses import dataclass
 
 from tandem.config import EngineConfig
+from tandem.outputs import EngineOutput
 from tandem.profiling.timeline import Timeline
 from tandem.request import FinishReason, Request, RequestStatus
 from tandem.runner.model_runner import Logprobs, ModelRunner, StepHandle
@@ -22,22 +24,6 @@ from tandem.scheduler.output import SchedulerOutput
 from tandem.scheduler.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[Logprobs] | None
-    finished: bool
-    finish_reason: FinishReason | None
-    stop_reason: int | str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    error: str | None = None
-    queue_time: float | None = None  # seconds from arrival to first scheduling
 
 
 @dataclass(slots=True)
@@ -52,6 +38,29 @@ class EngineStats:
     num_prompt_tokens: int  # prompt tokens admitted so far
     num_generation_tokens: int  # output tokens produced so far
     num_preemptions: int
+
+
+def check_new_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      in_use: Container[str], vocab_size: int, max_model_len: int) -> None:
+    """ValueError, naming what is wrong, for a request no engine could take (the rules of add_request)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError("request_id must be a non-empty string")
+    if request_id in in_use:
+        raise ValueError(f"request_id {request_id!r} is already in use")
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    for t in prompt_token_ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise ValueError(f"prompt token id {t!r} is not an integer in [0, {vocab_size})")
+    num_prompt = len(prompt_token_ids)
+    if num_prompt >= max_model_len:
+        raise ValueError(f"the prompt has {num_prompt} tokens but the context limit (max_model_len) is "
+                         f"{max_model_len}: at most {max_model_len - 1} prompt tokens fit")
+    if params.max_tokens is not None and num_prompt + params.max_tokens > max_model_len:
+        raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {num_prompt} tokens exceeds the "
+                         f"context limit of {max_model_len} tokens")
 
 
 class EngineCore:
@@ -102,29 +111,9 @@ class EngineCore:
     # ---------------------------------------------------------------- requests
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id must be a non-empty string")
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        for t in prompt_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is not an integer in [0, {vocab})")
+        check_new_request(request_id, prompt_token_ids, params, self._requests, self.model_config.vocab_size,
+                          self.max_model_len)
         num_prompt = len(prompt_token_ids)
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {num_prompt} tokens but the context limit (max_model_len) is "
-                f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens fit"
-            )
-        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} plus the prompt's {num_prompt} tokens exceeds the context "
-                f"limit of {self.max_model_len} tokens"
-            )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = Request(
             request_id=request_id,

@@ -1,11 +1,35 @@
-"""RequestOutput / CompletionOutput: what generate() and the server hand back to callers."""
+"""EngineOutput (one step's result for one request, also its wire form) and RequestOutput / CompletionOutput:
+what the engine, generate() and the server hand back to callers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
+from tandem.request import FinishReason
+
+# One output token's log-probabilities as the runner reports them: (chosen logprob, [(token id, logprob)] top-n).
+Logprobs = tuple[float, list[tuple[int, float]]]
+
 # Per output token: {token_id: logprob} holding the chosen token and the top-n alternatives.
 SampleLogprobs = list[dict[int, float]]
+
+
+class EngineOutput(msgspec.Struct, array_like=True):
+    """What one step produced for one request. A msgspec struct because the engine-core process sends these
+    objects themselves to the API processes: no per-token copy into another message type."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] | None
+    finished: bool
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+    queue_time: float | None = None  # seconds from arrival to first scheduling
 
 
 @dataclass(slots=True)

@@ -136,7 +136,7 @@ class AsyncEngine:
         self._started = True
 
     def add(self, requests: list[tuple[str, list[int], SamplingParams]], stream: asyncio.Queue) -> None:
-        """Submits requests whose items (Accepted, then TokenOutputs / Rejected / Failed) go to stream.
+        """Submits requests whose items (Accepted, then EngineOutputs / Rejected / Failed) go to stream.
 
         All or none are submitted: raises QueueFullError if they do not fit under max_queue.
         """

@@ -19,10 +19,11 @@ import msgspec
 import zmq
 
 from tandem.config import EngineConfig
+from tandem.outputs import EngineOutput
 from tandem.request import FinishReason
 from tandem.server.messages import (
     AbortRequest, AddRequest, ClientCommand, EngineBatch, EngineFailed, EngineInfo, Rejection, Shutdown,
-    TokenOutput, stats_to_wire)
+    stats_to_wire)
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +162,7 @@ class EngineCoreLoop:
                 continue  # aborted meanwhile
             if out.finished:
                 del self._client_of[out.request_id]
-            reason = out.finish_reason.value if out.finish_reason is not None else None
-            self._batches[client].outputs.append(TokenOutput(
-                out.request_id, out.new_token_ids, out.new_logprobs, out.finished, reason, out.stop_reason,
-                out.num_prompt_tokens, out.num_cached_tokens, out.error, out.queue_time))
+            self._batches[client].outputs.append(out)
 
     def _fail_live(self, message: str) -> None:
         live, self._client_of = self._client_of, {}
@@ -201,8 +199,8 @@ class EngineCoreLoop:
         return EngineBatch([], [], [], None, self.engine_index)
 
 
-def _failed(request_id: str, message: str) -> TokenOutput:
-    return TokenOutput(request_id, [], None, True, FinishReason.ABORT.value, None, 0, 0, error=message)
+def _failed(request_id: str, message: str) -> EngineOutput:
+    return EngineOutput(request_id, [], None, True, FinishReason.ABORT, None, 0, 0, error=message)
 
 
 # ---- process entry ---------------------------------------------------------------------------------

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from tandem.outputs import EngineOutput
 from tandem.sampling_params import SamplingParams
-
-# One output token with logprobs as the runner reports it: (chosen logprob, [(token id, logprob)] top-n).
-WireLogprobs = tuple[float, list[tuple[int, float]]]
 
 
 # ---- API process -> engine core (one message holds every command a client had ready) ---------
@@ -36,21 +34,6 @@ ClientCommand = AddRequest | AbortRequest | Shutdown
 # ---- engine core -> one API process (one message per engine step) ------------------------
 
 
-class TokenOutput(msgspec.Struct, array_like=True):
-    """What one step produced for one request (EngineOutput on the wire)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[WireLogprobs] | None
-    finished: bool
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    error: str | None = None
-    queue_time: float | None = None
-
-
 class Rejection(msgspec.Struct, array_like=True):
     request_id: str
     message: str
@@ -73,7 +56,7 @@ class WireStats(msgspec.Struct, array_like=True):
 
 
 class EngineBatch(msgspec.Struct, tag="batch", array_like=True):
-    outputs: list[TokenOutput] = []
+    outputs: list[EngineOutput] = []  # the engine's own outputs go on the wire as they are
     accepted: list[str] = []
     rejected: list[Rejection] = []
     stats: WireStats | None = None

@@ -16,22 +16,8 @@ from tandem.sampling_params import SamplingParams
 from tandem.server import protocol as p
 from tandem.server.async_engine import Accepted, AsyncEngine, Failed, QueueFullError, Rejected
 from tandem.server.engine_core import EngineCoreLoop
-from tandem.server.messages import TokenOutput
+from tandem.outputs import EngineOutput
 from tandem.server.protocol import ApiError, loc_to_param, parse_body
-
-
-@dataclass
-class FakeOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    new_logprobs: list | None = None
-    num_prompt_tokens: int = 1
-    num_cached_tokens: int = 0
-    error: str | None = None
-    queue_time: float | None = None
 
 
 @dataclass
@@ -80,7 +66,7 @@ class FakeCore:
         for rid in list(self.requests):
             self.requests[rid] -= 1
             done = self.requests[rid] == 0
-            outputs.append(FakeOutput(rid, [7], done, FinishReason.LENGTH if done else None))
+            outputs.append(EngineOutput(rid, [7], None, done, FinishReason.LENGTH if done else None, None, 1, 0))
             if done:
                 del self.requests[rid]
         return outputs
@@ -152,7 +138,7 @@ def test_outputs_flow_and_engine_runs_in_its_own_loop():
         items = await _drain(stream, 2)
         assert any(isinstance(i, Rejected) and i.request_id == "b" and i.status == 400 for i in items)
         assert [i for i in items if isinstance(i, Accepted)] == [Accepted("a")]
-        outs = [i for i in items if isinstance(i, TokenOutput)]
+        outs = [i for i in items if isinstance(i, EngineOutput)]
         assert sum(len(i.new_token_ids) for i in outs) == 3 and outs[-1].finish_reason == "length"
         assert h.core.threads == {"tandem-engine"}
         assert engine.num_requests == 0
