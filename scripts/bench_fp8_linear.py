@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import graph_ms  # noqa: E402  (CUDA-graph timing with the L2 flushed before every call)
+from bench_kernels import copy_bandwidth_gbs, graph_ms  # noqa: E402  (graph_ms: CUDA graphs, L2 flushed per call)
 
 from tandem.kernels.triton_quant import fp8_matmul_tile, fp8_weight_matmul_triton  # noqa: E402
 from tandem.layers.quantization import quantize_activation_per_token, quantize_weight_fp8  # noqa: E402
@@ -37,21 +37,6 @@ SHAPES = {
 }
 ROWS = [1, 8, 16, 32, 64, 128, 256]
 SWEEP_ROWS = (1, 32)
-
-
-def median_ms(fn, rep: int = 100) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
-
-
-def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def scaled_mm_path(x, q, scale):  # what fp8_linear runs above SMALL_M
