@@ -50,12 +50,17 @@ class Embedding(nn.Module):
 
 
 
-def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[n, hidden] x [vocab, hidden]^T -> [n, vocab] float32.
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, hidden] x [vocab, hidden]^T -> [n, vocab] in the weight's dtype (bf16 on the GPU: the sampler reads
+    half the bytes, and greedy argmax needs no float32 copy; bf16 -> fp32 is exact where a path needs it).
 
     On the CPU a few rows against a vocabulary-sized weight run ~30% faster as W @ h^T (the long
-    vocabulary dimension becomes the GEMM's M); on CUDA cuBLAS picks well either way.
+    vocabulary dimension becomes the GEMM's M); on CUDA cuBLAS picks well either way. `out` ([n, vocab], the
+    weight's dtype) receives the result when given.
     """
     if hidden.device.type == "cpu" and hidden.shape[0] <= 64:
-        return torch.mm(weight, hidden.t()).t().float()
-    return F.linear(hidden, weight).float()
+        logits = torch.mm(weight, hidden.t()).t()
+        return logits if out is None else out.copy_(logits)
+    if out is not None:
+        return torch.mm(hidden, weight.t(), out=out)  # straight into a static buffer (the decode graphs')
+    return F.linear(hidden, weight)

@@ -217,9 +217,10 @@ class ParallelLMHead(Linear):
         return _vocab_shard(tensor, self.vocab_size, self.tp)
 
 
-def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: ParallelConfig) -> torch.Tensor:
-    """[n, hidden] against this rank's vocabulary rows, all-gathered: [n, vocab] float32, the same on every rank."""
-    local = lm_head_logits(hidden, weight)
+def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: ParallelConfig,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, hidden] against this rank's vocabulary rows, all-gathered: [n, vocab] in the weight's dtype, the same on every rank."""
     if tp.size == 1:
-        return local
-    return all_gather_last_dim(local, tp.size)[:, :vocab_size]
+        return lm_head_logits(hidden, weight, out)
+    logits = all_gather_last_dim(lm_head_logits(hidden, weight), tp.size)[:, :vocab_size]
+    return logits if out is None else out.copy_(logits)

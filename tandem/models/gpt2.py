@@ -110,8 +110,9 @@ class GPT2LMHeadModel(nn.Module):
             hidden = block(hidden, kv_cache[i, 0], kv_cache[i, 1], meta)
         return self.transformer.ln_f(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        return parallel_logits(hidden, self.transformer.wte.weight, self.config.vocab_size, self.tp)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] in the model dtype (into `out` when given)."""
+        return parallel_logits(hidden, self.transformer.wte.weight, self.config.vocab_size, self.tp, out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face (name, tensor or lazy slice) pairs; each rank keeps only its shard."""

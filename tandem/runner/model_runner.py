@@ -97,8 +97,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             if config.cuda_graph:
-                # [max_num_seqs, vocab] float32, outside the graph pool: every graph writes its rows here.
-                self._graph_logits = torch.empty(self.max_num_seqs, mc.vocab_size, dtype=torch.float32,
+                # [max_num_seqs, vocab] in the model dtype, outside the graph pool: every graph writes its rows here.
+                self._graph_logits = torch.empty(self.max_num_seqs, mc.vocab_size, dtype=self.dtype,
                                                  device=self.device)
                 t0 = time.perf_counter()
                 with torch.inference_mode():
@@ -185,8 +185,9 @@ class ModelRunner:
     # ---------------------------------------------------------------- forward
 
     def _forward(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
-                 all_rows: bool) -> torch.Tensor:
-        """Carry-over, forward and logits on the slot's static device buffers; returns [num_seqs, vocab]."""
+                 all_rows: bool, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Carry-over, forward and logits on the slot's static device buffers; returns [num_seqs, vocab]
+        (written into `logits_out` when given)."""
         buf, prev = self.buffers[slot], self.buffers[1 - slot]
         ints, longs = buf.ints.dev, buf.longs.dev
         input_ids = ints["input_ids"][:num_tokens]
@@ -206,13 +207,12 @@ class ModelRunner:
         hidden = self.model(input_ids, ints["positions"][:num_tokens], self.kv_cache, meta)
         if not all_rows:
             hidden = hidden.index_select(0, ints["logits_indices"][:num_seqs])
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, logits_out)
 
     def _decode_step_fn(self, slot: int, batch_size: int) -> torch.Tensor:
-        logits = self._forward(slot, batch_size, batch_size, 1, self.max_model_len, all_rows=True)
-        out = self._graph_logits[:batch_size]
-        out.copy_(logits)  # the pool's temporary is freed at the end of capture and reused by smaller graphs
-        return out
+        # The lm_head GEMM writes straight into the static logits rows the sampling graphs read.
+        return self._forward(slot, batch_size, batch_size, 1, self.max_model_len, all_rows=True,
+                             logits_out=self._graph_logits[:batch_size])
 
     def _decode_sample_fn(self, slot: int, batch_size: int, variant: SamplerVariant) -> None:
         # All batch_size rows are sampled (padding rows too: their outputs are never downloaded or carried).

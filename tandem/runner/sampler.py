@@ -56,7 +56,7 @@ class SamplerOutput:
 
 
 def sample(
-    logits: torch.Tensor,  # [B, V] float32
+    logits: torch.Tensor,  # [B, V] model dtype (bf16 / fp16 / fp32)
     temperature: torch.Tensor,  # [B] float32, 0 = greedy
     top_k: torch.Tensor,  # [B] int32
     top_p: torch.Tensor,  # [B] float32
@@ -66,10 +66,13 @@ def sample(
     any_top_k_top_p: bool,
     num_logprobs: int,  # -1: none; 0: the chosen token's only; n: plus the top n
 ) -> SamplerOutput:
+    # Greedy reads the logits as they are: bf16 -> fp32 is exact, so the argmax (first index on ties) is the
+    # same, without a float32 copy of a [B, vocab] tensor. Everything else computes in float32.
     greedy_ids = logits.argmax(dim=-1)
     if all_greedy:
         token_ids = greedy_ids
     else:
+        logits = logits.float()
         greedy = temperature == 0.0
         scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
         if any_top_k_top_p:
@@ -79,7 +82,7 @@ def sample(
         token_ids = torch.where(greedy, greedy_ids, race.argmax(dim=-1))
     if num_logprobs < 0:
         return SamplerOutput(token_ids, None, None, None)
-    logprobs_all = torch.log_softmax(logits, dim=-1)
+    logprobs_all = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs_all.gather(1, token_ids[:, None])[:, 0]
     if num_logprobs == 0:
         return SamplerOutput(token_ids, chosen, None, None)
