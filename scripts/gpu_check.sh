@@ -7,7 +7,7 @@
 #   STAGE      tests | bench | serve | all (default all: tests + bench; serve runs only when named)
 #   SERVE      for STAGE=serve: semicolon list of `tandem bench --workload serve` argument strings, one
 #              server run each (default: llama-3-8b 512 x 256 with 256 in flight + its --sync peer; gpt2
-#              1000 x 256 all in flight with 8 API processes, the stream pass and Poisson 400 req/s)
+#              1000 x 256 all in flight with 6 API processes and 4 clients, the stream pass and Poisson 400 req/s)
 #   WORKLOADS  comma list for `tandem bench` (default bs1,seed-async,nano,prefix); each runs in its own process
 #   SCALE      --scale for `tandem bench` (default 1.0); PEERS  --peers (default: the CLI's hf,sync,eager)
 #   QUANTIZATION  --quantization for `tandem bench` (fp8; with PEERS=bf16 each workload reports fp8 / bf16)
@@ -160,7 +160,7 @@ print(f"bench.json: {len(results)} workload(s)" + (f", missing {missing}" if mis
 EOF
 }
 
-SERVE=${SERVE:-"--serve-model llama-3-8b --serve-requests 512 --serve-max-num-seqs 256 --api-server-count 1 --num-clients 4 --serve-sync;--serve-model gpt2 --serve-requests 1000 --api-server-count 8 --num-clients 8 --serve-stream --serve-poisson-rate 400 --serve-profile"}
+SERVE=${SERVE:-"--serve-model llama-3-8b --serve-requests 512 --serve-max-num-seqs 256 --api-server-count 1 --num-clients 4 --serve-sync;--serve-model gpt2 --serve-requests 1000 --api-server-count 6 --num-clients 4 --serve-stream --serve-poisson-rate 400"}
 
 serve_stage() {
   local i=0 spec
