@@ -26,7 +26,7 @@ from tandem.outputs import EngineOutput
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
 from tandem.server.messages import (
-    AbortRequest, AddRequest, ClientCommand, EngineBatch, WireStats, merge_stats)
+    AbortRequest, AddRequest, ClientCommand, EngineBatch, WireStats, merge_reported)
 from tandem.server.router import ReplicaRouter
 
 logger = logging.getLogger(__name__)
@@ -203,10 +203,7 @@ class DataParallelEngine:
 
     def stats(self) -> WireStats | None:
         """The replicas' latest figures merged (None until each has reported)."""
-        parts = self._replica_stats
-        if any(p is None for p in parts):
-            return None
-        return merge_stats(parts)  # type: ignore[arg-type]
+        return merge_reported(self._replica_stats)
 
     def start_timeline(self) -> None:
         raise ValueError("timeline profiling needs data_parallel_size=1: the replicas' GPUs are in other processes")

@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
-from tandem.server.messages import AbortRequest, AddRequest, ClientCommand, EngineBatch, WireStats, merge_stats
+from tandem.server.messages import AbortRequest, AddRequest, ClientCommand, EngineBatch, WireStats, merge_reported
 from tandem.server.router import ReplicaRouter
 
 logger = logging.getLogger(__name__)
@@ -104,10 +104,7 @@ class AsyncEngine:
     @property
     def stats(self) -> WireStats | None:
         """The engines' latest figures, merged over replicas (None until every replica has reported)."""
-        parts = self._replica_stats
-        if any(p is None for p in parts):
-            return None
-        return parts[0] if len(parts) == 1 else merge_stats(parts)  # type: ignore[arg-type]
+        return merge_reported(self._replica_stats)
 
     @property
     def num_requests(self) -> int:

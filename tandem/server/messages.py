@@ -85,6 +85,13 @@ def stats_to_wire(stats: object) -> WireStats:
     return WireStats(**{name: getattr(stats, name) for name in WireStats.__struct_fields__})
 
 
+def merge_reported(parts: list[WireStats | None]) -> WireStats | None:
+    """The replicas' latest figures as one view; None until every replica has reported."""
+    if any(p is None for p in parts):
+        return None
+    return parts[0] if len(parts) == 1 else merge_stats(parts)  # type: ignore[arg-type]
+
+
 def merge_stats(parts: list[WireStats]) -> WireStats:
     """One view of several replicas: counts add up; KV usage is over all blocks; the hit rate is the mean."""
     total = {name: sum(getattr(p, name) for p in parts) for name in WireStats.__struct_fields__}
