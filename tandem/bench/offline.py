@@ -275,6 +275,24 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         r.update(token_agreement(r["_outputs"], main["_outputs"]))
         r["weight_bytes"] = model_cost(llm.engine.runner.model, llm.engine.model_config).weight_bytes
         peer_results["tandem bf16"] = r
+    if "nogemv" in peers and device.startswith("cuda"):
+        # The same engine with every linear on cuBLAS / the FP8 tile GEMM (no decode GEMV kernel), fresh.
+        if llm is not None:
+            llm.shutdown()
+        llm = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        saved = os.environ.get("TANDEM_GEMV_MAX_ROWS")
+        os.environ["TANDEM_GEMV_MAX_ROWS"] = "0"
+        try:
+            r = run_fresh_tandem(llm_kwargs, requests, warm)
+        finally:
+            if saved is None:
+                del os.environ["TANDEM_GEMV_MAX_ROWS"]
+            else:
+                os.environ["TANDEM_GEMV_MAX_ROWS"] = saved
+        r.update(token_agreement(r["_outputs"], main["_outputs"]))
+        peer_results["tandem without GEMV"] = r
     _add_peers(result, main, peer_results)
     if llm is not None:
         llm.shutdown()
@@ -306,7 +324,7 @@ def bench_data_parallel(result: dict[str, Any], peer_results: dict[str, Any], w:
         r["same_tokens_as_main"] = r["_outputs"] == main["_outputs"]
         r.update(token_agreement(r["_outputs"], main["_outputs"]))
         peer_results["tandem DP=1"] = r
-    skipped = sorted(set(peers) & {"sync", "eager", "noprefix", "bf16", "tp1"})
+    skipped = sorted(set(peers) & {"sync", "eager", "noprefix", "bf16", "tp1", "nogemv"})
     if skipped:
         result["peers_not_run"] = {p: "needs data_parallel_size=1" for p in skipped}
     result.update({
@@ -441,7 +459,8 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
                        help="comma list: hf (transformers), sync, eager (no CUDA graphs), noprefix, "
                             "bf16 (with --quantization: the unquantized engine, for the fp8 / bf16 ratio), "
                             "tp1 (with --tensor-parallel-size N > 1: the same run on one GPU, in a fresh engine), "
-                            "dp1 (with --data-parallel-size M > 1: the same run on one engine, in a fresh LLM); "
+                            "dp1 (with --data-parallel-size M > 1: the same run on one engine, in a fresh LLM), "
+                            "nogemv (CUDA: a fresh engine without the decode GEMV kernel, TANDEM_GEMV_MAX_ROWS=0); "
                             "with M > 1 only hf and dp1 run")
     bench.add_argument("--quantization", default=None, choices=["fp8"],
                        help="run tandem with FP8 weights (roofline on FP8 bytes)")

@@ -9,6 +9,11 @@ import torch
 from tandem.kernels.reference import paged_attention_ref, write_kv_ref
 from tandem.layers.attention_metadata import AttentionMetadata
 
+# Linears of at most this many rows run kernels/triton_gemv.py on CUDA: at one decode row cuBLAS picks
+# split-K GEMMs that stream the weight at ~0.81 of copy bandwidth plus a reduce kernel; the GEMV reads each
+# weight element once, from one program, and fuses silu(gate) * up into the gate/up projection.
+GEMV_MAX_ROWS = 4
+
 
 def write_kv(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -37,6 +42,14 @@ def paged_attention(
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+
+
+def use_gemv(x: torch.Tensor, in_features: int) -> bool:
+    """Whether a linear on x ([..., in_features]) runs the weight-streaming GEMV: Triton kernels are on for
+    x and it holds at most TANDEM_GEMV_MAX_ROWS rows (4; 0 turns the kernel off). Read per call, so eager
+    runs follow the variable; a CUDA graph keeps whatever its capture chose."""
+    max_rows = int(os.environ.get("TANDEM_GEMV_MAX_ROWS", GEMV_MAX_ROWS))
+    return 0 < x.numel() <= max_rows * in_features and use_triton(x)
 
 
 def use_triton(x: torch.Tensor) -> bool:

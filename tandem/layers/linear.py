@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.ops import use_gemv
+from tandem.layers.activation import silu_and_mul
 from tandem.layers.quantization import FP8_DTYPE, fp8_linear, fp8_supported_shape, quantize_weight_fp8
 
 
@@ -23,9 +25,24 @@ class Linear(nn.Module):
         self.register_buffer("weight_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_gemv(x, self.in_features):
+            return self._gemv(x, gated=False)
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this merged gate/up projection (gate rows first): one weight-streaming kernel at
+        decode batch sizes on CUDA, else the projection followed by silu_and_mul."""
+        if use_gemv(x, self.in_features):
+            return self._gemv(x, gated=True)
+        return silu_and_mul(self(x))
+
+    def _gemv(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
+        from tandem.kernels.triton_gemv import gemv_triton  # lazy: CPU runs never import Triton
+
+        out = gemv_triton(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias, gated=gated)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def quantize_fp8_(self) -> bool:
         """Replaces the loaded weight by its FP8 copy and per-output-channel scales (the high-precision copy

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import ModelConfig, ParallelConfig
-from tandem.layers.activation import silu_and_mul
 from tandem.layers.attention import Attention
 from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.layers.parallel import (
@@ -94,7 +93,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):

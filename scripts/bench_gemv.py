@@ -1,0 +1,207 @@
+"""Decode GEMV benchmark on CUDA: the weight-streaming Triton GEMV against what runs without it.
+
+    python scripts/bench_gemv.py --out out/gemv.json [--sweep] [--rows 1,2,4] [--workers 8]
+
+For the projections of the Llama-2-7B and Llama-3-8B shapes at a few rows it times `gemv_triton` (gate_up with
+silu(gate) * up fused) against the path it replaces: bf16 `F.linear` (cuBLAS) and the FP8 tile GEMM
+(`fp8_weight_matmul_triton`), each followed by the `silu_and_mul` kernel for gate_up. Every time is GPU time from
+a CUDA graph that calls the kernel on enough copies of the weight (>= 4x the L2 size in all) that each call
+streams its weight from HBM, as a decode step does layer after layer; no L2 flush kernel is needed (a flush by
+writes would leave dirty lines for the timed kernel to write back). Weight bytes over the time, as a fraction
+of a device-to-device copy bandwidth measured in the same run, is BENCHMARKS.md's roofline convention.
+
+--sweep times a grid of tiles (BLOCK_N, BLOCK_K, num_warps, PREFETCH) at one row per shape and reports the best
+beside `gemv_config`'s choice. The grid's kernels are compiled first by --workers processes in parallel (into
+Triton's on-disk cache, which the timing process then reads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernels import copy_bandwidth_gbs  # noqa: E402
+
+from tandem.kernels.triton_fused import silu_and_mul_triton  # noqa: E402
+from tandem.kernels.triton_gemv import gemv_config, gemv_triton  # noqa: E402
+from tandem.kernels.triton_quant import fp8_weight_matmul_triton  # noqa: E402
+from tandem.layers.quantization import quantize_weight_fp8  # noqa: E402
+
+# (name, weight rows N, K, gated): gate_up holds gate then up and yields N / 2 outputs.
+SHAPES = {
+    "llama-2-7b": [("qkv", 12288, 4096, False), ("o", 4096, 4096, False), ("gate_up", 22016, 4096, True),
+                   ("down", 4096, 11008, False)],
+    "llama-3-8b": [("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 28672, 4096, True),
+                   ("down", 4096, 14336, False)],
+}
+DTYPES = ("bf16", "fp8")
+
+
+def sweep_grid(weight_bytes: int, gated: bool) -> list[dict]:
+    """Tiles worth timing: the fp32 accumulators ([BLOCK_N, BLOCK_K] per program, twice when gated) kept
+    between 8 and 64 per thread (more spills or starves occupancy in sm_90 ptxas reports)."""
+    grid = []
+    bks = (256, 512, 1024) if weight_bytes == 2 else (512, 1024, 2048)
+    for bn, bk, warps, prefetch in itertools.product((2, 4, 8, 16, 32), bks, (2, 4, 8), (False, True)):
+        per_thread = (2 if gated else 1) * bn * bk // (32 * warps)
+        if 8 <= per_thread <= 64:
+            grid.append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "PREFETCH": prefetch})
+    return grid
+
+
+def make_weights(n: int, k: int, dtype: str, copies: int, device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    gen = torch.Generator(device=device).manual_seed(n + k)
+    out = []
+    for _ in range(copies):
+        w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+        out.append(quantize_weight_fp8(w) if dtype == "fp8" else (w, None))
+    return out
+
+
+def graph_us(calls: list, reps: int = 3) -> float:
+    """GPU microseconds per call, from replays of a CUDA graph that runs every call of `calls` reps times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:  # compile, allocate outside the capture
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(reps):
+            for fn in calls:
+                fn()
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2] * 1e3 / (reps * len(calls))
+
+
+def baseline(x, w, s, gated):
+    y = F.linear(x, w) if s is None else fp8_weight_matmul_triton(x, w, s, None)
+    return silu_and_mul_triton(y) if gated else y
+
+
+def _compile_worker(jobs: list[tuple[int, int, str, bool, int, dict]]) -> int:
+    """Runs each (n, k, dtype, gated, m, config) once on a small weight of the same K: the kernel lands in
+    Triton's disk cache (N only changes MASK_N, which the job list covers through n)."""
+    device = torch.device("cuda")
+    done = 0
+    for n, k, dtype, gated, m, cfg in jobs:
+        w, s = make_weights(n, k, dtype, 1, device)[0]
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        try:
+            gemv_triton(x, w, s, None, gated=gated, config=cfg)
+            done += 1
+        except Exception:  # out of resources: the timing pass skips it too
+            pass
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(jobs: list, workers: int) -> None:
+    if workers <= 1 or not jobs:
+        return
+    t0 = time.time()
+    chunks = [jobs[i::workers] for i in range(workers)]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        done = sum(pool.map(_compile_worker, chunks))
+    print(f"precompiled {done}/{len(jobs)} kernels in {time.time() - t0:.0f}s with {workers} processes", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--rows", default="1,2,4", help="row counts M to time with the default tile")
+    parser.add_argument("--workers", type=int, default=8, help="processes that precompile the sweep's kernels")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs CUDA")
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    sms, l2 = props.multi_processor_count, getattr(props, "L2_cache_size", 50 << 20)
+    copy_gbs = copy_bandwidth_gbs(device)
+    print(f"{props.name}: copy {copy_gbs:.0f} GB/s, {sms} SMs, L2 {l2 >> 20} MiB", flush=True)
+    models, dtypes = args.models.split(","), args.dtypes.split(",")
+    rows_m = [int(v) for v in args.rows.split(",")]
+    shapes = [(model, *shape) for model in models for shape in SHAPES[model]]
+    if args.sweep:
+        jobs, seen = [], set()
+        for dtype in dtypes:
+            for _, _, n, k, gated in shapes:
+                for cfg in sweep_grid(1 if dtype == "fp8" else 2, gated):
+                    # Shapes share a compiled kernel unless the tile's masks differ.
+                    key = (dtype, gated, k % cfg["BLOCK_K"] == 0, (n // (2 if gated else 1)) % cfg["BLOCK_N"] == 0,
+                           tuple(sorted(cfg.items())))
+                    if key not in seen:
+                        seen.add(key)
+                        jobs.append((n, k, dtype, gated, 1, cfg))
+        precompile(jobs, args.workers)
+    results = []
+    for model, name, n, k, gated in shapes:
+        for dtype in dtypes:
+            wbytes = 1 if dtype == "fp8" else 2
+            copies = max(2, -(-4 * l2 // (n * k * wbytes)))
+            weights = make_weights(n, k, dtype, copies, device)
+            n_out = n // 2 if gated else n
+            for m in rows_m:
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                base = graph_us([lambda w=w, s=s: baseline(x, w, s, gated) for w, s in weights])
+                gemv = graph_us([lambda w=w, s=s: gemv_triton(x, w, s, None, gated=gated) for w, s in weights])
+                frac = lambda us: n * k * wbytes / (us * 1e-6) / 1e9 / copy_gbs  # noqa: E731
+                row = {"model": model, "proj": name, "N": n, "K": k, "gated": gated, "dtype": dtype, "M": m,
+                       "baseline_us": base, "gemv_us": gemv, "speedup": base / gemv,
+                       "baseline_copy_fraction": frac(base), "gemv_copy_fraction": frac(gemv),
+                       "gemv_config": gemv_config(m, n_out, k, wbytes, gated, sms)}
+                if args.sweep and m == 1:
+                    table = []
+                    for cfg in sweep_grid(wbytes, gated):
+                        try:
+                            us = graph_us([lambda w=w, s=s, c=cfg: gemv_triton(x, w, s, None, gated=gated, config=c)
+                                           for w, s in weights], reps=2)
+                        except Exception as exc:  # noqa: BLE001  out of shared memory / registers
+                            table.append({**cfg, "error": type(exc).__name__})
+                            continue
+                        table.append({**cfg, "us": round(us, 2), "copy_fraction": round(frac(us), 4)})
+                    timed = sorted((e for e in table if "us" in e), key=lambda e: e["us"])
+                    row["sweep"] = timed + [e for e in table if "us" not in e]
+                    if timed:
+                        row["best"] = timed[0]
+                results.append(row)
+                best = f"  best {row['best']}" if "best" in row else ""
+                print(f"{model:<11} {name:<8} {dtype:<5} M={m}  base {base:7.1f} us ({frac(base):.3f})  "
+                      f"gemv {gemv:7.1f} us ({frac(gemv):.3f})  x{base / gemv:.2f}{best}", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"benchmark": "decode_gemv", "device": props.name, "date": time.strftime("%Y-%m-%d"),
+                       "torch": torch.__version__, "copy_gbs": copy_gbs, "sms": sms, "l2_bytes": l2,
+                       "timing": "CUDA-graph replay over >= 4x L2 of weight copies, GPU time per call",
+                       "rows": results}, f, indent=2)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

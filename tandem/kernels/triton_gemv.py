@@ -1,0 +1,177 @@
+"""Weight-streaming GEMV for decode at a few rows: y = x W^T (* channel scale) (+ b) with W in bf16/fp16 or
+FP8 e4m3, and optionally silu(gate) * up of a merged gate/up weight in the same pass."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_tile(ptrs, row_mask, k_mask, MASK_ROWS: tl.constexpr, MASK_K: tl.constexpr):
+    # [rows, BLOCK_K]; masks are compile-time optional so full tiles keep 16-byte vector loads.
+    if MASK_ROWS:
+        if MASK_K:
+            tile = tl.load(ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        if MASK_K:
+            tile = tl.load(ptrs, mask=k_mask[None, :], other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def _channel_out(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # [BLOCK_M, BLOCK_N, BLOCK_K] partial products -> [BLOCK_M, BLOCK_N] fp32 outputs with scale and bias.
+    y = tl.sum(acc, axis=2)
+    if HAS_SCALE:
+        y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    return y
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, up_offset,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+    MASK_M: tl.constexpr, MASK_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Program = BLOCK_N output channels for all M (<= BLOCK_M) rows over the whole of K, so each weight
+    # element is read once, by one program, and no second kernel adds partial sums. Products accumulate in
+    # fp32 per K lane ([BLOCK_M, BLOCK_N, BLOCK_K]) and are reduced over K once, after the loop: no
+    # cross-thread reduction inside it. GATED: the program also reads the up rows (up_offset rows below
+    # its gate rows) and writes silu(gate) * up, each rounded as the unfused gemv + silu_and_mul round it.
+    # PREFETCH (needs EVEN_K): the next K tile's loads are issued before this tile's multiply-adds.
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    u_ptrs = w_ptrs + up_offset * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if PREFETCH:
+        x = _load_tile(x_ptrs, m_mask, offs_k, MASK_M, False)
+        w = _load_tile(w_ptrs, n_mask, offs_k, MASK_N, False)
+        if GATED:
+            u = _load_tile(u_ptrs, n_mask, offs_k, MASK_N, False)
+        for _ in range(BLOCK_K, K, BLOCK_K):
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+            x_next = _load_tile(x_ptrs, m_mask, offs_k, MASK_M, False)
+            w_next = _load_tile(w_ptrs, n_mask, offs_k, MASK_N, False)
+            xf = x.to(tl.float32)[:, None, :]
+            acc += xf * w.to(tl.float32)[None, :, :]
+            if GATED:
+                u_ptrs += BLOCK_K
+                u_next = _load_tile(u_ptrs, n_mask, offs_k, MASK_N, False)
+                acc_up += xf * u.to(tl.float32)[None, :, :]
+                u = u_next
+            x = x_next
+            w = w_next
+        xf = x.to(tl.float32)[:, None, :]
+        acc += xf * w.to(tl.float32)[None, :, :]
+        if GATED:
+            acc_up += xf * u.to(tl.float32)[None, :, :]
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (k0 + offs_k) < K
+            x = _load_tile(x_ptrs, m_mask, k_mask, MASK_M, not EVEN_K)
+            w = _load_tile(w_ptrs, n_mask, k_mask, MASK_N, not EVEN_K)
+            xf = x.to(tl.float32)[:, None, :]
+            acc += xf * w.to(tl.float32)[None, :, :]
+            if GATED:
+                u = _load_tile(u_ptrs, n_mask, k_mask, MASK_N, not EVEN_K)
+                acc_up += xf * u.to(tl.float32)[None, :, :]
+                u_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+
+    out_ty = out_ptr.dtype.element_ty
+    y = _channel_out(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE, HAS_BIAS)
+    if GATED:
+        y_up = _channel_out(acc_up, offs_n + up_offset, n_mask, s_ptr, b_ptr, HAS_SCALE, HAS_BIAS)
+        gate = y.to(out_ty).to(tl.float32)
+        silu = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)  # F.silu rounds before the multiply
+        y = silu * y_up.to(out_ty).to(tl.float32)
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, y.to(out_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def gemv_config(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int) -> dict[str, int | bool]:
+    """Tile from the shape alone (graph-safe). BLOCK_K spans ~1 KiB of a weight row (a 16-byte load per
+    thread of a warp, a few times over); BLOCK_N is narrowed until the grid has ~4 programs per SM, since
+    there is no split-K to widen it; the fp32 accumulators stay near 64 registers per thread."""
+    block_k = 1024 // weight_bytes
+    while block_k > 128 and (k % block_k or block_k >= 2 * k):  # a divisor of K keeps the prefetch path
+        block_k //= 2
+    block_m = triton.next_power_of_2(max(m, 1))
+    block_n = 16
+    while block_n > 1 and triton.cdiv(n, block_n) < 4 * sms:
+        block_n //= 2
+    num_warps = 4
+    accumulators = (2 if gated else 1) * block_m * block_n * block_k
+    while accumulators // (32 * num_warps) > 64 and num_warps < 16:
+        num_warps *= 2
+    while accumulators // (32 * num_warps) > 64 and block_n > 1:
+        block_n //= 2
+        accumulators //= 2
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "PREFETCH": k % block_k == 0, "num_warps": num_warps,
+            "num_stages": 1}
+
+
+def gemv_triton(
+    x: torch.Tensor,  # [M, K] bf16/fp16 (fp32 in the interpreter), unit inner stride
+    weight: torch.Tensor,  # [N, K] row-major: the model dtype, or float8_e4m3fn with weight_scale
+    weight_scale: torch.Tensor | None = None,  # [N, 1] fp32 for FP8 weights
+    bias: torch.Tensor | None = None,  # [N]
+    gated: bool = False,  # weight holds gate rows then up rows; returns silu(gate) * up, [M, N / 2]
+    config: dict[str, int | bool] | None = None,  # overrides gemv_config's tile (benchmarks, tests)
+) -> torch.Tensor:  # [M, N] (or [M, N / 2] gated) in x's dtype
+    """x W^T for M <= a few rows, streaming W once at close to copy bandwidth; no host sync, fixed grid
+    for a given shape, so it captures in CUDA graphs."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv_triton takes x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if gated and n % 2:
+        raise ValueError(f"gated gemv needs an even number of weight rows (gate then up), got {n}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    n_out = n // 2 if gated else n
+    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    if m == 0 or n_out == 0:
+        return out
+    sms = _num_sms(x.device.index) if x.is_cuda else 132
+    cfg = {**gemv_config(m, n_out, k, weight.element_size(), gated, sms), **(config or {})}
+    block_m = triton.next_power_of_2(m)
+    block_n, block_k = int(cfg.pop("BLOCK_N")), int(cfg.pop("BLOCK_K"))
+    even_k = k % block_k == 0
+    _gemv_kernel[(triton.cdiv(n_out, block_n),)](
+        x, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else x, out,
+        m, n_out, k, x.stride(0), weight.stride(0), out.stride(0), n_out,
+        HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, GATED=gated,
+        MASK_M=m != block_m, MASK_N=n_out % block_n != 0, EVEN_K=even_k,
+        PREFETCH=bool(cfg.pop("PREFETCH")) and even_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **cfg,
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
