@@ -2,13 +2,15 @@
 
     python scripts/bench_fp8_linear.py --out out/fp8_linear.json [--sweep]
 
-For the Llama-3-8B and Llama-2-7B projection shapes and several row counts M it times (inside CUDA graphs with the
-L2 cache flushed before every call, as a decode step streams each layer's weights cold) bf16 `F.linear`, the Triton FP8-weight GEMM (`fp8_weight_matmul_triton`, used up to SMALL_M rows) and
-the per-token-quantized `torch._scaled_mm` path (used above it, quantization kernel included), and reports each
-as weight GB/s and as a fraction of a device-to-device copy bandwidth measured in the same run (BENCHMARKS.md's
-roofline convention), plus the fp8 / bf16 speedup. Pick TANDEM_FP8_SMALL_M from where `triton` stops beating
-`scaled_mm`. --sweep also times a grid of Triton tiles and split-K counts per shape at M in SWEEP_ROWS and reports
-the best beside the default that `fp8_matmul_tile` picks (for tuning that heuristic).
+For the Llama-3-8B and Llama-2-7B projection shapes and several row counts M it times bf16 `F.linear`, the Triton
+FP8-weight GEMM (`fp8_weight_matmul_triton`: x not quantized), the W8A8 swap-AB GEMM (`fp8_w8a8_matmul_triton`:
+x quantized per token, both operands on the FP8 tensor cores) and the per-token-quantized `torch._scaled_mm`
+path (quantization kernel included in both W8A8 paths), and reports each as weight GB/s and as a fraction of a
+device-to-device copy bandwidth measured in the same run (BENCHMARKS.md's roofline convention), plus the fp8 /
+bf16 speedup. Times are GPU times from CUDA graphs that call each path on enough weight copies (>= 4x L2) that
+every call streams its weight from HBM, as a decode step does (bench_gemv.graph_us). --sweep also times a grid
+of tiles and split-K counts of the W8A8 GEMM per shape at M in SWEEP_ROWS and reports the best beside the default
+that `w8a8_tile` picks (for tuning that heuristic).
 """
 
 from __future__ import annotations
@@ -25,9 +27,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import copy_bandwidth_gbs, graph_ms  # noqa: E402  (graph_ms: CUDA graphs, L2 flushed per call)
+from bench_gemv import graph_us  # noqa: E402  (CUDA graphs over weight copies that overflow L2)
+from bench_kernels import copy_bandwidth_gbs  # noqa: E402
 
-from tandem.kernels.triton_quant import fp8_matmul_tile, fp8_weight_matmul_triton  # noqa: E402
+from tandem.kernels.triton_quant import (  # noqa: E402
+    fp8_matmul_tile,
+    fp8_w8a8_matmul_triton,
+    fp8_weight_matmul_triton,
+    w8a8_tile,
+)
 from tandem.layers.quantization import quantize_activation_per_token, quantize_weight_fp8  # noqa: E402
 
 # (name, N, K) of the fused projections.
@@ -35,8 +43,9 @@ SHAPES = {
     "llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
     "llama-2-7b": [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096), ("down", 4096, 11008)],
 }
-ROWS = [1, 8, 16, 32, 64, 128, 256]
-SWEEP_ROWS = (1, 32)
+ROWS = [1, 8, 16, 32, 64, 128]
+SWEEP_ROWS = (16, 32)
+PATHS = ("bf16", "triton", "w8a8", "scaled_mm")
 
 
 def scaled_mm_path(x, q, scale):  # what fp8_linear runs above SMALL_M
@@ -55,56 +64,60 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
     device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    sms, l2 = props.multi_processor_count, getattr(props, "L2_cache_size", 50 << 20)
     copy_gbs = copy_bandwidth_gbs(device)
-    print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s")
+    print(f"{props.name}: copy {copy_gbs:.0f} GB/s", flush=True)
+    sweep_rows = [int(v) for v in args.sweep_rows.split(",")]
     rows_out = []
     for model in args.models.split(","):
         for name, n, k in SHAPES[model]:
             gen = torch.Generator(device=device).manual_seed(0)
-            w = (torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
-            q, scale = quantize_weight_fp8(w)
+            copies = max(2, -(-4 * l2 // (n * k * 2)))  # enough bf16 copies to overflow L2 (fp8: half as many bytes)
+            bf16 = [(torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16) for _ in range(copies)]
+            fp8 = [quantize_weight_fp8(w) for w in bf16]
             for m in [int(v) for v in args.rows.split(",")]:
                 x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
-                t = {
-                    "bf16": graph_ms(lambda: F.linear(x, w)),
-                    "triton": graph_ms(lambda: fp8_weight_matmul_triton(x, q, scale, None)),
-                    "scaled_mm": graph_ms(lambda: scaled_mm_path(x, q, scale)),
+                calls = {
+                    "bf16": [lambda w=w: F.linear(x, w) for w in bf16],
+                    "triton": [lambda q=q, s=s: fp8_weight_matmul_triton(x, q, s, None) for q, s in fp8],
+                    "w8a8": [lambda q=q, s=s: fp8_w8a8_matmul_triton(x, q, s, None) for q, s in fp8],
+                    "scaled_mm": [lambda q=q, s=s: scaled_mm_path(x, q, s) for q, s in fp8],
                 }
-                row = {"model": model, "proj": name, "N": n, "K": k, "M": m, "ms": t,
-                       "copy_fraction": {
-                           "bf16": 2 * n * k / (t["bf16"] * 1e-3) / 1e9 / copy_gbs,
-                           "triton": n * k / (t["triton"] * 1e-3) / 1e9 / copy_gbs,
-                           "scaled_mm": n * k / (t["scaled_mm"] * 1e-3) / 1e9 / copy_gbs},
-                       "speedup_vs_bf16": {p: t["bf16"] / t[p] for p in ("triton", "scaled_mm")}}
-                if args.sweep and str(m) in args.sweep_rows.split(","):
-                    best, table = None, []
-                    for bn, warps, stages, split in itertools.product((32, 64, 128), (4, 8), (3, 4), (1, 2, 4, 8)):
-                        tile = {"BLOCK_N": bn, "BLOCK_K": 256 if k % 256 == 0 else 128, "num_warps": warps,
-                                "num_stages": stages, "SPLIT_K": split}
-                        try:
-                            ms = graph_ms(lambda: fp8_weight_matmul_triton(x, q, scale, None, tile), reps=10)
-                        except Exception:  # out of shared memory / registers for this tile
-                            continue
-                        table.append({"us": round(ms * 1e3, 2), **tile})
-                        if best is None or ms < best[0]:
-                            best = (ms, tile)
-                    row["sweep"] = sorted(table, key=lambda e: e["us"])
-                    if best is not None:
-                        row["best_triton_tile"] = {"ms": best[0], **best[1],
-                                                   "copy_fraction": n * k / (best[0] * 1e-3) / 1e9 / copy_gbs}
-                row["default_tile"] = fp8_matmul_tile(m, n, k, torch.cuda.get_device_properties(device).multi_processor_count)
+                t = {p: graph_us(calls[p]) for p in PATHS}
+                frac = {p: (2 if p == "bf16" else 1) * n * k / (t[p] * 1e-6) / 1e9 / copy_gbs for p in PATHS}
+                row = {"model": model, "proj": name, "N": n, "K": k, "M": m, "us": t, "copy_fraction": frac,
+                       "speedup_vs_bf16": {p: t["bf16"] / t[p] for p in PATHS if p != "bf16"},
+                       "default_tile": {"triton": fp8_matmul_tile(m, n, k, sms), "w8a8": w8a8_tile(m, n, k, sms)}}
+                if args.sweep and m in sweep_rows:
+                    row["sweep"] = {"w8a8": sweep(fp8, x, n, k, fp8_w8a8_matmul_triton, copy_gbs,
+                                                  itertools.product((64, 128), (128, 256), (4,), (3, 4, 5), (1, 2, 4, 8, 16)))}
+                    row["best_tile"] = {p: v[0] for p, v in row["sweep"].items() if v}
                 rows_out.append(row)
-                print(f"{model:<11} {name:<8} M={m:<4} bf16 {t['bf16'] * 1e3:8.1f} us  "
-                      f"triton {t['triton'] * 1e3:8.1f} us ({row['speedup_vs_bf16']['triton']:.2f}x)  "
-                      f"scaled_mm {t['scaled_mm'] * 1e3:8.1f} us ({row['speedup_vs_bf16']['scaled_mm']:.2f}x)"
-                      + (f"  best tile {row['best_triton_tile']}" if "best_triton_tile" in row else ""), flush=True)
-            del w, q, scale
+                best = "  best " + json.dumps(row["best_tile"]) if "best_tile" in row else ""
+                print(f"{model:<11} {name:<8} M={m:<4} " + "  ".join(
+                    f"{p} {t[p]:7.1f} us ({frac[p]:.2f})" for p in PATHS) + best, flush=True)
+            del bf16, fp8
             torch.cuda.empty_cache()
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows_out}, f, indent=2)
+            json.dump({"device": props.name, "copy_gbs": copy_gbs, "timing": "CUDA graphs over >= 4x L2 of weight copies",
+                       "rows": rows_out}, f, indent=2)
         print(f"wrote {args.out}")
+
+
+def sweep(fp8, x, n, k, fn, copy_gbs, grid) -> list[dict]:
+    """Every tile of the grid (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) timed; fastest first."""
+    table = []
+    for bn, bk, warps, stages, split in grid:
+        tile = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "SPLIT_K": split}
+        try:
+            us = graph_us([lambda q=q, s=s: fn(x, q, s, None, tile) for q, s in fp8], reps=2)
+        except Exception:  # noqa: BLE001  out of shared memory / registers for this tile
+            continue
+        table.append({"us": round(us, 2), "copy_fraction": round(n * k / (us * 1e-6) / 1e9 / copy_gbs, 4), **tile})
+    return sorted(table, key=lambda e: e["us"])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Decode GEMV benchmark on CUDA: the weight-streaming Triton GEMV against what runs without it.
 
-    python scripts/bench_gemv.py --out out/gemv.json [--sweep] [--rows 1,2,4] [--workers 8]
+    python scripts/bench_gemv.py --out out/gemv.json [--sweep] [--rows 1,2,4] [--sweep-rows 1,4] [--workers 8]
 
 For the projections of the Llama-2-7B and Llama-3-8B shapes at a few rows it times `gemv_triton` (gate_up with
 silu(gate) * up fused) against the path it replaces: bf16 `F.linear` (cuBLAS) and the FP8 tile GEMM
@@ -10,7 +10,7 @@ streams its weight from HBM, as a decode step does layer after layer; no L2 flus
 writes would leave dirty lines for the timed kernel to write back). Weight bytes over the time, as a fraction
 of a device-to-device copy bandwidth measured in the same run, is BENCHMARKS.md's roofline convention.
 
---sweep times a grid of tiles (BLOCK_N, BLOCK_K, num_warps, PREFETCH) at one row per shape and reports the best
+--sweep times a grid of tiles (BLOCK_N, BLOCK_K, num_warps, PREFETCH) at --sweep-rows (1 and 4) per shape and reports the best
 beside `gemv_config`'s choice. The grid's kernels are compiled first by --workers processes in parallel (into
 Triton's on-disk cache, which the timing process then reads).
 """
@@ -48,14 +48,16 @@ SHAPES = {
 DTYPES = ("bf16", "fp8")
 
 
-def sweep_grid(weight_bytes: int, gated: bool) -> list[dict]:
-    """Tiles worth timing: the fp32 accumulators ([BLOCK_N, BLOCK_K] per program, twice when gated) kept
-    between 8 and 64 per thread (more spills or starves occupancy in sm_90 ptxas reports)."""
+def sweep_grid(weight_bytes: int, gated: bool, rows: int) -> list[dict]:
+    """Tiles worth timing: weight elements per thread and K tile (both gate and up when gated) from 16 up to a
+    limit that halves with PREFETCH (two tiles live) and with several rows; above it sm_90 ptxas reports
+    ~255 registers or spills (checked offline for every tile of this grid)."""
     grid = []
-    bks = (256, 512, 1024) if weight_bytes == 2 else (512, 1024, 2048)
-    for bn, bk, warps, prefetch in itertools.product((2, 4, 8, 16, 32), bks, (2, 4, 8), (False, True)):
+    bks = (512, 1024, 2048) if weight_bytes == 2 else (1024, 2048, 4096)
+    for bn, bk, warps, prefetch in itertools.product((1, 2, 4, 8, 16), bks, (2, 4, 8), (False, True)):
         per_thread = (2 if gated else 1) * bn * bk // (32 * warps)
-        if 8 <= per_thread <= 64:
+        limit = (128 if weight_bytes == 2 else 64) // (2 if prefetch else 1) // (2 if rows > 1 else 1)
+        if 16 <= per_thread <= limit and not (rows > 1 and prefetch and bk == 2048 and weight_bytes == 2):
             grid.append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "PREFETCH": prefetch})
     return grid
 
@@ -133,6 +135,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--rows", default="1,2,4", help="row counts M to time with the default tile")
+    parser.add_argument("--sweep-rows", default="1,4", help="row counts M to sweep tiles at")
     parser.add_argument("--workers", type=int, default=8, help="processes that precompile the sweep's kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -144,18 +147,20 @@ def main() -> None:
     print(f"{props.name}: copy {copy_gbs:.0f} GB/s, {sms} SMs, L2 {l2 >> 20} MiB", flush=True)
     models, dtypes = args.models.split(","), args.dtypes.split(",")
     rows_m = [int(v) for v in args.rows.split(",")]
+    sweep_rows = [int(v) for v in args.sweep_rows.split(",")] if args.sweep else []
     shapes = [(model, *shape) for model in models for shape in SHAPES[model]]
     if args.sweep:
         jobs, seen = [], set()
         for dtype in dtypes:
             for _, _, n, k, gated in shapes:
-                for cfg in sweep_grid(1 if dtype == "fp8" else 2, gated):
-                    # Shapes share a compiled kernel unless the tile's masks differ.
-                    key = (dtype, gated, k % cfg["BLOCK_K"] == 0, (n // (2 if gated else 1)) % cfg["BLOCK_N"] == 0,
-                           tuple(sorted(cfg.items())))
-                    if key not in seen:
-                        seen.add(key)
-                        jobs.append((n, k, dtype, gated, 1, cfg))
+                for m in sweep_rows:
+                    for cfg in sweep_grid(1 if dtype == "fp8" else 2, gated, m):
+                        # Shapes share a compiled kernel unless the tile's masks differ.
+                        key = (dtype, gated, m, k % cfg["BLOCK_K"] == 0,
+                               (n // (2 if gated else 1)) % cfg["BLOCK_N"] == 0, tuple(sorted(cfg.items())))
+                        if key not in seen:
+                            seen.add(key)
+                            jobs.append((n, k, dtype, gated, m, cfg))
         precompile(jobs, args.workers)
     results = []
     for model, name, n, k, gated in shapes:
@@ -173,9 +178,9 @@ def main() -> None:
                        "baseline_us": base, "gemv_us": gemv, "speedup": base / gemv,
                        "baseline_copy_fraction": frac(base), "gemv_copy_fraction": frac(gemv),
                        "gemv_config": gemv_config(m, n_out, k, wbytes, gated, sms)}
-                if args.sweep and m == 1:
+                if m in sweep_rows:
                     table = []
-                    for cfg in sweep_grid(wbytes, gated):
+                    for cfg in sweep_grid(wbytes, gated, m):
                         try:
                             us = graph_us([lambda w=w, s=s, c=cfg: gemv_triton(x, w, s, None, gated=gated, config=c)
                                            for w, s in weights], reps=2)

@@ -12,23 +12,34 @@ import triton.language as tl
 
 @triton.jit
 def _load_tile(ptrs, row_mask, k_mask, MASK_ROWS: tl.constexpr, MASK_K: tl.constexpr):
-    # [rows, BLOCK_K]; masks are compile-time optional so full tiles keep 16-byte vector loads.
+    # A [rows, 1, BLOCK_K] (x) or [1, rows, BLOCK_K] (weight) tile, row_mask / k_mask shaped to broadcast
+    # against it; masks are compile-time optional so full tiles keep 16-byte vector loads.
     if MASK_ROWS:
         if MASK_K:
-            tile = tl.load(ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            tile = tl.load(ptrs, mask=row_mask & k_mask, other=0.0)
         else:
-            tile = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+            tile = tl.load(ptrs, mask=row_mask, other=0.0)
     else:
         if MASK_K:
-            tile = tl.load(ptrs, mask=k_mask[None, :], other=0.0)
+            tile = tl.load(ptrs, mask=k_mask, other=0.0)
         else:
             tile = tl.load(ptrs)
     return tile
 
 
 @triton.jit
+def _fma_tile(acc, x, w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+    # acc [BLOCK_M, BLOCK_N, BLOCK_K // VEC] += x [BLOCK_M, 1, BLOCK_K] * w [1, BLOCK_N, BLOCK_K], each thread
+    # first summing the VEC products of its own 16-byte weight vector (registers only, no shuffles), so the
+    # fp32 accumulator is VEC times smaller than the tile and more of the weight stream fits in flight.
+    # Both tiles are loaded 3-D so they share the weight's coalesced layout (no shared-memory shuffle).
+    p = x.to(tl.float32) * w.to(tl.float32)
+    return acc + tl.sum(tl.reshape(p, [BLOCK_M, BLOCK_N, BLOCK_K // VEC, VEC]), axis=3)
+
+
+@triton.jit
 def _channel_out(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # [BLOCK_M, BLOCK_N, BLOCK_K] partial products -> [BLOCK_M, BLOCK_N] fp32 outputs with scale and bias.
+    # [BLOCK_M, BLOCK_N, BLOCK_K // VEC] partial sums -> [BLOCK_M, BLOCK_N] fp32 outputs with scale and bias.
     y = tl.sum(acc, axis=2)
     if HAS_SCALE:
         y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
@@ -43,58 +54,57 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, up_offset,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
     MASK_M: tl.constexpr, MASK_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
 ):
     # Program = BLOCK_N output channels for all M (<= BLOCK_M) rows over the whole of K, so each weight
     # element is read once, by one program, and no second kernel adds partial sums. Products accumulate in
-    # fp32 per K lane ([BLOCK_M, BLOCK_N, BLOCK_K]) and are reduced over K once, after the loop: no
+    # fp32 per K group of VEC (one thread's 16-byte load) and are reduced over K once, after the loop: no
     # cross-thread reduction inside it. GATED: the program also reads the up rows (up_offset rows below
     # its gate rows) and writes silu(gate) * up, each rounded as the unfused gemv + silu_and_mul round it.
     # PREFETCH (needs EVEN_K): the next K tile's loads are issued before this tile's multiply-adds.
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)[None, None, :]
     m_mask = offs_m < M
     n_mask = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    x_rows = m_mask[:, None, None]
+    w_rows = n_mask[None, :, None]
+    x_ptrs = x_ptr + offs_m[:, None, None].to(tl.int64) * stride_xm + offs_k  # [BLOCK_M, 1, BLOCK_K]
+    w_ptrs = w_ptr + offs_n[None, :, None].to(tl.int64) * stride_wn + offs_k  # [1, BLOCK_N, BLOCK_K]
     u_ptrs = w_ptrs + up_offset * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     if PREFETCH:
-        x = _load_tile(x_ptrs, m_mask, offs_k, MASK_M, False)
-        w = _load_tile(w_ptrs, n_mask, offs_k, MASK_N, False)
+        x = _load_tile(x_ptrs, x_rows, offs_k, MASK_M, False)
+        w = _load_tile(w_ptrs, w_rows, offs_k, MASK_N, False)
         if GATED:
-            u = _load_tile(u_ptrs, n_mask, offs_k, MASK_N, False)
+            u = _load_tile(u_ptrs, w_rows, offs_k, MASK_N, False)
         for _ in range(BLOCK_K, K, BLOCK_K):
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-            x_next = _load_tile(x_ptrs, m_mask, offs_k, MASK_M, False)
-            w_next = _load_tile(w_ptrs, n_mask, offs_k, MASK_N, False)
-            xf = x.to(tl.float32)[:, None, :]
-            acc += xf * w.to(tl.float32)[None, :, :]
+            x_next = _load_tile(x_ptrs, x_rows, offs_k, MASK_M, False)
+            w_next = _load_tile(w_ptrs, w_rows, offs_k, MASK_N, False)
+            acc = _fma_tile(acc, x, w, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
             if GATED:
                 u_ptrs += BLOCK_K
-                u_next = _load_tile(u_ptrs, n_mask, offs_k, MASK_N, False)
-                acc_up += xf * u.to(tl.float32)[None, :, :]
+                u_next = _load_tile(u_ptrs, w_rows, offs_k, MASK_N, False)
+                acc_up = _fma_tile(acc_up, x, u, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
                 u = u_next
             x = x_next
             w = w_next
-        xf = x.to(tl.float32)[:, None, :]
-        acc += xf * w.to(tl.float32)[None, :, :]
+        acc = _fma_tile(acc, x, w, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
         if GATED:
-            acc_up += xf * u.to(tl.float32)[None, :, :]
+            acc_up = _fma_tile(acc_up, x, u, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
     else:
         for k0 in range(0, K, BLOCK_K):
             k_mask = (k0 + offs_k) < K
-            x = _load_tile(x_ptrs, m_mask, k_mask, MASK_M, not EVEN_K)
-            w = _load_tile(w_ptrs, n_mask, k_mask, MASK_N, not EVEN_K)
-            xf = x.to(tl.float32)[:, None, :]
-            acc += xf * w.to(tl.float32)[None, :, :]
+            x = _load_tile(x_ptrs, x_rows, k_mask, MASK_M, not EVEN_K)
+            w = _load_tile(w_ptrs, w_rows, k_mask, MASK_N, not EVEN_K)
+            acc = _fma_tile(acc, x, w, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
             if GATED:
-                u = _load_tile(u_ptrs, n_mask, k_mask, MASK_N, not EVEN_K)
-                acc_up += xf * u.to(tl.float32)[None, :, :]
+                u = _load_tile(u_ptrs, w_rows, k_mask, MASK_N, not EVEN_K)
+                acc_up = _fma_tile(acc_up, x, u, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
                 u_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -111,25 +121,21 @@ def _gemv_kernel(
 
 
 def gemv_config(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int) -> dict[str, int | bool]:
-    """Tile from the shape alone (graph-safe). BLOCK_K spans ~1 KiB of a weight row (a 16-byte load per
-    thread of a warp, a few times over); BLOCK_N is narrowed until the grid has ~4 programs per SM, since
-    there is no split-K to widen it; the fp32 accumulators stay near 64 registers per thread."""
-    block_k = 1024 // weight_bytes
+    """Tile from the shape alone (graph-safe), as measured on an H100 (scripts/bench_gemv.py --sweep, Llama
+    projection shapes): each program streams 2 KiB of each of its weight rows per K step, 4 rows (2 gate/up
+    pairs) at a time, with 2 warps for 16-bit weights and 4 for FP8 (same bytes, twice the elements), so
+    each thread holds 64 weight elements; narrower row blocks where N would leave SMs idle, and half the rows
+    per program at more than one row of x (the products of all rows are live at once)."""
+    block_k = 2048 // weight_bytes
     while block_k > 128 and (k % block_k or block_k >= 2 * k):  # a divisor of K keeps the prefetch path
         block_k //= 2
-    block_m = triton.next_power_of_2(max(m, 1))
-    block_n = 16
-    while block_n > 1 and triton.cdiv(n, block_n) < 4 * sms:
+    block_n = 2 if gated else 4
+    if m > 1:
         block_n //= 2
-    num_warps = 4
-    accumulators = (2 if gated else 1) * block_m * block_n * block_k
-    while accumulators // (32 * num_warps) > 64 and num_warps < 16:
-        num_warps *= 2
-    while accumulators // (32 * num_warps) > 64 and block_n > 1:
+    while block_n > 1 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
-        accumulators //= 2
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "PREFETCH": k % block_k == 0, "num_warps": num_warps,
-            "num_stages": 1}
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "PREFETCH": gated and weight_bytes == 2 and m == 1,
+            "num_warps": 2 if weight_bytes == 2 else 4, "num_stages": 1}
 
 
 def gemv_triton(
@@ -167,7 +173,7 @@ def gemv_triton(
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, GATED=gated,
         MASK_M=m != block_m, MASK_N=n_out % block_n != 0, EVEN_K=even_k,
         PREFETCH=bool(cfg.pop("PREFETCH")) and even_k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **cfg,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, VEC=min(16 // weight.element_size(), block_k), **cfg,
     )
     return out
 

@@ -180,6 +180,114 @@ def fp8_weight_matmul_triton(
     return out
 
 
+# ----------------------------------------------------------------------------- small-M W8A8 GEMM (swap AB)
+
+
+@triton.jit
+def _fp8_w8a8_kernel(
+    xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
+    M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Program = BLOCK_N output channels x BLOCK_M rows over K range [pid_k * K_SPLIT, +K_SPLIT). Both operands
+    # are e4m3 and go to the FP8 tensor cores as they are loaded (no widening in registers): the weight tile
+    # [BLOCK_N, BLOCK_K] is the MMA's A operand and the few token rows its narrow B operand ("swap AB": the
+    # MMA's M of 64 is filled by channels, not by the 1-32 tokens). acc[n, m] holds sum_k w[n, k] x[m, k];
+    # the token scale multiplies here, the channel scale and bias where the sum is final (here when SPLIT_K
+    # is 1, else in _split_k_reduce_kernel, partial sums added in split order: bitwise reproducible).
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_begin + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = xq_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_begin + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < k_end
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT_K == 1:
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws_ptrs = ws_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
+        tl.store(ws_ptrs, acc, mask=mask)
+
+
+def w8a8_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
+    """Tile and split-K of the W8A8 small-M GEMM from the shape alone (graph-safe, batch-invariant split):
+    64 channels per program (one warpgroup's MMA height), K tiles of 128, split over K until about two
+    programs per SM while each split keeps at least four K tiles."""
+    block_n, block_k = 64, 128
+    k_tiles = triton.cdiv(k, block_k)
+    split_k = 1
+    while split_k < 16 and triton.cdiv(n, block_n) * split_k * 2 <= 2 * sms and k_tiles // (split_k * 2) >= 4:
+        split_k *= 2
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 4}
+
+
+def fp8_w8a8_matmul_triton(
+    x: torch.Tensor,  # [M, K] bf16/fp16 (fp32 in the interpreter), unit inner stride
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn row-major
+    weight_scale: torch.Tensor,  # [N, 1] fp32
+    bias: torch.Tensor | None,  # [N]
+    tile: dict[str, int] | None = None,  # overrides BLOCK_N / BLOCK_K / SPLIT_K / num_warps / num_stages
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """x (W * scale)^T + b for up to a few dozen rows with x quantized per token (as _scaled_mm's path does):
+    FP8 x FP8 on the tensor cores, the weight read once, split over K where N alone is too narrow."""
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    xq, xs = quantize_per_token_triton(x) if x.is_cuda else _quantize_ref(x)
+    block_m = min(64, max(16, triton.next_power_of_2(m)))  # the MMA's N: more rows tile over the grid's third axis
+    sms = _num_sms(x.device.index) if x.is_cuda else 132
+    cfg = {**w8a8_tile(m, n, k, sms), **(tile or {})}
+    split_k = cfg.pop("SPLIT_K")
+    k_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), split_k) * cfg["BLOCK_K"]
+    split_k = triton.cdiv(k, k_split)
+    ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    b = bias if bias is not None else weight_scale
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), split_k, triton.cdiv(m, block_m))
+    _fp8_w8a8_kernel[grid](
+        xq, xs, weight, weight_scale, b, out, ws,
+        m, n, k, k_split, xq.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, SPLIT_K=split_k, BLOCK_M=block_m, **cfg,
+    )
+    if split_k > 1:
+        block = 1024
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            ws, weight_scale, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block,
+        )
+    return out
+
+
+def _quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from tandem.layers.quantization import quantize_activation_per_token_ref  # the interpreter's path
+
+    return quantize_activation_per_token_ref(x)
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int | None) -> int:
     return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count

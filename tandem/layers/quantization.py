@@ -88,9 +88,10 @@ def fp8_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] <= SMALL_M:
-        from tandem.kernels.triton_quant import fp8_weight_matmul_triton
+        from tandem.kernels.triton_quant import fp8_w8a8_matmul_triton, fp8_weight_matmul_triton
 
-        out = fp8_weight_matmul_triton(x2, weight, weight_scale, bias)
+        small = fp8_w8a8_matmul_triton if os.environ.get("TANDEM_FP8_W8A8") == "1" else fp8_weight_matmul_triton
+        out = small(x2, weight, weight_scale, bias)
         return out.view(*lead, out.shape[-1])
     xq, x_scale = quantize_activation_per_token(x2)
     # Rowwise scaling: scale_a [M, 1], scale_b [1, N] (fp32, unit inner stride); mat2 column-major [K, N],
