@@ -48,7 +48,7 @@ SWEEP_ROWS = (16, 32)
 PATHS = ("bf16", "triton", "w8a8", "scaled_mm")
 
 
-def scaled_mm_path(x, q, scale):  # what fp8_linear runs above SMALL_M
+def scaled_mm_path(x, q, scale):  # what fp8_linear runs above W8A8_MAX_M
     xq, xs = quantize_activation_per_token(x)
     return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
 

@@ -10,7 +10,7 @@ streams its weight from HBM, as a decode step does layer after layer; no L2 flus
 writes would leave dirty lines for the timed kernel to write back). Weight bytes over the time, as a fraction
 of a device-to-device copy bandwidth measured in the same run, is BENCHMARKS.md's roofline convention.
 
---sweep times a grid of tiles (BLOCK_N, BLOCK_K, num_warps, PREFETCH) at --sweep-rows (1 and 4) per shape and reports the best
+--sweep times a grid of tiles (BLOCK_N, BLOCK_K, num_warps) at --sweep-rows (1 and 4) per shape and reports the best
 beside `gemv_config`'s choice. The grid's kernels are compiled first by --workers processes in parallel (into
 Triton's on-disk cache, which the timing process then reads).
 """
@@ -49,16 +49,16 @@ DTYPES = ("bf16", "fp8")
 
 
 def sweep_grid(weight_bytes: int, gated: bool, rows: int) -> list[dict]:
-    """Tiles worth timing: weight elements per thread and K tile (both gate and up when gated) from 16 up to a
-    limit that halves with PREFETCH (two tiles live) and with several rows; above it sm_90 ptxas reports
-    ~255 registers or spills (checked offline for every tile of this grid)."""
+    """Tiles worth timing: weight elements per thread and K step (gate and up both, when gated) from 16 up to
+    a limit that halves with several rows; above it sm_90 ptxas reports ~255 registers or spills (checked
+    offline for every tile of this grid)."""
     grid = []
     bks = (512, 1024, 2048) if weight_bytes == 2 else (1024, 2048, 4096)
-    for bn, bk, warps, prefetch in itertools.product((1, 2, 4, 8, 16), bks, (2, 4, 8), (False, True)):
+    for bn, bk, warps in itertools.product((1, 2, 4, 8, 16), bks, (2, 4, 8)):
         per_thread = (2 if gated else 1) * bn * bk // (32 * warps)
-        limit = (128 if weight_bytes == 2 else 64) // (2 if prefetch else 1) // (2 if rows > 1 else 1)
-        if 16 <= per_thread <= limit and not (rows > 1 and prefetch and bk == 2048 and weight_bytes == 2):
-            grid.append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "PREFETCH": prefetch})
+        limit = (128 if weight_bytes == 2 else 64) // (2 if rows > 1 else 1)
+        if 16 <= per_thread <= limit:
+            grid.append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps})
     return grid
 
 

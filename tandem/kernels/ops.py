@@ -10,9 +10,11 @@ from tandem.kernels.reference import paged_attention_ref, write_kv_ref
 from tandem.layers.attention_metadata import AttentionMetadata
 
 # Linears of at most this many rows run kernels/triton_gemv.py on CUDA: at one decode row cuBLAS picks
-# split-K GEMMs that stream the weight at ~0.81 of copy bandwidth plus a reduce kernel; the GEMV reads each
-# weight element once, from one program, and fuses silu(gate) * up into the gate/up projection.
+# split-K GEMMs that stream the weight at ~0.67-0.90 of copy bandwidth plus a reduce kernel; the GEMV reads
+# each weight element once, from one program (0.85-1.0 on an H100), and fuses silu(gate) * up into the
+# gate/up projection. FP8 weights take it at one row only: from two rows on, the FP8 tile GEMMs win.
 GEMV_MAX_ROWS = 4
+GEMV_MAX_ROWS_FP8 = 1
 
 
 def write_kv(
@@ -44,11 +46,13 @@ def paged_attention(
     return paged_attention_ref(q, k_cache, v_cache, meta, scale)
 
 
-def use_gemv(x: torch.Tensor, in_features: int) -> bool:
+def use_gemv(x: torch.Tensor, in_features: int, fp8: bool = False) -> bool:
     """Whether a linear on x ([..., in_features]) runs the weight-streaming GEMV: Triton kernels are on for
-    x and it holds at most TANDEM_GEMV_MAX_ROWS rows (4; 0 turns the kernel off). Read per call, so eager
-    runs follow the variable; a CUDA graph keeps whatever its capture chose."""
-    max_rows = int(os.environ.get("TANDEM_GEMV_MAX_ROWS", GEMV_MAX_ROWS))
+    x and it holds at most GEMV_MAX_ROWS rows (GEMV_MAX_ROWS_FP8 for FP8 weights); TANDEM_GEMV_MAX_ROWS=N
+    sets both (0 turns the kernel off). Read per call, so eager runs follow the variable; a CUDA graph keeps
+    whatever its capture chose."""
+    override = os.environ.get("TANDEM_GEMV_MAX_ROWS")
+    max_rows = int(override) if override is not None else GEMV_MAX_ROWS_FP8 if fp8 else GEMV_MAX_ROWS
     return 0 < x.numel() <= max_rows * in_features and use_triton(x)
 
 

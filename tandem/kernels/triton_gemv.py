@@ -53,7 +53,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, up_offset,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-    MASK_M: tl.constexpr, MASK_N: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+    MASK_M: tl.constexpr, MASK_N: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
 ):
     # Program = BLOCK_N output channels for all M (<= BLOCK_M) rows over the whole of K, so each weight
@@ -61,7 +61,6 @@ def _gemv_kernel(
     # fp32 per K group of VEC (one thread's 16-byte load) and are reduced over K once, after the loop: no
     # cross-thread reduction inside it. GATED: the program also reads the up rows (up_offset rows below
     # its gate rows) and writes silu(gate) * up, each rounded as the unfused gemv + silu_and_mul round it.
-    # PREFETCH (needs EVEN_K): the next K tile's loads are issued before this tile's multiply-adds.
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,39 +74,17 @@ def _gemv_kernel(
     u_ptrs = w_ptrs + up_offset * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
-    if PREFETCH:
-        x = _load_tile(x_ptrs, x_rows, offs_k, MASK_M, False)
-        w = _load_tile(w_ptrs, w_rows, offs_k, MASK_N, False)
-        if GATED:
-            u = _load_tile(u_ptrs, w_rows, offs_k, MASK_N, False)
-        for _ in range(BLOCK_K, K, BLOCK_K):
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-            x_next = _load_tile(x_ptrs, x_rows, offs_k, MASK_M, False)
-            w_next = _load_tile(w_ptrs, w_rows, offs_k, MASK_N, False)
-            acc = _fma_tile(acc, x, w, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
-            if GATED:
-                u_ptrs += BLOCK_K
-                u_next = _load_tile(u_ptrs, w_rows, offs_k, MASK_N, False)
-                acc_up = _fma_tile(acc_up, x, u, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
-                u = u_next
-            x = x_next
-            w = w_next
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        x = _load_tile(x_ptrs, x_rows, k_mask, MASK_M, not EVEN_K)
+        w = _load_tile(w_ptrs, w_rows, k_mask, MASK_N, not EVEN_K)
         acc = _fma_tile(acc, x, w, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
         if GATED:
+            u = _load_tile(u_ptrs, w_rows, k_mask, MASK_N, not EVEN_K)
             acc_up = _fma_tile(acc_up, x, u, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = (k0 + offs_k) < K
-            x = _load_tile(x_ptrs, x_rows, k_mask, MASK_M, not EVEN_K)
-            w = _load_tile(w_ptrs, w_rows, k_mask, MASK_N, not EVEN_K)
-            acc = _fma_tile(acc, x, w, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
-            if GATED:
-                u = _load_tile(u_ptrs, w_rows, k_mask, MASK_N, not EVEN_K)
-                acc_up = _fma_tile(acc_up, x, u, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
-                u_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
 
     out_ty = out_ptr.dtype.element_ty
     y = _channel_out(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE, HAS_BIAS)
@@ -120,22 +97,24 @@ def _gemv_kernel(
     tl.store(out_ptrs, y.to(out_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def gemv_config(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int) -> dict[str, int | bool]:
-    """Tile from the shape alone (graph-safe), as measured on an H100 (scripts/bench_gemv.py --sweep, Llama
-    projection shapes): each program streams 2 KiB of each of its weight rows per K step, 4 rows (2 gate/up
-    pairs) at a time, with 2 warps for 16-bit weights and 4 for FP8 (same bytes, twice the elements), so
-    each thread holds 64 weight elements; narrower row blocks where N would leave SMs idle, and half the rows
-    per program at more than one row of x (the products of all rows are live at once)."""
-    block_k = 2048 // weight_bytes
-    while block_k > 128 and (k % block_k or block_k >= 2 * k):  # a divisor of K keeps the prefetch path
+def gemv_config(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int) -> dict[str, int]:
+    """Tile from the shape alone (graph-safe), as measured on an H100 over the Llama-2-7B / Llama-3-8B
+    projections (scripts/bench_gemv.py --sweep; benchmarks/results/README.md): at one row, 16-bit weights
+    stream 4 KiB of one weight row per K step (BLOCK_N 1, 4 warps) and FP8 weights 2 KiB of each of 4 rows
+    (2 gate/up pairs); at 2-4 rows (16-bit only: FP8 runs the tile GEMMs there) 2 KiB of 4 rows (1 pair) per
+    K step with 2 warps, as the products of every row are live at once. Narrower row blocks where N would
+    leave SMs idle. A K that the tile does not divide runs masked (EVEN_K false)."""
+    if weight_bytes == 1:
+        block_n, block_k, num_warps = (2 if gated else 4), 2048, 4
+    elif m == 1:
+        block_n, block_k, num_warps = 1, 2048, 4
+    else:
+        block_n, block_k, num_warps = (1 if gated else 4), 1024, 2
+    while block_k > 128 and block_k >= 2 * k:  # small models: no tile mostly past the end of K
         block_k //= 2
-    block_n = 2 if gated else 4
-    if m > 1:
-        block_n //= 2
     while block_n > 1 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "PREFETCH": gated and weight_bytes == 2 and m == 1,
-            "num_warps": 2 if weight_bytes == 2 else 4, "num_stages": 1}
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps, "num_stages": 1}
 
 
 def gemv_triton(
@@ -144,7 +123,7 @@ def gemv_triton(
     weight_scale: torch.Tensor | None = None,  # [N, 1] fp32 for FP8 weights
     bias: torch.Tensor | None = None,  # [N]
     gated: bool = False,  # weight holds gate rows then up rows; returns silu(gate) * up, [M, N / 2]
-    config: dict[str, int | bool] | None = None,  # overrides gemv_config's tile (benchmarks, tests)
+    config: dict[str, int] | None = None,  # overrides gemv_config's tile (benchmarks, tests)
 ) -> torch.Tensor:  # [M, N] (or [M, N / 2] gated) in x's dtype
     """x W^T for M <= a few rows, streaming W once at close to copy bandwidth; no host sync, fixed grid
     for a given shape, so it captures in CUDA graphs."""
@@ -165,14 +144,12 @@ def gemv_triton(
     sms = _num_sms(x.device.index) if x.is_cuda else 132
     cfg = {**gemv_config(m, n_out, k, weight.element_size(), gated, sms), **(config or {})}
     block_m = triton.next_power_of_2(m)
-    block_n, block_k = int(cfg.pop("BLOCK_N")), int(cfg.pop("BLOCK_K"))
-    even_k = k % block_k == 0
+    block_n, block_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else x, out,
         m, n_out, k, x.stride(0), weight.stride(0), out.stride(0), n_out,
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, GATED=gated,
-        MASK_M=m != block_m, MASK_N=n_out % block_n != 0, EVEN_K=even_k,
-        PREFETCH=bool(cfg.pop("PREFETCH")) and even_k,
+        MASK_M=m != block_m, MASK_N=n_out % block_n != 0, EVEN_K=k % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, VEC=min(16 // weight.element_size(), block_k), **cfg,
     )
     return out

@@ -234,15 +234,11 @@ def _fp8_w8a8_kernel(
 
 
 def w8a8_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
-    """Tile and split-K of the W8A8 small-M GEMM from the shape alone (graph-safe, batch-invariant split):
-    64 channels per program (one warpgroup's MMA height), K tiles of 128, split over K until about two
-    programs per SM while each split keeps at least four K tiles."""
-    block_n, block_k = 64, 128
-    k_tiles = triton.cdiv(k, block_k)
-    split_k = 1
-    while split_k < 16 and triton.cdiv(n, block_n) * split_k * 2 <= 2 * sms and k_tiles // (split_k * 2) >= 4:
-        split_k *= 2
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 4}
+    """Tile of the W8A8 small-M GEMM from the shape alone (graph-safe): 64 channels per program (one
+    warpgroup's MMA height), K tiles of 256, 4 pipeline stages, no split-K. On an H100 this was within ~5% of
+    the best of 60 tiles for every Llama projection at 16 and 32 rows; split-K lost everywhere (its reduce
+    kernel costs more than the idle SMs of a 64-program grid), so SPLIT_K > 1 is only reached by an override."""
+    return {"BLOCK_N": 64, "BLOCK_K": 256 if k % 256 == 0 else 128, "SPLIT_K": 1, "num_warps": 4, "num_stages": 4}
 
 
 def fp8_w8a8_matmul_triton(

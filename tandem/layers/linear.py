@@ -25,7 +25,7 @@ class Linear(nn.Module):
         self.register_buffer("weight_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_gemv(x, self.in_features):
+        if use_gemv(x, self.in_features, self.weight_scale is not None):
             return self._gemv(x, gated=False)
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.bias)
@@ -34,7 +34,7 @@ class Linear(nn.Module):
     def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this merged gate/up projection (gate rows first): one weight-streaming kernel at
         decode batch sizes on CUDA, else the projection followed by silu_and_mul."""
-        if use_gemv(x, self.in_features):
+        if use_gemv(x, self.in_features, self.weight_scale is not None):
             return self._gemv(x, gated=True)
         return silu_and_mul(self(x))
 

@@ -17,10 +17,13 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 MIN_AMAX = 1e-12
 # _scaled_mm needs K and N divisible by 16; other shapes stay in the model dtype.
 FP8_ALIGN = 16
-# Up to this many rows (decode batches) fp8_linear runs a Triton FP8-weight GEMM instead of _scaled_mm:
-# _scaled_mm's rowwise CUTLASS kernels tile N by 128 with no split-K, so a 4096-wide output at M <= 64 runs
-# on 32 CTAs and cannot stream the weight at full HBM bandwidth. 0 sends every size to _scaled_mm.
-SMALL_M = int(os.environ.get("TANDEM_FP8_SMALL_M", "32"))
+# Decode-sized FP8 GEMMs by row count, as measured on an H100 (scripts/bench_fp8_linear.py; benchmarks/results):
+# one row runs the GEMV (Linear dispatches it); up to W8A16_MAX_M rows the Triton FP8-weight GEMM (x stays in
+# bf16); up to W8A8_MAX_M rows the swap-AB W8A8 GEMM (x quantized per token, both operands straight to the FP8
+# tensor cores: 1.1-1.3x the former at 32 rows); above, torch._scaled_mm, whose rowwise CUTLASS kernels tile N
+# by 128 with no split-K, so a 4096-wide output at M <= 64 runs on 32 CTAs and cannot stream the weight.
+W8A16_MAX_M = int(os.environ.get("TANDEM_FP8_W8A16_MAX_M", "16"))
+W8A8_MAX_M = int(os.environ.get("TANDEM_FP8_W8A8_MAX_M", "64"))
 
 # Hugging Face quantization_config.quant_method values whose checkpoints hold float8_e4m3fn weights.
 CHECKPOINT_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors")
@@ -78,19 +81,20 @@ def fp8_linear(
     weight_scale: torch.Tensor,  # [out, 1] fp32
     bias: torch.Tensor | None,  # [out] in x's dtype
 ) -> torch.Tensor:  # [..., out] in x's dtype
-    """x W^T + b with W in FP8. Above SMALL_M rows x is quantized per token, then one rowwise-scaled FP8
-    GEMM (torch._scaled_mm) applies both scales and the bias in its epilogue; up to SMALL_M rows (decode)
-    a Triton kernel multiplies the bf16 rows by the widened FP8 weight (weight-only: x is not quantized).
-    No host sync and no data-dependent shape, so both capture in CUDA graphs. On the CPU it runs the
-    reference (tests; the engine refuses fp8 there)."""
+    """x W^T + b with W in FP8. Up to W8A16_MAX_M rows a Triton kernel multiplies the bf16 rows by the widened
+    FP8 weight (weight-only: x is not quantized); above, x is quantized per token and both scales (and the
+    bias) are applied to an FP8 x FP8 product: the swap-AB Triton GEMM up to W8A8_MAX_M rows, one rowwise-
+    scaled torch._scaled_mm above. No host sync and no data-dependent shape, so all capture in CUDA graphs.
+    On the CPU it runs the reference (tests; the engine refuses fp8 there)."""
     if not x.is_cuda:
         return fp8_linear_reference(x, weight, weight_scale, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] <= SMALL_M:
+    rows = x2.shape[0]
+    if rows <= W8A8_MAX_M:
         from tandem.kernels.triton_quant import fp8_w8a8_matmul_triton, fp8_weight_matmul_triton
 
-        small = fp8_w8a8_matmul_triton if os.environ.get("TANDEM_FP8_W8A8") == "1" else fp8_weight_matmul_triton
+        small = fp8_weight_matmul_triton if rows <= W8A16_MAX_M else fp8_w8a8_matmul_triton
         out = small(x2, weight, weight_scale, bias)
         return out.view(*lead, out.shape[-1])
     xq, x_scale = quantize_activation_per_token(x2)
@@ -101,11 +105,16 @@ def fp8_linear(
     return out.view(*lead, out.shape[-1])
 
 
+def fp8_quantizes_activations(rows: int) -> bool:
+    """Whether fp8_linear quantizes x per token at this many rows (the GEMV and W8A16 paths do not)."""
+    return rows > W8A16_MAX_M
+
+
 def fp8_linear_reference(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
     quantize_activations: bool = True,
 ) -> torch.Tensor:
-    """fp8_linear's math in fp32: x quantized per token (the _scaled_mm path) or not (the small-M path),
+    """fp8_linear's math in fp32: x quantized per token (the W8A8 paths) or not (the GEMV and W8A16 paths),
     times the dequantized weight."""
     x2 = x.reshape(-1, x.shape[-1])
     x32 = dequantize_fp8(*quantize_activation_per_token_ref(x2)) if quantize_activations else x2.float()

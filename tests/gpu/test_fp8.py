@@ -132,10 +132,11 @@ def test_quant_kernel_equals_reference(shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 3, 16, 32, 33, 257])
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 32, 64, 65, 257])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_linear_matches_reference_and_bf16(m, bias):
-    """Up to SMALL_M rows the Triton FP8-weight GEMM (x not quantized), above it _scaled_mm (x per token)."""
+    """Up to W8A16_MAX_M rows the Triton FP8-weight GEMM (x not quantized), above it the W8A8 GEMM then
+    _scaled_mm (x per token)."""
     gen = torch.Generator(device=DEVICE).manual_seed(m)
     k, n = 1024, 768
     x = torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16)
@@ -145,14 +146,14 @@ def test_fp8_linear_matches_reference_and_bf16(m, bias):
     out = fp8_linear(x, q, scale, b)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     # Same quantized operands: only the accumulation order and the bf16 output rounding differ.
-    ref8 = fp8_linear_reference(x, q, scale, b, quantize_activations=m > quantization.SMALL_M)
+    ref8 = fp8_linear_reference(x, q, scale, b, quantize_activations=quantization.fp8_quantizes_activations(m))
     assert rel_l2(out, ref8) < 1e-2
     ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     assert rel_l2(out, ref) < LINEAR_REL_L2
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [8, 64])  # both paths
+@pytest.mark.parametrize("m", [8, 32, 96])  # the three tile paths
 def test_fp8_linear_captures_in_cuda_graph(m):
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     x = torch.randn(m, 512, generator=gen, device=DEVICE).to(torch.bfloat16)
