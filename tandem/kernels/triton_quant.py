@@ -1,8 +1,10 @@
-"""Per-token FP8 activation quantization in one Triton pass: row amax, scale, scaled e4m3 cast."""
+"""FP8 Triton kernels: per-token activation quantization (row amax, scale, e4m3 cast in one pass), the small-M
+FP8-weight GEMM (bf16 rows x widened FP8 weight) and the small-M W8A8 swap-AB GEMM (FP8 x FP8 tensor cores)."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -235,10 +237,25 @@ def _fp8_w8a8_kernel(
 
 def w8a8_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
     """Tile of the W8A8 small-M GEMM from the shape alone (graph-safe): 64 channels per program (one
-    warpgroup's MMA height), K tiles of 256, 4 pipeline stages, no split-K. On an H100 this was within ~5% of
-    the best of 60 tiles for every Llama projection at 16 and 32 rows; split-K lost everywhere (its reduce
-    kernel costs more than the idle SMs of a 64-program grid), so SPLIT_K > 1 is only reached by an override."""
-    return {"BLOCK_N": 64, "BLOCK_K": 256 if k % 256 == 0 else 128, "SPLIT_K": 1, "num_warps": 4, "num_stages": 4}
+    warpgroup's MMA height), K tiles of 256, 4 pipeline stages, K split in two where each half keeps >= 4 tiles.
+    Chosen from whole seed-async runs on an H100 (FP8 Llama-3-8B at 32 rows; benchmarks/results/README.md):
+    split 2 ran 1.04x split 1 and 1.13x splitting until two programs per SM, although isolated kernel timings
+    (scripts/bench_fp8_linear.py) ranked split 1 first. TANDEM_W8A8_TILE="KEY=VALUE,..." overrides it for
+    tuning runs (SPLIT_K=auto: split until ~2 programs per SM, keeping >= 4 K tiles per split)."""
+    block_k = 256 if k % 256 == 0 else 128
+    tile: dict[str, int | str] = {"BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": 2 if triton.cdiv(k, block_k) >= 8 else 1,
+                                  "num_warps": 4, "num_stages": 4}
+    for item in filter(None, os.environ.get("TANDEM_W8A8_TILE", "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in tile:
+            raise ValueError(f"TANDEM_W8A8_TILE: unknown key {key!r} (expected one of {sorted(tile)})")
+        tile[key] = value if value == "auto" else int(value)
+    if tile["SPLIT_K"] == "auto":
+        k_tiles, split = triton.cdiv(k, int(tile["BLOCK_K"])), 1
+        while split < 16 and triton.cdiv(n, int(tile["BLOCK_N"])) * split * 2 <= 2 * sms and k_tiles // (split * 2) >= 4:
+            split *= 2
+        tile["SPLIT_K"] = split
+    return {key: int(value) for key, value in tile.items()}
 
 
 def fp8_w8a8_matmul_triton(

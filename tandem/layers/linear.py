@@ -9,6 +9,7 @@ from torch import nn
 
 from tandem.kernels.ops import use_gemv
 from tandem.layers.activation import silu_and_mul
+from tandem.layers.norm import RMSNorm
 from tandem.layers.quantization import FP8_DTYPE, fp8_linear, fp8_supported_shape, quantize_weight_fp8
 
 
@@ -43,6 +44,26 @@ class Linear(nn.Module):
 
         out = gemv_triton(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias, gated=gated)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def norm_linear(
+    norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(x + residual)), x + residual), or (linear(norm(x)), x) without a residual; gated: the
+    merged gate/up linear's silu(gate) * up. At decode batch sizes on CUDA one GEMV kernel does it all (the
+    norm folded into the weight stream: every program reads all of x anyway); elsewhere the norm (fused with
+    the add) runs first. x, residual: [num_tokens, in_features]."""
+    if use_gemv(x, linear.in_features, linear.weight_scale is not None):
+        from tandem.kernels.triton_gemv import gemv_triton  # lazy: CPU runs never import Triton
+
+        out = gemv_triton(x, linear.weight, linear.weight_scale, linear.bias, gated=gated,
+                          norm=(norm.weight, norm.eps), residual=residual)
+        return out if residual is not None else (out, x)
+    if residual is None:
+        residual, normed = x, norm(x)
+    else:
+        normed, residual = norm(x, residual)
+    return (linear.forward_silu_and_mul(normed) if gated else linear(normed)), residual
 
     def quantize_fp8_(self) -> bool:
         """Replaces the loaded weight by its FP8 copy and per-output-channel scales (the high-precision copy

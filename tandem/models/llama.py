@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import ModelConfig, ParallelConfig
@@ -23,6 +22,7 @@ from tandem.layers.parallel import (
     materialize,
     parallel_logits,
 )
+from tandem.layers.linear import norm_linear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, rotary_write_kv
 from tandem.models.weights import WeightLoader
@@ -63,13 +63,12 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         rotary: tuple[torch.Tensor, torch.Tensor],  # (cos, sin) of this step's positions
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]: qkv_proj's output
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        num_tokens = qkv.shape[0]
         q_size, kv_size, _ = self.shard_sizes
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
@@ -83,6 +82,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """The gated MLP's projections; the decoder layer runs them (gate_up with its norm, see norm_linear)."""
+
     def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
         super().__init__()
         if config.hidden_act != "silu":
@@ -91,9 +92,6 @@ class LlamaMLP(nn.Module):
         gate_up = column_parts([inter, inter], tp, fused_source=False)  # gate_proj and up_proj split on their own
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, gate_up)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -113,14 +111,11 @@ class LlamaDecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rotary, hidden, k_cache, v_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # Each norm runs with the projection after it (one GEMV kernel at decode batch sizes on CUDA).
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn(rotary, qkv, k_cache, v_cache, meta)
+        act, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual, gated=True)
+        return self.mlp.down_proj(act), residual
 
 
 class LlamaModel(nn.Module):
