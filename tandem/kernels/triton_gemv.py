@@ -123,7 +123,7 @@ def _gemv_kernel(
     tl.store(out_ptrs, y.to(out_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def gemv_config(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int) -> dict[str, int]:
+def gemv_config(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int, norm: bool = False) -> dict[str, int]:
     """Tile from the shape alone (graph-safe), as measured on an H100 over the Llama-2-7B / Llama-3-8B
     projections (scripts/bench_gemv.py --sweep; benchmarks/results/README.md): at one row, 16-bit weights
     stream 4 KiB of one weight row per K step (BLOCK_N 1, 4 warps) and FP8 weights 2 KiB of each of 4 rows
@@ -133,7 +133,9 @@ def gemv_config(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int
     if weight_bytes == 1:
         block_n, block_k, num_warps = (2 if gated else 4), 2048, 4
     elif m == 1:
-        block_n, block_k, num_warps = 1, 2048, 4
+        # With a norm in front every program also reads the residual and the norm weight: 4 rows a program
+        # (2 gate/up pairs) share those reads (measured within ~3% of one row without the norm).
+        block_n, block_k, num_warps = (2 if gated else 4) if norm else 1, 2048, 4
     else:
         block_n, block_k, num_warps = (1 if gated else 4), 1024, 2
     while block_k > 128 and block_k >= 2 * k:  # small models: no tile mostly past the end of K
@@ -176,7 +178,7 @@ def gemv_triton(
     if m == 0 or n_out == 0:
         return out if residual is None else (out, res_out.copy_(x + residual))
     sms = _num_sms(x.device.index) if x.is_cuda else 132
-    cfg = {**gemv_config(m, n_out, k, weight.element_size(), gated, sms), **(config or {})}
+    cfg = {**gemv_config(m, n_out, k, weight.element_size(), gated, sms, norm is not None), **(config or {})}
     block_m = triton.next_power_of_2(m)
     block_n, block_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     g, eps = norm if norm is not None else (x, 0.0)
