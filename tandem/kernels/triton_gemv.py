@@ -1,6 +1,5 @@
 """Weight-streaming GEMV for decode at a few rows: y = x W^T (* channel scale) (+ b) with W in bf16/fp16 or
-FP8 e4m3; optionally RMSNorm(x (+ residual)) in front of it and silu(gate) * up of a merged gate/up weight
-after it, all in the same pass."""
+FP8 e4m3, and optionally silu(gate) * up of a merged gate/up weight in the same pass."""
 
 from __future__ import annotations
 
@@ -39,13 +38,9 @@ def _fma_tile(acc, x, w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
-def _channel_out(acc, rstd, offs_n, n_mask, s_ptr, b_ptr, NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
-    # [BLOCK_M, BLOCK_N, BLOCK_K // VEC] partial sums -> [BLOCK_M, BLOCK_N] fp32 outputs: times each row's
-    # 1 / rms (NORM), the channel scale, plus the bias.
+def _channel_out(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # [BLOCK_M, BLOCK_N, BLOCK_K // VEC] partial sums -> [BLOCK_M, BLOCK_N] fp32 outputs with scale and bias.
     y = tl.sum(acc, axis=2)
-    if NORM:
-        y = y * rstd[:, None]
     if HAS_SCALE:
         y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -55,9 +50,9 @@ def _channel_out(acc, rstd, offs_n, n_mask, s_ptr, b_ptr, NORM: tl.constexpr, HA
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, r_ptr, g_ptr, res_out_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om, up_offset, stride_rm, eps,
-    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, up_offset,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
     MASK_M: tl.constexpr, MASK_N: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
 ):
@@ -66,10 +61,6 @@ def _gemv_kernel(
     # fp32 per K group of VEC (one thread's 16-byte load) and are reduced over K once, after the loop: no
     # cross-thread reduction inside it. GATED: the program also reads the up rows (up_offset rows below
     # its gate rows) and writes silu(gate) * up, each rounded as the unfused gemv + silu_and_mul round it.
-    # NORM: x is RMSNorm's input (plus the residual stream r when HAS_RES, the sum rounded to x's dtype as
-    # the unfused add does, and written to res_out by program 0). Every program reads all of x anyway, so it
-    # sums x^2 on the way and multiplies the products by the norm weight g; 1 / rms scales the finished
-    # sums (sum_k w x g / rms: the unfused path's two roundings of the normalized x are skipped).
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -79,26 +70,13 @@ def _gemv_kernel(
     x_rows = m_mask[:, None, None]
     w_rows = n_mask[None, :, None]
     x_ptrs = x_ptr + offs_m[:, None, None].to(tl.int64) * stride_xm + offs_k  # [BLOCK_M, 1, BLOCK_K]
-    r_ptrs = r_ptr + offs_m[:, None, None].to(tl.int64) * stride_rm + offs_k
-    ro_ptrs = res_out_ptr + offs_m[:, None, None].to(tl.int64) * K + offs_k
     w_ptrs = w_ptr + offs_n[None, :, None].to(tl.int64) * stride_wn + offs_k  # [1, BLOCK_N, BLOCK_K]
     u_ptrs = w_ptrs + up_offset * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
-    acc_sq = tl.zeros([BLOCK_M, 1, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
         x = _load_tile(x_ptrs, x_rows, k_mask, MASK_M, not EVEN_K)
-        if NORM:
-            if HAS_RES:
-                x = (x.to(tl.float32) + _load_tile(r_ptrs, x_rows, k_mask, MASK_M, not EVEN_K).to(tl.float32)).to(x.dtype)
-                tl.store(ro_ptrs, x, mask=x_rows & k_mask & (pid == 0))
-                r_ptrs += BLOCK_K
-                ro_ptrs += BLOCK_K
-            xf = x.to(tl.float32)
-            acc_sq = acc_sq + tl.sum(tl.reshape(xf * xf, [BLOCK_M, 1, BLOCK_K // VEC, VEC]), axis=3)
-            g = tl.load(g_ptr + k0 + offs_k, mask=k_mask, other=0.0)  # [1, 1, BLOCK_K]
-            x = xf * g.to(tl.float32)
         w = _load_tile(w_ptrs, w_rows, k_mask, MASK_N, not EVEN_K)
         acc = _fma_tile(acc, x, w, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
         if GATED:
@@ -109,13 +87,9 @@ def _gemv_kernel(
         w_ptrs += BLOCK_K
 
     out_ty = out_ptr.dtype.element_ty
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(tl.sum(acc_sq, axis=2), axis=1) / K + eps)  # [BLOCK_M]
-    else:
-        rstd = tl.full([BLOCK_M], 1.0, tl.float32)
-    y = _channel_out(acc, rstd, offs_n, n_mask, s_ptr, b_ptr, NORM, HAS_SCALE, HAS_BIAS)
+    y = _channel_out(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE, HAS_BIAS)
     if GATED:
-        y_up = _channel_out(acc_up, rstd, offs_n + up_offset, n_mask, s_ptr, b_ptr, NORM, HAS_SCALE, HAS_BIAS)
+        y_up = _channel_out(acc_up, offs_n + up_offset, n_mask, s_ptr, b_ptr, HAS_SCALE, HAS_BIAS)
         gate = y.to(out_ty).to(tl.float32)
         silu = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)  # F.silu rounds before the multiply
         y = silu * y_up.to(out_ty).to(tl.float32)
@@ -123,7 +97,7 @@ def _gemv_kernel(
     tl.store(out_ptrs, y.to(out_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def gemv_config(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int, norm: bool = False) -> dict[str, int]:
+def gemv_config(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int) -> dict[str, int]:
     """Tile from the shape alone (graph-safe), as measured on an H100 over the Llama-2-7B / Llama-3-8B
     projections (scripts/bench_gemv.py --sweep; benchmarks/results/README.md): at one row, 16-bit weights
     stream 4 KiB of one weight row per K step (BLOCK_N 1, 4 warps) and FP8 weights 2 KiB of each of 4 rows
@@ -133,9 +107,7 @@ def gemv_config(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int
     if weight_bytes == 1:
         block_n, block_k, num_warps = (2 if gated else 4), 2048, 4
     elif m == 1:
-        # With a norm in front every program also reads the residual and the norm weight: 4 rows a program
-        # (2 gate/up pairs) share those reads (measured within ~3% of one row without the norm).
-        block_n, block_k, num_warps = (2 if gated else 4) if norm else 1, 2048, 4
+        block_n, block_k, num_warps = 1, 2048, 4
     else:
         block_n, block_k, num_warps = (1 if gated else 4), 1024, 2
     while block_k > 128 and block_k >= 2 * k:  # small models: no tile mostly past the end of K
@@ -152,46 +124,35 @@ def gemv_triton(
     bias: torch.Tensor | None = None,  # [N]
     gated: bool = False,  # weight holds gate rows then up rows; returns silu(gate) * up, [M, N / 2]
     config: dict[str, int] | None = None,  # overrides gemv_config's tile (benchmarks, tests)
-    norm: tuple[torch.Tensor, float] | None = None,  # (RMSNorm weight [K], eps): the GEMV of norm(x)
-    residual: torch.Tensor | None = None,  # [M, K] with norm: the GEMV of norm(x + residual)
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [M, N] (or [M, N / 2] gated) in x's dtype
+) -> torch.Tensor:  # [M, N] (or [M, N / 2] gated) in x's dtype
     """x W^T for M <= a few rows, streaming W once at close to copy bandwidth; no host sync, fixed grid
-    for a given shape, so it captures in CUDA graphs. With a residual it returns (output, x + residual)."""
+    for a given shape, so it captures in CUDA graphs."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv_triton takes x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     m, k = x.shape
     n = weight.shape[0]
     if gated and n % 2:
         raise ValueError(f"gated gemv needs an even number of weight rows (gate then up), got {n}")
-    if residual is not None and (norm is None or residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"a residual ({tuple(residual.shape)}, {residual.dtype}) needs norm and x's shape and dtype "
-                         f"({tuple(x.shape)}, {x.dtype})")
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    if residual is not None and residual.stride(1) != 1:
-        residual = residual.contiguous()
     n_out = n // 2 if gated else n
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(x) if residual is not None else None
     if m == 0 or n_out == 0:
-        return out if residual is None else (out, res_out.copy_(x + residual))
+        return out
     sms = _num_sms(x.device.index) if x.is_cuda else 132
-    cfg = {**gemv_config(m, n_out, k, weight.element_size(), gated, sms, norm is not None), **(config or {})}
+    cfg = {**gemv_config(m, n_out, k, weight.element_size(), gated, sms), **(config or {})}
     block_m = triton.next_power_of_2(m)
     block_n, block_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
-    g, eps = norm if norm is not None else (x, 0.0)
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else x, out,
-        residual if residual is not None else x, g, res_out if res_out is not None else x,
         m, n_out, k, x.stride(0), weight.stride(0), out.stride(0), n_out,
-        residual.stride(0) if residual is not None else 0, float(eps),
-        HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None,
-        HAS_RES=residual is not None, MASK_M=m != block_m, MASK_N=n_out % block_n != 0, EVEN_K=k % block_k == 0,
+        HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, GATED=gated,
+        MASK_M=m != block_m, MASK_N=n_out % block_n != 0, EVEN_K=k % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, VEC=min(16 // weight.element_size(), block_k), **cfg,
     )
-    return out if residual is None else (out, res_out)
+    return out
 
 
 @functools.lru_cache(maxsize=None)

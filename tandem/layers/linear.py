@@ -9,7 +9,6 @@ from torch import nn
 
 from tandem.kernels.ops import use_gemv
 from tandem.layers.activation import silu_and_mul
-from tandem.layers.norm import RMSNorm
 from tandem.layers.quantization import FP8_DTYPE, fp8_linear, fp8_supported_shape, quantize_weight_fp8
 
 
@@ -45,7 +44,6 @@ class Linear(nn.Module):
         out = gemv_triton(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias, gated=gated)
         return out.view(*x.shape[:-1], out.shape[-1])
 
-
     def quantize_fp8_(self) -> bool:
         """Replaces the loaded weight by its FP8 copy and per-output-channel scales (the high-precision copy
         is freed); False, and nothing changes, for shapes _scaled_mm cannot take (not multiples of 16)."""
@@ -68,6 +66,7 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
+
 def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[n, hidden] x [vocab, hidden]^T -> [n, vocab] in the weight's dtype (bf16 on the GPU: the sampler reads
     half the bytes, and greedy argmax needs no float32 copy; bf16 -> fp32 is exact where a path needs it).
@@ -82,23 +81,3 @@ def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor
     if out is not None:
         return torch.mm(hidden, weight.t(), out=out)  # straight into a static buffer (the decode graphs')
     return F.linear(hidden, weight)
-
-
-def norm_linear(
-    norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(norm(x + residual)), x + residual), or (linear(norm(x)), x) without a residual; gated: the
-    merged gate/up linear's silu(gate) * up. At decode batch sizes on CUDA one GEMV kernel does it all (the
-    norm folded into the weight stream: every program reads all of x anyway); elsewhere the norm (fused with
-    the add) runs first. x, residual: [num_tokens, in_features]."""
-    if use_gemv(x, linear.in_features, linear.weight_scale is not None):
-        from tandem.kernels.triton_gemv import gemv_triton  # lazy: CPU runs never import Triton
-
-        out = gemv_triton(x, linear.weight, linear.weight_scale, linear.bias, gated=gated,
-                          norm=(norm.weight, norm.eps), residual=residual)
-        return out if residual is not None else (out, x)
-    if residual is None:
-        residual, normed = x, norm(x)
-    else:
-        normed, residual = norm(x, residual)
-    return (linear.forward_silu_and_mul(normed) if gated else linear(normed)), residual

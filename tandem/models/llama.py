@@ -22,7 +22,6 @@ from tandem.layers.parallel import (
     materialize,
     parallel_logits,
 )
-from tandem.layers.linear import norm_linear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, rotary_write_kv
 from tandem.models.weights import WeightLoader
@@ -63,12 +62,13 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         rotary: tuple[torch.Tensor, torch.Tensor],  # (cos, sin) of this step's positions
-        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]: qkv_proj's output
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = qkv.shape[0]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         q_size, kv_size, _ = self.shard_sizes
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
@@ -82,8 +82,6 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """The gated MLP's projections; the decoder layer runs them (gate_up with its norm, see norm_linear)."""
-
     def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
         super().__init__()
         if config.hidden_act != "silu":
@@ -92,6 +90,9 @@ class LlamaMLP(nn.Module):
         gate_up = column_parts([inter, inter], tp, fused_source=False)  # gate_proj and up_proj split on their own
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, gate_up)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -111,11 +112,14 @@ class LlamaDecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each norm runs with the projection after it (one GEMV kernel at decode batch sizes on CUDA).
-        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
-        hidden = self.self_attn(rotary, qkv, k_cache, v_cache, meta)
-        act, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual, gated=True)
-        return self.mlp.down_proj(act), residual
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rotary, hidden, k_cache, v_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
