@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tandem import SamplingParams
+from tests.chat_prompts import MAX_TOKENS, QUESTIONS, chat_messages, until_stop
 
 PROMPTS = [
     "The capital of France is",
@@ -40,6 +41,19 @@ def test_greedy_matches_transformers_under_continuous_batching(idle_llm, hf_mode
         assert got == expected, f"{prompt!r}: tandem {got} != transformers {expected}"
         assert out.outputs[0].text == tok.decode(got, skip_special_tokens=True)
         assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_chat_greedy_text_matches_transformers(idle_llm, hf_model):
+    """The 16 chat prompts of the GPU real-weights test: tandem's fp32 greedy text equals transformers' up to
+    the first stop token (the GPU test then holds tandem's GPU run to this CPU run)."""
+    tok = idle_llm.get_tokenizer()
+    stops = {tok.eos_token_id, *tok.convert_tokens_to_ids(["<|im_end|>"])}
+    outputs = idle_llm.chat([chat_messages(q) for q in QUESTIONS],
+                            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    for question, out in zip(QUESTIONS, outputs):
+        expected = until_stop(hf_greedy(hf_model, out.prompt_token_ids, MAX_TOKENS), stops)
+        got = until_stop(list(out.outputs[0].token_ids), stops)
+        assert got == expected, f"{question!r}: tandem {got} != transformers {expected}"
 
 
 def test_overlap_and_sync_give_identical_tokens(idle_llm):
