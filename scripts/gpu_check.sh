@@ -12,7 +12,8 @@
 #   SCALE      --scale for `tandem bench` (default 1.0); PEERS  --peers (default: the CLI's hf,sync,eager)
 #   QUANTIZATION  --quantization for `tandem bench` (fp8; with PEERS=bf16 each workload reports fp8 / bf16)
 #   FP8_SWEEP  1: scripts/bench_fp8_linear.py also sweeps tiles and split-K (with QUANTIZATION=fp8)
-#   KERNELS    0: skip scripts/bench_kernels.py (the decode-attention kernel table) and bench_fp8_linear.py
+#   KERNELS    0: skip scripts/bench_kernels.py (the decode-attention kernel table), bench_gemv.py (the decode GEMV
+#              against cuBLAS / the FP8 tile GEMM at 1, 2, 4 rows) and bench_fp8_linear.py
 #   MAX_FILES  files this run may leave under $OUT (default 8, the device tool's limit; lower it when several
 #              runs share one $OUT): timeline PNGs beyond it go into timelines.tar
 #   TP         --tensor-parallel-size for `tandem bench` (default 1); with TP=2 use e.g. PEERS=tp1,sync
@@ -22,7 +23,7 @@
 #   TESTS_S, KERNELS_S, BENCH_S  per-step caps in seconds (defaults 300, 90, 420)
 #
 # $OUT receives at most 8 files, no subfolders: gpu-check.log (everything printed), gpu-tests.xml (JUnit),
-# kernels.json, bench.json (the workloads merged, as `tandem bench --out` writes them), fp8-report.json (the
+# kernels.json, gemv.json, bench.json (the workloads merged, as `tandem bench --out` writes them), fp8-report.json (the
 # SmolLM2 fp8 vs bf16 agreement from tests/gpu/test_fp8.py), fp8-linear.json (with QUANTIZATION=fp8:
 # scripts/bench_fp8_linear.py) and timeline-<w>.png;
 # when the PNGs would push the count past 8 they are packed into timelines.tar instead.
@@ -124,6 +125,9 @@ bench_stage() {
     run_step "bench_kernels" "$KERNELS_S" python3 scripts/bench_kernels.py --out "$OUT/kernels.json"
   else
     SUMMARY+=("SKIPPED  bench_kernels (scripts/bench_kernels.py not found)")
+  fi
+  if [ "${KERNELS:-1}" != 0 ]; then
+    run_step "bench_gemv" "$KERNELS_S" python3 scripts/bench_gemv.py --workers 1 --out "$OUT/gemv.json"
   fi
   if [ "${QUANTIZATION:-}" = fp8 ] && [ "${KERNELS:-1}" != 0 ]; then
     local sweep=()

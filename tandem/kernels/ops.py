@@ -15,6 +15,7 @@ from tandem.layers.attention_metadata import AttentionMetadata
 # gate/up projection. FP8 weights take it at one row only: from two rows on, the FP8 tile GEMMs win.
 GEMV_MAX_ROWS = 4
 GEMV_MAX_ROWS_FP8 = 1
+GEMV_ROWS_LIMIT = 64  # TANDEM_GEMV_MAX_ROWS above this is ignored
 
 
 def write_kv(
@@ -49,11 +50,14 @@ def paged_attention(
 def use_gemv(x: torch.Tensor, in_features: int, fp8: bool = False) -> bool:
     """Whether a linear on x ([..., in_features]) runs the weight-streaming GEMV: Triton kernels are on for
     x and it holds at most GEMV_MAX_ROWS rows (GEMV_MAX_ROWS_FP8 for FP8 weights); TANDEM_GEMV_MAX_ROWS=N
-    sets both (0 turns the kernel off). Read per call, so eager runs follow the variable; a CUDA graph keeps
+    sets both (0 turns the kernel off; at most GEMV_ROWS_LIMIT). Read per call, so eager runs follow the variable; a CUDA graph keeps
     whatever its capture chose."""
+    numel = x.numel()
+    if numel > GEMV_ROWS_LIMIT * in_features:  # prefill-sized (the common eager case): no env lookups
+        return False
     override = os.environ.get("TANDEM_GEMV_MAX_ROWS")
     max_rows = int(override) if override is not None else GEMV_MAX_ROWS_FP8 if fp8 else GEMV_MAX_ROWS
-    return 0 < x.numel() <= max_rows * in_features and use_triton(x)
+    return 0 < numel <= max_rows * in_features and use_triton(x)
 
 
 def use_triton(x: torch.Tensor) -> bool:
