@@ -27,8 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import graph_us  # noqa: E402  (CUDA graphs over weight copies that overflow L2)
-from bench_kernels import copy_bandwidth_gbs  # noqa: E402
+from bench_gemv import cuda_setup, graph_us, l2_bytes  # noqa: E402  (graph_us: CUDA graphs over weight copies that overflow L2)
 
 from tandem.kernels.triton_quant import (  # noqa: E402
     fp8_matmul_tile,
@@ -61,13 +60,8 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M to time")
     parser.add_argument("--sweep-rows", default=",".join(map(str, SWEEP_ROWS)), help="row counts M to sweep")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs CUDA")
-    device = torch.device("cuda")
-    props = torch.cuda.get_device_properties(device)
-    sms, l2 = props.multi_processor_count, getattr(props, "L2_cache_size", 50 << 20)
-    copy_gbs = copy_bandwidth_gbs(device)
-    print(f"{props.name}: copy {copy_gbs:.0f} GB/s", flush=True)
+    device, props, copy_gbs = cuda_setup()
+    sms, l2 = props.multi_processor_count, l2_bytes(props)
     sweep_rows = [int(v) for v in args.sweep_rows.split(",")]
     rows_out = []
     for model in args.models.split(","):

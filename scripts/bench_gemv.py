@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import copy_bandwidth_gbs  # noqa: E402
+from bench_kernels import copy_bandwidth_gbs, replay_ms  # noqa: E402
 
 from tandem.kernels.triton_fused import silu_and_mul_triton  # noqa: E402
 from tandem.kernels.triton_gemv import gemv_config, gemv_triton  # noqa: E402
@@ -46,6 +46,22 @@ SHAPES = {
                    ("down", 4096, 14336, False)],
 }
 DTYPES = ("bf16", "fp8")
+
+
+def cuda_setup() -> tuple[torch.device, object, float]:
+    """(device, its properties, copy bandwidth in GB/s measured now); exits without CUDA."""
+    if not torch.cuda.is_available():
+        sys.exit("needs CUDA")
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    copy_gbs = copy_bandwidth_gbs(device)
+    print(f"{props.name}: copy {copy_gbs:.0f} GB/s, {props.multi_processor_count} SMs, L2 {l2_bytes(props) >> 20} MiB",
+          flush=True)
+    return device, props, copy_gbs
+
+
+def l2_bytes(props: object) -> int:
+    return getattr(props, "L2_cache_size", 50 << 20)
 
 
 def sweep_grid(weight_bytes: int, gated: bool, rows: int) -> list[dict]:
@@ -84,16 +100,9 @@ def graph_us(calls: list, reps: int = 3) -> float:
         for _ in range(reps):
             for fn in calls:
                 fn()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    ms = replay_ms(graph)
     del graph
-    return sorted(times)[len(times) // 2] * 1e3 / (reps * len(calls))
+    return ms * 1e3 / (reps * len(calls))
 
 
 def baseline(x, w, s, gated):
@@ -138,13 +147,8 @@ def main() -> None:
     parser.add_argument("--sweep-rows", default="1,4", help="row counts M to sweep tiles at")
     parser.add_argument("--workers", type=int, default=8, help="processes that precompile the sweep's kernels")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs CUDA")
-    device = torch.device("cuda")
-    props = torch.cuda.get_device_properties(device)
-    sms, l2 = props.multi_processor_count, getattr(props, "L2_cache_size", 50 << 20)
-    copy_gbs = copy_bandwidth_gbs(device)
-    print(f"{props.name}: copy {copy_gbs:.0f} GB/s, {sms} SMs, L2 {l2 >> 20} MiB", flush=True)
+    device, props, copy_gbs = cuda_setup()
+    sms, l2 = props.multi_processor_count, l2_bytes(props)
     models, dtypes = args.models.split(","), args.dtypes.split(",")
     rows_m = [int(v) for v in args.rows.split(",")]
     sweep_rows = [int(v) for v in args.sweep_rows.split(",")] if args.sweep else []

@@ -68,21 +68,23 @@ def graph_ms(fn, reps: int = 20, flush_bytes: int = 256 << 20) -> float:
                     fn()
         return graph
 
-    def time_graph(graph: torch.cuda.CUDAGraph) -> float:
-        times = []
-        for _ in range(7):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
-
     both, only_flush = capture(True), capture(False)
-    ms = (time_graph(both) - time_graph(only_flush)) / reps
+    ms = (replay_ms(both) - replay_ms(only_flush)) / reps
     del both, only_flush, flush
     return max(ms, 1e-6)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 7) -> float:
+    """Median GPU milliseconds of one replay of a captured graph (CUDA events around each replay)."""
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:

@@ -59,6 +59,18 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 @triton.jit
+def _small_m_program(M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # The grid of both small-M GEMMs is (N tiles, K splits, row blocks): this program's rows, channels, K
+    # offsets within a tile, masks and K range [k_begin, k_end).
+    pid_k = tl.program_id(1)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_begin = pid_k * K_SPLIT
+    return (pid_k, offs_m, offs_n, tl.arange(0, BLOCK_K), offs_m < M, offs_n < N, k_begin,
+            tl.minimum(k_begin + K_SPLIT, K))
+
+
+@triton.jit
 def _fp8_weight_matmul_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
     M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
@@ -70,16 +82,8 @@ def _fp8_weight_matmul_kernel(
     # bf16/fp16 values). SPLIT_K == 1 applies the channel scale and bias here; otherwise the fp32 partial sums
     # go to ws [SPLIT_K, M, N] and _split_k_reduce_kernel adds them in split order. The split depends on
     # (N, K) only, so a row's result never depends on the batch it is in, and two runs agree bit for bit.
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    k_begin = pid_k * K_SPLIT
-    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    pid_k, offs_m, offs_n, offs_k, m_mask, n_mask, k_begin, k_end = _small_m_program(
+        M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_begin + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_begin + offs_k)[:, None]  # [BLOCK_K, BLOCK_N] of W^T
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -160,18 +164,28 @@ def fp8_weight_matmul_triton(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_m = min(64, max(16, triton.next_power_of_2(m)))  # more rows tile over the grid's third axis
     sms = _num_sms(x.device.index) if x.is_cuda else 132
-    cfg = {**fp8_matmul_tile(m, n, k, sms), **(tile or {})}
+    return _launch_small_m(_fp8_weight_matmul_kernel, (x,), x.stride(0), weight, weight_scale, bias, out,
+                           {**fp8_matmul_tile(m, n, k, sms), **(tile or {})})
+
+
+def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None, out: torch.Tensor, cfg: dict[str, int]) -> torch.Tensor:
+    """Runs a small-M FP8 GEMM kernel (`operands`: its leading x pointer arguments) over a grid of N tiles x K
+    splits x row blocks, then, when K is split, the reduce that adds the fp32 partials in split order."""
+    m, n = out.shape
+    k = weight.shape[1]
+    block_m = min(64, max(16, triton.next_power_of_2(m)))  # more rows tile over the grid's third axis
+    cfg = dict(cfg)
     split_k = cfg.pop("SPLIT_K")
     k_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), split_k) * cfg["BLOCK_K"]
     split_k = triton.cdiv(k, k_split)  # rounding K_SPLIT up to whole tiles can leave fewer splits
-    ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    ws = torch.empty(split_k, m, n, dtype=torch.float32, device=out.device) if split_k > 1 else out
     b = bias if bias is not None else weight_scale
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), split_k, triton.cdiv(m, block_m))
-    _fp8_weight_matmul_kernel[grid](
-        x, weight, weight_scale, b, out, ws,
-        m, n, k, k_split, x.stride(0), weight.stride(0), out.stride(0),
+    kernel[grid](
+        *operands, weight, weight_scale, b, out, ws,
+        m, n, k, k_split, stride_xm, weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, SPLIT_K=split_k, BLOCK_M=block_m, **cfg,
     )
     if split_k > 1:
@@ -198,16 +212,8 @@ def _fp8_w8a8_kernel(
     # MMA's M of 64 is filled by channels, not by the 1-32 tokens). acc[n, m] holds sum_k w[n, k] x[m, k];
     # the token scale multiplies here, the channel scale and bias where the sum is final (here when SPLIT_K
     # is 1, else in _split_k_reduce_kernel, partial sums added in split order: bitwise reproducible).
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    k_begin = pid_k * K_SPLIT
-    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    pid_k, offs_m, offs_n, offs_k, m_mask, n_mask, k_begin, k_end = _small_m_program(
+        M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_begin + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = xq_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_begin + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -273,26 +279,9 @@ def fp8_w8a8_matmul_triton(
     if m == 0:
         return out
     xq, xs = quantize_per_token_triton(x) if x.is_cuda else _quantize_ref(x)
-    block_m = min(64, max(16, triton.next_power_of_2(m)))  # the MMA's N: more rows tile over the grid's third axis
     sms = _num_sms(x.device.index) if x.is_cuda else 132
-    cfg = {**w8a8_tile(m, n, k, sms), **(tile or {})}
-    split_k = cfg.pop("SPLIT_K")
-    k_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), split_k) * cfg["BLOCK_K"]
-    split_k = triton.cdiv(k, k_split)
-    ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
-    b = bias if bias is not None else weight_scale
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), split_k, triton.cdiv(m, block_m))
-    _fp8_w8a8_kernel[grid](
-        xq, xs, weight, weight_scale, b, out, ws,
-        m, n, k, k_split, xq.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, SPLIT_K=split_k, BLOCK_M=block_m, **cfg,
-    )
-    if split_k > 1:
-        block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            ws, weight_scale, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block,
-        )
-    return out
+    return _launch_small_m(_fp8_w8a8_kernel, (xq, xs), xq.stride(0), weight, weight_scale, bias, out,
+                           {**w8a8_tile(m, n, k, sms), **(tile or {})})
 
 
 def _quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

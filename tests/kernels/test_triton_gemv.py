@@ -12,6 +12,7 @@ from tandem.kernels.triton_gemv import gemv_config, gemv_triton
 from tandem.layers.activation import silu_and_mul
 from tandem.layers.linear import Linear
 from tandem.layers.quantization import dequantize_fp8, quantize_weight_fp8
+from tests.kernels.sm90 import compile_sm90
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -124,19 +125,7 @@ json.dump(out, sys.stdout)
 def test_gemv_compiles_for_sm90_with_vector_loads():
     """Every variant compiles for Hopper without a GPU and streams the weight with 16-byte loads
     (ld.global.v4), keeping nothing in local memory."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "ptxas" in proc.stderr:
-        pytest.skip(f"no ptxas for sm90 in this Triton build: {proc.stderr[-300:]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for variant, ops in json.loads(proc.stdout).items():
+    for variant, ops in compile_sm90(_COMPILE_SM90).items():
         assert any(op.startswith("ld.global.v4") for op in ops), (variant, ops)
         assert not any(op.startswith(("ld.local", "st.local")) for op in ops), (variant, ops)
 

@@ -6,6 +6,8 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+from tests.kernels.sm90 import compile_sm90  # noqa: E402
+
 
 _COMPILE_SM90 = r"""
 import json, sys
@@ -43,36 +45,27 @@ def test_kernels_compile_for_sm90():
     """The kernels compile for Hopper without a GPU (in a fresh process: TRITON_INTERPRET=1 in this one
     turns triton.language's own helpers into interpreted functions); the quantizer keeps the reference's
     rounding: IEEE division and a round-to-nearest-even e4m3 conversion."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "ptxas" in proc.stderr:
-        pytest.skip(f"no ptxas for sm90 in this Triton build: {proc.stderr[-300:]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    ops = json.loads(proc.stdout)
+    ops = compile_sm90(_COMPILE_SM90)
     assert "div.rn.f32" in ops["quant"] and "div.full.f32" not in ops["quant"]
     assert "cvt.rn.satfinite.e4m3x2.f32" in ops["quant"]
     assert any(op.startswith(("mma.", "wgmma.")) for op in ops["matmul"])  # tensor cores
 
 
+@pytest.mark.parametrize("w8a8", [False, True], ids=["w8a16", "w8a8"])
 @pytest.mark.parametrize("m,n,k,bias,split_k", [
-    (1, 96, 512, True, 1), (5, 64, 256, False, 1), (17, 48, 160, True, 1),
+    (1, 96, 512, True, 1), (5, 64, 256, False, 1), (17, 48, 160, True, 1),  # 160: a masked K tile
     (1, 96, 1024, True, 4),  # four whole splits
     (3, 40, 640, False, 2),  # 640 = 2.5 tiles of 256: the last split is short and masked
     (2, 64, 384, True, 8),  # more splits asked than K tiles: fewer splits run
+    (40, 64, 384, False, 8),
 ])
-def test_fp8_weight_matmul_matches_reference(m, n, k, bias, split_k):
-    """The small-M FP8-weight GEMM (fp32 rows on the CPU interpreter, fp16 / bf16 on a GPU) against the
-    weight-only reference: same widened weight and channel scale, fp32 accumulation; with split-K too."""
+def test_small_m_fp8_matmuls_match_reference(m, n, k, bias, split_k, w8a8):
+    """The small-M FP8 GEMMs (fp32 rows on the CPU interpreter, bf16 on a GPU) against fp8_linear_reference
+    on the same operands, fp32 accumulation, with split-K too, bitwise reproducible run to run: the
+    FP8-weight GEMM widens the weight (x not quantized), the W8A8 swap-AB GEMM quantizes x per token."""
     import torch
 
-    from tandem.kernels.triton_quant import fp8_weight_matmul_triton
+    from tandem.kernels.triton_quant import fp8_w8a8_matmul_triton, fp8_weight_matmul_triton
     from tandem.layers.quantization import fp8_linear_reference, quantize_weight_fp8
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,40 +74,13 @@ def test_fp8_weight_matmul_matches_reference(m, n, k, bias, split_k):
     x = torch.randn(m, k, generator=gen).to(device, dtype)
     q, scale = quantize_weight_fp8((torch.randn(n, k, generator=gen) * 0.05).to(device))
     b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
-    tile = {"BLOCK_N": 32, "BLOCK_K": 256 if k % 256 == 0 else 128, "SPLIT_K": split_k}
+    fn = fp8_w8a8_matmul_triton if w8a8 else fp8_weight_matmul_triton
+    tile = {"BLOCK_N": 64 if w8a8 else 32, "BLOCK_K": 256 if k % 256 == 0 else 128, "SPLIT_K": split_k}
     if split_k > 1:
         tile["BLOCK_K"] = 256 if k >= 512 else 128
-    out = fp8_weight_matmul_triton(x, q, scale, b, tile)
-    again = fp8_weight_matmul_triton(x, q, scale, b, tile)
-    assert torch.equal(out, again)  # fixed summation order
-    ref = fp8_linear_reference(x, q, scale, b, quantize_activations=False)
-    assert out.shape == (m, n) and out.dtype == dtype
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(out.float(), ref.float(), **tol)
-
-
-@pytest.mark.parametrize("m,n,k,bias,split_k", [
-    (1, 96, 512, True, 1), (5, 64, 256, False, 1), (17, 48, 160, True, 1),  # 160: a masked K tile
-    (32, 128, 1024, False, 4), (3, 40, 640, True, 2), (40, 64, 384, False, 8),
-])
-def test_fp8_w8a8_matmul_matches_reference(m, n, k, bias, split_k):
-    """The swap-AB W8A8 GEMM against the per-token-quantized reference (the same quantized operands, fp32
-    accumulation), with split-K too, reproducible run to run."""
-    import torch
-
-    from tandem.kernels.triton_quant import fp8_w8a8_matmul_triton
-    from tandem.layers.quantization import fp8_linear_reference, quantize_weight_fp8
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    gen = torch.Generator().manual_seed(m)
-    x = torch.randn(m, k, generator=gen).to(device, dtype)
-    q, scale = quantize_weight_fp8((torch.randn(n, k, generator=gen) * 0.05).to(device))
-    b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
-    tile = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split_k}
-    out = fp8_w8a8_matmul_triton(x, q, scale, b, tile)
-    assert torch.equal(out, fp8_w8a8_matmul_triton(x, q, scale, b, tile))
-    ref = fp8_linear_reference(x, q, scale, b, quantize_activations=True)
+    out = fn(x, q, scale, b, tile)
+    assert torch.equal(out, fn(x, q, scale, b, tile))  # fixed summation order
+    ref = fp8_linear_reference(x, q, scale, b, quantize_activations=w8a8)
     assert out.shape == (m, n) and out.dtype == dtype
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
@@ -143,18 +109,6 @@ json.dump(sorted({l.split()[0] for l in ptx.splitlines() if l.strip().startswith
 def test_w8a8_uses_fp8_wgmma_on_sm90():
     """Compiled for Hopper (no GPU needed), the W8A8 GEMM feeds e4m3 x e4m3 to wgmma (the 32 token rows as
     the MMA's N) from pipelined async copies: no widening of either operand."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_W8A8], env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "ptxas" in proc.stderr:
-        pytest.skip(f"no ptxas for sm90 in this Triton build: {proc.stderr[-300:]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    ops = json.loads(proc.stdout)
+    ops = compile_sm90(_COMPILE_W8A8)
     assert "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3" in ops, ops
     assert any(op.startswith("cp.async") for op in ops), ops
