@@ -20,6 +20,11 @@ def chat_messages(question: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
+def stop_ids(tokenizer) -> set[int]:
+    """The tokens that end a chat reply of the embedded model: eos and <|im_end|>."""
+    return {tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["<|im_end|>"])}
+
+
 def until_stop(ids: list[int], stops: set[int]) -> list[int]:
     """ids up to and including the first stop token."""
     for i, t in enumerate(ids):

@@ -166,7 +166,8 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _device_sms(device: torch.device) -> int:
+def device_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, for the kernels' shape-only tile heuristics."""
     if device.type == "cuda":
         return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 132  # interpreter runs: pretend an H100 so the heuristic is exercised the same way
@@ -264,7 +265,7 @@ def paged_decode_attention(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * page
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, block_n, _device_sms(q.device))
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, block_n, device_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     use_dot = group > 1

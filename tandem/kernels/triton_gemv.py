@@ -3,11 +3,12 @@ FP8 e4m3, and optionally silu(gate) * up of a merged gate/up weight in the same 
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from tandem.kernels.triton_attention import device_sms
 
 
 @triton.jit
@@ -141,7 +142,7 @@ def gemv_triton(
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if m == 0 or n_out == 0:
         return out
-    sms = _num_sms(x.device.index) if x.is_cuda else 132
+    sms = device_sms(x.device)
     cfg = {**gemv_config(m, n_out, k, weight.element_size(), gated, sms), **(config or {})}
     block_m = triton.next_power_of_2(m)
     block_n, block_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
@@ -154,7 +155,3 @@ def gemv_triton(
     )
     return out
 
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count

@@ -3,13 +3,13 @@ FP8-weight GEMM (bf16 rows x widened FP8 weight) and the small-M W8A8 swap-AB GE
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.triton_attention import device_sms
 from tandem.layers.quantization import FP8_DTYPE, FP8_MAX, MIN_AMAX
 
 MAX_QUANT_DIM = 65536  # one program holds a whole row in registers
@@ -164,7 +164,7 @@ def fp8_weight_matmul_triton(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    sms = _num_sms(x.device.index) if x.is_cuda else 132
+    sms = device_sms(x.device)
     return _launch_small_m(_fp8_weight_matmul_kernel, (x,), x.stride(0), weight, weight_scale, bias, out,
                            {**fp8_matmul_tile(m, n, k, sms), **(tile or {})})
 
@@ -176,7 +176,6 @@ def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tenso
     m, n = out.shape
     k = weight.shape[1]
     block_m = min(64, max(16, triton.next_power_of_2(m)))  # more rows tile over the grid's third axis
-    cfg = dict(cfg)
     split_k = cfg.pop("SPLIT_K")
     k_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), split_k) * cfg["BLOCK_K"]
     split_k = triton.cdiv(k, k_split)  # rounding K_SPLIT up to whole tiles can leave fewer splits
@@ -279,7 +278,7 @@ def fp8_w8a8_matmul_triton(
     if m == 0:
         return out
     xq, xs = quantize_per_token_triton(x) if x.is_cuda else _quantize_ref(x)
-    sms = _num_sms(x.device.index) if x.is_cuda else 132
+    sms = device_sms(x.device)
     return _launch_small_m(_fp8_w8a8_kernel, (xq, xs), xq.stride(0), weight, weight_scale, bias, out,
                            {**w8a8_tile(m, n, k, sms), **(tile or {})})
 
@@ -289,7 +288,3 @@ def _quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     return quantize_activation_per_token_ref(x)
 
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem import SamplingParams
-from tests.chat_prompts import MAX_TOKENS, QUESTIONS, chat_messages, until_stop
+from tests.chat_prompts import MAX_TOKENS, QUESTIONS, chat_messages, stop_ids, until_stop
 
 PROMPTS = [
     "The capital of France is",
@@ -46,8 +46,7 @@ def test_greedy_matches_transformers_under_continuous_batching(idle_llm, hf_mode
 def test_chat_greedy_text_matches_transformers(idle_llm, hf_model):
     """The 16 chat prompts of the GPU real-weights test: tandem's fp32 greedy text equals transformers' up to
     the first stop token (the GPU test then holds tandem's GPU run to this CPU run)."""
-    tok = idle_llm.get_tokenizer()
-    stops = {tok.eos_token_id, *tok.convert_tokens_to_ids(["<|im_end|>"])}
+    stops = stop_ids(idle_llm.get_tokenizer())
     outputs = idle_llm.chat([chat_messages(q) for q in QUESTIONS],
                             SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     for question, out in zip(QUESTIONS, outputs):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tests.chat_prompts import MAX_TOKENS, QUESTIONS, chat_messages, until_stop
+from tests.chat_prompts import MAX_TOKENS, QUESTIONS, chat_messages, stop_ids, until_stop
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,8 +78,7 @@ def stops() -> set[int]:
     from tandem.models.loader import load_tokenizer
     from tandem.config import EngineConfig
 
-    tok = load_tokenizer(EngineConfig())
-    return {tok.eos_token_id, *tok.convert_tokens_to_ids(["<|im_end|>"])}
+    return stop_ids(load_tokenizer(EngineConfig()))
 
 
 @pytest.fixture(scope="module", autouse=True)
