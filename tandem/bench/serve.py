@@ -120,7 +120,9 @@ def run_benchmark(args: argparse.Namespace, prompts: list[str | list[int]]) -> d
     else:
         results, start_wall, end_wall = _run_client_processes(args, model, prompts, offsets, shares)
     results.sort(key=lambda r: r.index)
-    return build_report(args, model, results, end_wall - start_wall)
+    report = build_report(args, model, results, end_wall - start_wall)
+    report["wall"] = {"start": start_wall, "end": end_wall}  # time.time() of the shared start and the last end
+    return report
 
 
 async def _first_model_and_warmup(args: argparse.Namespace, prompts: list[str | list[int]]) -> str:

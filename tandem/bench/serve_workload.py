@@ -39,6 +39,9 @@ def add_serve_workload_args(parser: argparse.ArgumentParser) -> None:
                    help="offline passes and server saturation passes; each side reports its best (the offline "
                         "figure of one pass varied by up to 1.5x between runs on one machine)")
     g.add_argument("--serve-profile", action="store_true", help="cProfile the API process(es); top entries in JSON")
+    g.add_argument("--serve-timeline", action="store_true",
+                   help="record the engine's timeline offline and in the server's engine core; report each step "
+                        "phase's milliseconds in the middle half of the best pass, side by side")
     g.add_argument("--serve-stream", action="store_true",
                    help="also run the `stream` pass on the overlap server: 64 requests, one every 20 ms, "
                         "128 new tokens from a 1-token prompt")
@@ -59,8 +62,10 @@ def run_serve_workload(args: argparse.Namespace) -> dict[str, Any]:
                               "num_clients": args.num_clients, "engine_args": engine}
     if args.serve_repeats < 1:
         raise ValueError(f"--serve-repeats must be >= 1, got {args.serve_repeats}")
-    offline = _offline(engine, prompt_ids, num, out_len, args.serve_repeats)
+    offline, phases = _offline(engine, prompt_ids, num, out_len, args.serve_repeats, args.serve_timeline)
     result["offline_tokens_per_s"], result["offline_tokens_per_s_runs"] = max(offline), offline
+    if phases is not None:
+        result["offline_step_phases"] = phases
     print(f"offline: {max(offline):.1f} tok/s (best of {[round(t) for t in offline]})", flush=True)
     modes = [("overlap", [])] + ([("sync", ["--sync"])] if args.serve_sync else [])
     for name, extra in modes:
@@ -69,6 +74,9 @@ def run_serve_workload(args: argparse.Namespace) -> dict[str, Any]:
         tps = run["saturation"]["summary"]["output_tokens_per_s"]
         print(f"server ({name}): {tps:.1f} tok/s = {tps / result['offline_tokens_per_s']:.3f} of offline; "
               f"cpu {run['cpu_percent']}", flush=True)
+        for label, phases in (("offline", result.get("offline_step_phases")), (name, run.get("step_phases"))):
+            if phases:
+                print(f"  step phases {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
     result["server_over_offline"] = (result["server_overlap"]["saturation"]["summary"]["output_tokens_per_s"]
                                      / result["offline_tokens_per_s"])
     if args.serve_sync:
@@ -89,8 +97,10 @@ def _engine_args(model: str | None, in_flight: int, cuda: bool) -> list[str]:
     return args
 
 
-def _offline(engine_args: list[str], prompt_ids: list[int], num: int, out_len: int, repeats: int) -> list[float]:
-    """Tokens/s of `repeats` LLM.generate passes over the requests, after a short warm-up."""
+def _offline(engine_args: list[str], prompt_ids: list[int], num: int, out_len: int, repeats: int,
+             timeline: bool) -> tuple[list[float], dict[str, float] | None]:
+    """Tokens/s of `repeats` LLM.generate passes over the requests, after a short warm-up; with `timeline`, one
+    more pass records the engine's timeline and its middle half is summarized (step phases, GPU busy)."""
     import torch
 
     from tandem import LLM, SamplingParams
@@ -109,22 +119,35 @@ def _offline(engine_args: list[str], prompt_ids: list[int], num: int, out_len: i
         seconds = time.perf_counter() - start
         rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / seconds)
         del outs
+    phases = None
+    if timeline:
+        engine = llm.engine
+        tl = engine.start_timeline()
+        start = time.perf_counter()
+        llm.generate([prompt_ids] * num, params, use_tqdm=False)
+        end = time.perf_counter()
+        engine.stop_timeline()
+        phases = tl.summary(start + 0.25 * (end - start), start + 0.75 * (end - start))
     del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the server's engine sizes its KV cache from the memory left
-    return rates
+    return rates, phases
 
 
 def _through_server(args: argparse.Namespace, engine_args: list[str], prompt_ids: list[int], num: int,
                     out_len: int, poisson: bool) -> dict[str, Any]:
     from tandem.bench.serve import add_bench_serve_args, run_benchmark
+    from tandem.server.engine_core import TIMELINE_ENV
 
     port = _free_port()
     profile_dir = tempfile.mkdtemp(prefix="tandem-api-profile-") if args.serve_profile else None
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if profile_dir:
         env["TANDEM_PROFILE_API_DIR"] = profile_dir
+    trace = tempfile.mktemp(prefix="tandem-engine-", suffix=".trace.json") if args.serve_timeline else None
+    if trace:
+        env[TIMELINE_ENV] = trace
     log = tempfile.NamedTemporaryFile("w+", prefix="tandem-serve-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--log-level", "warning",
            "--api-server-count", str(args.api_server_count), "--max-queue", str(max(1024, 2 * num)), *engine_args]
@@ -170,7 +193,25 @@ def _through_server(args: argparse.Namespace, engine_args: list[str], prompt_ids
         os.unlink(log.name)
     if profile_dir:
         run["api_profile"] = _profile_summary(profile_dir)
+    if trace:
+        run["step_phases"] = _server_phases(trace, run["saturation"]["wall"])
     return run
+
+
+def _server_phases(trace: str, wall: dict[str, float]) -> dict[str, float] | None:
+    """The engine core's step phases in the middle half of a pass (its wall-clock window)."""
+    from tandem.profiling.timeline import Timeline
+
+    try:
+        tl, wall_start = Timeline.from_chrome_trace(trace)
+    except (OSError, ValueError, KeyError):
+        return None  # the server wrote no trace (it died): the run reports its error elsewhere
+    finally:
+        if os.path.exists(trace):
+            os.unlink(trace)
+    span = wall["end"] - wall["start"]
+    lo = wall["start"] + 0.25 * span - wall_start
+    return tl.summary(lo, lo + 0.5 * span)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Any, timeout_s: float = 900) -> None:

@@ -56,18 +56,30 @@ class Timeline:
     def gpu_busy_pct(self, lane: str = "gpu") -> float:
         """Share of the recorded window during which at least one GPU span of `lane` is active."""
         start, end = self.window()
-        if end <= start:
-            return 0.0
-        busy, cursor = 0.0, start
-        for s in sorted((s for s in self.spans if s.lane == lane), key=lambda s: s.start):
-            lo, hi = max(s.start, cursor), s.end
-            if hi > lo:
-                busy += hi - lo
-                cursor = hi
-        return 100.0 * busy / (end - start)
+        return 100.0 * _covered([s for s in self.spans if s.lane == lane], start) / (end - start) if end > start else 0.0
+
+    def summary(self, start: float | None = None, end: float | None = None) -> dict[str, float]:
+        """Per-step figures inside [start, end] (perf_counter seconds; default: the whole window): steps begun,
+        step period, each CPU phase's mean milliseconds per step and the GPU-busy share of the interval."""
+        lo, hi = self.window()
+        lo, hi = max(lo, start if start is not None else lo), min(hi, end if end is not None else hi)
+        inside = [s for s in self.spans if s.start >= lo and s.end <= hi]
+        steps = len({s.step for s in inside if s.lane == "cpu" and s.name == "schedule"})
+        out: dict[str, float] = {"seconds": max(hi - lo, 0.0), "steps": float(steps)}
+        if steps == 0 or hi <= lo:
+            return out
+        out["step_ms"] = 1e3 * (hi - lo) / steps
+        for s in inside:
+            if s.lane == "cpu":
+                key = f"{s.name}_ms"
+                out[key] = out.get(key, 0.0) + 1e3 * (s.end - s.start) / steps
+        out["gpu_busy_pct"] = 100.0 * _covered([s for s in inside if s.lane == "gpu"], lo) / (hi - lo)
+        return out
 
     def to_chrome_trace(self, path: str, label: str = "tandem") -> None:
+        """Writes the spans as a Chrome trace; otherData.wall_start is the first span's time.time() value."""
         start, _ = self.window()
+        wall_start = start + (time.time() - time.perf_counter())
         events = [
             {
                 "name": s.name, "ph": "X", "pid": label, "tid": s.lane,
@@ -76,7 +88,29 @@ class Timeline:
             for s in self.spans
         ]
         with open(path, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"wall_start": wall_start}}, f)
+
+    @classmethod
+    def from_chrome_trace(cls, path: str) -> tuple[Timeline, float]:
+        """Reads a trace written by to_chrome_trace: the timeline (seconds from its first span) and wall_start."""
+        with open(path) as f:
+            data = json.load(f)
+        tl = cls()
+        for e in data["traceEvents"]:
+            start = e["ts"] / 1e6
+            tl.spans.append(Span(e["tid"], e["name"], start, start + e["dur"] / 1e6, e["args"]["step"]))
+        return tl, float(data.get("otherData", {}).get("wall_start", 0.0))
+
+
+def _covered(spans: list[Span], start: float) -> float:
+    """Seconds after `start` covered by at least one of the spans."""
+    busy, cursor = 0.0, start
+    for s in sorted(spans, key=lambda s: s.start):
+        lo, hi = max(s.start, cursor), s.end
+        if hi > lo:
+            busy += hi - lo
+            cursor = hi
+    return busy
 
 
 def plot_timelines(timelines: dict[str, Timeline], path: str, max_seconds: float | None = None,

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.05  # how stale the stats in the API processes may get while the engine is busy
 PARENT_CHECK_S = 1.0  # how often an idle or busy engine checks that its launcher is still alive
 DEFAULT_CORE = "tandem.engine:EngineCore"
+TIMELINE_ENV = "TANDEM_ENGINE_TIMELINE"  # a Chrome-trace path: the engine core records its timeline into it
 
 
 class EngineCoreLoop:
@@ -65,13 +67,16 @@ class EngineCoreLoop:
     def run(self) -> None:
         try:
             while True:
-                commands = self._receive(block=not self.core.has_unfinished_requests())
-                stop = self._apply(commands)
+                busy = self.core.has_unfinished_requests()
+                with self._phase("receive" if busy else None):  # an idle wait is no phase of a step
+                    commands = self._receive(block=not busy)
+                    stop = self._apply(commands)
                 if stop:
                     break
                 if self.core.has_unfinished_requests():
                     self._step()
-                self._flush()
+                with self._phase("send"):
+                    self._flush()
             self._fail_live("the server is shutting down")
             self._flush(force_stats=True)
         except BaseException as exc:  # a bug outside step(): fail everyone rather than leave them hanging
@@ -81,6 +86,11 @@ class EngineCoreLoop:
             raise
         finally:
             self.close()
+
+    def _phase(self, name: str | None) -> AbstractContextManager[None]:
+        """A span of the core's timeline when one is recording (`tandem bench --serve-timeline`)."""
+        timeline = getattr(self.core, "timeline", None)
+        return timeline.span(name) if timeline is not None and name is not None else nullcontext()
 
     def close(self) -> None:
         for sock in (self._input, *self._outputs):
@@ -206,6 +216,20 @@ def _failed(request_id: str, message: str) -> EngineOutput:
 # ---- process entry ---------------------------------------------------------------------------------
 
 
+def timeline_path(path: str, engine_index: int) -> str:
+    """Replica r > 0 of a data-parallel server writes PATH.r."""
+    return f"{path}.{engine_index}" if engine_index else path
+
+
+def write_timeline(core: Any, path: str, engine_index: int) -> None:
+    try:
+        timeline = core.stop_timeline()
+        if timeline is not None:
+            timeline.to_chrome_trace(timeline_path(path, engine_index), label=f"tandem-engine-{engine_index}")
+    except Exception:
+        logger.exception("could not write the engine timeline to %s", path)
+
+
 def load_core_class(path: str) -> Any:
     """'package.module:Name' -> the class (the server's tests pass a subclass that can be told to fail)."""
     module, _, name = path.partition(":")
@@ -234,10 +258,15 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addrs: list[st
     startup.send_bytes(encoder.encode(EngineInfo(core.max_model_len, core.model_config.vocab_size,
                                                  core.runner.num_blocks, os.getpid())))
     startup.close()
+    trace_path = os.environ.get(TIMELINE_ENV)
+    if trace_path:
+        core.start_timeline()
     freeze_gc()
     try:
         loop.run()
     finally:
+        if trace_path:
+            write_timeline(core, trace_path, engine_index)
         shutdown = getattr(core, "shutdown", None)  # tensor-parallel workers go with their engine
         if shutdown is not None:
             shutdown()

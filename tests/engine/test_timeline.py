@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from tandem import SamplingParams
 from tandem.profiling.timeline import Span, Timeline, plot_timelines
@@ -13,6 +14,25 @@ def test_gpu_busy_pct_is_the_union_of_gpu_spans_over_the_window():
     tl.spans += [Span("cpu", "schedule", 0.0, 10.0, 0), Span("gpu", "compute", 1.0, 4.0, 0),
                  Span("gpu", "compute", 3.0, 6.0, 1), Span("gpu", "compute", 8.0, 9.0, 2)]
     assert abs(tl.gpu_busy_pct() - 60.0) < 1e-9  # [1, 6] and [8, 9] of [0, 10]
+
+
+def test_summary_gives_per_step_phases_inside_an_interval_and_survives_a_chrome_trace(tmp_path):
+    tl = Timeline()
+    for step in range(4):  # steps of 10 s: schedule 2 s, update 1 s, the GPU busy 5 s of each
+        t = 10.0 * step
+        tl.spans += [Span("cpu", "schedule", t, t + 2, step), Span("cpu", "update", t + 3, t + 4, step),
+                     Span("gpu", "compute", t + 2, t + 7, step)]
+    whole = tl.summary()
+    assert whole["steps"] == 4 and whole["schedule_ms"] == 2000.0 and whole["update_ms"] == 1000.0
+    middle = tl.summary(10.0, 30.0)  # steps 1 and 2 only
+    assert middle["steps"] == 2 and middle["step_ms"] == 10000.0 and middle["gpu_busy_pct"] == 50.0
+    assert tl.summary(50.0, 60.0) == {"seconds": 0.0, "steps": 0.0}
+    path = tmp_path / "trace.json"
+    tl.to_chrome_trace(str(path))
+    back, wall_start = Timeline.from_chrome_trace(str(path))
+    assert abs(wall_start - time.time()) < 3600 * 24 * 365 and len(back.spans) == len(tl.spans)
+    again = back.summary(10.0, 30.0)
+    assert again.keys() == middle.keys() and all(abs(again[k] - middle[k]) < 1e-6 for k in middle)
 
 
 def test_engine_records_cpu_and_gpu_spans(idle_llm, tmp_path):
