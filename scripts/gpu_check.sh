@@ -7,7 +7,8 @@
 #   STAGE      tests | bench | serve | all (default all: tests + bench; serve runs only when named)
 #   SERVE      for STAGE=serve: semicolon list of `tandem bench --workload serve` argument strings, one
 #              server run each (default: llama-3-8b 512 x 256 with 256 in flight + its --sync peer; gpt2
-#              1000 x 256 all in flight with 6 API processes and 4 clients, the stream pass and Poisson 400 req/s)
+#              1000 x 256 all in flight with 6 API processes and 4 clients, the stream pass, Poisson 400 req/s and
+#              the engine's step phases offline and in the server)
 #   WORKLOADS  comma list for `tandem bench` (default bs1,seed-async,nano,prefix); each runs in its own process
 #   SCALE      --scale for `tandem bench` (default 1.0); PEERS  --peers (default: the CLI's hf,sync,eager)
 #   QUANTIZATION  --quantization for `tandem bench` (fp8; with PEERS=bf16 each workload reports fp8 / bf16)
@@ -164,7 +165,7 @@ print(f"bench.json: {len(results)} workload(s)" + (f", missing {missing}" if mis
 EOF
 }
 
-SERVE=${SERVE:-"--serve-model llama-3-8b --serve-requests 512 --serve-max-num-seqs 256 --api-server-count 1 --num-clients 4 --serve-sync;--serve-model gpt2 --serve-requests 1000 --api-server-count 6 --num-clients 4 --serve-stream --serve-poisson-rate 400"}
+SERVE=${SERVE:-"--serve-model llama-3-8b --serve-requests 512 --serve-max-num-seqs 256 --api-server-count 1 --num-clients 4 --serve-sync;--serve-model gpt2 --serve-requests 1000 --api-server-count 6 --num-clients 4 --serve-stream --serve-poisson-rate 400 --serve-timeline"}
 
 serve_stage() {
   local i=0 spec
@@ -199,6 +200,9 @@ for r in results:
             print(f"    {name}: {s['output_tokens_per_s']:.0f} tok/s, {s['num_completed']}/{s['num_requests']} ok, "
                   f"ttft ms {pct('ttft_s')}, tpot ms {pct('tpot_s')}, itl ms {pct('itl_s')}")
     print(f"    cpu %: {run.get('cpu_percent')}")
+    for label, phases in (("offline", r.get("offline_step_phases")), ("server", run.get("step_phases"))):
+        if phases:
+            print(f"    step phases {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
 EOF
 }
 

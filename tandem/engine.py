@@ -197,16 +197,19 @@ class EngineCore:
         touched = self.scheduler.update_from_output(sched, token_ids, logprobs)
         outputs: list[EngineOutput] = []
         requests = self._requests
+        finished_status = RequestStatus.FINISHED
         for req in touched:
             rid = req.request_id
             if rid not in requests:
                 continue  # aborted meanwhile: its token is dropped
             new_lp = req.output_logprobs[-1:] if req.sampling_params.logprobs is not None else None
-            queue_time = (req.first_scheduled_time - req.arrival_time) if req.first_scheduled_time else None
-            finished = req.status is RequestStatus.FINISHED
+            scheduled_at = req.first_scheduled_time
+            finished = req.status is finished_status
+            cached = req.num_cached_tokens
             outputs.append(
                 EngineOutput(rid, req.output_token_ids[-1:], new_lp, finished, req.finish_reason, req.stop_reason,
-                             len(req.prompt_token_ids), max(req.num_cached_tokens, 0), queue_time=queue_time)
+                             len(req.prompt_token_ids), cached if cached > 0 else 0, None,
+                             scheduled_at - req.arrival_time if scheduled_at else None)
             )
             if finished:
                 del requests[rid]

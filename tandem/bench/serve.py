@@ -13,6 +13,11 @@ from typing import Any
 
 PERCENTILES = (50, 95, 99)
 
+try:  # msgspec parses a streamed chunk in about a third of json's time: cycles the clients leave to the server
+    from msgspec.json import decode as _loads
+except ImportError:  # the load generator also runs where the server's packages are not installed
+    _loads = json.loads
+
 
 @dataclass(slots=True)
 class RequestResult:
@@ -243,7 +248,7 @@ async def one_request(client: Any, args: argparse.Namespace, model: str, prompt:
                 if data == b"[DONE]":
                     break
                 now = time.perf_counter()
-                chunk = json.loads(data)
+                chunk = _loads(data)
                 if "error" in chunk:
                     result.error = str(chunk["error"].get("message"))
                     return result

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.request import Request
 from tandem.scheduler.output import SchedulerOutput
 
 
@@ -105,6 +106,10 @@ class StepBuffers:
         # blocks, and a preempted request gets a new one), so a decode step rewrites only rows that changed.
         self.table_rows: list[list[int] | None] = [None] * max_num_seqs
         self.table_lens: list[int] = [0] * max_num_seqs
+        # The requests whose sampling parameters rows 0..n-1 hold (identity), and what write_step derived
+        # from them: (all greedy, any top-k/top-p row, most logprobs asked or -1).
+        self.sampling_rows: list[Request] | None = None
+        self.sampling_state: tuple[bool, bool, int] = (True, False, -1)
         self.host_tokens_np = self.host_tokens.numpy()
         self.host_logprob_np = self.host_logprob.numpy()
         self.host_top_ids_np = self.host_top_ids.numpy()
@@ -148,14 +153,17 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
     One Python pass gathers per-row values into lists, then each field gets one numpy assignment: a
     numpy scalar store costs about as much as a whole list append, and a decode step at batch 256 would
     otherwise spend milliseconds in them. `prev_rows` maps request ids to rows of the previous step's
-    sampled tokens (the carry-over sources).
+    sampled tokens (the carry-over sources). The sampling rows are rewritten only when the slot's last
+    step held other requests (or another order): in steady decode the batch repeats step after step.
     """
     ints, longs, floats = buf.ints.np, buf.longs.np, buf.floats.np
     input_ids, positions, slot_mapping = ints["input_ids"], ints["positions"], longs["slot_mapping"]
     block_tables, table_rows, table_lens = ints["block_tables"], buf.table_rows, buf.table_lens
     bs = block_size
-    num_seqs = len(sched.scheduled)
+    scheduled = sched.scheduled
+    num_seqs = len(scheduled)
     num_tokens = sched.num_scheduled_tokens
+    decode_only = num_tokens == num_seqs
     # Rows of one-token requests (decode), written together at the end by fancy indexing.
     one_t: list[int] = []
     one_ids: list[int] = []
@@ -165,14 +173,9 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
     carry_rows: list[int] = []
     query_lens: list[int] = []
     ends: list[int] = []
-    temperature: list[float] = []
-    top_p: list[float] = []
-    top_k: list[int] = []
-    seeds: list[int] = []
-    num_logprobs, any_filter = -1, False
     t = 0
-    for i, s in enumerate(sched.scheduled):
-        req, n, start = s.request, s.num_scheduled_tokens, s.num_computed_tokens
+    for i, s in enumerate(scheduled):
+        n, start = s.num_scheduled_tokens, s.num_computed_tokens
         end = start + n
         blocks = s.block_ids
         if n == 1:
@@ -186,9 +189,10 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
             positions[t : t + n] = pos
             slot_mapping[t : t + n] = np.asarray(blocks)[pos // bs] * bs + pos % bs
         t += n
+        rid = s.request.request_id
         if s.carry:
             carry_t.append(t - 1)
-            carry_rows.append(prev_rows[req.request_id])
+            carry_rows.append(prev_rows[rid])
         num_used = (end + bs - 1) // bs
         if table_rows[i] is blocks:
             done = table_lens[i]
@@ -198,20 +202,12 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
         else:
             block_tables[i, :num_used] = blocks[:num_used]
             table_rows[i], table_lens[i] = blocks, num_used
-        sp = req.sampling_params
-        query_lens.append(n)
-        ends.append(end)
-        temperature.append(sp.temperature)
-        top_p.append(sp.top_p)
-        top_k.append(sp.top_k)
-        seeds.append(req.sampling_seed)
-        if sp.temperature != 0.0 and (sp.top_k > 0 or sp.top_p < 1.0):
-            any_filter = True
-        if sp.logprobs is not None:
-            num_logprobs = max(num_logprobs, sp.logprobs)
-        rows[req.request_id] = i
+        if not decode_only:
+            query_lens.append(n)
+            ends.append(end)
+        rows[rid] = i
     if one_t:
-        if len(one_t) == num_tokens:  # decode-only: the rows are 0..n-1 in order
+        if decode_only:  # the rows are 0..n-1 in order
             input_ids[:num_tokens] = one_ids
             positions[:num_tokens] = one_pos
             slot_mapping[:num_tokens] = one_slot
@@ -222,21 +218,27 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
     carry_src = longs["carry_src"]
     carry_src[:num_tokens] = -1
     if carry_t:
-        carry_src[carry_t] = carry_rows
-    seq_lens, qsl = ints["seq_lens"], ints["query_start_loc"]
-    seq_lens[:num_seqs] = ends
+        if len(carry_t) == num_tokens:
+            carry_src[:num_tokens] = carry_rows
+        else:
+            carry_src[carry_t] = carry_rows
+    seq_lens, qsl, sample_pos = ints["seq_lens"], ints["query_start_loc"], longs["sample_pos"]
     qsl[0] = 0
-    if num_tokens == num_seqs:
+    if decode_only:
+        np.add(positions[:num_seqs], 1, out=seq_lens[:num_seqs])
         qsl[1 : num_seqs + 1] = np.arange(1, num_seqs + 1)
+        max_query_len = 1 if num_seqs else 0
     else:
+        seq_lens[:num_seqs] = ends
         np.cumsum(query_lens, out=qsl[1 : num_seqs + 1])
+        max_query_len = max(query_lens, default=0)
+    sample_pos[:num_seqs] = seq_lens[:num_seqs]
     ints["logits_indices"][:num_seqs] = qsl[1 : num_seqs + 1] - 1
-    floats["temperature"][:num_seqs] = temperature
-    floats["top_p"][:num_seqs] = top_p
-    ints["top_k"][:num_seqs] = top_k
-    longs["seeds"][:num_seqs] = seeds
-    longs["sample_pos"][:num_seqs] = ends
-    all_greedy = not any(temperature)
+    requests = [s.request for s in scheduled]
+    if buf.sampling_rows is None or requests != buf.sampling_rows:  # == compares identities first
+        buf.sampling_state = _write_sampling(buf, requests)
+    buf.sampling_rows = requests
+    all_greedy, any_filter, num_logprobs = buf.sampling_state
     if pad_to is not None and pad_to > num_seqs:
         # Padding rows of a captured decode graph: no KV write, empty context, no carry; sampled inside the
         # graph too, so they get valid greedy parameters whatever the slot held before.
@@ -250,6 +252,21 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
         floats["top_p"][num_seqs:pad_to] = 1.0
         ints["top_k"][num_seqs:pad_to] = 0
         longs["seeds"][num_seqs:pad_to] = 0
-        longs["sample_pos"][num_seqs:pad_to] = 0
-    return StepShape(all_greedy, any_filter, num_logprobs, max(query_lens, default=0), max(ends, default=0),
-                     sum(ends))
+        sample_pos[num_seqs:pad_to] = 0
+    seq_used = seq_lens[:num_seqs]
+    return StepShape(all_greedy, any_filter, num_logprobs, max_query_len, int(seq_used.max()) if num_seqs else 0,
+                     int(seq_used.sum(dtype=np.int64)))
+
+
+def _write_sampling(buf: StepBuffers, requests: list[Request]) -> tuple[bool, bool, int]:
+    """Writes the rows' sampling parameters; returns (all greedy, any top-k/top-p row, most logprobs or -1)."""
+    n = len(requests)
+    params = [r.sampling_params for r in requests]
+    temperature = [sp.temperature for sp in params]
+    buf.floats.np["temperature"][:n] = temperature
+    buf.floats.np["top_p"][:n] = [sp.top_p for sp in params]
+    buf.ints.np["top_k"][:n] = [sp.top_k for sp in params]
+    buf.longs.np["seeds"][:n] = [r.sampling_seed for r in requests]
+    any_filter = any(sp.temperature != 0.0 and (sp.top_k > 0 or sp.top_p < 1.0) for sp in params)
+    num_logprobs = max((sp.logprobs for sp in params if sp.logprobs is not None), default=-1)
+    return not any(temperature), any_filter, num_logprobs

@@ -119,21 +119,29 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
+            i += 1
             pending = request.num_pending_tokens
-            num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
+            start = request.num_computed_tokens
+            num_new = len(request.all_token_ids) + pending - start
             if (len(request.output_token_ids) + pending >= request.max_output_tokens  # done once pending lands
                     or num_new == 0 or (num_new > budget and not chunked)):
-                i += 1
                 continue
-            num_new = min(num_new, budget)
+            if num_new > budget:
+                num_new = budget
             block_ids = allocate(request, num_new)
             if block_ids is None:
                 block_ids = self._preempt_until_fits(request, num_new, preempted)
                 if block_ids is None:
                     break  # the request preempted itself: it was the last one running
-            scheduled.append(self._schedule_tokens(request, num_new, block_ids))
+            if num_new == 1 and pending == 1:
+                # The overlap loop's decode step: the one position is the token the step in flight samples.
+                # _schedule_tokens gives the same entry; this runs for nearly every request of every step.
+                request.num_computed_tokens = start + 1
+                request.num_pending_tokens = 2
+                scheduled.append(ScheduledRequest(request, start, 1, [PLACEHOLDER_TOKEN_ID], True, block_ids, True))
+            else:
+                scheduled.append(self._schedule_tokens(request, num_new, block_ids))
             budget -= num_new
-            i += 1
         # Admitting after a preemption would take back the blocks we just had to free.
         if not preempted:
             self._admit(budget, scheduled)
@@ -222,6 +230,8 @@ class Scheduler:
         """Applies a finished step's sampled tokens (row i = out.scheduled[i]); returns the requests touched."""
         touched: list[Request] = []
         finished = RequestStatus.FINISHED
+        now: float | None = None
+        ended: list[Request] | None = None
         for i, entry in enumerate(out.scheduled):
             if not entry.sample:
                 continue
@@ -230,15 +240,36 @@ class Scheduler:
                 continue  # aborted or stopped while this step was in flight: never output
             assert request.num_pending_tokens > 0, f"{request.request_id}: token arrived that was not pending"
             request.num_pending_tokens -= 1
-            request.append_output_token(sampled_token_ids[i])
+            token = sampled_token_ids[i]
+            request.output_token_ids.append(token)  # Request.append_output_token, inlined for the hot loop
+            request.all_token_ids.append(token)
             if logprobs is not None and request.sampling_params.logprobs is not None:
                 request.output_logprobs.append(logprobs[i])
             if request.first_token_time is None:
-                request.first_token_time = time.monotonic()
+                request.first_token_time = now = now or time.monotonic()
             if request.check_stop():
-                self._finish(request)
+                if ended is None:
+                    ended = []
+                ended.append(request)
             touched.append(request)
+        if ended is not None:
+            self._finish_many(ended)
         return touched
+
+    def _finish_many(self, requests: list[Request]) -> None:
+        """_finish for a step's finished requests, with one pass over the queues (a whole batch can end at once)."""
+        finished = RequestStatus.FINISHED
+        was_waiting = False
+        for request in requests:
+            was_waiting |= request.status is RequestStatus.WAITING  # preempted while its last step was in flight
+            request.status = finished
+            self.kv_cache_manager.free(request)
+            del self.requests[request.request_id]
+        self.running[:] = [r for r in self.running if r.status is not finished]
+        if was_waiting:
+            kept = [r for r in self.waiting if r.status is not finished]
+            self.waiting.clear()
+            self.waiting.extend(kept)
 
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED

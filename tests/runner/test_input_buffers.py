@@ -7,6 +7,7 @@ into two alternating slots (as the runner does) and compared, field by field, wi
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -107,6 +108,11 @@ class CheckingGPU(FakeGPU):
             assert shape.max_seq_len == max(ends) and shape.num_context_tokens == sum(ends)
             assert shape.max_query_len == max(s.num_scheduled_tokens for s in out.scheduled)
             assert rows == {s.request.request_id: i for i, s in enumerate(out.scheduled)}
+            params = [s.request.sampling_params for s in out.scheduled]  # write_step caches these per slot
+            assert shape.all_greedy == all(sp.temperature == 0.0 for sp in params)
+            assert shape.any_top_k_top_p == any(sp.temperature != 0.0 and (sp.top_k > 0 or sp.top_p < 1.0)
+                                                for sp in params)
+            assert shape.num_logprobs == max((sp.logprobs for sp in params if sp.logprobs is not None), default=-1)
             self.prev_rows = rows
             self.num_written += 1
         return super().execute(out)
@@ -138,6 +144,11 @@ def test_write_step_matches_reference_writer(name: str, overlap: bool, monkeypat
     monkeypatch.setattr("tests.scheduler.sim.FakeGPU", make_gpu)
     rng = random.Random(7)
     requests = random_workload(rng, 24)
+    for i, request in enumerate(requests):  # every row its own sampling parameters and seed
+        request.sampling_params = dataclasses.replace(
+            request.sampling_params, temperature=rng.choice([0.0, 0.0, 0.7, 1.3]), top_p=rng.choice([1.0, 0.9]),
+            top_k=rng.choice([0, 0, 5]), logprobs=rng.choice([None, None, 0, 3]))
+        request.sampling_seed = 1000 + i
     arrivals: dict[int, list[int]] = {}
     for i in range(len(requests)):
         arrivals.setdefault(rng.randrange(20), []).append(i)
