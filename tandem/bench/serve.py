@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import sys
@@ -176,7 +177,15 @@ async def run_share(args: argparse.Namespace, model: str, prompts: list[str | li
                 result = RequestResult(i, offsets[i], time.perf_counter() - start)
                 return await one_request(client, args, model, prompts[i % len(prompts)], result, start)
 
-        results = await asyncio.gather(*(scheduled(i) for i in indices))
+        # No garbage collection while timing: a full collection over a run's results pauses every stream this
+        # process reads, and the pause would show up as the server's inter-token latency.
+        collect = gc.isenabled()
+        gc.disable()
+        try:
+            results = await asyncio.gather(*(scheduled(i) for i in indices))
+        finally:
+            if collect:
+                gc.enable()
     return list(results), time.time()
 
 

@@ -194,24 +194,32 @@ def _through_server(args: argparse.Namespace, engine_args: list[str], prompt_ids
     if profile_dir:
         run["api_profile"] = _profile_summary(profile_dir)
     if trace:
-        run["step_phases"] = _server_phases(trace, run["saturation"]["wall"])
+        passes = {name: run[name]["wall"] for name in ("saturation", "stream", "poisson") if name in run}
+        for name, phases in _server_phases(trace, passes).items():
+            if name == "saturation":
+                run["step_phases"] = phases
+            else:
+                run[name]["step_phases"] = phases
     return run
 
 
-def _server_phases(trace: str, wall: dict[str, float]) -> dict[str, float] | None:
-    """The engine core's step phases in the middle half of a pass (its wall-clock window)."""
+def _server_phases(trace: str, passes: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The engine core's step phases in the middle half of each pass (by its wall-clock window)."""
     from tandem.profiling.timeline import Timeline
 
     try:
         tl, wall_start = Timeline.from_chrome_trace(trace)
     except (OSError, ValueError, KeyError):
-        return None  # the server wrote no trace (it died): the run reports its error elsewhere
+        return {}  # the server wrote no trace (it died): the run reports its error elsewhere
     finally:
         if os.path.exists(trace):
             os.unlink(trace)
-    span = wall["end"] - wall["start"]
-    lo = wall["start"] + 0.25 * span - wall_start
-    return tl.summary(lo, lo + 0.5 * span)
+    out = {}
+    for name, wall in passes.items():
+        span = wall["end"] - wall["start"]
+        lo = wall["start"] + 0.25 * span - wall_start
+        out[name] = tl.summary(lo, lo + 0.5 * span)
+    return out
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Any, timeout_s: float = 900) -> None:

@@ -69,6 +69,12 @@ class Timeline:
         if steps == 0 or hi <= lo:
             return out
         out["step_ms"] = 1e3 * (hi - lo) / steps
+        starts = sorted(s.start for s in inside if s.lane == "cpu" and s.name == "schedule")
+        gaps = sorted(b - a for a, b in zip(starts, starts[1:]))
+        if gaps:  # step periods, start to start: their tail is the engine's share of long inter-token gaps
+            out["step_p50_ms"] = 1e3 * gaps[len(gaps) // 2]
+            out["step_p99_ms"] = 1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+            out["step_max_ms"] = 1e3 * gaps[-1]
         for s in inside:
             if s.lane == "cpu":
                 key = f"{s.name}_ms"

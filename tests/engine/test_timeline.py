@@ -24,6 +24,7 @@ def test_summary_gives_per_step_phases_inside_an_interval_and_survives_a_chrome_
                      Span("gpu", "compute", t + 2, t + 7, step)]
     whole = tl.summary()
     assert whole["steps"] == 4 and whole["schedule_ms"] == 2000.0 and whole["update_ms"] == 1000.0
+    assert whole["step_p50_ms"] == whole["step_p99_ms"] == whole["step_max_ms"] == 10000.0  # start to start
     middle = tl.summary(10.0, 30.0)  # steps 1 and 2 only
     assert middle["steps"] == 2 and middle["step_ms"] == 10000.0 and middle["gpu_busy_pct"] == 50.0
     assert tl.summary(50.0, 60.0) == {"seconds": 0.0, "steps": 0.0}
