@@ -199,6 +199,8 @@ for r in results:
             pct = lambda k: {q: round(v * 1e3, 2) for q, v in s.get(k, {}).items() if q in ("p50", "p95", "p99")}
             print(f"    {name}: {s['output_tokens_per_s']:.0f} tok/s, {s['num_completed']}/{s['num_requests']} ok, "
                   f"ttft ms {pct('ttft_s')}, tpot ms {pct('tpot_s')}, itl ms {pct('itl_s')}")
+            if run[name].get("step_phases"):
+                print(f"      engine steps: " + ", ".join(f"{k} {v:.2f}" for k, v in run[name]["step_phases"].items()))
     print(f"    cpu %: {run.get('cpu_percent')}")
     for label, phases in (("offline", r.get("offline_step_phases")), ("server", run.get("step_phases"))):
         if phases:
