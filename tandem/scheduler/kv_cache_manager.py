@@ -41,6 +41,16 @@ class KVCacheManager:
         self.num_hit_tokens = 0  # of those, served from the prefix cache
 
     # --- queries ---------------------------------------------------------------------------
+    @property
+    def tables(self) -> dict[str, list[int]]:
+        """Block tables by request id (read-only for callers: the scheduler's decode fast path reads them)."""
+        return self._blocks
+
+    @property
+    def published(self) -> dict[str, int]:
+        """Leading blocks already published, by request id (read-only for callers)."""
+        return self._num_published
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's live block table ([] when it holds none); callers must not mutate it."""
         return self._blocks.get(request_id, [])

@@ -113,7 +113,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        allocate = self.kv_cache_manager.allocate_slots
+        kv = self.kv_cache_manager
+        allocate = kv.allocate_slots
+        # allocate_slots' no-change case, checked here without the call for the overlap loop's decode entries.
+        tables, published, bs, caching = kv.tables, kv.published, kv.block_size, kv.enable_prefix_caching
         chunked = self.config.enable_chunked_prefill
         running = self.running
         i = 0
@@ -122,13 +125,21 @@ class Scheduler:
             i += 1
             pending = request.num_pending_tokens
             start = request.num_computed_tokens
-            num_new = len(request.all_token_ids) + pending - start
+            num_known = len(request.all_token_ids)
+            num_new = num_known + pending - start
             if (len(request.output_token_ids) + pending >= request.max_output_tokens  # done once pending lands
                     or num_new == 0 or (num_new > budget and not chunked)):
                 continue
             if num_new > budget:
                 num_new = budget
-            block_ids = allocate(request, num_new)
+            block_ids = None
+            if num_new == 1 and pending == 1:  # the new position is start == num_known: no known token to publish
+                held = tables.get(request.request_id)
+                if held is not None and start < len(held) * bs and (
+                        not caching or num_known // bs <= published[request.request_id]):
+                    block_ids = held
+            if block_ids is None:
+                block_ids = allocate(request, num_new)
             if block_ids is None:
                 block_ids = self._preempt_until_fits(request, num_new, preempted)
                 if block_ids is None:
