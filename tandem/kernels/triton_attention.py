@@ -79,6 +79,9 @@ def _decode_split_kernel(
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    if not DIRECT_OUT:
+        if tile_lo >= num_tiles:
+            return  # an empty share: the reduce reads only the splits that hold tiles (_used_splits)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -136,18 +139,27 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _used_splits(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """How many leading splits of a sequence hold KV tiles (the split kernel's shares, from seq_len)."""
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), 1)
+    return tl.cdiv(num_tiles, tiles_per_split)  # 0 when seq_len is 0
+
+
+@triton.jit
 def _decode_reduce_kernel(
-    ws_o_ptr, ws_lse_ptr, out_ptr, num_splits,
+    ws_o_ptr, ws_lse_ptr, out_ptr, seq_lens_ptr, num_splits,
     stride_ob, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # Program (b, head): merges the splits' normalized partials weighted by exp2(lse).
+    # Program (b, head): merges the splits' normalized partials weighted by exp2(lse). Only the splits that
+    # held tiles wrote partials: in a graph captured for the longest context a short one fills few of them.
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b.to(tl.int64) * tl.num_programs(1) + h
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
+    s_mask = offs_s < _used_splits(tl.load(seq_lens_ptr + b), num_splits, BLOCK_N)
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(ws_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, axis=0)
@@ -292,8 +304,8 @@ def paged_decode_attention(
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
-            ws_o, ws_lse, out, num_splits, *out.stride(),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            ws_o, ws_lse, out, seq_lens, num_splits, *out.stride(),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
             num_warps=4 if num_splits * block_d >= 2048 else 2,
         )
     return out

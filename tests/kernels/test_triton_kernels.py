@@ -187,10 +187,11 @@ def test_decode_non_power_of_two_head_dim(head_dim, group):
     assert_matches(out, dense_reference(case), torch.float16)
 
 
-def test_decode_uses_a_preallocated_workspace_with_garbage():
+@pytest.mark.parametrize("num_splits", [4, 16])
+def test_decode_uses_a_preallocated_workspace_with_garbage(num_splits):
+    # Empty splits write nothing: the reduce must read only the splits that held tiles.
     case = make_case([100, 0, 5], [1] * 3, group=4, head_dim=64, block_size=16, dtype=torch.float32)
     m = case.meta
-    num_splits = 4
     workspace = torch.full((decode_workspace_numel(3, case.q.shape[1], 64, num_splits) + 7,), float("nan"),
                            device=DEVICE)  # oversized and NaN-filled: every element read must be written first
     out = paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
