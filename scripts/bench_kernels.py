@@ -135,7 +135,7 @@ def bench_shape(args, batch, seq_len, copy_gbs, device) -> dict:
     total_bytes = kv_bytes + io_bytes
     out = torch.empty_like(q)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    block_n = decode_block_n(args.head_dim, dtype)
+    block_n = decode_block_n(args.head_dim, dtype, batch * args.num_kv_heads, num_sms)
     splits = choose_num_splits(batch, args.num_kv_heads, args.graph_max_len or seq_len, block_n, num_sms)
 
     def run_tandem(num_splits=splits, graph=True, **cfg):

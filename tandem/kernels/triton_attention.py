@@ -185,9 +185,13 @@ def device_sms(device: torch.device) -> int:
     return 132  # interpreter runs: pretend an H100 so the heuristic is exercised the same way
 
 
-def decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
-    """KV positions per decode tile: ~16 KiB of K (and of V) per tile."""
-    return max(16, min(128, 16384 // (triton.next_power_of_2(head_dim) * dtype.itemsize)))
+def decode_block_n(head_dim: int, dtype: torch.dtype, programs: int = 0, num_sms: int = 0) -> int:
+    """KV positions per decode tile: ~16 KiB of K (and of V) per tile, ~32 KiB once batch x kv heads
+    programs fill the SMs without splitting. Swept on an H200 (h200_s5_kernels_sweep.json): at batch 32
+    x 512-2048 tokens 128-position tiles (3 stages) ran 0.98x SDPA where 64 ran 0.83-0.92x; at batch 1
+    the smaller tiles keep more splits busy over a short context."""
+    tile_bytes = 32768 if num_sms and programs >= num_sms else 16384
+    return max(16, min(128, tile_bytes // (triton.next_power_of_2(head_dim) * dtype.itemsize)))
 
 
 def choose_num_splits(
@@ -273,11 +277,12 @@ def paged_decode_attention(
     if batch == 0:
         return out
 
-    block_n = block_n or decode_block_n(head_dim, k_cache.dtype)
+    num_sms = device_sms(q.device)
+    block_n = block_n or decode_block_n(head_dim, k_cache.dtype, batch * num_kv_heads, num_sms)
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * page
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, block_n, device_sms(q.device))
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, block_n, num_sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     use_dot = group > 1

@@ -12,6 +12,7 @@ from tandem.kernels import ops
 from tandem.kernels.triton_attention import (
     MAX_SPLITS,
     choose_num_splits,
+    decode_block_n,
     decode_workspace_numel,
     paged_attention_triton,
     paged_decode_attention,
@@ -200,6 +201,14 @@ def test_decode_uses_a_preallocated_workspace_with_garbage(num_splits):
     with pytest.raises(ValueError):
         paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
                                num_splits=num_splits, workspace=workspace[:10])
+
+
+def test_decode_tiles_double_once_the_programs_fill_the_sms():
+    assert decode_block_n(128, torch.bfloat16) == 64  # 16 KiB of K per tile
+    assert decode_block_n(128, torch.bfloat16, programs=8, num_sms=132) == 64  # batch 1: splits need tiles
+    assert decode_block_n(128, torch.bfloat16, programs=256, num_sms=132) == 128  # batch 32 x 8 kv heads
+    assert decode_block_n(128, torch.float32, programs=256, num_sms=132) == 64
+    assert decode_block_n(64, torch.bfloat16, programs=2048, num_sms=132) == 128  # capped
 
 
 def test_num_splits_heuristic_bounds():
