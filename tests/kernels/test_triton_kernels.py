@@ -215,6 +215,8 @@ def test_num_splits_heuristic_bounds():
     # Small batches split long contexts to fill the GPU; big batches do not split; never beyond the bounds.
     assert choose_num_splits(1, 8, 8192, 64, 132) > 1
     assert choose_num_splits(256, 8, 8192, 64, 132) == 1
+    assert choose_num_splits(17, 8, 8192, 64, 132) == 1  # 136 programs: a wave without splitting
+    assert choose_num_splits(16, 8, 8192, 64, 132) > 1
     assert choose_num_splits(1, 8, 16, 64, 132) == 1
     for batch in (1, 3, 32, 256):
         for max_seq_len in (0, 1, 512, 131072):
