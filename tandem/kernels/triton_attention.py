@@ -201,8 +201,9 @@ def choose_num_splits(
     """Splits per sequence from shapes only (CUDA-graph safe); correctness never depends on the value.
 
     One split once batch x kv heads fill the SMs; below that, batch x kv heads x splits aims at
-    programs_per_sm waves of the SMs, but no split gets fewer than min_tiles_per_split tiles of the static bound max_seq_len (the device spreads a sequence's actual tiles
-    over the splits, so in a graph captured for max_model_len short contexts leave the last splits empty).
+    programs_per_sm waves of the SMs, but no split gets fewer than min_tiles_per_split tiles of the static
+    bound max_seq_len (the device spreads a sequence's actual tiles over the splits, so in a graph captured
+    for max_model_len short contexts leave the last splits empty).
     """
     programs = max(1, batch * num_kv_heads)
     if programs >= num_sms:
