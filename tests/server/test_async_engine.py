@@ -15,7 +15,8 @@ from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
 from tandem.server import protocol as p
 from tandem.server.async_engine import Accepted, AsyncEngine, Failed, QueueFullError, Rejected
-from tandem.server.engine_core import EngineCoreLoop
+from tandem.profiling.timeline import Timeline
+from tandem.server.engine_core import EngineCoreLoop, timeline_path, write_timeline
 from tandem.outputs import EngineOutput
 from tandem.server.protocol import ApiError, loc_to_param, parse_body
 
@@ -150,6 +151,55 @@ def test_outputs_flow_and_engine_runs_in_its_own_loop():
         await h.close()
 
     asyncio.run(main())
+
+
+class TimedCore(FakeCore):
+    """FakeCore with the EngineCore timeline interface (a Timeline whose step follows the core's steps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeline: Timeline | None = None
+
+    def start_timeline(self) -> Timeline:
+        self.timeline = Timeline()
+        return self.timeline
+
+    def stop_timeline(self) -> Timeline | None:
+        timeline, self.timeline = self.timeline, None
+        return timeline
+
+    def step(self):
+        if self.timeline is not None:
+            self.timeline.step = self.num_steps
+            with self.timeline.span("schedule"):
+                return super().step()
+        return super().step()
+
+
+def test_loop_records_receive_and_send_spans_and_writes_the_trace(tmp_path):
+    async def main():
+        core = TimedCore()
+        core.start_timeline()
+        h = start_loop(core)
+        engine = h.client()
+        stream: asyncio.Queue = asyncio.Queue()
+        engine.add([("a", [1], SamplingParams(max_tokens=4))], stream)
+        await _drain(stream, 1)
+        await asyncio.sleep(0.3)  # the loop idles, blocked on its commands socket
+        await h.close()
+        return core
+
+    core = asyncio.run(main())
+    timeline = core.timeline
+    names = {s.name for s in timeline.spans}
+    assert {"receive", "schedule", "send"} <= names
+    # Only busy turns of the loop are spans: an idle wait for commands is no phase of a step.
+    assert all(s.end - s.start < 0.2 for s in timeline.spans if s.name == "receive")
+    write_timeline(core, str(tmp_path / "engine.json"), engine_index=1)
+    assert core.timeline is None and timeline_path(str(tmp_path / "engine.json"), 1).endswith("engine.json.1")
+    back, wall_start = Timeline.from_chrome_trace(str(tmp_path / "engine.json.1"))
+    assert len(back.spans) == len(timeline.spans) and wall_start > 0
+    assert back.summary()["steps"] == 4
 
 
 def test_two_clients_get_only_their_own_outputs_and_the_global_queue_bound():
