@@ -141,11 +141,16 @@ def fp8_matmul_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
         max_programs = 4 * sms
     else:
         block_n, max_programs = 64, 2 * sms
-    k_tiles = triton.cdiv(k, block_k)
-    split_k = 1
-    while split_k < 8 and triton.cdiv(n, block_n) * split_k * 2 <= max_programs and k_tiles // (split_k * 2) >= 4:
-        split_k *= 2
+    split_k = split_k_until(n, block_n, triton.cdiv(k, block_k), max_programs, max_split=8)
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 3}
+
+
+def split_k_until(n: int, block_n: int, k_tiles: int, max_programs: int, max_split: int) -> int:
+    """Doubles the split over K while the grid stays within max_programs and each split keeps >= 4 K tiles."""
+    split = 1
+    while split < max_split and triton.cdiv(n, block_n) * split * 2 <= max_programs and k_tiles // (split * 2) >= 4:
+        split *= 2
+    return split
 
 
 def fp8_weight_matmul_triton(
@@ -256,10 +261,8 @@ def w8a8_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
             raise ValueError(f"TANDEM_W8A8_TILE: unknown key {key!r} (expected one of {sorted(tile)})")
         tile[key] = value if value == "auto" else int(value)
     if tile["SPLIT_K"] == "auto":
-        k_tiles, split = triton.cdiv(k, int(tile["BLOCK_K"])), 1
-        while split < 16 and triton.cdiv(n, int(tile["BLOCK_N"])) * split * 2 <= 2 * sms and k_tiles // (split * 2) >= 4:
-            split *= 2
-        tile["SPLIT_K"] = split
+        tile["SPLIT_K"] = split_k_until(n, int(tile["BLOCK_N"]), triton.cdiv(k, int(tile["BLOCK_K"])), 2 * sms,
+                                        max_split=16)
     return {key: int(value) for key, value in tile.items()}
 
 
