@@ -1,7 +1,10 @@
-"""EngineConfig (frozen, validated once) and ModelConfig (the architecture's numbers)."""
+"""EngineConfig (frozen, validated once) and ModelConfig (the architecture's numbers); environment overrides."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,3 +130,19 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Sets environment variables for the duration of the block, then restores (or removes) them: for a child
+    process about to be spawned (spawn copies the environment then), or an engine built under a setting."""
+    previous = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

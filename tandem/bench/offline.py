@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from tandem.bench.workloads import WORKLOADS, Workload, make_requests
+from tandem.config import environment
 
 
 def _device_name(device: str) -> str:
@@ -282,15 +283,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         llm = None
         gc.collect()
         torch.cuda.empty_cache()
-        saved = os.environ.get("TANDEM_GEMV_MAX_ROWS")
-        os.environ["TANDEM_GEMV_MAX_ROWS"] = "0"
-        try:
+        with environment({"TANDEM_GEMV_MAX_ROWS": "0"}):
             r = run_fresh_tandem(llm_kwargs, requests, warm)
-        finally:
-            if saved is None:
-                del os.environ["TANDEM_GEMV_MAX_ROWS"]
-            else:
-                os.environ["TANDEM_GEMV_MAX_ROWS"] = saved
         r.update(token_agreement(r["_outputs"], main["_outputs"]))
         peer_results["tandem without GEMV"] = r
     _add_peers(result, main, peer_results)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import logging
 import multiprocessing as mp
@@ -22,7 +21,6 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_any
 from multiprocessing.process import BaseProcess
@@ -31,7 +29,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, environment
 from tandem.server.engine_core import DEFAULT_CORE, run_engine_core
 from tandem.server.messages import EngineFailed, EngineInfo, Shutdown, StartupReply
 
@@ -130,7 +128,7 @@ def start_engines(config: EngineConfig, *, num_api_servers: int = 1, data_parall
             process = ctx.Process(target=run_engine_core, name=f"tandem-engine-core-{r}",
                                   args=(config, input_addr, output_addrs, max_queue, writer, log_level, core_class,
                                         r))
-            with _child_env(replica_env(config, r, data_parallel_size)):
+            with environment(replica_env(config, r, data_parallel_size)):
                 process.start()
             writer.close()
             started.append((process, reader, input_addr))
@@ -188,21 +186,6 @@ def _cuda_device_count() -> int:
     import torch
 
     return torch.cuda.device_count()
-
-
-@contextlib.contextmanager
-def _child_env(values: dict[str, str]) -> Iterator[None]:
-    """Sets environment variables while a child process starts (spawn copies the environment then)."""
-    previous = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _startup_reply(reader: Any, process: BaseProcess) -> EngineInfo:
