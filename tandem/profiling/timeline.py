@@ -64,12 +64,12 @@ class Timeline:
         lo, hi = self.window()
         lo, hi = max(lo, start if start is not None else lo), min(hi, end if end is not None else hi)
         inside = [s for s in self.spans if s.start >= lo and s.end <= hi]
-        steps = len({s.step for s in inside if s.lane == "cpu" and s.name == "schedule"})
+        starts = sorted(s.start for s in inside if s.lane == "cpu" and s.name == "schedule")  # one per step
+        steps = len(starts)
         out: dict[str, float] = {"seconds": max(hi - lo, 0.0), "steps": float(steps)}
         if steps == 0 or hi <= lo:
             return out
         out["step_ms"] = 1e3 * (hi - lo) / steps
-        starts = sorted(s.start for s in inside if s.lane == "cpu" and s.name == "schedule")
         gaps = sorted(b - a for a, b in zip(starts, starts[1:]))
         if gaps:  # step periods, start to start: their tail is the engine's share of long inter-token gaps
             out["step_p50_ms"] = 1e3 * gaps[len(gaps) // 2]

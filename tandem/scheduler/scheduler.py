@@ -115,7 +115,6 @@ class Scheduler:
         preempted: list[str] = []
         kv = self.kv_cache_manager
         allocate = kv.allocate_slots
-        # allocate_slots' no-change case, checked here without the call for the overlap loop's decode entries.
         tables, published, bs, caching = kv.tables, kv.published, kv.block_size, kv.enable_prefix_caching
         chunked = self.config.enable_chunked_prefill
         running = self.running
@@ -132,8 +131,12 @@ class Scheduler:
                 continue
             if num_new > budget:
                 num_new = budget
+            # The overlap loop's decode step, nearly every request of every step: the one position (start ==
+            # num_known) is the token the step in flight samples. allocate_slots' no-change case (room in the held
+            # blocks, every full block of known tokens published) is checked here without the call.
+            carry_decode = num_new == 1 and pending == 1
             block_ids = None
-            if num_new == 1 and pending == 1:  # the new position is start == num_known: no known token to publish
+            if carry_decode:
                 held = tables.get(request.request_id)
                 if held is not None and start < len(held) * bs and (
                         not caching or num_known // bs <= published[request.request_id]):
@@ -144,9 +147,7 @@ class Scheduler:
                 block_ids = self._preempt_until_fits(request, num_new, preempted)
                 if block_ids is None:
                     break  # the request preempted itself: it was the last one running
-            if num_new == 1 and pending == 1:
-                # The overlap loop's decode step: the one position is the token the step in flight samples.
-                # _schedule_tokens gives the same entry; this runs for nearly every request of every step.
+            if carry_decode:  # the entry _schedule_tokens would build, written inline
                 request.num_computed_tokens = start + 1
                 request.num_pending_tokens = 2
                 scheduled.append(ScheduledRequest(request, start, 1, [PLACEHOLDER_TOKEN_ID], True, block_ids, True))
