@@ -32,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--sync", action="store_true", help="overlap off: finish each step before scheduling the next")
     g.add_argument("--no-cuda-graph", action="store_true", help="eager decode (no CUDA graphs)")
+    g.add_argument("--piecewise-max-tokens", type=int, default=512,
+                   help="steps that mix prefills into the decodes, up to this many tokens, run as piecewise CUDA "
+                        "graphs (attention launched between the captured pieces); 0: eager")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: FP8 weights with per-channel scales, FP8 matmuls (CUDA, compute capability >= 8.9)")
@@ -46,7 +49,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, overlap=not args.sync,
-        cuda_graph=not args.no_cuda_graph, seed=args.seed, quantization=args.quantization,
+        cuda_graph=not args.no_cuda_graph, piecewise_max_tokens=args.piecewise_max_tokens, seed=args.seed,
+        quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=getattr(args, "data_parallel_size", 1),  # generate's and serve's own flag
     )

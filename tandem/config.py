@@ -76,6 +76,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     overlap: bool = True
     cuda_graph: bool = True
+    piecewise_max_tokens: int = 512  # steps mixing prefills into decodes up to this many tokens: piecewise graphs
     seed: int = 0
     quantization: str | None = None  # None | fp8 (weights in float8_e4m3fn, per-output-channel scales)
     tensor_parallel_size: int = 1  # GPUs (or CPU processes) one model is sharded over, Megatron-style
@@ -95,6 +96,9 @@ class EngineConfig:
             raise ValueError(f"revision must be a non-empty branch, tag or commit, got {self.revision!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
+        if not isinstance(self.piecewise_max_tokens, int) or self.piecewise_max_tokens < 0:
+            raise ValueError(f"piecewise_max_tokens must be an integer >= 0 (0: off), "
+                             f"got {self.piecewise_max_tokens!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -32,17 +32,17 @@ def run_tandem(llm: Any, requests: list[tuple[list[int], int]], *, overlap: bool
     if llm.config.data_parallel_size > 1:
         return run_data_parallel(llm, requests, overlap=overlap, graphs=graphs, record=record)
     engine = llm.engine
-    saved_graphs = engine.runner.graphs
+    saved_graphs = engine.runner.graphs, engine.runner.piecewise
     engine.overlap = overlap
     if not graphs:
-        engine.runner.graphs = None
+        engine.runner.graphs = engine.runner.piecewise = None
     engine.step_log = []
     tl = engine.start_timeline() if record else None
     r = _timed_generate(llm, requests)
     if record:
         engine.stop_timeline()
     step_log, engine.step_log = engine.step_log, None
-    engine.runner.graphs, engine.overlap = saved_graphs, llm.config.overlap
+    (engine.runner.graphs, engine.runner.piecewise), engine.overlap = saved_graphs, llm.config.overlap
     r.update({
         "num_steps": len(step_log),
         "gpu_busy_pct": tl.gpu_busy_pct() if tl is not None else None,

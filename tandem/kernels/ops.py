@@ -39,12 +39,17 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; written in place when given
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     if use_triton(q):
         from tandem.kernels.triton_attention import paged_attention_triton
 
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, out)
+    result = paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 def use_gemv(x: torch.Tensor, in_features: int, fp8: bool = False) -> bool:

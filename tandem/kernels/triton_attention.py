@@ -486,14 +486,15 @@ def paged_attention_triton(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ops.paged_attention contract on Triton: decode kernel when every sequence has one token."""
-    if meta.max_query_len == 1 and q.shape[0] == meta.num_seqs:
+    if meta.max_query_len == 1 and q.shape[0] == meta.num_seqs and out is None:
         # One token per sequence, in order (query_start_loc == arange): row b is sequence b's query.
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                       max_seq_len=meta.max_seq_len)
     return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                                   meta.max_query_len, scale)
+                                   meta.max_query_len, scale, out)
 
 
 __all__ = [

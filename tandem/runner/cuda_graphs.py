@@ -1,5 +1,6 @@
-"""CUDA graphs for decode steps: one per (slot, padded batch size), captured largest first in one pool,
-plus one small sampling graph per (slot, padded batch size, sampler variant) in the same pool."""
+"""CUDA graphs: for decode steps, one per (slot, padded batch size), captured largest first in one pool, plus
+one small sampling graph per (slot, padded batch size, sampler variant) in the same pool; for steps that mix
+prefills into the decodes, piecewise graphs per (slot, token bucket) with attention launched between pieces."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+
+from tandem.kernels import ops
+from tandem.layers.attention import Attention, split_at_attention
+from tandem.layers.attention_metadata import AttentionMetadata
 
 
 class SamplerVariant(NamedTuple):
@@ -67,7 +72,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.sample_graphs: dict[tuple[int, int, SamplerVariant], torch.cuda.CUDAGraph] = {}
-        pool = torch.cuda.graph_pool_handle()
+        self.pool = pool = torch.cuda.graph_pool_handle()
         # Warm-up at every size: kernels compile (and load their modules) per variant, which CUDA
         # forbids during capture, and the attention kernels pick variants by batch size.
         with torch.cuda.stream(stream):
@@ -111,3 +116,115 @@ class DecodeGraphs:
     def replay_sample(self, slot: int, batch_size: int, variant: SamplerVariant) -> None:
         """Samples the rows of the last replay's logits into the slot's static output buffers."""
         self.sample_graphs[slot, batch_size, variant].replay()
+
+
+def piecewise_sizes(max_tokens: int) -> list[int]:
+    """Token buckets of the piecewise graphs: multiples of 8 up to 64, then steps of a quarter of the power of
+    two below (a step pads at most a fifth of its tokens), up to max_tokens (always included)."""
+    sizes: list[int] = []
+    size = 8
+    while size < max_tokens:
+        sizes.append(size)
+        size += 8 if size < 32 else (1 << (size.bit_length() - 1)) // 4
+    sizes.append(max_tokens)
+    return sizes
+
+
+class _Splitter:
+    """The attention hook while pieces are captured: copies q into the shared static q buffer (inside the
+    piece that computed it), ends the piece, begins the next, and hands back the static output buffer that
+    the eager attention will fill at replay."""
+
+    def __init__(self, max_tokens: int, pool: object) -> None:
+        self.max_tokens = max_tokens
+        self.pool = pool
+        self.q_buf: torch.Tensor | None = None
+        self.out_buf: torch.Tensor | None = None
+        self.layers: list[tuple[Attention, torch.Tensor, torch.Tensor]] = []
+        self.graph: torch.cuda.CUDAGraph | None = None  # the piece being captured; None while warming up
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+
+    def __call__(self, layer: Attention, q: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        if self.q_buf is None:  # first warm-up call, outside any capture: plain allocations
+            self.q_buf = torch.empty(self.max_tokens, *q.shape[1:], dtype=q.dtype, device=q.device)
+            self.out_buf = torch.zeros_like(self.q_buf)
+        elif self.q_buf.shape[1:] != q.shape[1:] or self.q_buf.dtype != q.dtype:
+            raise RuntimeError(f"piecewise graphs need one q shape for every layer, got {tuple(q.shape)} after "
+                               f"{tuple(self.q_buf.shape)}")
+        self.q_buf[:num_tokens].copy_(q)
+        self.layers.append((layer, k_cache, v_cache))
+        if self.graph is not None:
+            self.graph.capture_end()
+            self.pieces.append(self.graph)
+            self.graph = torch.cuda.CUDAGraph()
+            self.graph.capture_begin(pool=self.pool)
+        return self.out_buf[:num_tokens]  # type: ignore[index]
+
+
+class PiecewiseGraphs:
+    """CUDA graphs for steps that mix prefill chunks into the decodes, up to a token bucket.
+
+    The attention of such a step has a grid that depends on its query lengths, so it cannot be captured;
+    everything else can. `forward_fn(slot, num_tokens)` enqueues carry-over + the model's forward on the
+    slot's static buffers and returns the final hidden states. Captured per (slot, bucket) with every
+    Attention.attend routed to a splitter, it becomes layers + 1 graphs ("pieces"); at replay the pieces run
+    in order with the real attention launched eagerly between them, reading the shared static q buffer and
+    writing the shared static output buffer that the next piece reads. Padding rows (slot_mapping -1,
+    position 0) compute rows nobody reads, as in the decode graphs. The pieces share the decode graphs'
+    memory pool: no two replays ever overlap on the compute stream.
+    """
+
+    def __init__(
+        self,
+        forward_fn: Callable[[int, int], torch.Tensor],
+        sizes: list[int],
+        stream: torch.cuda.Stream,
+        pool: object,
+    ) -> None:
+        self.sizes = sorted(sizes)
+        self.max_tokens = self.sizes[-1]
+        self.pieces: dict[tuple[int, int], list[torch.cuda.CUDAGraph]] = {}
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
+        splitter = _Splitter(self.max_tokens, pool)
+        with split_at_attention(splitter), torch.cuda.stream(stream):
+            for num_tokens in reversed(self.sizes):  # warm-up: kernels compile outside capture
+                forward_fn(0, num_tokens)
+            stream.synchronize()
+            self.layers = splitter.layers[: len(splitter.layers) // len(self.sizes)]
+            for num_tokens in reversed(self.sizes):  # largest first, as the decode graphs
+                for slot in (0, 1):
+                    splitter.layers, splitter.pieces = [], []
+                    splitter.graph = torch.cuda.CUDAGraph()
+                    splitter.graph.capture_begin(pool=pool)
+                    hidden = forward_fn(slot, num_tokens)
+                    splitter.graph.capture_end()
+                    if len(splitter.layers) != len(self.layers):
+                        raise RuntimeError(f"the forward called attention {len(splitter.layers)} times at "
+                                           f"{num_tokens} tokens, {len(self.layers)} times in warm-up")
+                    self.pieces[slot, num_tokens] = [*splitter.pieces, splitter.graph]
+                    self.hidden[slot, num_tokens] = hidden
+            splitter.graph = None
+        stream.synchronize()
+        self.q_buf: torch.Tensor = splitter.q_buf  # type: ignore[assignment]
+        self.out_buf: torch.Tensor = splitter.out_buf  # type: ignore[assignment]
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(len(p) for p in self.pieces.values())
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def replay(self, slot: int, num_tokens: int, padded: int, meta: AttentionMetadata) -> torch.Tensor:
+        """Runs the step's forward (pieces + eager attention on the step's metadata); returns the hidden
+        states [padded, hidden] (rows past num_tokens are padding)."""
+        pieces = self.pieces[slot, padded]
+        q, out = self.q_buf[:num_tokens], self.out_buf[:num_tokens]
+        for piece, (layer, k_cache, v_cache) in zip(pieces, self.layers):
+            piece.replay()
+            ops.paged_attention(q, k_cache, v_cache, meta, layer.scale, out)
+        pieces[-1].replay()
+        return self.hidden[slot, padded]

@@ -147,8 +147,11 @@ class StepShape:
 
 
 def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, int], block_size: int,
-               pad_to: int | None, rows: dict[str, int]) -> StepShape:
+               pad_to: int | None, rows: dict[str, int], pad_tokens_to: int | None = None) -> StepShape:
     """Writes a scheduled step into the slot's pinned host buffers; fills `rows` (request id -> row).
+
+    `pad_to` pads a decode step's rows to a captured batch size; `pad_tokens_to` pads only the token rows
+    (ids, positions, slot mapping, carry sources) to a piecewise graph's token bucket.
 
     One Python pass gathers per-row values into lists, then each field gets one numpy assignment: a
     numpy scalar store costs about as much as a whole list append, and a decode step at batch 256 would
@@ -239,6 +242,13 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
         buf.sampling_state = _write_sampling(buf, requests)
     buf.sampling_rows = requests
     all_greedy, any_filter, num_logprobs = buf.sampling_state
+    if pad_tokens_to is not None and pad_tokens_to > t:
+        # Padding tokens of a piecewise graph: no KV write and no carry; the attention between the pieces
+        # covers only the step's sequences, and no logits row reads them.
+        input_ids[t:pad_tokens_to] = 0
+        positions[t:pad_tokens_to] = 0
+        slot_mapping[t:pad_tokens_to] = -1
+        carry_src[t:pad_tokens_to] = -1
     if pad_to is not None and pad_to > num_seqs:
         # Padding rows of a captured decode graph: no KV write, empty context, no carry; sampled inside the
         # graph too, so they get valid greedy parameters whatever the slot held before.

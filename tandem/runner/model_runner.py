@@ -18,7 +18,8 @@ from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.layers.parallel import local_kv_heads
 from tandem.layers.quantization import check_fp8_device
 from tandem.models.loader import load_model_and_tokenizer, model_max_len
-from tandem.runner.cuda_graphs import DecodeGraphs, SamplerVariant, graph_batch_sizes, sampler_variant
+from tandem.runner.cuda_graphs import (DecodeGraphs, PiecewiseGraphs, SamplerVariant, graph_batch_sizes,
+                                       piecewise_sizes, sampler_variant)
 from tandem.runner.input_buffers import StepBuffers, StepShape, write_step
 from tandem.runner.sampler import sample
 from tandem.runner.streams import DeviceStreams, StepEvents
@@ -42,6 +43,7 @@ class StepHandle:
     events: StepEvents
     graph_batch_size: int | None  # None: eager
     num_tokens: int = 0
+    piece_tokens: int | None = None  # token bucket of the piecewise graphs that ran the step; None: not them
     step_index: int = 0
     num_context_tokens: int = 0  # sum of the sequences' context lengths: KV the step reads
     prepared_at: float = 0.0  # perf_counter when the host buffers were written (timeline only)
@@ -94,6 +96,7 @@ class ModelRunner:
             dtype=self.dtype, device=self.device,
         )
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             if config.cuda_graph:
@@ -108,6 +111,14 @@ class ModelRunner:
                     )
                 logger.info("captured %d decode + %d sampling CUDA graphs in %.1f s", len(self.graphs.graphs),
                             len(self.graphs.sample_graphs), time.perf_counter() - t0)
+                max_pieces = min(config.piecewise_max_tokens, self.max_num_tokens)
+                if max_pieces > 0 and group is None:  # tensor parallelism: mixed steps stay eager
+                    t0 = time.perf_counter()
+                    with torch.inference_mode():
+                        self.piecewise = PiecewiseGraphs(self._hidden_fn, piecewise_sizes(max_pieces),
+                                                         self.streams.compute, self.graphs.pool)
+                    logger.info("captured %d piecewise CUDA graphs (mixed steps up to %d tokens) in %.1f s",
+                                self.piecewise.num_graphs, max_pieces, time.perf_counter() - t0)
         self._events = [StepEvents(self.device, self.timing) for _ in range(2)]
         self._span_pending: list[int | None] = [None, None]  # worker: timed step per slot not yet read
         self._span_base: tuple[object, float] = (None, 0.0)
@@ -184,19 +195,10 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- forward
 
-    def _forward(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
-                 all_rows: bool, logits_out: torch.Tensor | None = None) -> torch.Tensor:
-        """Carry-over, forward and logits on the slot's static device buffers; returns [num_seqs, vocab]
-        (written into `logits_out` when given)."""
-        buf, prev = self.buffers[slot], self.buffers[1 - slot]
-        ints, longs = buf.ints.dev, buf.longs.dev
-        input_ids = ints["input_ids"][:num_tokens]
-        carry_src = longs["carry_src"][:num_tokens]
-        # Carry-over (seed 002): gather the previous step's sampled tokens, zero the rows that carry
-        # nothing, and add them onto this step's placeholder zeros.
-        carried = prev.out_tokens.index_select(0, carry_src.clamp(min=0)) * (carry_src >= 0)
-        input_ids.add_(carried.to(input_ids.dtype))
-        meta = AttentionMetadata(
+    def _meta(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int,
+              max_seq_len: int) -> AttentionMetadata:
+        ints, longs = self.buffers[slot].ints.dev, self.buffers[slot].longs.dev
+        return AttentionMetadata(
             slot_mapping=longs["slot_mapping"][:num_tokens],
             query_start_loc=ints["query_start_loc"][: num_seqs + 1],
             seq_lens=ints["seq_lens"][:num_seqs],
@@ -204,10 +206,35 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         )
-        hidden = self.model(input_ids, ints["positions"][:num_tokens], self.kv_cache, meta)
+
+    def _hidden(self, slot: int, num_tokens: int, meta: AttentionMetadata) -> torch.Tensor:
+        """Carry-over and the model's forward on the slot's static device buffers: [num_tokens, hidden]."""
+        buf, prev = self.buffers[slot], self.buffers[1 - slot]
+        ints, carry_src = buf.ints.dev, buf.longs.dev["carry_src"][:num_tokens]
+        input_ids = ints["input_ids"][:num_tokens]
+        # Carry-over (seed 002): gather the previous step's sampled tokens, zero the rows that carry
+        # nothing, and add them onto this step's placeholder zeros.
+        carried = prev.out_tokens.index_select(0, carry_src.clamp(min=0)) * (carry_src >= 0)
+        input_ids.add_(carried.to(input_ids.dtype))
+        return self.model(input_ids, ints["positions"][:num_tokens], self.kv_cache, meta)
+
+    def _forward(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
+                 all_rows: bool, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Carry-over, forward and logits on the slot's static device buffers; returns [num_seqs, vocab]
+        (written into `logits_out` when given)."""
+        hidden = self._hidden(slot, num_tokens, self._meta(slot, num_tokens, num_seqs, max_query_len, max_seq_len))
+        return self._logits(slot, hidden, num_seqs, all_rows, logits_out)
+
+    def _logits(self, slot: int, hidden: torch.Tensor, num_seqs: int, all_rows: bool,
+                logits_out: torch.Tensor | None = None) -> torch.Tensor:
         if not all_rows:
-            hidden = hidden.index_select(0, ints["logits_indices"][:num_seqs])
+            hidden = hidden.index_select(0, self.buffers[slot].ints.dev["logits_indices"][:num_seqs])
         return self.model.compute_logits(hidden, logits_out)
+
+    def _hidden_fn(self, slot: int, num_tokens: int) -> torch.Tensor:
+        # Piecewise capture: only the pieces run, and they read nothing of the metadata but the slot mapping
+        # (the attention between them gets each step's own metadata at replay).
+        return self._hidden(slot, num_tokens, self._meta(slot, num_tokens, 1, num_tokens, num_tokens))
 
     def _decode_step_fn(self, slot: int, batch_size: int) -> torch.Tensor:
         # The lm_head GEMM writes straight into the static logits rows the sampling graphs read.
@@ -243,10 +270,11 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- host-side preparation
 
-    def _prepare(self, sched: SchedulerOutput, slot: int, pad_to: int | None) -> StepShape:
+    def _prepare(self, sched: SchedulerOutput, slot: int, pad_to: int | None,
+                 pad_tokens_to: int | None = None) -> StepShape:
         """Writes the step into the slot's pinned host buffers and remembers each request's output row."""
         rows: dict[str, int] = {}
-        shape = write_step(self.buffers[slot], sched, self._prev_rows, self.block_size, pad_to, rows)
+        shape = write_step(self.buffers[slot], sched, self._prev_rows, self.block_size, pad_to, rows, pad_tokens_to)
         self._prev_rows = rows
         return shape
 
@@ -260,12 +288,15 @@ class ModelRunner:
         num_tokens = sched.num_scheduled_tokens
         decode_only = num_tokens == num_seqs
         graph_bs = self.graphs.padded_size(num_seqs) if (self.graphs is not None and decode_only) else None
-        shape = self._prepare(sched, slot, graph_bs)
+        piece_tokens = None
+        if self.piecewise is not None and not decode_only:
+            piece_tokens = self.piecewise.padded_size(num_tokens)
+        shape = self._prepare(sched, slot, graph_bs, piece_tokens)
         prepared_at = time.perf_counter() if self.timing else 0.0
         plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,
                         shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self._step_index, self.timing)
         if self.group is None:
-            events = self._enqueue(plan, download=True)
+            events = self._enqueue(plan, download=True, piece_tokens=piece_tokens)
         else:
             # The other ranks get the filled host buffers before this rank launches (CPU to CPU only).
             self.group.send_step(plan, self.buffers[slot])
@@ -274,7 +305,7 @@ class ModelRunner:
             except Exception as exc:  # on gloo the model's collectives run here: a dead peer surfaces now
                 self.group.raise_failure(exc)
         self._step_index += 1  # only once enqueued: a failed launch leaves the slot order unchanged
-        return StepHandle(sched, slot, num_seqs, shape.num_logprobs, events, graph_bs, num_tokens,
+        return StepHandle(sched, slot, num_seqs, shape.num_logprobs, events, graph_bs, num_tokens, piece_tokens,
                           self._step_index - 1, shape.num_context_tokens, prepared_at)
 
     @torch.inference_mode()
@@ -333,8 +364,9 @@ class ModelRunner:
         spans, self._spans = self._spans, []
         return spans
 
-    def _enqueue(self, plan: StepPlan, download: bool) -> StepEvents:
-        """H2D of the slot, forward (graph or eager), sampling, and (rank 0) D2H, ordered by the slot's events."""
+    def _enqueue(self, plan: StepPlan, download: bool, piece_tokens: int | None = None) -> StepEvents:
+        """H2D of the slot, forward (graph, piecewise graphs or eager), sampling, and (rank 0) D2H, ordered by
+        the slot's events."""
         slot, num_seqs, num_tokens, graph_bs = plan.slot, plan.num_seqs, plan.num_tokens, plan.graph_bs
         num_logprobs = plan.num_logprobs
         buf = self.buffers[slot]
@@ -352,8 +384,13 @@ class ModelRunner:
                 variant = sampler_variant(plan.all_greedy, plan.any_top_k_top_p, num_logprobs)
                 self.graphs.replay_sample(slot, graph_bs, variant)  # type: ignore[union-attr]
             else:
-                logits = self._forward(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len,
-                                       all_rows=num_tokens == num_seqs)
+                if piece_tokens is not None:
+                    meta = self._meta(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len)
+                    hidden = self.piecewise.replay(slot, num_tokens, piece_tokens, meta)  # type: ignore[union-attr]
+                    logits = self._logits(slot, hidden, num_seqs, all_rows=False)
+                else:
+                    logits = self._forward(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len,
+                                           all_rows=num_tokens == num_seqs)
                 # Every rank samples from the same all-gathered logits with the same counter-based noise, so
                 # each holds the same tokens for its own carry-over.
                 self._sample_into(slot, logits, num_seqs, plan.all_greedy, plan.any_top_k_top_p, num_logprobs)

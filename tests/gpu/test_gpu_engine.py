@@ -199,6 +199,49 @@ def test_graph_replay_equals_eager_for_every_batch_size(case, checkpoint):
     assert engine.scheduler.num_free_blocks() == runner.num_blocks - 1
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3"])
+def test_piecewise_graphs_equal_eager_on_mixed_steps(arch, checkpoint):
+    """Steps that mix prefills (whole prompts and chunks) into the decodes: the piecewise graphs (pieces captured
+    per token bucket, attention launched between them) give the tokens of the eager forward, over many buckets
+    and amounts of padding, and return every block."""
+    llm = make_llm(checkpoint(arch), max_num_seqs=16, max_num_batched_tokens=160, num_kv_blocks=400)
+    engine, runner = llm.engine, llm.engine.runner
+    pieces = runner.piecewise
+    assert pieces is not None and pieces.sizes[-1] == 160
+    assert all(len(p) == len(pieces.layers) + 1 for p in pieces.pieces.values())
+    rng = random.Random(5)
+    prompts = [random_prompt(rng, rng.choice([2, 3, 7, 20, 45, 90, 130, 200])) for _ in range(48)]
+    lengths = [rng.randint(1, 30) for _ in range(48)]
+
+    buckets: collections.Counter[int] = collections.Counter()
+
+    def counting_replay(slot, num_tokens, padded, meta):  # type: ignore[no-untyped-def]
+        assert num_tokens <= padded and meta.max_query_len > 1
+        buckets[padded] += 1
+        return type(pieces).replay(pieces, slot, num_tokens, padded, meta)
+
+    pieces.replay = counting_replay  # instance attribute shadows the method
+    engine.step_log = []
+    try:
+        with_pieces = generate(llm, prompts, lengths)
+    finally:
+        del pieces.replay
+    steps, engine.step_log = engine.step_log, None
+    mixed = [n for seqs, n, _ in steps if n != seqs]
+    assert sum(buckets.values()) == len(mixed), "a mixed step did not run the piecewise graphs"
+    assert len(buckets) >= 5, f"too few token buckets exercised: {dict(buckets)}"
+
+    engine.scheduler.reset_prefix_cache()
+    runner.piecewise = None
+    try:
+        eager = generate(llm, prompts, lengths)
+    finally:
+        runner.piecewise = pieces
+    assert_same_greedy(eager, with_pieces, f"piecewise graphs vs eager ({arch})")
+    assert engine.scheduler.num_free_blocks() == runner.num_blocks - 1
+
+
 # ----------------------------------------------------------------------------- (a) parity with transformers
 
 

@@ -24,7 +24,7 @@ MAX_TOKENS = 64
 
 
 def reference_write(buf: StepBuffers, out: SchedulerOutput, prev_rows: dict[str, int], bs: int,
-                    pad_to: int | None) -> None:
+                    pad_to: int | None, pad_tokens_to: int | None = None) -> None:
     """The obvious writer: every field of every row, one request at a time."""
     ints, longs, floats = buf.ints.np, buf.longs.np, buf.floats.np
     t = 0
@@ -49,6 +49,9 @@ def reference_write(buf: StepBuffers, out: SchedulerOutput, prev_rows: dict[str,
         floats["temperature"][i], floats["top_p"][i], ints["top_k"][i] = sp.temperature, sp.top_p, sp.top_k
         longs["seeds"][i], longs["sample_pos"][i] = s.request.sampling_seed, start + n
     num_seqs = len(out.scheduled)
+    for j in range(t, pad_tokens_to or 0):  # a piecewise graph's padding tokens
+        ints["input_ids"][j], ints["positions"][j] = 0, 0
+        longs["slot_mapping"][j], longs["carry_src"][j] = -1, -1
     if pad_to is not None:
         for i in range(num_seqs, pad_to):
             ints["input_ids"][t + i - num_seqs] = 0
@@ -61,10 +64,11 @@ def reference_write(buf: StepBuffers, out: SchedulerOutput, prev_rows: dict[str,
             longs["seeds"][i], longs["sample_pos"][i] = 0, 0
 
 
-def assert_same_step(got: StepBuffers, want: StepBuffers, out: SchedulerOutput, pad_to: int | None, bs: int) -> None:
+def assert_same_step(got: StepBuffers, want: StepBuffers, out: SchedulerOutput, pad_to: int | None, bs: int,
+                     pad_tokens_to: int | None = None) -> None:
     num_seqs = len(out.scheduled)
     rows = max(num_seqs, pad_to or 0)
-    num_tokens = out.num_scheduled_tokens + rows - num_seqs
+    num_tokens = max(out.num_scheduled_tokens + rows - num_seqs, pad_tokens_to or 0)
     for name in ("input_ids", "positions"):
         np.testing.assert_array_equal(got.ints.np[name][:num_tokens], want.ints.np[name][:num_tokens], name)
     for name in ("slot_mapping", "carry_src"):
@@ -99,11 +103,15 @@ class CheckingGPU(FakeGPU):
             num_seqs = len(out.scheduled)
             decode_only = out.num_scheduled_tokens == num_seqs
             pad_to = self.pad_rng.randrange(num_seqs, MAX_SEQS + 1) if decode_only else None
+            # Mixed steps: half of them padded to a piecewise token bucket.
+            pad_tokens = None
+            if not decode_only and self.pad_rng.random() < 0.5:
+                pad_tokens = self.pad_rng.randrange(out.num_scheduled_tokens, MAX_TOKENS + 1)
             rows: dict[str, int] = {}
             got = self.slots[self.num_written % 2]
-            shape = write_step(got, out, self.prev_rows, self.block_size, pad_to, rows)
-            reference_write(self.want, out, self.prev_rows, self.block_size, pad_to)
-            assert_same_step(got, self.want, out, pad_to, self.block_size)
+            shape = write_step(got, out, self.prev_rows, self.block_size, pad_to, rows, pad_tokens)
+            reference_write(self.want, out, self.prev_rows, self.block_size, pad_to, pad_tokens)
+            assert_same_step(got, self.want, out, pad_to, self.block_size, pad_tokens)
             ends = [s.num_computed_tokens + s.num_scheduled_tokens for s in out.scheduled]
             assert shape.max_seq_len == max(ends) and shape.num_context_tokens == sum(ends)
             assert shape.max_query_len == max(s.num_scheduled_tokens for s in out.scheduled)
