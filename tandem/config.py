@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -134,6 +135,30 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+# Net allocations of GC-tracked objects between young-generation collections while an engine runs (Python's
+# default is 700). A decode step at 1000 requests allocates thousands of short-lived containers (scheduled
+# entries, outputs, token lists); at 700 the collector ran about ten times per step and took a fifth to a
+# quarter of the host's step time (1000 requests of a 1-layer model on a 2-core CPU: 1.90 -> 1.45 ms per step).
+# Cycles are still collected, in larger and rarer batches.
+GC_GEN0_THRESHOLD = 50_000
+
+
+def relax_gc() -> None:
+    """Sets GC_GEN0_THRESHOLD for the rest of the process (the server's engine-core and API processes)."""
+    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
+
+
+@contextlib.contextmanager
+def relaxed_gc() -> Iterator[None]:
+    """GC_GEN0_THRESHOLD inside the block only (generate() in the caller's process), restored afterwards."""
+    previous = gc.get_threshold()
+    relax_gc()
+    try:
+        yield
+    finally:
+        gc.set_threshold(*previous)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, relaxed_gc
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.engine import EngineCore, EngineOutput
 from tandem.outputs import CompletionOutput, RequestOutput
@@ -162,26 +162,28 @@ class LLM:
         pending = set(seqs)
         bar = tqdm(total=len(seqs), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         start, num_out = time.perf_counter(), 0
-        try:
-            while pending:
-                for out in engine.step():
-                    if out.request_id not in pending:
-                        continue
-                    num_out += len(out.new_token_ids)
-                    index, seq = seqs[out.request_id]
-                    results[index].num_cached_tokens = max(results[index].num_cached_tokens, out.num_cached_tokens)
-                    if self._apply(out, seq):
-                        pending.discard(out.request_id)
-                        bar.update(1)
-                        bar.set_postfix_str(f"{num_out / (time.perf_counter() - start):.1f} tok/s")
-                if pending and not engine.has_unfinished_requests():
-                    raise RuntimeError(f"engine went idle with {len(pending)} unfinished requests")
-            while engine.has_unfinished_requests():  # a step still in flight for requests ended early
-                engine.step()
-        finally:
-            for rid in pending:
-                engine.abort_request(rid)
-            bar.close()
+        with relaxed_gc():  # the step loop allocates thousands of short-lived objects per step
+            try:
+                while pending:
+                    for out in engine.step():
+                        if out.request_id not in pending:
+                            continue
+                        num_out += len(out.new_token_ids)
+                        index, seq = seqs[out.request_id]
+                        result = results[index]
+                        result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
+                        if self._apply(out, seq):
+                            pending.discard(out.request_id)
+                            bar.update(1)
+                            bar.set_postfix_str(f"{num_out / (time.perf_counter() - start):.1f} tok/s")
+                    if pending and not engine.has_unfinished_requests():
+                        raise RuntimeError(f"engine went idle with {len(pending)} unfinished requests")
+                while engine.has_unfinished_requests():  # a step still in flight for requests ended early
+                    engine.step()
+            finally:
+                for rid in pending:
+                    engine.abort_request(rid)
+                bar.close()
         for _, (i, seq) in sorted(seqs.items(), key=lambda kv: (kv[1][0], kv[1][1].index)):
             text = seq.detok.text if seq.detok is not None else ""
             results[i].outputs.append(

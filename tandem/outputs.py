@@ -16,9 +16,11 @@ Logprobs = tuple[float, list[tuple[int, float]]]
 SampleLogprobs = list[dict[int, float]]
 
 
-class EngineOutput(msgspec.Struct, array_like=True):
+class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     """What one step produced for one request. A msgspec struct because the engine-core process sends these
-    objects themselves to the API processes: no per-token copy into another message type."""
+    objects themselves to the API processes: no per-token copy into another message type. Not tracked by the
+    cycle collector (gc=False): it holds only lists of numbers, strings and enums, so it can be in no cycle,
+    and a busy engine makes one per request per step."""
 
     request_id: str
     new_token_ids: list[int]

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from tandem.config import EngineConfig, environment
+from tandem.config import EngineConfig, environment, relax_gc
 from tandem.server.engine_core import DEFAULT_CORE, run_engine_core
 from tandem.server.messages import EngineFailed, EngineInfo, Shutdown, StartupReply
 
@@ -362,9 +362,11 @@ def _run_quietly_on_signal(server: Any, sockets: list[socket.socket] | None = No
 
 def freeze_gc() -> None:
     """Moves everything allocated at start-up (modules, tokenizer, model objects) out of the collector's
-    reach: a full collection then walks only what requests allocate, not a pause of tens of ms."""
+    reach: a full collection then walks only what requests allocate, not a pause of tens of ms; and
+    collects young objects in larger, rarer batches from now on (config.GC_GEN0_THRESHOLD)."""
     gc.collect()
     gc.freeze()
+    relax_gc()
 
 
 def set_process_name(name: str) -> None:

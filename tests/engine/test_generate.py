@@ -126,3 +126,23 @@ def test_n_completions_and_chat(idle_llm):
                          use_tqdm=False)[0]
     assert "<|im_start|>assistant" in chat.prompt
     assert chat.outputs[0].text
+
+
+def test_generate_steps_with_the_relaxed_collector_and_restores_it(idle_llm, monkeypatch):
+    import gc
+
+    from tandem.config import GC_GEN0_THRESHOLD
+
+    engine = idle_llm.engine
+    seen: list[int] = []
+    real_step = engine.step
+
+    def step():  # type: ignore[no-untyped-def]
+        seen.append(gc.get_threshold()[0])
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    before = gc.get_threshold()
+    idle_llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    assert seen and set(seen) == {GC_GEN0_THRESHOLD}
+    assert gc.get_threshold() == before
