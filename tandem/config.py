@@ -77,7 +77,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     overlap: bool = True
     cuda_graph: bool = True
-    piecewise_max_tokens: int = 512  # steps mixing prefills into decodes up to this many tokens: piecewise graphs
+    # Steps that mix prefills into decodes, up to this many tokens, run piecewise CUDA graphs; None: max_num_seqs
+    # + 512 (every decode row and a prompt's worth of new tokens); 0: such steps run eagerly.
+    piecewise_max_tokens: int | None = None
     seed: int = 0
     quantization: str | None = None  # None | fp8 (weights in float8_e4m3fn, per-output-channel scales)
     tensor_parallel_size: int = 1  # GPUs (or CPU processes) one model is sharded over, Megatron-style
@@ -97,7 +99,8 @@ class EngineConfig:
             raise ValueError(f"revision must be a non-empty branch, tag or commit, got {self.revision!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
-        if not isinstance(self.piecewise_max_tokens, int) or self.piecewise_max_tokens < 0:
+        if self.piecewise_max_tokens is not None and (
+                not isinstance(self.piecewise_max_tokens, int) or self.piecewise_max_tokens < 0):
             raise ValueError(f"piecewise_max_tokens must be an integer >= 0 (0: off), "
                              f"got {self.piecewise_max_tokens!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

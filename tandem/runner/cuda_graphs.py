@@ -186,11 +186,14 @@ class PiecewiseGraphs:
         self.sizes = sorted(sizes)
         self.max_tokens = self.sizes[-1]
         self.pieces: dict[tuple[int, int], list[torch.cuda.CUDAGraph]] = {}
-        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
         splitter = _Splitter(self.max_tokens, pool)
         with split_at_attention(splitter), torch.cuda.stream(stream):
             for num_tokens in reversed(self.sizes):  # warm-up: kernels compile outside capture
-                forward_fn(0, num_tokens)
+                hidden = forward_fn(0, num_tokens)
+            # The last piece copies its hidden states here: one static buffer for every bucket and slot.
+            self.hidden_buf = torch.empty(self.max_tokens, *hidden.shape[1:], dtype=hidden.dtype,
+                                          device=hidden.device)
+            del hidden
             stream.synchronize()
             self.layers = splitter.layers[: len(splitter.layers) // len(self.sizes)]
             for num_tokens in reversed(self.sizes):  # largest first, as the decode graphs
@@ -198,13 +201,12 @@ class PiecewiseGraphs:
                     splitter.layers, splitter.pieces = [], []
                     splitter.graph = torch.cuda.CUDAGraph()
                     splitter.graph.capture_begin(pool=pool)
-                    hidden = forward_fn(slot, num_tokens)
+                    self.hidden_buf[:num_tokens].copy_(forward_fn(slot, num_tokens))
                     splitter.graph.capture_end()
                     if len(splitter.layers) != len(self.layers):
                         raise RuntimeError(f"the forward called attention {len(splitter.layers)} times at "
                                            f"{num_tokens} tokens, {len(self.layers)} times in warm-up")
                     self.pieces[slot, num_tokens] = [*splitter.pieces, splitter.graph]
-                    self.hidden[slot, num_tokens] = hidden
             splitter.graph = None
         stream.synchronize()
         self.q_buf: torch.Tensor = splitter.q_buf  # type: ignore[assignment]
@@ -227,4 +229,4 @@ class PiecewiseGraphs:
             piece.replay()
             ops.paged_attention(q, k_cache, v_cache, meta, layer.scale, out)
         pieces[-1].replay()
-        return self.hidden[slot, padded]
+        return self.hidden_buf[:padded]

@@ -29,6 +29,8 @@ from tandem.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+PIECEWISE_EXTRA_TOKENS = 512  # default piecewise_max_tokens: max_num_seqs + this
+
 Logprobs = tuple[float, list[tuple[int, float]]]
 
 
@@ -111,7 +113,10 @@ class ModelRunner:
                     )
                 logger.info("captured %d decode + %d sampling CUDA graphs in %.1f s", len(self.graphs.graphs),
                             len(self.graphs.sample_graphs), time.perf_counter() - t0)
-                max_pieces = min(config.piecewise_max_tokens, self.max_num_tokens)
+                max_pieces = config.piecewise_max_tokens
+                if max_pieces is None:  # every decode row plus a prompt's worth of new tokens
+                    max_pieces = self.max_num_seqs + PIECEWISE_EXTRA_TOKENS
+                max_pieces = min(max_pieces, self.max_num_tokens)
                 if max_pieces > 0 and group is None:  # tensor parallelism: mixed steps stay eager
                     t0 = time.perf_counter()
                     with torch.inference_mode():
