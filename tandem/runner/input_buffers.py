@@ -167,63 +167,80 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
     num_seqs = len(scheduled)
     num_tokens = sched.num_scheduled_tokens
     decode_only = num_tokens == num_seqs
-    # Rows of one-token requests (decode), written together at the end by fancy indexing.
-    one_t: list[int] = []
-    one_ids: list[int] = []
+    carry_src = longs["carry_src"]
     one_pos: list[int] = []
     one_slot: list[int] = []
-    carry_t: list[int] = []
     carry_rows: list[int] = []
-    query_lens: list[int] = []
-    ends: list[int] = []
     t = 0
-    for i, s in enumerate(scheduled):
-        n, start = s.num_scheduled_tokens, s.num_computed_tokens
-        end = start + n
-        blocks = s.block_ids
-        if n == 1:
-            one_t.append(t)
-            one_ids.append(s.token_ids[0])
+    if decode_only:
+        # The steady state: every row decodes one token, rows 0..n-1 in order. One pass gathers the positions,
+        # slots and carry sources (-1: the token is known), each field then gets one store.
+        for i, s in enumerate(scheduled):
+            start = s.num_computed_tokens
+            blocks = s.block_ids
             one_pos.append(start)
             one_slot.append(blocks[start // bs] * bs + start % bs)
-        else:
-            pos = np.arange(start, end)
-            input_ids[t : t + n] = s.token_ids
-            positions[t : t + n] = pos
-            slot_mapping[t : t + n] = np.asarray(blocks)[pos // bs] * bs + pos % bs
-        t += n
-        rid = s.request.request_id
-        if s.carry:
-            carry_t.append(t - 1)
-            carry_rows.append(prev_rows[rid])
-        num_used = (end + bs - 1) // bs
-        if table_rows[i] is blocks:
-            done = table_lens[i]
-            if done < num_used:
-                block_tables[i, done:num_used] = blocks[done:num_used]
-                table_lens[i] = num_used
-        else:
-            block_tables[i, :num_used] = blocks[:num_used]
-            table_rows[i], table_lens[i] = blocks, num_used
-        if not decode_only:
+            rid = s.request.request_id
+            carry_rows.append(prev_rows[rid] if s.carry else -1)
+            num_used = start // bs + 1
+            if table_rows[i] is blocks:  # the same block-table update as the general loop below
+                done = table_lens[i]
+                if done < num_used:
+                    block_tables[i, done:num_used] = blocks[done:num_used]
+                    table_lens[i] = num_used
+            else:
+                block_tables[i, :num_used] = blocks[:num_used]
+                table_rows[i], table_lens[i] = blocks, num_used
+            rows[rid] = i
+        t = num_tokens
+        input_ids[:t] = [s.token_ids[0] for s in scheduled]
+        positions[:t] = one_pos
+        slot_mapping[:t] = one_slot
+        carry_src[:t] = carry_rows
+    else:
+        # Rows of one-token requests, written together at the end by fancy indexing.
+        one_t: list[int] = []
+        one_ids: list[int] = []
+        carry_t: list[int] = []
+        query_lens: list[int] = []
+        ends: list[int] = []
+        for i, s in enumerate(scheduled):
+            n, start = s.num_scheduled_tokens, s.num_computed_tokens
+            end = start + n
+            blocks = s.block_ids
+            if n == 1:
+                one_t.append(t)
+                one_ids.append(s.token_ids[0])
+                one_pos.append(start)
+                one_slot.append(blocks[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, end)
+                input_ids[t : t + n] = s.token_ids
+                positions[t : t + n] = pos
+                slot_mapping[t : t + n] = np.asarray(blocks)[pos // bs] * bs + pos % bs
+            t += n
+            rid = s.request.request_id
+            if s.carry:
+                carry_t.append(t - 1)
+                carry_rows.append(prev_rows[rid])
+            num_used = (end + bs - 1) // bs
+            if table_rows[i] is blocks:
+                done = table_lens[i]
+                if done < num_used:
+                    block_tables[i, done:num_used] = blocks[done:num_used]
+                    table_lens[i] = num_used
+            else:
+                block_tables[i, :num_used] = blocks[:num_used]
+                table_rows[i], table_lens[i] = blocks, num_used
             query_lens.append(n)
             ends.append(end)
-        rows[rid] = i
-    if one_t:
-        if decode_only:  # the rows are 0..n-1 in order
-            input_ids[:num_tokens] = one_ids
-            positions[:num_tokens] = one_pos
-            slot_mapping[:num_tokens] = one_slot
-        else:
+            rows[rid] = i
+        if one_t:
             input_ids[one_t] = one_ids
             positions[one_t] = one_pos
             slot_mapping[one_t] = one_slot
-    carry_src = longs["carry_src"]
-    carry_src[:num_tokens] = -1
-    if carry_t:
-        if len(carry_t) == num_tokens:
-            carry_src[:num_tokens] = carry_rows
-        else:
+        carry_src[:num_tokens] = -1
+        if carry_t:
             carry_src[carry_t] = carry_rows
     seq_lens, qsl, sample_pos = ints["seq_lens"], ints["query_start_loc"], longs["sample_pos"]
     qsl[0] = 0

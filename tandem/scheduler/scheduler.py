@@ -156,8 +156,8 @@ class Scheduler:
             budget -= num_new
         # Admitting after a preemption would take back the blocks we just had to free.
         if not preempted:
-            self._admit(budget, scheduled)
-        total = sum(s.num_scheduled_tokens for s in scheduled)
+            budget = self._admit(budget, scheduled)
+        total = self.config.max_num_batched_tokens - budget
         return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=total, preempted_request_ids=preempted)
 
     def _preempt_until_fits(self, request: Request, num_new: int, preempted: list[str]) -> list[int] | None:
@@ -181,8 +181,8 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
-        """Admits waiting requests in FIFO order, stopping at the first that does not fit."""
+    def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Admits waiting requests in FIFO order, stopping at the first that does not fit; returns the budget left."""
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -207,6 +207,7 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             scheduled.append(self._schedule_tokens(request, num_new, block_ids))
             budget -= num_new
+        return budget
 
     def _schedule_tokens(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
         """Builds the entry for positions [num_computed, num_computed + num_new) and advances the counters."""
