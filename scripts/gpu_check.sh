@@ -7,7 +7,7 @@
 #   STAGE      tests | bench | serve | all (default all: tests + bench; serve runs only when named)
 #   SERVE      for STAGE=serve: semicolon list of `tandem bench --workload serve` argument strings, one
 #              server run each (default: llama-3-8b 512 x 256 with 256 in flight + its --sync peer; gpt2
-#              1000 x 256 all in flight with 6 API processes and 4 clients, the stream pass, Poisson 400 req/s and
+#              1000 x 256 all in flight with 6 API processes and 8 clients, the stream pass, Poisson 400 req/s and
 #              the engine's step phases offline and in the server)
 #   WORKLOADS  comma list for `tandem bench` (default bs1,seed-async,nano,prefix); each runs in its own process
 #   SCALE      --scale for `tandem bench` (default 1.0); PEERS  --peers (default: the CLI's hf,sync,eager)
@@ -165,7 +165,7 @@ print(f"bench.json: {len(results)} workload(s)" + (f", missing {missing}" if mis
 EOF
 }
 
-SERVE=${SERVE:-"--serve-model llama-3-8b --serve-requests 512 --serve-max-num-seqs 256 --api-server-count 1 --num-clients 4 --serve-sync;--serve-model gpt2 --serve-requests 1000 --api-server-count 6 --num-clients 4 --serve-stream --serve-poisson-rate 400 --serve-timeline"}
+SERVE=${SERVE:-"--serve-model llama-3-8b --serve-requests 512 --serve-max-num-seqs 256 --api-server-count 1 --num-clients 4 --serve-sync;--serve-model gpt2 --serve-requests 1000 --api-server-count 6 --num-clients 8 --serve-stream --serve-poisson-rate 400 --serve-timeline"}
 
 serve_stage() {
   local i=0 spec
