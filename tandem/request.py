@@ -50,11 +50,16 @@ class Request:
     # The output length at which the request stops for length (max_tokens or the context); a field, not a
     # property, because the scheduler and the stop check read it for every request in every step.
     max_output_tokens: int = field(init=False)
+    # Every token that may end the request (EOS unless ignored, and the stop token ids): the per-step stop
+    # check runs check_stop() only for these tokens or at the length limit.
+    stop_token_set: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
         self.limit_context(self.max_model_len)
+        sp = self.sampling_params
+        self.stop_token_set = (frozenset() if sp.ignore_eos else self.eos_token_ids) | frozenset(sp.stop_token_ids)
 
     def limit_context(self, max_model_len: int) -> None:
         """Sets the context limit and the output length it allows."""

@@ -260,7 +260,8 @@ class Scheduler:
                 request.output_logprobs.append(logprobs[i])
             if request.first_token_time is None:
                 request.first_token_time = now = now or time.monotonic()
-            if request.check_stop():
+            if (token in request.stop_token_set or len(request.output_token_ids) >= request.max_output_tokens) \
+                    and request.check_stop():
                 if ended is None:
                     ended = []
                 ended.append(request)
