@@ -171,10 +171,11 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
     one_pos: list[int] = []
     one_slot: list[int] = []
     carry_rows: list[int] = []
+    used: list[int] = []  # block-table entries each row's attention reads
     t = 0
     if decode_only:
         # The steady state: every row decodes one token, rows 0..n-1 in order. One pass gathers the positions,
-        # slots and carry sources (-1: the token is known), each field then gets one store.
+        # slots, carry sources (-1: the token is known) and table lengths; each field then gets one store.
         for i, s in enumerate(scheduled):
             start = s.num_computed_tokens
             blocks = s.block_ids
@@ -182,15 +183,7 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
             one_slot.append(blocks[start // bs] * bs + start % bs)
             rid = s.request.request_id
             carry_rows.append(prev_rows[rid] if s.carry else -1)
-            num_used = start // bs + 1
-            if table_rows[i] is blocks:  # the same block-table update as the general loop below
-                done = table_lens[i]
-                if done < num_used:
-                    block_tables[i, done:num_used] = blocks[done:num_used]
-                    table_lens[i] = num_used
-            else:
-                block_tables[i, :num_used] = blocks[:num_used]
-                table_rows[i], table_lens[i] = blocks, num_used
+            used.append(start // bs + 1)
             rows[rid] = i
         t = num_tokens
         input_ids[:t] = [s.token_ids[0] for s in scheduled]
@@ -223,15 +216,7 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
             if s.carry:
                 carry_t.append(t - 1)
                 carry_rows.append(prev_rows[rid])
-            num_used = (end + bs - 1) // bs
-            if table_rows[i] is blocks:
-                done = table_lens[i]
-                if done < num_used:
-                    block_tables[i, done:num_used] = blocks[done:num_used]
-                    table_lens[i] = num_used
-            else:
-                block_tables[i, :num_used] = blocks[:num_used]
-                table_rows[i], table_lens[i] = blocks, num_used
+            used.append((end + bs - 1) // bs)
             query_lens.append(n)
             ends.append(end)
             rows[rid] = i
@@ -242,6 +227,17 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
         carry_src[:num_tokens] = -1
         if carry_t:
             carry_src[carry_t] = carry_rows
+    # Block-table rows: only what changed since the slot's last step is rewritten.
+    for i, (s, num_used) in enumerate(zip(scheduled, used)):
+        blocks = s.block_ids
+        if table_rows[i] is blocks:
+            done = table_lens[i]
+            if done < num_used:
+                block_tables[i, done:num_used] = blocks[done:num_used]
+                table_lens[i] = num_used
+        else:
+            block_tables[i, :num_used] = blocks[:num_used]
+            table_rows[i], table_lens[i] = blocks, num_used
     seq_lens, qsl, sample_pos = ints["seq_lens"], ints["query_start_loc"], longs["sample_pos"]
     qsl[0] = 0
     if decode_only:
