@@ -45,7 +45,6 @@ class StepHandle:
     events: StepEvents
     graph_batch_size: int | None  # None: eager
     num_tokens: int = 0
-    piece_tokens: int | None = None  # token bucket of the piecewise graphs that ran the step; None: not them
     step_index: int = 0
     num_context_tokens: int = 0  # sum of the sequences' context lengths: KV the step reads
     prepared_at: float = 0.0  # perf_counter when the host buffers were written (timeline only)
@@ -310,7 +309,7 @@ class ModelRunner:
             except Exception as exc:  # on gloo the model's collectives run here: a dead peer surfaces now
                 self.group.raise_failure(exc)
         self._step_index += 1  # only once enqueued: a failed launch leaves the slot order unchanged
-        return StepHandle(sched, slot, num_seqs, shape.num_logprobs, events, graph_bs, num_tokens, piece_tokens,
+        return StepHandle(sched, slot, num_seqs, shape.num_logprobs, events, graph_bs, num_tokens,
                           self._step_index - 1, shape.num_context_tokens, prepared_at)
 
     @torch.inference_mode()
