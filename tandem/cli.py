@@ -30,7 +30,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--sync", action="store_true", help="overlap off: finish each step before scheduling the next")
-    g.add_argument("--no-cuda-graph", action="store_true", help="eager decode (no CUDA graphs)")
+    g.add_argument("--no-cuda-graph", action="store_true", help="every step eager (no decode or piecewise CUDA graphs)")
     g.add_argument("--piecewise-max-tokens", type=int, default=None,
                    help="steps that mix prefills into the decodes, up to this many tokens, run as piecewise CUDA "
                         "graphs (attention launched between the captured pieces); default max-num-seqs + 512; "
