@@ -157,7 +157,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     import torch
 
     from tandem import LLM
-    from tandem.bench.roofline import floor_seconds, measure_ceilings, model_cost
+    from tandem.bench.roofline import floor_seconds, measure_ceilings, model_cost, step_classes
 
     device = w.device if (w.device != "cuda" or torch.cuda.is_available()) else "cpu"
     dtype = w.dtype if device.startswith("cuda") else "float32"
@@ -258,6 +258,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         "seconds": main["seconds"], "generated_tokens": main["generated_tokens"], "num_steps": main["num_steps"],
         "gpu_busy_pct": main["gpu_busy_pct"], "gpu_busy_pct_per_rank": main["gpu_busy_pct_per_rank"],
         "roofline_floor_s": floor, "roofline_fraction": floor / main["seconds"],
+        "step_classes": step_classes(main["_step_log"], main["_timeline"], cost, ceilings),
         "ceilings": {"copy_gbps": ceilings.copy_gbps, "matmul_tflops": ceilings.matmul_tflops,
                      "fp8_matmul_tflops": ceilings.fp8_matmul_tflops},
         "weight_bytes": cost.weight_bytes,
@@ -276,6 +277,18 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         r.update(token_agreement(r["_outputs"], main["_outputs"]))
         r["weight_bytes"] = model_cost(llm.engine.runner.model, llm.engine.model_config).weight_bytes
         peer_results["tandem bf16"] = r
+    if "nopdl" in peers and device.startswith("cuda"):
+        # The same engine with every Triton kernel launched without programmatic dependent launch, fresh
+        # (graphs are captured with whatever launch mode was on at capture).
+        if llm is not None:
+            llm.shutdown()
+        llm = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        with environment({"TANDEM_PDL": "0"}):
+            r = run_fresh_tandem(llm_kwargs, requests, warm)
+        r.update(token_agreement(r["_outputs"], main["_outputs"]))
+        peer_results["tandem without PDL"] = r
     if "nogemv" in peers and device.startswith("cuda"):
         # The same engine with every linear on cuBLAS / the FP8 tile GEMM (no decode GEMV kernel), fresh.
         if llm is not None:
@@ -454,7 +467,9 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
                             "bf16 (with --quantization: the unquantized engine, for the fp8 / bf16 ratio), "
                             "tp1 (with --tensor-parallel-size N > 1: the same run on one GPU, in a fresh engine), "
                             "dp1 (with --data-parallel-size M > 1: the same run on one engine, in a fresh LLM), "
-                            "nogemv (CUDA: a fresh engine without the decode GEMV kernel, TANDEM_GEMV_MAX_ROWS=0); "
+                            "nogemv (CUDA: a fresh engine without the decode GEMV kernel, TANDEM_GEMV_MAX_ROWS=0), "
+                            "nopdl (CUDA: a fresh engine whose Triton kernels launch without programmatic "
+                            "dependent launch, TANDEM_PDL=0); "
                             "with M > 1 only hf and dp1 run")
     bench.add_argument("--quantization", default=None, choices=["fp8"],
                        help="run tandem with FP8 weights (roofline on FP8 bytes)")

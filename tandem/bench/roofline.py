@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -110,16 +111,49 @@ def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1)
 
 def floor_seconds(step_log: list[tuple[int, int, int]], cost: ModelCost, ceil: Ceilings) -> float:
     """Σ over steps of max(bytes / bandwidth, flops / matmul rate)."""
-    total = 0.0
+    return sum(step_floor_seconds(*step, cost, ceil) for step in step_log)
+
+
+def step_floor_seconds(num_seqs: int, num_tokens: int, num_context: int, cost: ModelCost, ceil: Ceilings) -> float:
+    """One step's floor: max(bytes it must read / copy bandwidth, FLOPs it must do / matmul rate)."""
     bw, rate = ceil.copy_gbps * 1e9, ceil.matmul_tflops * 1e12
     # FP8 linears run at the FP8 matmul rate (the bf16 one when it was not measured).
     fp8_rate = (ceil.fp8_matmul_tflops or ceil.matmul_tflops) * 1e12
-    for num_seqs, num_tokens, num_context in step_log:
-        bytes_ = cost.weight_bytes + num_context * cost.kv_bytes_per_token
-        # Attention pairs: decode rows read their whole context; prefill tokens ~half on average.
-        pairs = num_context if num_tokens == num_seqs else num_context * max(num_tokens // max(num_seqs, 1), 1) // 2
-        flops = 2 * (cost.body_params - cost.fp8_body_params) * num_tokens + 2 * cost.lm_head_params * num_seqs
-        flops += cost.attn_flops_per_pair * pairs
-        compute_s = flops / rate + 2 * cost.fp8_body_params * num_tokens / fp8_rate
-        total += max(bytes_ / bw, compute_s)
-    return total
+    bytes_ = cost.weight_bytes + num_context * cost.kv_bytes_per_token
+    # Attention pairs: decode rows read their whole context; prefill tokens ~half on average.
+    pairs = num_context if num_tokens == num_seqs else num_context * max(num_tokens // max(num_seqs, 1), 1) // 2
+    flops = 2 * (cost.body_params - cost.fp8_body_params) * num_tokens + 2 * cost.lm_head_params * num_seqs
+    flops += cost.attn_flops_per_pair * pairs
+    compute_s = flops / rate + 2 * cost.fp8_body_params * num_tokens / fp8_rate
+    return max(bytes_ / bw, compute_s)
+
+
+# Decode-only steps are told apart by batch size: (label, smallest batch) from the largest down.
+DECODE_CLASSES = (("decode >= 128 seqs", 128), ("decode 32-127 seqs", 32), ("decode 8-31 seqs", 8),
+                  ("decode < 8 seqs", 1))
+
+
+def step_classes(step_log: list[tuple[int, int, int]], timeline: Any, cost: ModelCost, ceil: Ceilings
+                 ) -> dict[str, dict[str, float]] | None:
+    """Where a run's time goes against its floor, by kind of step: steps that prefill (alone or mixed with
+    decodes) and decode-only steps by batch size, each with its GPU seconds (the steps' spans on the GPU's
+    timeline), its floor seconds and their ratio. None without one GPU span per step (no timeline, or
+    timing began mid-run)."""
+    if timeline is None:
+        return None
+    spans = [sp for sp in timeline.spans if sp.lane == "gpu"]
+    if len(spans) != len(step_log):
+        return None
+    classes: dict[str, dict[str, float]] = {}
+    for (num_seqs, num_tokens, num_context), span in zip(step_log, spans):
+        if num_tokens != num_seqs:
+            label = "prefill or mixed"
+        else:
+            label = next(name for name, lo in DECODE_CLASSES if num_seqs >= lo)
+        c = classes.setdefault(label, {"steps": 0, "gpu_s": 0.0, "floor_s": 0.0})
+        c["steps"] += 1
+        c["gpu_s"] += span.end - span.start
+        c["floor_s"] += step_floor_seconds(num_seqs, num_tokens, num_context, cost, ceil)
+    for c in classes.values():
+        c["roofline_fraction"] = c["floor_s"] / c["gpu_s"] if c["gpu_s"] > 0 else 0.0
+    return classes

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.triton_launch import pdl_wait, use_pdl
 from tandem.layers.attention_metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
@@ -64,11 +65,12 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_od,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DIRECT_OUT: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program (b, kv head, split): all GROUP query heads of one kv head over one contiguous share of the
     # sequence's KV tiles. The share is computed from seq_len on the device, so every split gets work
     # whatever the sequence's length, and the grid (hence a CUDA graph) never depends on the data.
+    pdl_wait(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -151,9 +153,11 @@ def _decode_reduce_kernel(
     ws_o_ptr, ws_lse_ptr, out_ptr, seq_lens_ptr, num_splits,
     stride_ob, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Program (b, head): merges the splits' normalized partials weighted by exp2(lse). Only the splits that
     # held tiles wrote partials: in a graph captured for the longest context a short one fills few of them.
+    pdl_wait(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b.to(tl.int64) * tl.num_programs(1) + h
@@ -304,19 +308,20 @@ def paged_decode_attention(
         split_o = batch * num_heads * num_splits * head_dim
         ws_o, ws_lse = workspace[:split_o], workspace[split_o:numel]
 
+    pdl = use_pdl(q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, ws_o, ws_lse,
         scale * LOG2E, num_splits,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
-        USE_DOT=use_dot, DOT_PRECISION=_dot_precision(k_cache.dtype), DIRECT_OUT=num_splits == 1,
-        num_warps=num_warps or 4, num_stages=num_stages or (3 if use_dot else 2),
+        USE_DOT=use_dot, DOT_PRECISION=_dot_precision(k_cache.dtype), DIRECT_OUT=num_splits == 1, USE_PDL=pdl,
+        num_warps=num_warps or 4, num_stages=num_stages or (3 if use_dot else 2), launch_pdl=pdl,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             ws_o, ws_lse, out, seq_lens, num_splits, *out.stride(),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
-            num_warps=4 if num_splits * block_d >= 2048 else 2,
+            USE_PDL=pdl, num_warps=4 if num_splits * block_d >= 2048 else 2, launch_pdl=pdl,
         )
     return out
 
@@ -359,11 +364,12 @@ def _prefill_kernel(
     stride_btb,
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program (row tile, sequence, kv head). A sequence's query rows are its (token, group head) pairs,
     # row = token * GROUP + g, so the GQA heads sharing a kv head share every K/V tile load.
     # Row tiles run last-first: the tiles with the longest causal range start earliest.
+    pdl_wait(USE_PDL)
     tile_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -466,13 +472,14 @@ def paged_prefill_attention(
     block_m = block_m or cfg_m
     block_n = block_n or cfg_n
     grid = (triton.cdiv(max_query_len * group, block_m), batch, num_kv_heads)
+    pdl = use_pdl(q.device)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(k_cache.dtype),
-        num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(k_cache.dtype), USE_PDL=pdl,
+        num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages, launch_pdl=pdl,
     )
     return out
 

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.triton_launch import pdl_wait, use_pdl
+
 # Math is fp32; values are rounded to the storage dtype exactly where the eager PyTorch layers round
 # (norm before the weight multiply, each rotary product), so GPU results track the eager path and HF.
 MAX_NORM_DIM = 65536  # one program holds a whole row in registers
@@ -24,7 +26,7 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
     inner, dim, eps,
     stride_xa, stride_xb, stride_ra, stride_rb,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program = one row (token, or token x head for per-head norms); rows are addressed as x[a, b, :]
     # with a = row // inner, b = row % inner, so row-strided views (slices of a fused qkv) need no copy.
@@ -33,6 +35,8 @@ def _rms_norm_kernel(
     b = row % inner
     offs = tl.arange(0, BLOCK_D)
     mask = offs < dim
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait
+    pdl_wait(USE_PDL)
     x = tl.load(x_ptr + a * stride_xa + b * stride_xb + offs, mask=mask, other=0.0)
     s = x.to(tl.float32)
     if HAS_RESIDUAL:
@@ -43,7 +47,6 @@ def _rms_norm_kernel(
         s = summed.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(s * s, axis=0) / dim + eps)
     normed = (s * rstd).to(x.dtype).to(tl.float32)  # F.rms_norm(x.float()).to(x.dtype)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * dim + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -76,11 +79,12 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
         raise ValueError(f"residual {tuple(r3.shape)} {r3.dtype} does not match x {tuple(x3.shape)} {x3.dtype}")
     rows = x3.shape[0] * x3.shape[1]
     block = triton.next_power_of_2(dim)
+    pdl = use_pdl(x.device)
     _rms_norm_kernel[(rows,)](
         x3, r3, weight.contiguous(), out, new_res if new_res is not None else out,
         x3.shape[1], dim, float(eps),
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-        HAS_RESIDUAL=residual is not None, BLOCK_D=block, num_warps=_num_warps(block),
+        HAS_RESIDUAL=residual is not None, BLOCK_D=block, USE_PDL=pdl, num_warps=_num_warps(block), launch_pdl=pdl,
     )
     return out, new_res
 
@@ -127,8 +131,10 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
     stride_ct, stride_cd, stride_st, stride_sd,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Program = one token: its cos/sin row is loaded once and applied to all q and k heads.
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
@@ -163,13 +169,14 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
         return
     block_half = triton.next_power_of_2(half)
     block_hq, block_hk = triton.next_power_of_2(q.shape[1]), triton.next_power_of_2(k.shape[1])
+    pdl = use_pdl(q.device)
     _rotary_kernel[(num_tokens,)](
         q, k, cos, sin,
         q.shape[1], k.shape[1],
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        HALF=half, BLOCK_HALF=block_half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-        num_warps=_num_warps(block_hq * block_half),
+        HALF=half, BLOCK_HALF=block_half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, USE_PDL=pdl,
+        num_warps=_num_warps(block_hq * block_half), launch_pdl=pdl,
     )
 
 
@@ -177,8 +184,9 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     # Program = (row, column block): the op has no reduction, so a row is split to fill the GPU at batch 1.
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -201,7 +209,8 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     block = min(SILU_BLOCK, triton.next_power_of_2(inter))
+    pdl = use_pdl(x.device)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-        x2, out, inter, x2.stride(0), BLOCK=block, num_warps=_num_warps(block),
+        x2, out, inter, x2.stride(0), BLOCK=block, USE_PDL=pdl, num_warps=_num_warps(block), launch_pdl=pdl,
     )
     return out

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.triton_attention import device_sms
+from tandem.kernels.triton_launch import pdl_wait, use_pdl
 
 
 @triton.jit
@@ -56,6 +57,7 @@ def _gemv_kernel(
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
     MASK_M: tl.constexpr, MASK_N: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Program = BLOCK_N output channels for all M (<= BLOCK_M) rows over the whole of K, so each weight
     # element is read once, by one program, and no second kernel adds partial sums. Products accumulate in
@@ -75,7 +77,21 @@ def _gemv_kernel(
     u_ptrs = w_ptrs + up_offset * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first K tile of the weight is loaded before pdl_wait: under programmatic dependent launch it
+    # streams while the kernel that produces x is still running.
+    k_mask = offs_k < K
+    w = _load_tile(w_ptrs, w_rows, k_mask, MASK_N, not EVEN_K)
+    if GATED:
+        u = _load_tile(u_ptrs, w_rows, k_mask, MASK_N, not EVEN_K)
+    pdl_wait(USE_PDL)
+    x = _load_tile(x_ptrs, x_rows, k_mask, MASK_M, not EVEN_K)
+    acc = _fma_tile(acc, x, w, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
+    if GATED:
+        acc_up = _fma_tile(acc_up, x, u, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
         k_mask = (k0 + offs_k) < K
         x = _load_tile(x_ptrs, x_rows, k_mask, MASK_M, not EVEN_K)
         w = _load_tile(w_ptrs, w_rows, k_mask, MASK_N, not EVEN_K)
@@ -83,9 +99,6 @@ def _gemv_kernel(
         if GATED:
             u = _load_tile(u_ptrs, w_rows, k_mask, MASK_N, not EVEN_K)
             acc_up = _fma_tile(acc_up, x, u, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
-            u_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
 
     out_ty = out_ptr.dtype.element_ty
     y = _channel_out(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE, HAS_BIAS)
@@ -146,12 +159,14 @@ def gemv_triton(
     cfg = {**gemv_config(m, n_out, k, weight.element_size(), gated, sms), **(config or {})}
     block_m = triton.next_power_of_2(m)
     block_n, block_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    pdl = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x, weight, weight_scale if weight_scale is not None else x, bias if bias is not None else x, out,
         m, n_out, k, x.stride(0), weight.stride(0), out.stride(0), n_out,
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, GATED=gated,
         MASK_M=m != block_m, MASK_N=n_out % block_n != 0, EVEN_K=k % block_k == 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, VEC=min(16 // weight.element_size(), block_k), **cfg,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, VEC=min(16 // weight.element_size(), block_k),
+        USE_PDL=pdl, launch_pdl=pdl, **cfg,
     )
     return out
 

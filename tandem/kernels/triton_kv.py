@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.triton_launch import pdl_wait, use_pdl
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -15,9 +17,10 @@ def _write_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One program per token: copies the [num_kv_heads, head_dim] rows of K and V.
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # padding token
@@ -59,10 +62,11 @@ def write_kv_triton(
         return
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
+    pdl = use_pdl(k.device)
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-        PAGE=k_cache.shape[1],
-        num_warps=4 if block_h * block_d >= 1024 else 2,
+        PAGE=k_cache.shape[1], USE_PDL=pdl,
+        num_warps=4 if block_h * block_d >= 1024 else 2, launch_pdl=pdl,
     )

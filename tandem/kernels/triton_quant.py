@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.triton_attention import device_sms
+from tandem.kernels.triton_launch import pdl_wait, use_pdl
 from tandem.layers.quantization import FP8_DTYPE, FP8_MAX, MIN_AMAX
 
 MAX_QUANT_DIM = 65536  # one program holds a whole row in registers
@@ -18,8 +19,9 @@ MAX_QUANT_DIM = 65536  # one program holds a whole row in registers
 @triton.jit
 def _quant_per_token_kernel(
     x_ptr, q_ptr, scale_ptr, dim, stride_x,
-    FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     # Program = one token. Same math as quantize_activation_per_token_ref: fp32 amax, scale = amax / 448,
     # IEEE-rounded division (div_rn: Triton's `/` is approximate), clamp, round-to-nearest-even e4m3 cast.
     row = tl.program_id(0).to(tl.int64)
@@ -48,9 +50,11 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if n == 0:
         return q, scale
     block = triton.next_power_of_2(dim)
+    pdl = use_pdl(x.device)
     _quant_per_token_kernel[(n,)](
         x, q, scale, dim, x.stride(0),
-        FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, BLOCK_D=block, num_warps=min(max(block // 512, 1), 16),
+        FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, BLOCK_D=block, USE_PDL=pdl,
+        num_warps=min(max(block // 512, 1), 16), launch_pdl=pdl,
     )
     return q, scale
 
@@ -75,8 +79,9 @@ def _fp8_weight_matmul_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
     M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     # Program = BLOCK_M rows x BLOCK_N output channels over K range [pid_k * K_SPLIT, +K_SPLIT) (K_SPLIT is a
     # multiple of BLOCK_K). The e4m3 weight tile is widened to x's dtype in registers (exact: e4m3 values are
     # bf16/fp16 values). SPLIT_K == 1 applies the channel scale and bias here; otherwise the fp32 partial sums
@@ -112,8 +117,9 @@ def _fp8_weight_matmul_kernel(
 @triton.jit
 def _split_k_reduce_kernel(
     ws_ptr, s_ptr, b_ptr, out_ptr, M, N, stride_om,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     # out[m, n] = (ws[0, m, n] + ws[1, m, n] + ...) * scale[n] + bias[n], always in split order.
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
@@ -187,15 +193,18 @@ def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tenso
     ws = torch.empty(split_k, m, n, dtype=torch.float32, device=out.device) if split_k > 1 else out
     b = bias if bias is not None else weight_scale
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), split_k, triton.cdiv(m, block_m))
+    pdl = use_pdl(out.device)
     kernel[grid](
         *operands, weight, weight_scale, b, out, ws,
         m, n, k, k_split, stride_xm, weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, SPLIT_K=split_k, BLOCK_M=block_m, **cfg,
+        HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, SPLIT_K=split_k, BLOCK_M=block_m,
+        USE_PDL=pdl, launch_pdl=pdl, **cfg,
     )
     if split_k > 1:
         block = 1024
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
             ws, weight_scale, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block,
+            USE_PDL=pdl, launch_pdl=pdl,
         )
     return out
 
@@ -208,8 +217,9 @@ def _fp8_w8a8_kernel(
     xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
     M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     # Program = BLOCK_N output channels x BLOCK_M rows over K range [pid_k * K_SPLIT, +K_SPLIT). Both operands
     # are e4m3 and go to the FP8 tensor cores as they are loaded (no widening in registers): the weight tile
     # [BLOCK_N, BLOCK_K] is the MMA's A operand and the few token rows its narrow B operand ("swap AB": the

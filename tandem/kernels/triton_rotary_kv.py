@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.triton_launch import pdl_wait, use_pdl
+
 # Math is fp32, rounded to the storage dtype where the eager layers round (norm output before and after
 # the weight multiply, each rotary product), so the fused path tracks RMSNorm + apply_rotary + write_kv_ref.
 
@@ -46,9 +48,10 @@ def _rotary_write_kv_kernel(
     stride_ct, stride_cd, stride_st, stride_sd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    PAGE: tl.constexpr, HAS_NORM: tl.constexpr,
+    PAGE: tl.constexpr, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program = one token: cos/sin loaded once for all its q and k heads; k (rotated) and v go to the cache.
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
@@ -123,6 +126,7 @@ def rotary_write_kv_triton(
     kw = k_norm_weight.contiguous() if has_norm else cos  # type: ignore[union-attr]
     block_half = triton.next_power_of_2(half)
     block_hq, block_hk = triton.next_power_of_2(num_heads), triton.next_power_of_2(k.shape[1])
+    pdl = use_pdl(q.device)
     _rotary_write_kv_kernel[(num_tokens,)](
         q, k, v, cos, sin, qw, kw, k_cache, v_cache, slot_mapping,
         num_heads, k.shape[1], float(eps),
@@ -130,6 +134,6 @@ def rotary_write_kv_triton(
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         *k_cache.stride(), *v_cache.stride(),
         HALF=half, BLOCK_HALF=block_half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-        PAGE=k_cache.shape[1], HAS_NORM=has_norm,
-        num_warps=min(max(block_hq * block_half // 256, 1), 16),
+        PAGE=k_cache.shape[1], HAS_NORM=has_norm, USE_PDL=pdl,
+        num_warps=min(max(block_hq * block_half // 256, 1), 16), launch_pdl=pdl,
     )

@@ -1,0 +1,56 @@
+"""The roofline floor of a run, step by step, and where a run's GPU time goes against it by kind of step."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.bench.roofline import Ceilings, ModelCost, floor_seconds, step_classes, step_floor_seconds
+from tandem.profiling.timeline import Span, Timeline
+
+COST = ModelCost(weight_bytes=1000, body_params=100, lm_head_params=10, kv_bytes_per_token=10,
+                 attn_flops_per_pair=4)
+CEIL = Ceilings(copy_gbps=1e-6, matmul_tflops=1e-9)  # 1000 bytes/s, 1000 FLOP/s
+
+
+def test_step_floor_is_bytes_or_flops_whichever_is_slower():
+    # Decode of 2 sequences over 30 context tokens: 1000 + 300 bytes = 1.3 s; 2 * 100 * 2 + 2 * 10 * 2
+    # + 4 * 30 = 560 FLOPs = 0.56 s.
+    assert step_floor_seconds(2, 2, 30, COST, CEIL) == pytest.approx(1.3)
+    # A 40-token prefill of one sequence: 2 * 100 * 40 + 2 * 10 + 4 * (40 * 40 // 2) = 11220 FLOPs.
+    assert step_floor_seconds(1, 40, 40, COST, CEIL) == pytest.approx(11.22)
+    log = [(2, 2, 30), (1, 40, 40)]
+    assert floor_seconds(log, COST, CEIL) == pytest.approx(1.3 + 11.22)
+
+
+def test_step_classes_split_gpu_time_and_floor_by_kind_of_step():
+    log = [(1, 40, 40), (200, 200, 2000), (40, 40, 400), (40, 40, 400), (3, 3, 30), (9, 12, 90)]
+    tl = Timeline()
+    tl.spans.append(Span("cpu", "schedule", 0.0, 100.0, 0))  # CPU spans are not steps' GPU time
+    for i in range(len(log)):
+        tl.spans.append(Span("gpu", "compute", 10.0 * i, 10.0 * i + 2.0 + i, i))
+    classes = step_classes(log, tl, COST, CEIL)
+    assert set(classes) == {"prefill or mixed", "decode >= 128 seqs", "decode 32-127 seqs", "decode < 8 seqs"}
+    mixed = classes["prefill or mixed"]
+    assert mixed["steps"] == 2 and mixed["gpu_s"] == pytest.approx(2.0 + 7.0)
+    assert mixed["floor_s"] == pytest.approx(step_floor_seconds(1, 40, 40, COST, CEIL)
+                                             + step_floor_seconds(9, 12, 90, COST, CEIL))
+    mid = classes["decode 32-127 seqs"]
+    assert mid["steps"] == 2 and mid["gpu_s"] == pytest.approx(4.0 + 5.0)
+    assert mid["roofline_fraction"] == pytest.approx(mid["floor_s"] / mid["gpu_s"])
+    assert sum(c["steps"] for c in classes.values()) == len(log)
+    assert sum(c["floor_s"] for c in classes.values()) == pytest.approx(floor_seconds(log, COST, CEIL))
+    assert step_classes(log[:-1], tl, COST, CEIL) is None  # a span per step, or nothing
+    assert step_classes(log, None, COST, CEIL) is None
+
+
+def test_cpu_bench_reports_step_classes(tmp_path):
+    from tandem.bench.offline import bench_workload
+    from tandem.bench.workloads import Workload
+    from tests.parallel.tiny_models import save_tiny
+
+    w = Workload("tiny", save_tiny("llama", tmp_path), 6, (8, 24), (4, 12), dtype="float32", device="cpu")
+    r = bench_workload(w, [], 1.0, None)
+    classes = r["step_classes"]
+    assert sum(c["steps"] for c in classes.values()) == r["num_steps"]
+    assert classes["prefill or mixed"]["steps"] >= 1
+    assert sum(c["floor_s"] for c in classes.values()) == pytest.approx(r["roofline_floor_s"])
