@@ -495,11 +495,24 @@ def paged_attention_triton(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The ops.paged_attention contract on Triton: decode kernel when every sequence has one token."""
-    if meta.max_query_len == 1 and q.shape[0] == meta.num_seqs and out is None:
+    """The ops.paged_attention contract on Triton: the decode kernel when every sequence has one token; in a
+    step that mixes prefills into decodes, the decode kernel for its leading one-token sequences and the
+    prefill kernel for the rest (whose grid would otherwise hold max_query_len row tiles for every decode,
+    all but one returning at once)."""
+    if meta.max_query_len == 1 and q.shape[0] == meta.num_seqs:
         # One token per sequence, in order (query_start_loc == arange): row b is sequence b's query.
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out,
                                       max_seq_len=meta.max_seq_len)
+    nd = meta.num_decodes
+    if 0 < nd < meta.num_seqs:
+        # Rows 0..nd-1 are those sequences' tokens; the prefill kernel finds the others' rows through
+        # query_start_loc (absolute token offsets), so both write disjoint rows of one output.
+        if out is None:
+            out = torch.zeros_like(q)
+        paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                               out[:nd], max_seq_len=meta.max_seq_len)
+        return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc[nd:], meta.seq_lens[nd:],
+                                       meta.block_tables[nd:], meta.max_query_len, scale, out)
     return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                    meta.max_query_len, scale, out)
 

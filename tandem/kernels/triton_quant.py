@@ -118,6 +118,7 @@ def _fp8_weight_matmul_kernel(
 def _split_k_reduce_kernel(
     ws_ptr, s_ptr, b_ptr, out_ptr, M, N, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     # out[m, n] = (ws[0, m, n] + ws[1, m, n] + ...) * scale[n] + bias[n], always in split order.
@@ -128,7 +129,8 @@ def _split_k_reduce_kernel(
     acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
-    acc = acc * tl.load(s_ptr + n, mask=mask, other=0.0)
+    if HAS_SCALE:
+        acc = acc * tl.load(s_ptr + n, mask=mask, other=0.0)
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -180,10 +182,11 @@ def fp8_weight_matmul_triton(
                            {**fp8_matmul_tile(m, n, k, sms), **(tile or {})})
 
 
-def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    bias: torch.Tensor | None, out: torch.Tensor, cfg: dict[str, int]) -> torch.Tensor:
-    """Runs a small-M FP8 GEMM kernel (`operands`: its leading x pointer arguments) over a grid of N tiles x K
-    splits x row blocks, then, when K is split, the reduce that adds the fp32 partials in split order."""
+def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+                    bias: torch.Tensor | None, out: torch.Tensor, cfg: dict[str, int], **flags: bool) -> torch.Tensor:
+    """Runs a small-M GEMM kernel (`operands`: its leading x pointer arguments; `flags`: its own constexpr
+    switches) over a grid of N tiles x K splits x row blocks, then, when K is split, the reduce that adds the
+    fp32 partials in split order and applies the channel scale (when there is one) and the bias."""
     m, n = out.shape
     k = weight.shape[1]
     block_m = min(64, max(16, triton.next_power_of_2(m)))  # more rows tile over the grid's third axis
@@ -191,20 +194,21 @@ def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tenso
     k_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), split_k) * cfg["BLOCK_K"]
     split_k = triton.cdiv(k, k_split)  # rounding K_SPLIT up to whole tiles can leave fewer splits
     ws = torch.empty(split_k, m, n, dtype=torch.float32, device=out.device) if split_k > 1 else out
-    b = bias if bias is not None else weight_scale
+    scale = weight_scale if weight_scale is not None else out  # a placeholder pointer when unscaled
+    b = bias if bias is not None else scale
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), split_k, triton.cdiv(m, block_m))
     pdl = use_pdl(out.device)
     kernel[grid](
-        *operands, weight, weight_scale, b, out, ws,
+        *operands, weight, scale, b, out, ws,
         m, n, k, k_split, stride_xm, weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, SPLIT_K=split_k, BLOCK_M=block_m,
-        USE_PDL=pdl, launch_pdl=pdl, **cfg,
+        USE_PDL=pdl, launch_pdl=pdl, **flags, **cfg,
     )
     if split_k > 1:
         block = 1024
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            ws, weight_scale, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block,
-            USE_PDL=pdl, launch_pdl=pdl,
+            ws, scale, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block,
+            USE_PDL=pdl, HAS_SCALE=weight_scale is not None, launch_pdl=pdl,
         )
     return out
 
@@ -213,19 +217,21 @@ def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tenso
 
 
 @triton.jit
-def _fp8_w8a8_kernel(
+def _swap_ab_kernel(
     xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
     M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_SCALE: tl.constexpr, X_SCALED: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     # Program = BLOCK_N output channels x BLOCK_M rows over K range [pid_k * K_SPLIT, +K_SPLIT). Both operands
-    # are e4m3 and go to the FP8 tensor cores as they are loaded (no widening in registers): the weight tile
-    # [BLOCK_N, BLOCK_K] is the MMA's A operand and the few token rows its narrow B operand ("swap AB": the
-    # MMA's M of 64 is filled by channels, not by the 1-32 tokens). acc[n, m] holds sum_k w[n, k] x[m, k];
-    # the token scale multiplies here, the channel scale and bias where the sum is final (here when SPLIT_K
-    # is 1, else in _split_k_reduce_kernel, partial sums added in split order: bitwise reproducible).
+    # go to the tensor cores as they are loaded (no widening in registers): e4m3 x e4m3 for W8A8, or both in
+    # the model dtype. The weight tile [BLOCK_N, BLOCK_K] is the MMA's A operand and the few token rows its
+    # narrow B operand ("swap AB": the MMA's M of 64 is filled by channels, not by the 1-32 tokens).
+    # acc[n, m] holds sum_k w[n, k] x[m, k]; the token scale (X_SCALED) multiplies here, the channel scale
+    # (HAS_SCALE) and bias where the sum is final (here when SPLIT_K is 1, else in _split_k_reduce_kernel,
+    # partial sums added in split order: bitwise reproducible).
     pid_k, offs_m, offs_n, offs_k, m_mask, n_mask, k_begin, k_end = _small_m_program(
         M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_begin + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
@@ -242,10 +248,12 @@ def _fp8_w8a8_kernel(
         acc = tl.dot(w, tl.trans(x), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+    if X_SCALED:
+        acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K == 1:
-        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        if HAS_SCALE:
+            acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
         if HAS_BIAS:
             acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
@@ -292,8 +300,8 @@ def fp8_w8a8_matmul_triton(
         return out
     xq, xs = quantize_per_token_triton(x) if x.is_cuda else _quantize_ref(x)
     sms = device_sms(x.device)
-    return _launch_small_m(_fp8_w8a8_kernel, (xq, xs), xq.stride(0), weight, weight_scale, bias, out,
-                           {**w8a8_tile(m, n, k, sms), **(tile or {})})
+    return _launch_small_m(_swap_ab_kernel, (xq, xs), xq.stride(0), weight, weight_scale, bias, out,
+                           {**w8a8_tile(m, n, k, sms), **(tile or {})}, HAS_SCALE=True, X_SCALED=True)
 
 
 def _quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,3 +309,35 @@ def _quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     return quantize_activation_per_token_ref(x)
 
+
+# ----------------------------------------------------------------------------- small-M GEMM in the model dtype
+
+
+def skinny_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
+    """Tile of the swap-AB GEMM with 16-bit weights, from the shape alone (graph-safe): 64 channels per
+    program (one warpgroup's MMA height), K tiles of 128 (32 KiB of weight and x per stage), 4 stages, K split
+    until ~2 programs per SM while each split keeps >= 4 K tiles."""
+    block_k = 128
+    split_k = split_k_until(n, 64, triton.cdiv(k, block_k), 2 * sms, max_split=8)
+    return {"BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 4}
+
+
+def skinny_matmul_triton(
+    x: torch.Tensor,  # [M, K] bf16/fp16 (fp32 in the interpreter), unit inner stride
+    weight: torch.Tensor,  # [N, K] in x's dtype, row-major
+    bias: torch.Tensor | None,  # [N]
+    tile: dict[str, int] | None = None,  # overrides BLOCK_N / BLOCK_K / SPLIT_K / num_warps / num_stages
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """x W^T + b for a few dozen rows with the weight in the model dtype: the swap-AB tile GEMM (channels
+    fill the MMA's M; the rows are its narrow N), the weight read once, split over K where N alone is too
+    narrow to fill the GPU."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    sms = device_sms(x.device)
+    return _launch_small_m(_swap_ab_kernel, (x, x), x.stride(0), weight, None, bias, out,
+                           {**skinny_tile(m, n, k, sms), **(tile or {})}, HAS_SCALE=False, X_SCALED=False)

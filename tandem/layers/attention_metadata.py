@@ -24,6 +24,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
     max_query_len: int  # host int; 1 means every sequence decodes one token
     max_seq_len: int  # host int; an upper bound of seq_lens (static under CUDA graphs)
+    # Host int: how many leading sequences (rows 0..num_decodes-1, one token each) decode one token; num_seqs
+    # in a decode-only step. A mixed step's attention runs them through the decode kernel.
+    num_decodes: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -144,6 +144,7 @@ class StepShape:
     max_query_len: int
     max_seq_len: int
     num_context_tokens: int
+    num_decodes: int = 0  # leading rows that decode one token (AttentionMetadata.num_decodes)
 
 
 def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, int], block_size: int,
@@ -244,10 +245,12 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
         np.add(positions[:num_seqs], 1, out=seq_lens[:num_seqs])
         qsl[1 : num_seqs + 1] = np.arange(1, num_seqs + 1)
         max_query_len = 1 if num_seqs else 0
+        num_decodes = num_seqs
     else:
         seq_lens[:num_seqs] = ends
         np.cumsum(query_lens, out=qsl[1 : num_seqs + 1])
         max_query_len = max(query_lens, default=0)
+        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_seqs)
     sample_pos[:num_seqs] = seq_lens[:num_seqs]
     ints["logits_indices"][:num_seqs] = qsl[1 : num_seqs + 1] - 1
     requests = [s.request for s in scheduled]
@@ -278,7 +281,7 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
         sample_pos[num_seqs:pad_to] = 0
     seq_used = seq_lens[:num_seqs]
     return StepShape(all_greedy, any_filter, num_logprobs, max_query_len, int(seq_used.max()) if num_seqs else 0,
-                     int(seq_used.sum(dtype=np.int64)))
+                     int(seq_used.sum(dtype=np.int64)), num_decodes)
 
 
 def _write_sampling(buf: StepBuffers, requests: list[Request]) -> tuple[bool, bool, int]:

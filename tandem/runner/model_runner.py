@@ -200,7 +200,7 @@ class ModelRunner:
     # ---------------------------------------------------------------- forward
 
     def _meta(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int,
-              max_seq_len: int) -> AttentionMetadata:
+              max_seq_len: int, num_decodes: int = 0) -> AttentionMetadata:
         ints, longs = self.buffers[slot].ints.dev, self.buffers[slot].longs.dev
         return AttentionMetadata(
             slot_mapping=longs["slot_mapping"][:num_tokens],
@@ -209,6 +209,7 @@ class ModelRunner:
             block_tables=ints["block_tables"][:num_seqs],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            num_decodes=num_decodes,
         )
 
     def _hidden(self, slot: int, num_tokens: int, meta: AttentionMetadata) -> torch.Tensor:
@@ -223,10 +224,11 @@ class ModelRunner:
         return self.model(input_ids, ints["positions"][:num_tokens], self.kv_cache, meta)
 
     def _forward(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
-                 all_rows: bool, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+                 all_rows: bool, logits_out: torch.Tensor | None = None, num_decodes: int = 0) -> torch.Tensor:
         """Carry-over, forward and logits on the slot's static device buffers; returns [num_seqs, vocab]
         (written into `logits_out` when given)."""
-        hidden = self._hidden(slot, num_tokens, self._meta(slot, num_tokens, num_seqs, max_query_len, max_seq_len))
+        meta = self._meta(slot, num_tokens, num_seqs, max_query_len, max_seq_len, num_decodes)
+        hidden = self._hidden(slot, num_tokens, meta)
         return self._logits(slot, hidden, num_seqs, all_rows, logits_out)
 
     def _logits(self, slot: int, hidden: torch.Tensor, num_seqs: int, all_rows: bool,
@@ -298,7 +300,8 @@ class ModelRunner:
         shape = self._prepare(sched, slot, graph_bs, piece_tokens)
         prepared_at = time.perf_counter() if self.timing else 0.0
         plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,
-                        shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self._step_index, self.timing)
+                        shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self._step_index, self.timing,
+                        shape.num_decodes)
         if self.group is None:
             events = self._enqueue(plan, download=True, piece_tokens=piece_tokens)
         else:
@@ -389,12 +392,13 @@ class ModelRunner:
                 self.graphs.replay_sample(slot, graph_bs, variant)  # type: ignore[union-attr]
             else:
                 if piece_tokens is not None:
-                    meta = self._meta(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len)
+                    meta = self._meta(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len,
+                                      plan.num_decodes)
                     hidden = self.piecewise.replay(slot, num_tokens, piece_tokens, meta)  # type: ignore[union-attr]
                     logits = self._logits(slot, hidden, num_seqs, all_rows=False)
                 else:
                     logits = self._forward(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len,
-                                           all_rows=num_tokens == num_seqs)
+                                           all_rows=num_tokens == num_seqs, num_decodes=plan.num_decodes)
                 # Every rank samples from the same all-gathered logits with the same counter-based noise, so
                 # each holds the same tokens for its own carry-over.
                 self._sample_into(slot, logits, num_seqs, plan.all_greedy, plan.any_top_k_top_p, num_logprobs)

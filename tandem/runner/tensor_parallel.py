@@ -41,7 +41,7 @@ _INIT_TIMEOUT = timedelta(minutes=10)  # weight loading of a 70B shard can take 
 
 _IDLE_TIMEOUT = timedelta(days=365)
 _OP_STEP, _OP_STOP, _OP_REPORT, _OP_ALL_REDUCE_BENCH = 1, 2, 3, 4
-_HEADER_LEN = 13
+_HEADER_LEN = 14
 
 
 class WorkerDiedError(RuntimeError):
@@ -63,17 +63,19 @@ class StepPlan:
     max_seq_len: int
     step_index: int
     timing: bool = False  # ranks record their steps' GPU spans for the timeline
+    num_decodes: int = 0  # leading one-token rows (AttentionMetadata.num_decodes)
 
     def encode(self, out: np.ndarray) -> None:
         # The last field is the payload's byte count, set by send_step.
         out[:] = (_OP_STEP, self.slot, self.num_seqs, self.num_tokens, self.graph_bs or 0, self.all_greedy,
                   self.any_top_k_top_p, self.num_logprobs, self.max_query_len, self.max_seq_len, self.step_index,
-                  self.timing, 0)
+                  self.timing, self.num_decodes, 0)
 
     @staticmethod
     def decode(h: np.ndarray) -> StepPlan:
         v = [int(x) for x in h]
-        return StepPlan(v[1], v[2], v[3], v[4] or None, bool(v[5]), bool(v[6]), v[7], v[8], v[9], v[10], bool(v[11]))
+        return StepPlan(v[1], v[2], v[3], v[4] or None, bool(v[5]), bool(v[6]), v[7], v[8], v[9], v[10], bool(v[11]),
+                        v[12])
 
 
 def torchrun_rank() -> tuple[int, int, int] | None:

@@ -293,6 +293,35 @@ def test_paged_attention_triton_dispatch(decode):
     assert_matches(out, dense_reference(case), torch.float32)
 
 
+@pytest.mark.parametrize("with_out", [False, True])
+@pytest.mark.parametrize("num_decodes", [0, 2, 3])
+def test_mixed_step_sends_leading_decodes_to_the_decode_kernel(num_decodes, with_out, monkeypatch):
+    """A step with prefills behind num_decodes one-token sequences: those run the decode kernel (on their
+    rows, into the same output), the rest the prefill kernel; the result is the reference's either way, and a
+    given output buffer receives every row."""
+    import tandem.kernels.triton_attention as attention
+
+    seq_lens, query_lens = [30, 77, 5, 40, 19, 64], [1, 1, 1, 40, 6, 1]  # a one-token row after a prefill too
+    case = make_case(seq_lens, query_lens, group=4, head_dim=64, block_size=16, dtype=torch.float32, seed=17)
+    case.meta.num_decodes = num_decodes
+    calls = []
+    for name in ("paged_decode_attention", "paged_prefill_attention"):
+        real = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, _real=real, _name=name, **kw: calls.append(
+            (_name, a[0].shape[0], a[4].shape[0]))
+            or _real(*a, **kw))
+    out = poisoned_like(case.q) if with_out else None
+    got = paged_attention_triton(case.q, case.k_cache, case.v_cache, case.meta, case.scale, out)
+    assert_matches(got, dense_reference(case), torch.float32)
+    if with_out:
+        assert got is out
+    if num_decodes:  # (kernel, q rows it gets, sequences it covers)
+        assert calls == [("paged_decode_attention", num_decodes, num_decodes),
+                         ("paged_prefill_attention", sum(query_lens), len(seq_lens) - num_decodes)]
+    else:
+        assert calls == [("paged_prefill_attention", sum(query_lens), len(seq_lens))]
+
+
 def test_ops_dispatch_forced_to_triton_matches_reference_path(monkeypatch):
     """ops.* with TANDEM_FORCE_TRITON=1 runs the Triton kernels; the result equals the reference path."""
     seq_lens, query_lens = PREFILL_BATCH

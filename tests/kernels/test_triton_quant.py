@@ -31,8 +31,9 @@ matmul = ASTSource(fn=_fp8_weight_matmul_kernel, signature=dict(zip(names, types
 reduce = ASTSource(
     fn=_split_k_reduce_kernel,
     signature={"ws_ptr": "*fp32", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
-               "stride_om": "i32", "HAS_BIAS": "constexpr", "SPLIT_K": "constexpr", "BLOCK": "constexpr"},
-    constexprs={"HAS_BIAS": True, "SPLIT_K": 4, "BLOCK": 1024})
+               "stride_om": "i32", "HAS_BIAS": "constexpr", "SPLIT_K": "constexpr", "BLOCK": "constexpr",
+               "USE_PDL": "constexpr", "HAS_SCALE": "constexpr"},
+    constexprs={"HAS_BIAS": True, "SPLIT_K": 4, "BLOCK": 1024, "USE_PDL": True, "HAS_SCALE": True})
 out = {}
 for name, src in (("quant", quant), ("matmul", matmul), ("reduce", reduce)):
     ptx = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
@@ -49,6 +50,7 @@ def test_kernels_compile_for_sm90():
     assert "div.rn.f32" in ops["quant"] and "div.full.f32" not in ops["quant"]
     assert "cvt.rn.satfinite.e4m3x2.f32" in ops["quant"]
     assert any(op.startswith(("mma.", "wgmma.")) for op in ops["matmul"])  # tensor cores
+    assert "griddepcontrol.wait;" in ops["reduce"]  # launched with PDL: waits for the GEMM's partial sums
 
 
 @pytest.mark.parametrize("w8a8", [False, True], ids=["w8a16", "w8a8"])
@@ -86,18 +88,49 @@ def test_small_m_fp8_matmuls_match_reference(m, n, k, bias, split_k, w8a8):
     torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
+@pytest.mark.parametrize("m,n,k,bias,split_k", [
+    (1, 96, 512, True, 1), (7, 64, 256, False, 1), (32, 80, 200, True, 1),  # 200: a masked K tile
+    (17, 128, 1024, False, 4), (3, 40, 640, True, 2), (40, 64, 384, False, 8),
+])
+def test_skinny_matmul_matches_linear(m, n, k, bias, split_k):
+    """The swap-AB GEMM with weights in the model dtype (no scales) against F.linear in fp32, with split-K
+    and masked tiles, bitwise reproducible run to run; and its default tile from the shape."""
+    import torch
+    import torch.nn.functional as F
+
+    from tandem.kernels.triton_quant import skinny_matmul_triton, skinny_tile
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(device, dtype)
+    b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+    tile = {"BLOCK_N": 64, "BLOCK_K": 128 if k >= 256 else 64, "SPLIT_K": split_k}
+    out = skinny_matmul_triton(x, w, b, tile)
+    assert torch.equal(out, skinny_matmul_triton(x, w, b, tile))
+    ref = F.linear(x.float(), w.float(), b.float() if b is not None else None)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    assert out.shape == (m, n) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, **tol)
+    torch.testing.assert_close(skinny_matmul_triton(x, w, b).float(), ref, **tol)  # default tile
+    assert skinny_tile(32, 4096, 4096, 132)["SPLIT_K"] == 4  # 64 N tiles -> ~2 programs per SM
+    assert skinny_tile(32, 28672, 4096, 132)["SPLIT_K"] == 1
+
+
 _COMPILE_W8A8 = r"""
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tandem.kernels.triton_quant import _fp8_w8a8_kernel
+from tandem.kernels.triton_quant import _swap_ab_kernel
 
-names = _fp8_w8a8_kernel.arg_names
+names = _swap_ab_kernel.arg_names
 types = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16",
          "out_ptr": "*bf16", "ws_ptr": "*fp32"}
-cx = {"HAS_BIAS": False, "EVEN_K": True, "SPLIT_K": 1, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256}
-src = ASTSource(fn=_fp8_w8a8_kernel, signature={n: types.get(n, "constexpr" if n in cx else "i32") for n in names},
+cx = {"HAS_BIAS": False, "EVEN_K": True, "SPLIT_K": 1, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256, "USE_PDL": False,
+      "HAS_SCALE": True, "X_SCALED": True}
+src = ASTSource(fn=_swap_ab_kernel, signature={n: types.get(n, "constexpr" if n in cx else "i32") for n in names},
                 constexprs=cx, attrs={(names.index(a),): [["tt.divisibility", 16]] for a in ("xq_ptr", "w_ptr", "K", "K_SPLIT",
                                                                                                "stride_xm", "stride_wn")})
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]

@@ -96,6 +96,7 @@ class CheckingGPU(FakeGPU):
         self.want = StepBuffers(MAX_TOKENS, MAX_SEQS, BLOCKS_PER_SEQ, 1, cpu)
         self.prev_rows: dict[str, int] = {}
         self.num_written = 0
+        self.mixed_with_decodes = 0  # mixed steps with leading one-token rows seen
         self.pad_rng = random.Random(0)
 
     def execute(self, out: SchedulerOutput) -> list[int]:
@@ -115,6 +116,9 @@ class CheckingGPU(FakeGPU):
             ends = [s.num_computed_tokens + s.num_scheduled_tokens for s in out.scheduled]
             assert shape.max_seq_len == max(ends) and shape.num_context_tokens == sum(ends)
             assert shape.max_query_len == max(s.num_scheduled_tokens for s in out.scheduled)
+            lens = [s.num_scheduled_tokens for s in out.scheduled]
+            assert shape.num_decodes == next((i for i, n in enumerate(lens) if n != 1), num_seqs)
+            self.mixed_with_decodes += 0 < shape.num_decodes < num_seqs
             assert rows == {s.request.request_id: i for i, s in enumerate(out.scheduled)}
             params = [s.request.sampling_params for s in out.scheduled]  # write_step caches these per slot
             assert shape.all_greedy == all(sp.temperature == 0.0 for sp in params)
@@ -162,3 +166,4 @@ def test_write_step_matches_reference_writer(name: str, overlap: bool, monkeypat
         arrivals.setdefault(rng.randrange(20), []).append(i)
     run_workload(cfg, requests, overlap=overlap, arrivals=arrivals)
     assert gpus and gpus[0].num_written > 10
+    assert gpus[0].mixed_with_decodes > 0  # prefills admitted behind running decodes
