@@ -16,6 +16,11 @@ from tandem.layers.attention_metadata import AttentionMetadata
 GEMV_MAX_ROWS = 4
 GEMV_MAX_ROWS_FP8 = 1
 GEMV_ROWS_LIMIT = 64  # TANDEM_GEMV_MAX_ROWS above this is ignored
+# Above the GEMV's rows and up to this many, 16-bit linears run the swap-AB tile GEMM (triton_quant.
+# skinny_matmul_triton): on an H200 over the Llama-3-8B projections at 8-32 rows it streamed the weight
+# 1.01-1.23x faster than cuBLAS (o_proj most: cuBLAS leaves its 32 N tiles short of the SMs), 0.8-0.96x at 64
+# rows (scripts/bench_skinny.py; benchmarks/results/README.md). TANDEM_SKINNY_MAX_ROWS=N overrides (0: off).
+SKINNY_MAX_ROWS = 32
 
 
 def write_kv(
@@ -63,6 +68,20 @@ def use_gemv(x: torch.Tensor, in_features: int, fp8: bool = False) -> bool:
     override = os.environ.get("TANDEM_GEMV_MAX_ROWS")
     max_rows = int(override) if override is not None else GEMV_MAX_ROWS_FP8 if fp8 else GEMV_MAX_ROWS
     return 0 < numel <= max_rows * in_features and use_triton(x)
+
+
+def use_skinny(x: torch.Tensor, in_features: int) -> bool:
+    """Whether a linear on x ([..., in_features]) runs the small-M tile GEMM: Triton kernels are on for x and
+    it holds more rows than the GEMV takes and at most SKINNY_MAX_ROWS (TANDEM_SKINNY_MAX_ROWS). Not for fp32
+    on a GPU, where tensor-core dots round to TF32 and cuBLAS does not. Read per call, like use_gemv."""
+    numel = x.numel()
+    if numel > GEMV_ROWS_LIMIT * in_features:  # prefill-sized: no env lookups
+        return False
+    override = os.environ.get("TANDEM_SKINNY_MAX_ROWS")
+    max_rows = int(override) if override is not None else SKINNY_MAX_ROWS
+    if not numel <= max_rows * in_features or (x.is_cuda and x.dtype == torch.float32):
+        return False
+    return use_triton(x)
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -355,7 +355,10 @@ def _prefill_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# A mixed step hands the prefill kernel its metadata from row num_decodes on: the pointers' 16-byte alignment
+# varies with that count and is worth nothing to these scalar loads, so it must not pick kernel variants
+# (each a compile, ~1 s, in the middle of serving).
+@triton.jit(do_not_specialize_on_alignment=["bt_ptr", "qsl_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr,
     qk_scale,
@@ -509,8 +512,12 @@ def paged_attention_triton(
         # query_start_loc (absolute token offsets), so both write disjoint rows of one output.
         if out is None:
             out = torch.zeros_like(q)
+        # One split and the tiles of a full wave: the variant the largest decode graphs use, compiled once
+        # (warm_mixed_attention), whatever the decode count and context lengths; a mixed step's time goes
+        # to its prefill.
+        block_n = decode_block_n(q.shape[2], k_cache.dtype, device_sms(q.device), device_sms(q.device))
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                               out[:nd], max_seq_len=meta.max_seq_len)
+                               out[:nd], num_splits=1, block_n=block_n)
         return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc[nd:], meta.seq_lens[nd:],
                                        meta.block_tables[nd:], meta.max_query_len, scale, out)
     return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels.ops import use_gemv
+from tandem.kernels.ops import use_gemv, use_skinny
 from tandem.layers.activation import silu_and_mul
 from tandem.layers.quantization import FP8_DTYPE, fp8_linear, fp8_supported_shape, quantize_weight_fp8
 
@@ -29,6 +29,11 @@ class Linear(nn.Module):
             return self._gemv(x, gated=False)
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        if use_skinny(x, self.in_features):
+            from tandem.kernels.triton_quant import skinny_matmul_triton  # lazy: CPU runs never import Triton
+
+            out = skinny_matmul_triton(x.reshape(-1, self.in_features), self.weight, self.bias)
+            return out.view(*x.shape[:-1], out.shape[-1])
         return F.linear(x, self.weight, self.bias)
 
     def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

@@ -99,6 +99,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if self.device.type == "cuda":
+            with torch.inference_mode():
+                self._warm_mixed_attention()
             torch.cuda.synchronize()
             if config.cuda_graph:
                 # [max_num_seqs, vocab] in the model dtype, outside the graph pool: every graph writes its rows here.
@@ -129,6 +131,26 @@ class ModelRunner:
         self._spans: list[tuple[int, float, float]] = []
         self._step_index = 0
         self._prev_rows: dict[str, int] = {}  # request id -> row in the previous step's sampled tokens
+
+    def _warm_mixed_attention(self) -> None:
+        """Compiles a mixed step's attention kernels (the decode kernel's variant for its leading one-token
+        sequences, the prefill kernel's for the rest) before the first request, which would otherwise wait for
+        them in its first step with prefills behind decodes. One decode row and one two-token prefill on
+        block 0 (never a request's) of layer 0; q is a strided view of a fused projection, as in the models."""
+        from tandem.kernels import ops
+
+        mc = self.model_config
+        heads, kv_heads, dim = mc.num_heads // self.parallel.size, self.num_kv_heads, mc.head_dim
+        qkv = torch.zeros(3, (heads + 2 * kv_heads) * dim, dtype=self.dtype, device=self.device)
+        ints = torch.tensor([0, 1, 3, 1, 2], dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((3,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc=ints[:3], seq_lens=ints[3:], block_tables=torch.zeros(2, 1, dtype=torch.int32,
+                                                                                 device=self.device),
+            max_query_len=2, max_seq_len=2, num_decodes=1,
+        )
+        ops.paged_attention(qkv[:, : heads * dim].view(3, heads, dim), self.kv_cache[0, 0], self.kv_cache[0, 1],
+                            meta, dim**-0.5)
 
     def set_timing(self, enabled: bool) -> None:
         """Turns on timing events around each step's GPU work (for the timeline)."""

@@ -267,6 +267,30 @@ def test_programmatic_dependent_launch_gives_the_tokens_of_plain_launches(arch, 
     assert runs["1"] == runs["0"]
 
 
+@pytest.mark.gpu
+def test_mixed_steps_compile_no_attention_kernel_after_startup(checkpoint):
+    """The runner compiles a mixed step's attention variants before the first request: prefills admitted behind
+    any number of decodes, at any context length, run without compiling a Triton kernel mid-step. With piecewise
+    graphs off, so that every mixed step's attention takes the eager launch path of a long step."""
+    import tandem.kernels.triton_attention as attention
+
+    kernels = (attention._decode_split_kernel, attention._decode_reduce_kernel, attention._prefill_kernel)
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+    llm = make_llm(checkpoint("llama"), max_num_seqs=24, max_num_batched_tokens=96, piecewise_max_tokens=0,
+                   num_kv_blocks=400)
+    before = compiled()
+    rng = random.Random(3)
+    prompts = [random_prompt(rng, rng.choice([1, 5, 33, 150, 300])) for _ in range(40)]
+    llm.engine.step_log = []
+    generate(llm, prompts, [rng.randint(2, 40) for _ in prompts])
+    steps, llm.engine.step_log = llm.engine.step_log, None
+    assert sum(1 for seqs, tokens, _ in steps if tokens != seqs and seqs > 1) >= 5  # mixed steps ran
+    assert compiled() == before
+
+
 # ----------------------------------------------------------------------------- (a) parity with transformers
 
 

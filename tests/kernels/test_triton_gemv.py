@@ -87,7 +87,7 @@ def test_linear_dispatch(monkeypatch):
     torch.testing.assert_close(lin.forward_silu_and_mul(x1).float(), silu_and_mul(lin(x1).float()), **TOL)
     assert calls == [False, True, False]
     lin(x6)
-    assert len(calls) == 3  # six rows: F.linear
+    assert len(calls) == 3  # six rows: not the GEMV (the small-M tile GEMM, test_linear_skinny_dispatch)
     monkeypatch.setenv("TANDEM_GEMV_MAX_ROWS", "0")
     assert not use_gemv(x1, 256)
     monkeypatch.setenv("TANDEM_GEMV_MAX_ROWS", "8")
@@ -96,6 +96,36 @@ def test_linear_dispatch(monkeypatch):
     monkeypatch.delenv("TANDEM_FORCE_TRITON", raising=False)
     if not CUDA:
         assert not use_gemv(x1, 256)  # CPU without forced Triton: F.linear
+
+
+def test_linear_skinny_dispatch(monkeypatch):
+    """Above the GEMV's rows and up to TANDEM_SKINNY_MAX_ROWS (32 by default) a 16-bit Linear takes the small-M
+    tile GEMM, equal to F.linear; more rows (or the override 0) take F.linear."""
+    from tandem.kernels import ops
+    import tandem.kernels.triton_quant as quant
+
+    torch.manual_seed(1)
+    lin = Linear(256, 96, bias=True).to(DEVICE, DTYPE)
+    torch.nn.init.normal_(lin.weight, std=0.05)
+    torch.nn.init.normal_(lin.bias)
+    calls = []
+    real = quant.skinny_matmul_triton
+    monkeypatch.setattr(quant, "skinny_matmul_triton", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    if not CUDA:
+        monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
+    for rows in (5, 17, 32, 33):
+        x = torch.randn(rows, 256).to(DEVICE, DTYPE)
+        torch.testing.assert_close(lin(x).float(), F.linear(x.float(), lin.weight.float(), lin.bias.float()), **TOL)
+    assert calls == [5, 17, 32]
+    assert ops.use_skinny(torch.randn(2, 3, 256).to(DEVICE, DTYPE), 256)  # rows count across leading dims
+    monkeypatch.setenv("TANDEM_SKINNY_MAX_ROWS", "0")
+    assert not ops.use_skinny(torch.randn(8, 256).to(DEVICE, DTYPE), 256)
+    monkeypatch.delenv("TANDEM_SKINNY_MAX_ROWS")
+    monkeypatch.delenv("TANDEM_FORCE_TRITON", raising=False)
+    if not CUDA:
+        assert not ops.use_skinny(torch.randn(8, 256), 256)  # CPU without forced Triton: F.linear
+    else:
+        assert not ops.use_skinny(torch.randn(8, 256, device="cuda"), 256)  # fp32 on a GPU: cuBLAS, no TF32
 
 
 _COMPILE_SM90 = r"""
