@@ -32,9 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sync", action="store_true", help="overlap off: finish each step before scheduling the next")
     g.add_argument("--no-cuda-graph", action="store_true", help="every step eager (no decode or piecewise CUDA graphs)")
     g.add_argument("--piecewise-max-tokens", type=int, default=None,
-                   help="steps that mix prefills into the decodes, up to this many tokens, run as piecewise CUDA "
-                        "graphs (attention launched between the captured pieces); default max-num-seqs + 512; "
-                        "0: eager")
+                   help="steps with prefills (alone or mixed into the decodes), up to this many tokens, run as "
+                        "piecewise CUDA graphs (attention launched between the captured pieces); default: all of "
+                        "them (max-num-batched-tokens); 0: eager")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: FP8 weights with per-channel scales, FP8 matmuls (CUDA, compute capability >= 8.9)")

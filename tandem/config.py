@@ -77,8 +77,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     overlap: bool = True
     cuda_graph: bool = True
-    # Steps that mix prefills into decodes, up to this many tokens, run piecewise CUDA graphs; None: max_num_seqs
-    # + 512 (every decode row and a prompt's worth of new tokens); 0: such steps run eagerly.
+    # Steps with prefills (alone or mixed into decodes), up to this many tokens, run piecewise CUDA graphs; None:
+    # every such step (max_num_batched_tokens); 0: they run eagerly.
     piecewise_max_tokens: int | None = None
     seed: int = 0
     quantization: str | None = None  # None | fp8 (weights in float8_e4m3fn, per-output-channel scales)

@@ -29,7 +29,6 @@ from tandem.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-PIECEWISE_EXTRA_TOKENS = 512  # default piecewise_max_tokens: max_num_seqs + this
 
 Logprobs = tuple[float, list[tuple[int, float]]]
 
@@ -114,9 +113,12 @@ class ModelRunner:
                     )
                 logger.info("captured %d decode + %d sampling CUDA graphs in %.1f s", len(self.graphs.graphs),
                             len(self.graphs.sample_graphs), time.perf_counter() - t0)
+                # Every step's tokens by default: an eager step launches each layer's kernels from Python, which
+                # for a small model takes longer than the GPU needs for them (Qwen3-0.6B: a 4096-token chunk
+                # took 23 ms on an H200 eagerly).
                 max_pieces = config.piecewise_max_tokens
-                if max_pieces is None:  # every decode row plus a prompt's worth of new tokens
-                    max_pieces = self.max_num_seqs + PIECEWISE_EXTRA_TOKENS
+                if max_pieces is None:
+                    max_pieces = self.max_num_tokens
                 max_pieces = min(max_pieces, self.max_num_tokens)
                 if max_pieces > 0 and group is None:  # tensor parallelism: mixed steps stay eager
                     t0 = time.perf_counter()

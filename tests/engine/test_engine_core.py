@@ -166,3 +166,20 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
     syncs = [c for c in calls if c[0] == "synchronize"]
     assert syncs == [("synchronize", "handle.events.d2h_done")]
     assert all(c[0] == "tolist" and "_np" in c[1] for c in calls if c[0] != "synchronize"), calls
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, -1, 100, None, "7"])
+def test_check_new_request_names_a_bad_token_id_anywhere_in_a_long_prompt(bad):
+    import enum
+
+    from tandem.engine import check_new_request
+    from tandem.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=4)
+    prompt = list(range(1, 90)) * 11
+    check_new_request("ok", prompt, params, set(), 100, 4096)
+    check_new_request("enum", [enum.IntEnum("E", "A B")(2)] + prompt, params, set(), 100, 4096)  # an int subclass
+    for where in (0, 500, len(prompt)):
+        bad_prompt = prompt[:where] + [bad] + prompt[where:]
+        with pytest.raises(ValueError, match=rf"prompt token id {bad!r} is not an integer in \[0, 100\)"):
+            check_new_request("bad", bad_prompt, params, set(), 100, 4096)
