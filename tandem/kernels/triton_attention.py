@@ -57,7 +57,7 @@ def _load_rows(base_ptr, rows, offs_d, stride_d, row_mask, d_mask, MASK_ROWS: tl
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, order_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
     qk_scale, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_b, stride_s, stride_h, stride_d,  # shared by k_cache and v_cache
@@ -65,16 +65,22 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_od,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr, KV_HEADS: tl.constexpr, HAS_ORDER: tl.constexpr,
 ):
-    # Program (b, kv head, split): all GROUP query heads of one kv head over one contiguous share of the
-    # sequence's KV tiles. The share is computed from seq_len on the device, so every split gets work
-    # whatever the sequence's length, and the grid (hence a CUDA graph) never depends on the data.
+    # Program (slot i x kv head, split): all GROUP query heads of one kv head of sequence b over one contiguous
+    # share of its KV tiles. The share is computed from seq_len on the device, so every split gets work
+    # whatever the sequence's length, and the grid (hence a CUDA graph) never depends on the data. With
+    # HAS_ORDER, slot i is sequence order[i] (longest context first): the GPU starts programs in grid order,
+    # so the long ones start early and the short ones fill the last wave instead of a long one running alone.
     pdl_wait(USE_PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
+    slot = tl.program_id(0) // KV_HEADS
+    kvh = tl.program_id(0) % KV_HEADS
+    split = tl.program_id(1)
+    if HAS_ORDER:
+        b = tl.load(order_ptr + slot)
+    else:
+        b = slot
+    num_heads = KV_HEADS * GROUP
 
     seq_len = tl.load(seq_lens_ptr + b)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
@@ -198,6 +204,12 @@ def decode_block_n(head_dim: int, dtype: torch.dtype, programs: int = 0, num_sms
     return max(16, min(128, tile_bytes // (triton.next_power_of_2(head_dim) * dtype.itemsize)))
 
 
+def decode_order(seq_lens: torch.Tensor) -> torch.Tensor:
+    """The decode kernel's program order for one step: rows by context length, longest first ([B] int32;
+    one sort kernel per step, shared by every layer)."""
+    return torch.argsort(seq_lens, descending=True).to(torch.int32)
+
+
 def choose_num_splits(
     batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int,
     *, min_tiles_per_split: int = MIN_TILES_PER_SPLIT, programs_per_sm: int = PROGRAMS_PER_SM,
@@ -262,12 +274,14 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    order: torch.Tensor | None = None,  # [B] int32: a permutation of the rows, the order programs start in
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole context (split-KV flash decoding).
 
     Graph-capturable: no host sync; num_splits comes from shapes and the static bound max_seq_len
     (default block_tables.shape[1] * block_size), never from seq_lens. `workspace` is an optional
-    preallocated fp32 buffer of at least decode_workspace_numel(...) elements.
+    preallocated fp32 buffer of at least decode_workspace_numel(...) elements. `order` (decode_order:
+    longest context first) only changes which programs start first, never a result.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, num_heads, head_dim], got {tuple(q.shape)}")
@@ -309,12 +323,15 @@ def paged_decode_attention(
         ws_o, ws_lse = workspace[:split_o], workspace[split_o:numel]
 
     pdl = use_pdl(q.device)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, ws_o, ws_lse,
+    if order is not None and order.shape != (batch,):
+        raise ValueError(f"order must be [{batch}], got {tuple(order.shape)}")
+    _decode_split_kernel[(batch * num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out, ws_o, ws_lse,
         scale * LOG2E, num_splits,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
         USE_DOT=use_dot, DOT_PRECISION=_dot_precision(k_cache.dtype), DIRECT_OUT=num_splits == 1, USE_PDL=pdl,
+        KV_HEADS=num_kv_heads, HAS_ORDER=order is not None,
         num_warps=num_warps or 4, num_stages=num_stages or (3 if use_dot else 2), launch_pdl=pdl,
     )
     if num_splits > 1:
@@ -505,7 +522,7 @@ def paged_attention_triton(
     if meta.max_query_len == 1 and q.shape[0] == meta.num_seqs:
         # One token per sequence, in order (query_start_loc == arange): row b is sequence b's query.
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out,
-                                      max_seq_len=meta.max_seq_len)
+                                      max_seq_len=meta.max_seq_len, order=meta.decode_order)
     nd = meta.num_decodes
     if 0 < nd < meta.num_seqs:
         # Rows 0..nd-1 are those sequences' tokens; the prefill kernel finds the others' rows through
@@ -530,5 +547,6 @@ __all__ = [
     "paged_attention_triton",
     "choose_num_splits",
     "decode_block_n",
+    "decode_order",
     "decode_workspace_numel",
 ]

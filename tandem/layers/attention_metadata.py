@@ -27,6 +27,9 @@ class AttentionMetadata:
     # Host int: how many leading sequences (rows 0..num_decodes-1, one token each) decode one token; num_seqs
     # in a decode-only step. A mixed step's attention runs them through the decode kernel.
     num_decodes: int = 0
+    # [num_seqs] int32, decode steps only: the rows longest context first, the order the decode kernel starts
+    # its programs in (load balance across waves); None: row order.
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -75,6 +75,8 @@ class ModelRunner:
         self.model.eval()
         mc: ModelConfig = self.model_config
         self.num_kv_heads = local_kv_heads(mc, self.parallel)  # this rank's share of the KV heads
+        self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                         if self.device.type == "cuda" else 0)
         self.max_model_len = config.max_model_len or min(model_max_len(mc), 8192)
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
@@ -226,14 +228,22 @@ class ModelRunner:
     def _meta(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int,
               max_seq_len: int, num_decodes: int = 0) -> AttentionMetadata:
         ints, longs = self.buffers[slot].ints.dev, self.buffers[slot].longs.dev
+        seq_lens = ints["seq_lens"][:num_seqs]
+        order = None
+        if max_query_len == 1 and self.device.type == "cuda" and num_seqs * self.num_kv_heads > self._num_sms:
+            # More decode programs than one wave: start the longest contexts first (one sort per step).
+            from tandem.kernels.triton_attention import decode_order
+
+            order = decode_order(seq_lens)
         return AttentionMetadata(
             slot_mapping=longs["slot_mapping"][:num_tokens],
             query_start_loc=ints["query_start_loc"][: num_seqs + 1],
-            seq_lens=ints["seq_lens"][:num_seqs],
+            seq_lens=seq_lens,
             block_tables=ints["block_tables"][:num_seqs],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             num_decodes=num_decodes,
+            decode_order=order,
         )
 
     def _hidden(self, slot: int, num_tokens: int, meta: AttentionMetadata) -> torch.Tensor:

@@ -168,6 +168,32 @@ def test_decode_matches_reference(block_size, head_dim, group, dtype):
         assert_matches(out, ref, dtype)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_program_order_changes_no_result(num_splits):
+    """decode_order puts the longest contexts first; programs started in that order (or any permutation of
+    the rows) write exactly the outputs of row order, each row its own sequence's attention."""
+    from tandem.kernels.triton_attention import decode_order
+
+    case = make_case([12, 0, 90, 33, 57, 1], [1] * 6, group=4, head_dim=64, block_size=16, dtype=torch.float32,
+                     seed=21, num_kv_heads=3)
+    m = case.meta
+    assert decode_order(m.seq_lens).tolist() == [2, 4, 3, 0, 5, 1]
+    assert decode_order(m.seq_lens).dtype == torch.int32
+    plain = paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
+                                   num_splits=num_splits)
+    assert_matches(plain, dense_reference(case), torch.float32)
+    for order in (decode_order(m.seq_lens), torch.tensor([5, 3, 1, 0, 4, 2], dtype=torch.int32, device=DEVICE)):
+        out = paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
+                                     out=poisoned_like(case.q), num_splits=num_splits, order=order)
+        assert torch.equal(out, plain)
+    by_rows = paged_attention_triton(case.q, case.k_cache, case.v_cache, m, case.scale)
+    m.decode_order = decode_order(m.seq_lens)  # the dispatch hands the step's order to the kernel
+    assert torch.equal(paged_attention_triton(case.q, case.k_cache, case.v_cache, m, case.scale), by_rows)
+    with pytest.raises(ValueError, match="order must be"):
+        paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
+                               order=m.decode_order[:3])
+
+
 @pytest.mark.parametrize("block_n", [16, 32, 64])
 def test_decode_tiles_smaller_and_larger_than_a_block(block_n):
     case = make_case([70, 3, 0, 33], [1] * 4, group=4, head_dim=64, block_size=32, dtype=torch.float32, seed=3)
