@@ -139,20 +139,20 @@ class ModelRunner:
     def _warm_mixed_attention(self) -> None:
         """Compiles a mixed step's attention kernels (the decode kernel's variant for its leading one-token
         sequences, the prefill kernel's for the rest) before the first request, which would otherwise wait for
-        them in its first step with prefills behind decodes. One decode row and one two-token prefill on
-        block 0 (never a request's) of layer 0; q is a strided view of a fused projection, as in the models."""
+        them in its first step with prefills behind decodes. Triton specializes on pointer alignment and on
+        strides equal to 1, so this runs on slot 0's own metadata buffers (overwritten by the first step) and
+        on q as a strided view of a fused projection, as the models pass it: one decode row and one two-token
+        prefill on block 0 (never a request's) of layer 0."""
         from tandem.kernels import ops
 
         mc = self.model_config
         heads, kv_heads, dim = mc.num_heads // self.parallel.size, self.num_kv_heads, mc.head_dim
+        ints = self.buffers[0].ints.dev
+        ints["query_start_loc"][:3] = torch.tensor([0, 1, 3], dtype=torch.int32)
+        ints["seq_lens"][:2] = torch.tensor([1, 2], dtype=torch.int32)
+        ints["block_tables"][:2].zero_()
+        meta = self._meta(0, 3, 2, max_query_len=2, max_seq_len=2, num_decodes=1)
         qkv = torch.zeros(3, (heads + 2 * kv_heads) * dim, dtype=self.dtype, device=self.device)
-        ints = torch.tensor([0, 1, 3, 1, 2], dtype=torch.int32, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((3,), -1, dtype=torch.int64, device=self.device),
-            query_start_loc=ints[:3], seq_lens=ints[3:], block_tables=torch.zeros(2, 1, dtype=torch.int32,
-                                                                                 device=self.device),
-            max_query_len=2, max_seq_len=2, num_decodes=1,
-        )
         ops.paged_attention(qkv[:, : heads * dim].view(3, heads, dim), self.kv_cache[0, 0], self.kv_cache[0, 1],
                             meta, dim**-0.5)
 

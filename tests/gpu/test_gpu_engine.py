@@ -268,10 +268,11 @@ def test_programmatic_dependent_launch_gives_the_tokens_of_plain_launches(arch, 
 
 
 @pytest.mark.gpu
-def test_mixed_steps_compile_no_attention_kernel_after_startup(checkpoint):
+@pytest.mark.parametrize("piecewise_max_tokens", [0, None], ids=["eager", "piecewise"])
+def test_mixed_steps_compile_no_attention_kernel_after_startup(piecewise_max_tokens, checkpoint):
     """The runner compiles a mixed step's attention variants before the first request: prefills admitted behind
-    any number of decodes, at any context length, run without compiling a Triton kernel mid-step. With piecewise
-    graphs off, so that every mixed step's attention takes the eager launch path of a long step."""
+    any number of decodes, at any context length, run without compiling a Triton kernel mid-step, whether the
+    attention runs in an eager forward or between piecewise graphs."""
     import tandem.kernels.triton_attention as attention
 
     kernels = (attention._decode_split_kernel, attention._decode_reduce_kernel, attention._prefill_kernel)
@@ -279,8 +280,8 @@ def test_mixed_steps_compile_no_attention_kernel_after_startup(checkpoint):
     def compiled() -> int:
         return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
 
-    llm = make_llm(checkpoint("llama"), max_num_seqs=24, max_num_batched_tokens=96, piecewise_max_tokens=0,
-                   num_kv_blocks=400)
+    llm = make_llm(checkpoint("llama"), max_num_seqs=24, max_num_batched_tokens=96,
+                   piecewise_max_tokens=piecewise_max_tokens, num_kv_blocks=400)
     before = compiled()
     rng = random.Random(3)
     prompts = [random_prompt(rng, rng.choice([1, 5, 33, 150, 300])) for _ in range(40)]
