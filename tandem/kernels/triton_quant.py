@@ -222,7 +222,7 @@ def _swap_ab_kernel(
     M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    HAS_SCALE: tl.constexpr, X_SCALED: tl.constexpr,
+    HAS_SCALE: tl.constexpr, X_SCALED: tl.constexpr, GATED: tl.constexpr, up_offset,
 ):
     pdl_wait(USE_PDL)
     # Program = BLOCK_N output channels x BLOCK_M rows over K range [pid_k * K_SPLIT, +K_SPLIT). Both operands
@@ -231,36 +231,59 @@ def _swap_ab_kernel(
     # narrow B operand ("swap AB": the MMA's M of 64 is filled by channels, not by the 1-32 tokens).
     # acc[n, m] holds sum_k w[n, k] x[m, k]; the token scale (X_SCALED) multiplies here, the channel scale
     # (HAS_SCALE) and bias where the sum is final (here when SPLIT_K is 1, else in _split_k_reduce_kernel,
-    # partial sums added in split order: bitwise reproducible).
+    # partial sums added in split order: bitwise reproducible). GATED (SPLIT_K 1 only): the program also
+    # multiplies the up rows (up_offset rows below its gate rows) and writes silu(gate) * up, each rounded
+    # as the unfused GEMM + silu_and_mul round it.
     pid_k, offs_m, offs_n, offs_k, m_mask, n_mask, k_begin, k_end = _small_m_program(
         M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_begin + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
+    u_ptrs = w_ptrs + up_offset * stride_wn
     x_ptrs = xq_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_begin + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            w_mask = n_mask[:, None]
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
         else:
             k_mask = (k0 + offs_k) < k_end
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            w_mask = n_mask[:, None] & k_mask[None, :]
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
+        acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), tl.trans(x), acc)
+        if GATED:
+            acc_up = tl.dot(tl.load(u_ptrs, mask=w_mask, other=0.0), tl.trans(x), acc_up)
+            u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if X_SCALED:
-        acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+        x_scale = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
+        acc = acc * x_scale
+        if GATED:
+            acc_up = acc_up * x_scale
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K == 1:
-        if HAS_SCALE:
-            acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
-        if HAS_BIAS:
-            acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        acc = _channel_epilogue(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE, HAS_BIAS)
+        if GATED:
+            acc_up = _channel_epilogue(acc_up, offs_n + up_offset, n_mask, s_ptr, b_ptr, HAS_SCALE, HAS_BIAS)
+            out_ty = out_ptr.dtype.element_ty
+            gate = acc.to(out_ty).to(tl.float32)
+            silu = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)  # F.silu rounds before the multiply
+            acc = silu * acc_up.to(out_ty).to(tl.float32)
         out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         ws_ptrs = ws_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
         tl.store(ws_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _channel_epilogue(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # [BLOCK_N, BLOCK_M] fp32 sums -> times the channel scale, plus the bias (both per output channel n).
+    if HAS_SCALE:
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    return acc
 
 
 def w8a8_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
@@ -301,7 +324,8 @@ def fp8_w8a8_matmul_triton(
     xq, xs = quantize_per_token_triton(x) if x.is_cuda else _quantize_ref(x)
     sms = device_sms(x.device)
     return _launch_small_m(_swap_ab_kernel, (xq, xs), xq.stride(0), weight, weight_scale, bias, out,
-                           {**w8a8_tile(m, n, k, sms), **(tile or {})}, HAS_SCALE=True, X_SCALED=True)
+                           {**w8a8_tile(m, n, k, sms), **(tile or {})}, HAS_SCALE=True, X_SCALED=True, GATED=False,
+                           up_offset=0)
 
 
 def _quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,20 +348,27 @@ def skinny_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
 
 def skinny_matmul_triton(
     x: torch.Tensor,  # [M, K] bf16/fp16 (fp32 in the interpreter), unit inner stride
-    weight: torch.Tensor,  # [N, K] in x's dtype, row-major
+    weight: torch.Tensor,  # [N, K] in x's dtype, row-major (gated: gate rows then up rows)
     bias: torch.Tensor | None,  # [N]
     tile: dict[str, int] | None = None,  # overrides BLOCK_N / BLOCK_K / SPLIT_K / num_warps / num_stages
-) -> torch.Tensor:  # [M, N] in x's dtype
+    gated: bool = False,  # silu(gate) * up of a merged gate/up weight: [M, N / 2], K never split
+) -> torch.Tensor:  # [M, N] (or [M, N / 2] gated) in x's dtype
     """x W^T + b for a few dozen rows with the weight in the model dtype: the swap-AB tile GEMM (channels
     fill the MMA's M; the rows are its narrow N), the weight read once, split over K where N alone is too
-    narrow to fill the GPU."""
+    narrow to fill the GPU; gated, silu(gate) * up in the same pass."""
     m, k = x.shape
     n = weight.shape[0]
+    if gated and n % 2:
+        raise ValueError(f"a gated GEMM needs an even number of weight rows (gate then up), got {n}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    n_out = n // 2 if gated else n
+    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     sms = device_sms(x.device)
-    return _launch_small_m(_swap_ab_kernel, (x, x), x.stride(0), weight, None, bias, out,
-                           {**skinny_tile(m, n, k, sms), **(tile or {})}, HAS_SCALE=False, X_SCALED=False)
+    cfg = {**skinny_tile(m, n_out, k, sms), **(tile or {})}
+    if gated:
+        cfg["SPLIT_K"] = 1  # silu needs the whole sum
+    return _launch_small_m(_swap_ab_kernel, (x, x), x.stride(0), weight, None, bias, out, cfg,
+                           HAS_SCALE=False, X_SCALED=False, GATED=gated, up_offset=n_out)

@@ -30,10 +30,7 @@ class Linear(nn.Module):
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         if use_skinny(x, self.in_features):
-            from tandem.kernels.triton_quant import skinny_matmul_triton  # lazy: CPU runs never import Triton
-
-            out = skinny_matmul_triton(x.reshape(-1, self.in_features), self.weight, self.bias)
-            return out.view(*x.shape[:-1], out.shape[-1])
+            return self._skinny(x, gated=False)
         return F.linear(x, self.weight, self.bias)
 
     def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +38,15 @@ class Linear(nn.Module):
         decode batch sizes on CUDA, else the projection followed by silu_and_mul."""
         if use_gemv(x, self.in_features, self.weight_scale is not None):
             return self._gemv(x, gated=True)
+        if self.weight_scale is None and use_skinny(x, self.in_features):
+            return self._skinny(x, gated=True)
         return silu_and_mul(self(x))
+
+    def _skinny(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
+        from tandem.kernels.triton_quant import skinny_matmul_triton  # lazy: CPU runs never import Triton
+
+        out = skinny_matmul_triton(x.reshape(-1, self.in_features), self.weight, self.bias, gated=gated)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def _gemv(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
         from tandem.kernels.triton_gemv import gemv_triton  # lazy: CPU runs never import Triton

@@ -117,6 +117,9 @@ def test_linear_skinny_dispatch(monkeypatch):
         x = torch.randn(rows, 256).to(DEVICE, DTYPE)
         torch.testing.assert_close(lin(x).float(), F.linear(x.float(), lin.weight.float(), lin.bias.float()), **TOL)
     assert calls == [5, 17, 32]
+    x = torch.randn(9, 256).to(DEVICE, DTYPE)  # gate/up: silu(gate) * up from the same kernel
+    torch.testing.assert_close(lin.forward_silu_and_mul(x).float(), silu_and_mul(lin(x).float()), **TOL)
+    assert calls == [5, 17, 32, 9, 9]
     assert ops.use_skinny(torch.randn(2, 3, 256).to(DEVICE, DTYPE), 256)  # rows count across leading dims
     monkeypatch.setenv("TANDEM_SKINNY_MAX_ROWS", "0")
     assert not ops.use_skinny(torch.randn(8, 256).to(DEVICE, DTYPE), 256)

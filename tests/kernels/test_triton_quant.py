@@ -114,6 +114,12 @@ def test_skinny_matmul_matches_linear(m, n, k, bias, split_k):
     assert out.shape == (m, n) and out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, **tol)
     torch.testing.assert_close(skinny_matmul_triton(x, w, b).float(), ref, **tol)  # default tile
+    if n % 2 == 0:  # gated: silu(gate) * up of the two halves, K whole whatever the tile asks
+        gated = skinny_matmul_triton(x, w, b, tile, gated=True)
+        half = ref.to(dtype).float()
+        want = (F.silu(half[:, : n // 2]).to(dtype).float() * half[:, n // 2 :]).to(dtype)
+        assert gated.shape == (m, n // 2)
+        torch.testing.assert_close(gated.float(), want.float(), **tol)
     assert skinny_tile(32, 4096, 4096, 132)["SPLIT_K"] == 4  # 64 N tiles -> ~2 programs per SM
     assert skinny_tile(32, 28672, 4096, 132)["SPLIT_K"] == 1
 
@@ -129,7 +135,7 @@ names = _swap_ab_kernel.arg_names
 types = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16",
          "out_ptr": "*bf16", "ws_ptr": "*fp32"}
 cx = {"HAS_BIAS": False, "EVEN_K": True, "SPLIT_K": 1, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256, "USE_PDL": False,
-      "HAS_SCALE": True, "X_SCALED": True}
+      "HAS_SCALE": True, "X_SCALED": True, "GATED": False}
 src = ASTSource(fn=_swap_ab_kernel, signature={n: types.get(n, "constexpr" if n in cx else "i32") for n in names},
                 constexprs=cx, attrs={(names.index(a),): [["tt.divisibility", 16]] for a in ("xq_ptr", "w_ptr", "K", "K_SPLIT",
                                                                                                "stride_xm", "stride_wn")})
