@@ -204,12 +204,6 @@ def decode_block_n(head_dim: int, dtype: torch.dtype, programs: int = 0, num_sms
     return max(16, min(128, tile_bytes // (triton.next_power_of_2(head_dim) * dtype.itemsize)))
 
 
-def decode_order(seq_lens: torch.Tensor) -> torch.Tensor:
-    """The decode kernel's program order for one step: rows by context length, longest first ([B] int32;
-    one sort kernel per step, shared by every layer)."""
-    return torch.argsort(seq_lens, descending=True).to(torch.int32)
-
-
 def choose_num_splits(
     batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int,
     *, min_tiles_per_split: int = MIN_TILES_PER_SPLIT, programs_per_sm: int = PROGRAMS_PER_SM,
@@ -280,8 +274,8 @@ def paged_decode_attention(
 
     Graph-capturable: no host sync; num_splits comes from shapes and the static bound max_seq_len
     (default block_tables.shape[1] * block_size), never from seq_lens. `workspace` is an optional
-    preallocated fp32 buffer of at least decode_workspace_numel(...) elements. `order` (decode_order:
-    longest context first) only changes which programs start first, never a result.
+    preallocated fp32 buffer of at least decode_workspace_numel(...) elements. `order` (the runner's: longest
+    context first) only changes which programs start first, never a result.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, num_heads, head_dim], got {tuple(q.shape)}")
@@ -534,7 +528,7 @@ def paged_attention_triton(
         # to its prefill.
         block_n = decode_block_n(q.shape[2], k_cache.dtype, device_sms(q.device), device_sms(q.device))
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                               out[:nd], num_splits=1, block_n=block_n)
+                               out[:nd], num_splits=1, block_n=block_n, order=meta.decode_order)
         return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc[nd:], meta.seq_lens[nd:],
                                        meta.block_tables[nd:], meta.max_query_len, scale, out)
     return paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
@@ -547,6 +541,5 @@ __all__ = [
     "paged_attention_triton",
     "choose_num_splits",
     "decode_block_n",
-    "decode_order",
     "decode_workspace_numel",
 ]

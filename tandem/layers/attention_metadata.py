@@ -27,8 +27,8 @@ class AttentionMetadata:
     # Host int: how many leading sequences (rows 0..num_decodes-1, one token each) decode one token; num_seqs
     # in a decode-only step. A mixed step's attention runs them through the decode kernel.
     num_decodes: int = 0
-    # [num_seqs] int32, decode steps only: the rows longest context first, the order the decode kernel starts
-    # its programs in (load balance across waves); None: row order.
+    # [num_decodes] int32 (all rows in a decode step): the decode rows longest context first, the order the
+    # decode kernel starts its programs in (load balance across its waves); None: row order.
     decode_order: torch.Tensor | None = None
 
     @property

@@ -69,6 +69,8 @@ class StepBuffers:
                 "seq_lens": (max_num_seqs,),
                 "logits_indices": (max_num_seqs,),
                 "top_k": (max_num_seqs,),
+                # The decode kernel's program order: decode rows by context length, longest first.
+                "decode_order": (max_num_seqs,),
                 "block_tables": (max_num_seqs, max_blocks_per_seq),
             },
             torch.int32,
@@ -279,6 +281,11 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
         ints["top_k"][num_seqs:pad_to] = 0
         longs["seeds"][num_seqs:pad_to] = 0
         sample_pos[num_seqs:pad_to] = 0
+    # The decode kernel starts its programs longest context first (load balance over its waves): every row it
+    # runs, padding rows included, or a mixed step's leading one-token rows. A stable sort: ties keep row order.
+    order_rows = max(num_seqs, pad_to or 0) if decode_only else num_decodes
+    if order_rows:
+        ints["decode_order"][:order_rows] = np.argsort(-seq_lens[:order_rows], kind="stable")
     seq_used = seq_lens[:num_seqs]
     return StepShape(all_greedy, any_filter, num_logprobs, max_query_len, int(seq_used.max()) if num_seqs else 0,
                      int(seq_used.sum(dtype=np.int64)), num_decodes)

@@ -145,6 +145,8 @@ class ModelRunner:
         prefill on block 0 (never a request's) of layer 0."""
         from tandem.kernels import ops
 
+        if self.max_num_seqs < 2 or self.max_num_tokens < 3:
+            return  # no step can hold a decode and a prefill
         mc = self.model_config
         heads, kv_heads, dim = mc.num_heads // self.parallel.size, self.num_kv_heads, mc.head_dim
         ints = self.buffers[0].ints.dev
@@ -228,17 +230,15 @@ class ModelRunner:
     def _meta(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int,
               max_seq_len: int, num_decodes: int = 0) -> AttentionMetadata:
         ints, longs = self.buffers[slot].ints.dev, self.buffers[slot].longs.dev
-        seq_lens = ints["seq_lens"][:num_seqs]
+        # More decode programs than one wave: they start longest context first (write_step's order).
+        decodes = num_seqs if max_query_len == 1 else num_decodes
         order = None
-        if max_query_len == 1 and self.device.type == "cuda" and num_seqs * self.num_kv_heads > self._num_sms:
-            # More decode programs than one wave: start the longest contexts first (one sort per step).
-            from tandem.kernels.triton_attention import decode_order
-
-            order = decode_order(seq_lens)
+        if self.device.type == "cuda" and decodes * self.num_kv_heads > self._num_sms:
+            order = ints["decode_order"][:decodes]
         return AttentionMetadata(
             slot_mapping=longs["slot_mapping"][:num_tokens],
             query_start_loc=ints["query_start_loc"][: num_seqs + 1],
-            seq_lens=seq_lens,
+            seq_lens=ints["seq_lens"][:num_seqs],
             block_tables=ints["block_tables"][:num_seqs],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,

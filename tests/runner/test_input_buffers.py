@@ -119,6 +119,12 @@ class CheckingGPU(FakeGPU):
             lens = [s.num_scheduled_tokens for s in out.scheduled]
             assert shape.num_decodes == next((i for i, n in enumerate(lens) if n != 1), num_seqs)
             self.mixed_with_decodes += 0 < shape.num_decodes < num_seqs
+            # The decode kernel's program order: its rows (padding included), longest context first.
+            rows_run = max(num_seqs, pad_to or 0) if decode_only else shape.num_decodes
+            order = got.ints.np["decode_order"][:rows_run].tolist()
+            lens = got.ints.np["seq_lens"][:rows_run].tolist()
+            assert sorted(order) == list(range(rows_run))
+            assert [lens[i] for i in order] == sorted(lens, reverse=True)
             assert rows == {s.request.request_id: i for i, s in enumerate(out.scheduled)}
             params = [s.request.sampling_params for s in out.scheduled]  # write_step caches these per slot
             assert shape.all_greedy == all(sp.temperature == 0.0 for sp in params)
