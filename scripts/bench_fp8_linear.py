@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import cuda_setup, graph_us, l2_bytes  # noqa: E402  (graph_us: CUDA graphs over weight copies that overflow L2)
+from bench_gemv import bf16_weight_copies, cuda_setup, graph_us, l2_bytes  # noqa: E402  (graph_us: CUDA graphs over weight copies that overflow L2)
 
 from tandem.kernels.triton_quant import (  # noqa: E402
     fp8_matmul_tile,
@@ -66,9 +66,8 @@ def main() -> None:
     rows_out = []
     for model in args.models.split(","):
         for name, n, k in SHAPES[model]:
-            gen = torch.Generator(device=device).manual_seed(0)
-            copies = max(2, -(-4 * l2 // (n * k * 2)))  # enough bf16 copies to overflow L2 (fp8: half as many bytes)
-            bf16 = [(torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16) for _ in range(copies)]
+            gen = torch.Generator(device=device).manual_seed(1)
+            bf16 = bf16_weight_copies(n, k, l2, device)  # overflows L2 (the FP8 copies: half as many bytes)
             fp8 = [quantize_weight_fp8(w) for w in bf16]
             for m in [int(v) for v in args.rows.split(",")]:
                 x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)

@@ -78,6 +78,14 @@ def sweep_grid(weight_bytes: int, gated: bool, rows: int) -> list[dict]:
     return grid
 
 
+def bf16_weight_copies(n: int, k: int, l2: int, device, seed: int = 0) -> list[torch.Tensor]:
+    """Enough copies of a random bf16 [n, k] weight (>= 2, >= 4x the L2 in all) that a graph calling a kernel
+    on each in turn streams every one from HBM."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    copies = max(2, -(-4 * l2 // (n * k * 2)))
+    return [(torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16) for _ in range(copies)]
+
+
 def make_weights(n: int, k: int, dtype: str, copies: int, device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     gen = torch.Generator(device=device).manual_seed(n + k)
     out = []

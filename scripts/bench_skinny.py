@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import cuda_setup, graph_us, l2_bytes  # noqa: E402
+from bench_gemv import bf16_weight_copies, cuda_setup, graph_us, l2_bytes  # noqa: E402
 
 from tandem.kernels.triton_quant import skinny_matmul_triton, skinny_tile  # noqa: E402
 
@@ -49,12 +49,9 @@ def main() -> None:
     rows_out = []
     for model in args.models.split(","):
         for name, n, k in SHAPES[model]:
-            gen = torch.Generator(device=device).manual_seed(0)
-            copies = max(2, -(-4 * l2 // (n * k * 2)))
-            weights = [(torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
-                       for _ in range(copies)]
+            weights = bf16_weight_copies(n, k, l2, device)
             for m in [int(v) for v in args.rows.split(",")]:
-                x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+                x = torch.randn(m, k, device=device).to(torch.bfloat16)
                 t = {"cublas": graph_us([lambda w=w: F.linear(x, w) for w in weights]),
                      "triton": graph_us([lambda w=w: skinny_matmul_triton(x, w, None) for w in weights])}
                 frac = {p: 2 * n * k / (us * 1e-6) / 1e9 / copy_gbs for p, us in t.items()}

@@ -277,29 +277,21 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         r.update(token_agreement(r["_outputs"], main["_outputs"]))
         r["weight_bytes"] = model_cost(llm.engine.runner.model, llm.engine.model_config).weight_bytes
         peer_results["tandem bf16"] = r
-    if "nopdl" in peers and device.startswith("cuda"):
-        # The same engine with every Triton kernel launched without programmatic dependent launch, fresh
-        # (graphs are captured with whatever launch mode was on at capture).
+    # Kernel-path ablations: the same workload in a fresh engine with one path switched off through its
+    # environment switch (read when graphs are captured, so the switch must be set before the engine exists).
+    for peer, label, env in (("nopdl", "tandem without PDL", {"TANDEM_PDL": "0"}),
+                             ("nogemv", "tandem without GEMV", {"TANDEM_GEMV_MAX_ROWS": "0"})):
+        if peer not in peers or not device.startswith("cuda"):
+            continue
         if llm is not None:
             llm.shutdown()
         llm = None
         gc.collect()
         torch.cuda.empty_cache()
-        with environment({"TANDEM_PDL": "0"}):
+        with environment(env):
             r = run_fresh_tandem(llm_kwargs, requests, warm)
         r.update(token_agreement(r["_outputs"], main["_outputs"]))
-        peer_results["tandem without PDL"] = r
-    if "nogemv" in peers and device.startswith("cuda"):
-        # The same engine with every linear on cuBLAS / the FP8 tile GEMM (no decode GEMV kernel), fresh.
-        if llm is not None:
-            llm.shutdown()
-        llm = None
-        gc.collect()
-        torch.cuda.empty_cache()
-        with environment({"TANDEM_GEMV_MAX_ROWS": "0"}):
-            r = run_fresh_tandem(llm_kwargs, requests, warm)
-        r.update(token_agreement(r["_outputs"], main["_outputs"]))
-        peer_results["tandem without GEMV"] = r
+        peer_results[label] = r
     _add_peers(result, main, peer_results)
     if llm is not None:
         llm.shutdown()
