@@ -523,9 +523,10 @@ def paged_attention_triton(
         # query_start_loc (absolute token offsets), so both write disjoint rows of one output.
         if out is None:
             out = torch.zeros_like(q)
-        # One split and the tiles of a full wave: the variant the largest decode graphs use, compiled once
-        # (warm_mixed_attention), whatever the decode count and context lengths; a mixed step's time goes
-        # to its prefill.
+        # One split and the tiles of a full wave, whatever the decode count and context lengths (a mixed
+        # step's time goes to its prefill): the variant the largest decode graphs use when the decodes
+        # exceed a wave (with meta.decode_order), and the one ModelRunner._warm_mixed_attention compiles
+        # for fewer; so no mixed step compiles a kernel.
         block_n = decode_block_n(q.shape[2], k_cache.dtype, device_sms(q.device), device_sms(q.device))
         paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
                                out[:nd], num_splits=1, block_n=block_n, order=meta.decode_order)
