@@ -40,6 +40,13 @@ class EngineStats:
     num_preemptions: int
 
 
+def all_plain_ints(ids: list[object]) -> bool:
+    """Whether every element is exactly an int (no bool, float or int subclass), at C speed: a 1k-token prompt
+    in ~20 us, where a per-element isinstance loop takes ~10x that. Callers fall back to their own loop for
+    the other cases, to accept int subclasses or to name the offending element."""
+    return set(map(type, ids)) == {int}
+
+
 def check_new_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       in_use: Container[str], vocab_size: int, max_model_len: int) -> None:
     """ValueError, naming what is wrong, for a request no engine could take (the rules of add_request)."""
@@ -51,9 +58,7 @@ def check_new_request(request_id: str, prompt_token_ids: list[int], params: Samp
         raise ValueError(f"request_id {request_id!r} is already in use")
     if not prompt_token_ids:
         raise ValueError("the prompt is empty: give at least one token")
-    # The common case in C-speed passes (a 1k-token prompt in ~20 us); the per-token loop only to name the
-    # offending id (or to accept int subclasses other than bool).
-    if set(map(type, prompt_token_ids)) != {int} or min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+    if not all_plain_ints(prompt_token_ids) or min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
         for t in prompt_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
                 raise ValueError(f"prompt token id {t!r} is not an integer in [0, {vocab_size})")

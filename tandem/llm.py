@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from tandem.config import EngineConfig, relaxed_gc
 from tandem.detokenizer import IncrementalDetokenizer
-from tandem.engine import EngineCore, EngineOutput
+from tandem.engine import EngineCore, EngineOutput, all_plain_ints
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
@@ -92,8 +92,7 @@ class LLM:
             if not prompt:
                 raise ValueError("the prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
-        # set(map(type, ...)): a 1k-token prompt checked at C speed; the generator only for int subclasses.
-        if isinstance(prompt, list) and (set(map(type, prompt)) == {int} or all(
+        if isinstance(prompt, list) and (all_plain_ints(prompt) or all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             if not prompt:
                 raise ValueError("the prompt is empty: give at least one token")

@@ -75,8 +75,11 @@ class ModelRunner:
         self.model.eval()
         mc: ModelConfig = self.model_config
         self.num_kv_heads = local_kv_heads(mc, self.parallel)  # this rank's share of the KV heads
-        self._num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                         if self.device.type == "cuda" else 0)
+        self._num_sms = 0  # the SMs one decode wave fills (CUDA only: the decode program order)
+        if self.device.type == "cuda":
+            from tandem.kernels.triton_attention import device_sms  # lazy: CPU runs never import Triton
+
+            self._num_sms = device_sms(self.device)
         self.max_model_len = config.max_model_len or min(model_max_len(mc), 8192)
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
@@ -231,10 +234,9 @@ class ModelRunner:
               max_seq_len: int, num_decodes: int = 0) -> AttentionMetadata:
         ints, longs = self.buffers[slot].ints.dev, self.buffers[slot].longs.dev
         # More decode programs than one wave: they start longest context first (write_step's order).
-        decodes = num_seqs if max_query_len == 1 else num_decodes
         order = None
-        if self.device.type == "cuda" and decodes * self.num_kv_heads > self._num_sms:
-            order = ints["decode_order"][:decodes]
+        if self.device.type == "cuda" and num_decodes * self.num_kv_heads > self._num_sms:
+            order = ints["decode_order"][:num_decodes]
         return AttentionMetadata(
             slot_mapping=longs["slot_mapping"][:num_tokens],
             query_start_loc=ints["query_start_loc"][: num_seqs + 1],
@@ -279,7 +281,7 @@ class ModelRunner:
     def _decode_step_fn(self, slot: int, batch_size: int) -> torch.Tensor:
         # The lm_head GEMM writes straight into the static logits rows the sampling graphs read.
         return self._forward(slot, batch_size, batch_size, 1, self.max_model_len, all_rows=True,
-                             logits_out=self._graph_logits[:batch_size])
+                             logits_out=self._graph_logits[:batch_size], num_decodes=batch_size)
 
     def _decode_sample_fn(self, slot: int, batch_size: int, variant: SamplerVariant) -> None:
         # All batch_size rows are sampled (padding rows too: their outputs are never downloaded or carried).
