@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,10 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gemv import bf16_weight_copies, cuda_setup, graph_us, l2_bytes  # noqa: E402  (graph_us: CUDA graphs over weight copies that overflow L2)
 
+from tandem.kernels.triton_gemv import gemv_triton  # noqa: E402
 from tandem.kernels.triton_quant import (  # noqa: E402
     fp8_matmul_tile,
+    fp8_w8a8_matmul_quantized,
     fp8_w8a8_matmul_triton,
     fp8_weight_matmul_triton,
+    quantize_per_token_triton,
+    skinny_matmul_triton,
     w8a8_tile,
 )
 from tandem.layers.quantization import quantize_activation_per_token, quantize_weight_fp8  # noqa: E402
@@ -44,7 +49,9 @@ SHAPES = {
 }
 ROWS = [1, 8, 16, 32, 64, 128]
 SWEEP_ROWS = (16, 32)
-PATHS = ("bf16", "triton", "w8a8", "scaled_mm")
+PATHS = ("bf16", "gemv", "triton", "w8a16_cast", "w8a16_int", "w8a16_f16", "w8a8", "w8a8_gemm", "quant", "scaled_mm")
+# The W8A16 swap-AB GEMM's ways of widening FP8 weight tiles (triton_quant._widen's modes).
+WIDEN_MODES = {"w8a16_cast": 1, "w8a16_int": 2, "w8a16_f16": 3}
 
 
 def scaled_mm_path(x, q, scale):  # what fp8_linear runs above W8A8_MAX_M
@@ -59,10 +66,15 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M to time")
     parser.add_argument("--sweep-rows", default=",".join(map(str, SWEEP_ROWS)), help="row counts M to sweep")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {PATHS} (bf16 always runs)")
     args = parser.parse_args()
     device, props, copy_gbs = cuda_setup()
     sms, l2 = props.multi_processor_count, l2_bytes(props)
     sweep_rows = [int(v) for v in args.sweep_rows.split(",")]
+    paths = ["bf16"] + [p for p in args.paths.split(",") if p and p != "bf16"]
+    unknown = sorted(set(paths) - set(PATHS))
+    if unknown:
+        raise SystemExit(f"unknown paths {unknown}; known: {PATHS}")
     rows_out = []
     for model in args.models.split(","):
         for name, n, k in SHAPES[model]:
@@ -71,16 +83,34 @@ def main() -> None:
             fp8 = [quantize_weight_fp8(w) for w in bf16]
             for m in [int(v) for v in args.rows.split(",")]:
                 x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
+                xq = quantize_per_token_triton(x)
                 calls = {
                     "bf16": [lambda w=w: F.linear(x, w) for w in bf16],
+                    "gemv": [lambda q=q, s=s: gemv_triton(x, q, s) for q, s in fp8],
                     "triton": [lambda q=q, s=s: fp8_weight_matmul_triton(x, q, s, None) for q, s in fp8],
+                    **{p: [lambda q=q, s=s: skinny_matmul_triton(x, q, None, weight_scale=s) for q, s in fp8]
+                       for p in WIDEN_MODES},
                     "w8a8": [lambda q=q, s=s: fp8_w8a8_matmul_triton(x, q, s, None) for q, s in fp8],
+                    # The GEMM alone on rows quantized beforehand: what a producer kernel that writes e4m3
+                    # rows and their scales would leave to it; "quant" is the quantization kernel alone.
+                    "w8a8_gemm": [lambda q=q, s=s: fp8_w8a8_matmul_quantized(*xq, q, s, None, x.dtype) for q, s in fp8],
+                    "quant": [lambda: quantize_per_token_triton(x)],
                     "scaled_mm": [lambda q=q, s=s: scaled_mm_path(x, q, s) for q, s in fp8],
                 }
-                t = {p: graph_us(calls[p]) for p in PATHS}
-                frac = {p: (2 if p == "bf16" else 1) * n * k / (t[p] * 1e-6) / 1e9 / copy_gbs for p in PATHS}
+                t = {}
+                for p in paths:
+                    if p == "gemv" and m > 4:
+                        continue
+                    os.environ["TANDEM_W8A16_WIDEN"] = str(WIDEN_MODES.get(p, 1))
+                    try:
+                        t[p] = graph_us(calls[p])
+                    except Exception as e:  # noqa: BLE001  a variant that does not compile here
+                        print(f"  {p} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                os.environ.pop("TANDEM_W8A16_WIDEN", None)
+                frac = {p: (2 if p == "bf16" else 1) * n * k / (t[p] * 1e-6) / 1e9 / copy_gbs for p in t}
+                frac["quant"] = m * k * 3 / (t["quant"] * 1e-6) / 1e9 / copy_gbs if "quant" in t else None
                 row = {"model": model, "proj": name, "N": n, "K": k, "M": m, "us": t, "copy_fraction": frac,
-                       "speedup_vs_bf16": {p: t["bf16"] / t[p] for p in PATHS if p != "bf16"},
+                       "speedup_vs_bf16": {p: t["bf16"] / t[p] for p in t if p not in ("bf16", "quant")},
                        "default_tile": {"triton": fp8_matmul_tile(m, n, k, sms), "w8a8": w8a8_tile(m, n, k, sms)}}
                 if args.sweep and m in sweep_rows:
                     row["sweep"] = {"w8a8": sweep(fp8, x, n, k, fp8_w8a8_matmul_triton, copy_gbs,
@@ -89,7 +119,7 @@ def main() -> None:
                 rows_out.append(row)
                 best = "  best " + json.dumps(row["best_tile"]) if "best_tile" in row else ""
                 print(f"{model:<11} {name:<8} M={m:<4} " + "  ".join(
-                    f"{p} {t[p]:7.1f} us ({frac[p]:.2f})" for p in PATHS) + best, flush=True)
+                    f"{p} {t[p]:7.1f} us ({frac[p]:.2f})" for p in t) + best, flush=True)
             del bf16, fp8
             torch.cuda.empty_cache()
     if args.out:

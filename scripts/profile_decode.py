@@ -1,6 +1,6 @@
 """Per-kernel profile of one decode step (forward graph + sampling graph replay) for named random-weight shapes.
 
-    python scripts/profile_decode.py --out out/profile [--workloads bs1,seed-async,nano] [--context 512]
+    python scripts/profile_decode.py --out out/profile [--workloads bs1,seed-async,nano] [--context 512] [--quantization fp8]
 
 For each workload the engine is built with random weights of the named shape (load_format=dummy), every row
 gets a prompt of --context tokens and decodes a few steps in sync mode; then the last decode step's slot is
@@ -42,12 +42,12 @@ DECODE_STEPS = 4
 REPLAYS = 10
 
 
-def build(shape: str, batch: int, context: int) -> LLM:
+def build(shape: str, batch: int, context: int, quantization: str | None = None) -> LLM:
     max_model_len = context + 64
     blocks_per_seq = -(-max_model_len // 16)
     return LLM(model=shape, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=max_model_len,
                max_num_seqs=batch, max_num_batched_tokens=max(8192, context), num_kv_blocks=batch * blocks_per_seq + 8,
-               overlap=False, seed=0)
+               overlap=False, seed=0, quantization=quantization)
 
 
 def decode_a_few_steps(llm: LLM, batch: int, context: int, greedy: bool) -> None:
@@ -87,10 +87,10 @@ def profile_kernels(fn) -> dict[str, list[float]]:  # type: ignore[no-untyped-de
     return per_kernel
 
 
-def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool) -> dict:
+def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool, quantization: str | None) -> dict:
     shape, batch = WORKLOADS[name]
     t0 = time.perf_counter()
-    llm = build(shape, batch, context)
+    llm = build(shape, batch, context, quantization)
     engine, runner = llm.engine, llm.engine.runner
     graphs = runner.graphs
     if graphs is None:
@@ -155,7 +155,8 @@ def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool) ->
     weight_floor_us = cost.weight_bytes / (copy_gbps * 1e9) * 1e6
     kv_floor_us = (cost.weight_bytes + kv_bytes) / (copy_gbps * 1e9) * 1e6
     result = {
-        "workload": name, "shape": shape, "batch": batch, "graph_batch_size": graph_bs, "context": context,
+        "workload": name, "shape": shape, "quantization": quantization, "batch": batch, "graph_batch_size": graph_bs,
+        "context": context,
         "sampler_variant": variant._asdict(), "profiled": mode, "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "build_s": round(build_s, 1),
         "step_us": step_us, "kernel_sum_us": total_us, "copy_gbps": copy_gbps,
@@ -172,7 +173,8 @@ def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool) ->
 
 def markdown(res: dict) -> str:
     lines = [
-        f"### {res['workload']}: {res['shape']} at batch {res['batch']}, context {res['context']} ({res['device']})",
+        f"### {res['workload']}: {res['shape']}{' ' + res['quantization'] if res.get('quantization') else ''} at batch "
+        f"{res['batch']}, context {res['context']} ({res['device']})",
         "",
         f"step {res['step_us']:.1f} us (kernels sum {res['kernel_sum_us']:.1f} us); weight floor "
         f"{res['weight_floor_us']:.1f} us, weight + KV floor {res['weight_kv_floor_us']:.1f} us "
@@ -195,6 +197,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="bs1,seed-async,nano", help=f"comma list of {sorted(WORKLOADS)}")
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per row")
     parser.add_argument("--sampling", choices=("greedy", "top-p"), default="greedy")
+    parser.add_argument("--quantization", choices=("fp8",), default=None, help="FP8 weights (weight floor in FP8 bytes)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py needs a CUDA GPU")
@@ -212,7 +215,7 @@ def main() -> None:
     summary = []
     for name in names:
         t0 = time.perf_counter()
-        res = profile_workload(name, args.context, copy_gbps, args.sampling == "greedy")
+        res = profile_workload(name, args.context, copy_gbps, args.sampling == "greedy", args.quantization)
         (out / f"profile_{name}.json").write_text(json.dumps(res, indent=2))
         md = markdown(res)
         (out / f"profile_{name}.md").write_text(md)

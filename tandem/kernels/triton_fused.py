@@ -7,6 +7,8 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
+from tandem.kernels.triton_quant import store_quantized_row
+from tandem.layers.quantization import FP8_DTYPE, FP8_MAX, MIN_AMAX, QuantizedRows
 
 # Math is fp32; values are rounded to the storage dtype exactly where the eager PyTorch layers round
 # (norm before the weight multiply, each rotary product), so GPU results track the eager path and HF.
@@ -27,9 +29,12 @@ def _rms_norm_kernel(
     inner, dim, eps,
     stride_xa, stride_xb, stride_ra, stride_rb,
     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    QUANT_OUT: tl.constexpr, scale_ptr, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr,
 ):
     # Program = one row (token, or token x head for per-head norms); rows are addressed as x[a, b, :]
     # with a = row // inner, b = row % inner, so row-strided views (slices of a fused qkv) need no copy.
+    # QUANT_OUT: the output row, rounded to x's dtype, is written quantized per token (e4m3 at out_ptr, its
+    # scale at scale_ptr) exactly as quantize_per_token_triton would quantize it, for an FP8 linear.
     row = tl.program_id(0).to(tl.int64)
     a = row // inner
     b = row % inner
@@ -47,7 +52,11 @@ def _rms_norm_kernel(
         s = summed.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(s * s, axis=0) / dim + eps)
     normed = (s * rstd).to(x.dtype).to(tl.float32)  # F.rms_norm(x.float()).to(x.dtype)
-    tl.store(out_ptr + row * dim + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT_OUT:
+        y = (normed * w).to(x.dtype).to(tl.float32)
+        store_quantized_row(y, offs, mask, out_ptr + row * dim, scale_ptr + row, FP8_MAX_C, MIN_AMAX_C)
+    else:
+        tl.store(out_ptr + row * dim + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_rows3(x: torch.Tensor) -> torch.Tensor:
@@ -63,16 +72,22 @@ def _as_rows3(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
 
-def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+              fp8_out: bool = False):
     dim = x.shape[-1]
     if weight.shape != (dim,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match the normalized dim {dim}")
     if dim > MAX_NORM_DIM:
         raise ValueError(f"rms_norm_triton supports a last dim up to {MAX_NORM_DIM}, got {dim}")
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if fp8_out and (x.dim() != 2 or weight.dtype != x.dtype):
+        raise ValueError(f"fp8_out takes [tokens, dim] rows with a weight in their dtype, got {tuple(x.shape)} "
+                         f"{x.dtype} and a {weight.dtype} weight")
+    out = torch.empty(x.shape, dtype=FP8_DTYPE if fp8_out else torch.promote_types(weight.dtype, x.dtype),
+                      device=x.device)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device) if fp8_out else None
     new_res = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     if x.numel() == 0:
-        return out, new_res
+        return (QuantizedRows(out, scale, x.dtype) if fp8_out else out), new_res
     x3 = _as_rows3(x)
     r3 = _as_rows3(residual) if residual is not None else x3
     if r3.shape != x3.shape or r3.dtype != x3.dtype:
@@ -84,21 +99,25 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
         x3, r3, weight.contiguous(), out, new_res if new_res is not None else out,
         x3.shape[1], dim, float(eps),
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-        HAS_RESIDUAL=residual is not None, BLOCK_D=block, USE_PDL=pdl, num_warps=_num_warps(block), launch_pdl=pdl,
+        HAS_RESIDUAL=residual is not None, BLOCK_D=block, USE_PDL=pdl,
+        QUANT_OUT=fp8_out, scale_ptr=scale if fp8_out else out, FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX,
+        num_warps=_num_warps(block), launch_pdl=pdl,
     )
-    return out, new_res
+    return (QuantizedRows(out, scale, x.dtype) if fp8_out else out), new_res
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over x's last dim (any leading shape; row-strided views read in place); contiguous output."""
-    return _rms_norm(x, None, weight, eps)[0]
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: bool = False):
+    """RMSNorm over x's last dim (any leading shape; row-strided views read in place); contiguous output.
+    fp8_out ([tokens, dim] x): the output quantized per token for an FP8 linear, as QuantizedRows."""
+    return _rms_norm(x, None, weight, eps, fp8_out)[0]
 
 
 def fused_add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual) * weight, x + residual) in one pass; neither input is written."""
-    return _rms_norm(x, residual, weight, eps)
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: bool = False
+) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+    """(norm(x + residual) * weight, x + residual) in one pass; neither input is written. fp8_out: the first
+    quantized per token (QuantizedRows), as rms_norm_triton's."""
+    return _rms_norm(x, residual, weight, eps, fp8_out)
 
 
 # ----------------------------------------------------------------------------- rotary

@@ -17,30 +17,50 @@ MAX_QUANT_DIM = 65536  # one program holds a whole row in registers
 
 
 @triton.jit
+def store_quantized_row(x, offs, mask, q_row_ptr, scale_ptr, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr):
+    # One token's fp32 values (masked lanes 0) -> e4m3 at q_row_ptr + offs and the scale at scale_ptr, with
+    # quantize_activation_per_token_ref's math: fp32 amax, scale = amax / 448, IEEE-rounded division (div_rn:
+    # Triton's `/` is approximate), clamp, round-to-nearest-even e4m3 cast. Shared by the kernels that write
+    # quantized activations (this file's quantizer, RMSNorm's QUANT_OUT).
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX_C)
+    scale = tl.math.div_rn(amax, FP8_MAX_C)
+    q = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
+    q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
+    tl.store(q_row_ptr + offs, q.to(q_row_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr, scale)
+
+
+@triton.jit
 def _quant_per_token_kernel(
     x_ptr, q_ptr, scale_ptr, dim, stride_x,
     FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
-    # Program = one token. Same math as quantize_activation_per_token_ref: fp32 amax, scale = amax / 448,
-    # IEEE-rounded division (div_rn: Triton's `/` is approximate), clamp, round-to-nearest-even e4m3 cast.
+    # Program = one token. SILU_AND_MUL: the row holds gate then up (2 * dim values) and the quantized values
+    # are silu(gate) * up, rounded as silu_and_mul rounds them (the silu, then the product, in x's dtype).
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < dim
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX_C)
-    scale = tl.math.div_rn(amax, FP8_MAX_C)
-    q = tl.math.div_rn(x, tl.broadcast_to(scale, [BLOCK_D]))
-    q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
-    tl.store(q_ptr + row * dim + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if SILU_AND_MUL:
+        up = tl.load(x_ptr + row * stride_x + dim + offs, mask=mask, other=0.0)
+        g = x.to(tl.float32)
+        silu = (g * tl.sigmoid(g)).to(x.dtype).to(tl.float32)
+        x = (silu * up.to(tl.float32)).to(x.dtype)
+    store_quantized_row(x.to(tl.float32), offs, mask, q_ptr + row * dim, scale_ptr + row, FP8_MAX_C, MIN_AMAX_C)
 
 
-def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, k] (unit inner stride; rows may be strided) -> (e4m3 [n, k] contiguous, fp32 scale [n, 1])."""
+def quantize_per_token_triton(x: torch.Tensor, silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, k] (unit inner stride; rows may be strided) -> (e4m3 [n, k] contiguous, fp32 scale [n, 1]);
+    silu_and_mul: x is [n, 2 * k] (gate then up) and the rows quantized are silu(gate) * up."""
     if x.dim() != 2:
         raise ValueError(f"quantize_per_token_triton takes [n, k], got shape {tuple(x.shape)}")
     n, dim = x.shape
+    if silu_and_mul:
+        if dim % 2:
+            raise ValueError(f"silu_and_mul needs an even last dim, got {dim}")
+        dim //= 2
     if dim > MAX_QUANT_DIM:
         raise ValueError(f"quantize_per_token_triton supports rows up to {MAX_QUANT_DIM}, got {dim}")
     if x.stride(1) != 1:
@@ -53,7 +73,7 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     pdl = use_pdl(x.device)
     _quant_per_token_kernel[(n,)](
         x, q, scale, dim, x.stride(0),
-        FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, BLOCK_D=block, USE_PDL=pdl,
+        FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, BLOCK_D=block, USE_PDL=pdl, SILU_AND_MUL=silu_and_mul,
         num_warps=min(max(block // 512, 1), 16), launch_pdl=pdl,
     )
     return q, scale
@@ -222,12 +242,13 @@ def _swap_ab_kernel(
     M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    HAS_SCALE: tl.constexpr, X_SCALED: tl.constexpr, GATED: tl.constexpr, up_offset,
+    HAS_SCALE: tl.constexpr, X_SCALED: tl.constexpr, GATED: tl.constexpr, up_offset, WIDEN_W: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
-    # Program = BLOCK_N output channels x BLOCK_M rows over K range [pid_k * K_SPLIT, +K_SPLIT). Both operands
-    # go to the tensor cores as they are loaded (no widening in registers): e4m3 x e4m3 for W8A8, or both in
-    # the model dtype. The weight tile [BLOCK_N, BLOCK_K] is the MMA's A operand and the few token rows its
+    # Program = BLOCK_N output channels x BLOCK_M rows over K range [pid_k * K_SPLIT, +K_SPLIT). The operands
+    # go to the tensor cores as they are loaded: e4m3 x e4m3 for W8A8, or both in the model dtype; WIDEN_W
+    # (W8A16) widens an e4m3 weight tile to x's dtype in registers first (exact; see _widen) and x stays
+    # unquantized. The weight tile [BLOCK_N, BLOCK_K] is the MMA's A operand and the few token rows its
     # narrow B operand ("swap AB": the MMA's M of 64 is filled by channels, not by the 1-32 tokens).
     # acc[n, m] holds sum_k w[n, k] x[m, k]; the token scale (X_SCALED) multiplies here, the channel scale
     # (HAS_SCALE) and bias where the sum is final (here when SPLIT_K is 1, else in _split_k_reduce_kernel,
@@ -249,9 +270,13 @@ def _swap_ab_kernel(
             k_mask = (k0 + offs_k) < k_end
             w_mask = n_mask[:, None] & k_mask[None, :]
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), tl.trans(x), acc)
+        if WIDEN_W == 3:
+            x = x.to(tl.float16)
+        w = _widen(tl.load(w_ptrs, mask=w_mask, other=0.0), x.dtype, WIDEN_W)
+        acc = tl.dot(w, tl.trans(x), acc)
         if GATED:
-            acc_up = tl.dot(tl.load(u_ptrs, mask=w_mask, other=0.0), tl.trans(x), acc_up)
+            u = _widen(tl.load(u_ptrs, mask=w_mask, other=0.0), x.dtype, WIDEN_W)
+            acc_up = tl.dot(u, tl.trans(x), acc_up)
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -274,6 +299,44 @@ def _swap_ab_kernel(
     else:
         ws_ptrs = ws_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
         tl.store(ws_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _widen(w, dtype, MODE: tl.constexpr):
+    # An e4m3 weight tile for a dot with `dtype` operands. MODE 0: as it is (FP8 or 16-bit); 1: Triton's
+    # conversion; 2: to bf16 with integer ops, see _e4m3_to_bf16; 3: to f16 (Triton's conversion).
+    if MODE == 1:
+        w = w.to(dtype)
+    elif MODE == 2:
+        w = _e4m3_to_bf16(w)
+    elif MODE == 3:
+        w = w.to(tl.float16)
+    return w
+
+
+@triton.jit
+def _e4m3_to_bf16(w):
+    # e4m3 -> bf16, exact, four values per 32-bit word without the conversion unit: for each byte
+    # s eeee mmm, the bf16 bits s 0000eeee mmm0000 (byte-wise masks and shifts, then two byte permutes)
+    # hold value * 2^-120 (bias 127 against 7; e4m3 subnormals become bf16 subnormals, exactly), and one
+    # bf16x2 multiply by 2^120 (0x7B80) per pair restores it. Triton's own cast goes through f16 with three
+    # conversions per pair, which at one decode row costs about what the memory delivers. Not for NaN codes
+    # (quantized weights never hold them). Needs sm_90 (mul.bf16x2).
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 lo, hi, t, k;
+        and.b32 lo, $2, 0x0F0F0F0F;
+        shl.b32 lo, lo, 4;
+        shr.b32 t, $2, 4;
+        and.b32 t, t, 0x07070707;
+        lop3.b32 hi, $2, t, 0x80808080, 0xEC;
+        prmt.b32 $0, lo, hi, 0x5140;
+        prmt.b32 $1, lo, hi, 0x7362;
+        mov.b32 k, 0x7B807B80;
+        mul.rn.bf16x2 $0, $0, k;
+        mul.rn.bf16x2 $1, $1, k;
+        }""",
+        constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -316,16 +379,32 @@ def fp8_w8a8_matmul_triton(
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """x (W * scale)^T + b for up to a few dozen rows with x quantized per token (as _scaled_mm's path does):
     FP8 x FP8 on the tensor cores, the weight read once, split over K where N alone is too narrow."""
-    m, k = x.shape
+    if x.shape[0] == 0:
+        return torch.empty(0, weight.shape[0], dtype=x.dtype, device=x.device)
+    xq, xs = quantize_per_token_triton(x) if x.is_cuda else _quantize_ref(x)
+    return fp8_w8a8_matmul_quantized(xq, xs, weight, weight_scale, bias, x.dtype, tile)
+
+
+def fp8_w8a8_matmul_quantized(
+    xq: torch.Tensor,  # [M, K] float8_e4m3fn, unit inner stride
+    x_scale: torch.Tensor,  # [M, 1] fp32
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn row-major
+    weight_scale: torch.Tensor,  # [N, 1] fp32
+    bias: torch.Tensor | None,  # [N]
+    out_dtype: torch.dtype,
+    tile: dict[str, int] | None = None,
+) -> torch.Tensor:  # [M, N] in out_dtype
+    """The W8A8 swap-AB GEMM on rows already quantized per token (by quantize_per_token_triton or by the
+    kernel that produced them)."""
+    m, k = xq.shape
     n = weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
-    xq, xs = quantize_per_token_triton(x) if x.is_cuda else _quantize_ref(x)
-    sms = device_sms(x.device)
-    return _launch_small_m(_swap_ab_kernel, (xq, xs), xq.stride(0), weight, weight_scale, bias, out,
+    sms = device_sms(xq.device)
+    return _launch_small_m(_swap_ab_kernel, (xq, x_scale), xq.stride(0), weight, weight_scale, bias, out,
                            {**w8a8_tile(m, n, k, sms), **(tile or {})}, HAS_SCALE=True, X_SCALED=True, GATED=False,
-                           up_offset=0)
+                           up_offset=0, WIDEN_W=0)
 
 
 def _quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,25 +416,37 @@ def _quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------- small-M GEMM in the model dtype
 
 
-def skinny_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
-    """Tile of the swap-AB GEMM with 16-bit weights, from the shape alone (graph-safe): 64 channels per
-    program (one warpgroup's MMA height), K tiles of 128 (32 KiB of weight and x per stage), 4 stages, K split
-    until ~2 programs per SM while each split keeps >= 4 K tiles."""
-    block_k = 128
+def widen_mode(x: torch.Tensor) -> int:
+    """How the W8A16 GEMM widens FP8 weight tiles for x: integer ops to bf16 on a GPU with bf16 x (2),
+    else Triton's cast (1; the interpreter, fp16). TANDEM_W8A16_WIDEN=N overrides (benchmarks)."""
+    override = os.environ.get("TANDEM_W8A16_WIDEN")
+    if override is not None:
+        return int(override)
+    return 2 if x.is_cuda and x.dtype == torch.bfloat16 else 1
+
+
+def skinny_tile(m: int, n: int, k: int, sms: int, weight_bytes: int = 2) -> dict[str, int]:
+    """Tile of the swap-AB GEMM with 16-bit (or, widened in registers, FP8) weights, from the shape alone
+    (graph-safe): 64 channels per program (one warpgroup's MMA height), K tiles of 128 (256 for FP8: the same
+    bytes of weight per stage), 4 stages, K split until ~2 programs per SM while each split keeps >= 4 K
+    tiles."""
+    block_k = 256 if weight_bytes == 1 and k % 256 == 0 else 128
     split_k = split_k_until(n, 64, triton.cdiv(k, block_k), 2 * sms, max_split=8)
     return {"BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 4}
 
 
 def skinny_matmul_triton(
     x: torch.Tensor,  # [M, K] bf16/fp16 (fp32 in the interpreter), unit inner stride
-    weight: torch.Tensor,  # [N, K] in x's dtype, row-major (gated: gate rows then up rows)
+    weight: torch.Tensor,  # [N, K] in x's dtype or float8_e4m3fn, row-major (gated: gate rows then up rows)
     bias: torch.Tensor | None,  # [N]
     tile: dict[str, int] | None = None,  # overrides BLOCK_N / BLOCK_K / SPLIT_K / num_warps / num_stages
     gated: bool = False,  # silu(gate) * up of a merged gate/up weight: [M, N / 2], K never split
+    weight_scale: torch.Tensor | None = None,  # [N, 1] fp32, with an FP8 weight
 ) -> torch.Tensor:  # [M, N] (or [M, N / 2] gated) in x's dtype
-    """x W^T + b for a few dozen rows with the weight in the model dtype: the swap-AB tile GEMM (channels
-    fill the MMA's M; the rows are its narrow N), the weight read once, split over K where N alone is too
-    narrow to fill the GPU; gated, silu(gate) * up in the same pass."""
+    """x W^T + b for a few dozen rows with the weight in the model dtype, or in FP8 with per-channel scales
+    (W8A16: each weight tile widened to x's dtype in registers, x not quantized): the swap-AB tile GEMM
+    (channels fill the MMA's M; the rows are its narrow N), the weight read once, split over K where N alone
+    is too narrow to fill the GPU; gated, silu(gate) * up in the same pass."""
     m, k = x.shape
     n = weight.shape[0]
     if gated and n % 2:
@@ -366,9 +457,13 @@ def skinny_matmul_triton(
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    fp8 = weight.dtype == FP8_DTYPE
+    if fp8 != (weight_scale is not None):
+        raise ValueError("skinny_matmul_triton: an FP8 weight needs its weight_scale, and only an FP8 weight takes one")
     sms = device_sms(x.device)
-    cfg = {**skinny_tile(m, n_out, k, sms), **(tile or {})}
+    cfg = {**skinny_tile(m, n_out, k, sms, weight.element_size()), **(tile or {})}
     if gated:
         cfg["SPLIT_K"] = 1  # silu needs the whole sum
-    return _launch_small_m(_swap_ab_kernel, (x, x), x.stride(0), weight, None, bias, out, cfg,
-                           HAS_SCALE=False, X_SCALED=False, GATED=gated, up_offset=n_out)
+    return _launch_small_m(_swap_ab_kernel, (x, x), x.stride(0), weight, weight_scale, bias, out, cfg,
+                           HAS_SCALE=fp8, X_SCALED=False, GATED=gated, up_offset=n_out,
+                           WIDEN_W=widen_mode(x) if fp8 else 0)

@@ -7,9 +7,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels.ops import use_gemv, use_skinny
+from tandem.kernels.ops import use_gemv, use_skinny, use_triton
 from tandem.layers.activation import silu_and_mul
-from tandem.layers.quantization import FP8_DTYPE, fp8_linear, fp8_supported_shape, quantize_weight_fp8
+from tandem.layers.quantization import (
+    FP8_DTYPE,
+    QuantizedRows,
+    fp8_linear,
+    fp8_quantizes_activations,
+    fp8_supported_shape,
+    quantize_weight_fp8,
+)
 
 
 class Linear(nn.Module):
@@ -24,7 +31,9 @@ class Linear(nn.Module):
         # [out, 1] fp32 once quantize_fp8_() has turned the weight into float8_e4m3fn; None in the model dtype.
         self.register_buffer("weight_scale", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        if isinstance(x, QuantizedRows):  # from an RMSNorm / SiLU-and-mul kernel, for this FP8 weight
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         if use_gemv(x, self.in_features, self.weight_scale is not None):
             return self._gemv(x, gated=False)
         if self.weight_scale is not None:
@@ -33,14 +42,24 @@ class Linear(nn.Module):
             return self._skinny(x, gated=False)
         return F.linear(x, self.weight, self.bias)
 
-    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_silu_and_mul(
+        self, x: torch.Tensor | QuantizedRows, fp8_out: bool = False
+    ) -> torch.Tensor | QuantizedRows:
         """silu(gate) * up of this merged gate/up projection (gate rows first): one weight-streaming kernel at
-        decode batch sizes on CUDA, else the projection followed by silu_and_mul."""
-        if use_gemv(x, self.in_features, self.weight_scale is not None):
-            return self._gemv(x, gated=True)
-        if self.weight_scale is None and use_skinny(x, self.in_features):
-            return self._skinny(x, gated=True)
-        return silu_and_mul(self(x))
+        decode batch sizes on CUDA, else the projection followed by silu_and_mul. fp8_out (the result feeds
+        an FP8 linear): where that linear would quantize it per token, the silu_and_mul kernel writes it
+        quantized (QuantizedRows)."""
+        if not isinstance(x, QuantizedRows):
+            if use_gemv(x, self.in_features, self.weight_scale is not None):
+                return self._gemv(x, gated=True)
+            if self.weight_scale is None and use_skinny(x, self.in_features):
+                return self._skinny(x, gated=True)
+        y = self(x)
+        if fp8_out and y.dim() == 2 and fp8_quantizes_activations(y.shape[0]) and use_triton(y):
+            from tandem.kernels.triton_quant import quantize_per_token_triton  # lazy: CPU runs never import Triton
+
+            return QuantizedRows(*quantize_per_token_triton(y, silu_and_mul=True), y.dtype)
+        return silu_and_mul(y)
 
     def _skinny(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
         from tandem.kernels.triton_quant import skinny_matmul_triton  # lazy: CPU runs never import Triton

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels.ops import use_triton
+from tandem.layers.quantization import QuantizedRows, fp8_quantizes_activations
 
 
 class RMSNorm(nn.Module):
@@ -16,15 +17,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)  # [hidden_size]
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8_out: bool = False
+    ) -> torch.Tensor | QuantizedRows | tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual). fp8_out (the output
+        feeds FP8 linears only): where those would quantize x per token (fp8_quantizes_activations) and
+        Triton runs, norm(...) comes quantized by this kernel, as QuantizedRows; otherwise as a tensor."""
         if use_triton(x):
             from tandem.kernels.triton_fused import fused_add_rms_norm_triton, rms_norm_triton  # lazy: no Triton on CPU
 
+            quantize = fp8_out and x.dim() == 2 and fp8_quantizes_activations(x.shape[0])
             if residual is None:
-                return rms_norm_triton(x, self.weight, self.eps)
-            return fused_add_rms_norm_triton(x, residual, self.weight, self.eps)
+                return rms_norm_triton(x, self.weight, self.eps, quantize)
+            return fused_add_rms_norm_triton(x, residual, self.weight, self.eps, quantize)
         if residual is not None:
             x = x + residual
             residual = x

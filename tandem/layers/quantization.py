@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -17,18 +17,35 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 MIN_AMAX = 1e-12
 # _scaled_mm needs K and N divisible by 16; other shapes stay in the model dtype.
 FP8_ALIGN = 16
-# Decode-sized FP8 GEMMs by row count, as measured on an H100 (scripts/bench_fp8_linear.py; benchmarks/results):
-# one row runs the GEMV (Linear dispatches it); up to W8A16_MAX_M rows the Triton FP8-weight GEMM (x stays in
-# bf16); up to W8A8_MAX_M rows the swap-AB W8A8 GEMM (x quantized per token, both operands straight to the FP8
-# tensor cores: 1.1-1.3x the former at 32 rows); above, torch._scaled_mm, whose rowwise CUTLASS kernels tile N
+# Decode-sized FP8 GEMMs by row count (scripts/bench_fp8_linear.py; benchmarks/results): one row runs the GEMV
+# (Linear dispatches it; x stays in bf16); up to W8A16_MAX_M rows (none by default) the Triton FP8-weight GEMM
+# (x stays in bf16, the weight widened in registers: conversion-bound, 0.45-0.58 of copy bandwidth on an H200);
+# up to W8A8_MAX_M rows the swap-AB W8A8 GEMM (x quantized per token, both operands straight to the FP8 tensor
+# cores: 0.55-0.86 with x quantized beforehand); above, torch._scaled_mm, whose rowwise CUTLASS kernels tile N
 # by 128 with no split-K, so a 4096-wide output at M <= 64 runs on 32 CTAs and cannot stream the weight.
-W8A16_MAX_M = int(os.environ.get("TANDEM_FP8_W8A16_MAX_M", "16"))
+# Wherever x is quantized, the kernel that produces it (RMSNorm, SiLU-and-mul) can write it quantized
+# (QuantizedRows) so that no separate quantization kernel runs.
+W8A16_MAX_M = int(os.environ.get("TANDEM_FP8_W8A16_MAX_M", "1"))
 W8A8_MAX_M = int(os.environ.get("TANDEM_FP8_W8A8_MAX_M", "64"))
 
 # Hugging Face quantization_config.quant_method values whose checkpoints hold float8_e4m3fn weights.
 CHECKPOINT_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors")
 # Activation / KV-cache scales of static schemes: tandem scales activations per token on the fly instead.
 _IGNORED_SCALES = (".input_scale", ".output_scale", ".k_scale", ".v_scale", ".kv_scale")
+
+
+class QuantizedRows(NamedTuple):
+    """Activations quantized per token, as fp8_linear would quantize them: e4m3 rows, their fp32 scales
+    (rows ~= q * scale) and the dtype of the unquantized activations (the linear's output dtype). Written by
+    a producer kernel (RMSNorm, SiLU-and-mul) whose consumer is an FP8 linear that quantizes x anyway."""
+
+    q: torch.Tensor  # [n, k] float8_e4m3fn, row-major
+    scale: torch.Tensor  # [n, 1] fp32
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 def check_fp8_device(device: torch.device) -> None:
@@ -76,7 +93,7 @@ def quantize_activation_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def fp8_linear(
-    x: torch.Tensor,  # [..., in] bfloat16
+    x: torch.Tensor | QuantizedRows,  # [..., in] bfloat16, or [n, in] rows quantized by their producer
     weight: torch.Tensor,  # [out, in] float8_e4m3fn, row-major
     weight_scale: torch.Tensor,  # [out, 1] fp32
     bias: torch.Tensor | None,  # [out] in x's dtype
@@ -86,6 +103,8 @@ def fp8_linear(
     bias) are applied to an FP8 x FP8 product: the swap-AB Triton GEMM up to W8A8_MAX_M rows, one rowwise-
     scaled torch._scaled_mm above. No host sync and no data-dependent shape, so all capture in CUDA graphs.
     On the CPU it runs the reference (tests; the engine refuses fp8 there)."""
+    if isinstance(x, QuantizedRows):
+        return _fp8_linear_quantized(x, weight, weight_scale, bias)
     if not x.is_cuda:
         return fp8_linear_reference(x, weight, weight_scale, bias)
     lead = x.shape[:-1]
@@ -103,6 +122,26 @@ def fp8_linear(
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias,
                            out_dtype=x.dtype)
     return out.view(*lead, out.shape[-1])
+
+
+def _fp8_linear_quantized(
+    x: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """fp8_linear's quantizing paths on rows a producer kernel quantized (the same values fp8_linear's own
+    quantization would give): the swap-AB GEMM up to W8A8_MAX_M rows, _scaled_mm above."""
+    from tandem.kernels.ops import use_triton
+
+    rows = x.q.shape[0]
+    if not use_triton(x.q):  # CPU tests without the interpreter
+        out = F.linear(dequantize_fp8(x.q, x.scale), dequantize_fp8(weight, weight_scale),
+                       None if bias is None else bias.float())
+        return out.to(x.dtype)
+    if rows <= W8A8_MAX_M:
+        from tandem.kernels.triton_quant import fp8_w8a8_matmul_quantized
+
+        return fp8_w8a8_matmul_quantized(x.q, x.scale, weight, weight_scale, bias, x.dtype)
+    return torch._scaled_mm(x.q, weight.t(), scale_a=x.scale, scale_b=weight_scale.view(1, -1), bias=bias,
+                            out_dtype=x.dtype)
 
 
 def fp8_quantizes_activations(rows: int) -> bool:

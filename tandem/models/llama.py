@@ -23,6 +23,7 @@ from tandem.layers.parallel import (
     parallel_logits,
 )
 from tandem.layers.norm import RMSNorm
+from tandem.layers.quantization import QuantizedRows
 from tandem.layers.rotary import RotaryEmbedding, rotary_write_kv
 from tandem.models.weights import WeightLoader
 
@@ -62,7 +63,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         rotary: tuple[torch.Tensor, torch.Tensor],  # (cos, sin) of this step's positions
-        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        hidden: torch.Tensor | QuantizedRows,  # [num_tokens, hidden_size], normed (quantized for FP8 qkv)
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -91,8 +92,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, gate_up)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        fp8_out = self.down_proj.weight_scale is not None  # down_proj in FP8: silu(gate) * up comes quantized
+        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, fp8_out))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -112,14 +114,18 @@ class LlamaDecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Norm outputs that feed FP8 projections only come quantized per token where those would quantize
+        # them (RMSNorm's fp8_out): no separate quantization kernel.
+        fp8_qkv = self.self_attn.qkv_proj.weight_scale is not None
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            normed = self.input_layernorm(hidden, fp8_out=fp8_qkv)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rotary, hidden, k_cache, v_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            normed, residual = self.input_layernorm(hidden, residual, fp8_out=fp8_qkv)
+        hidden = self.self_attn(rotary, normed, k_cache, v_cache, meta)
+        fp8_mlp = self.mlp.gate_up_proj.weight_scale is not None
+        normed, residual = self.post_attention_layernorm(hidden, residual, fp8_out=fp8_mlp)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):

@@ -124,6 +124,63 @@ def test_skinny_matmul_matches_linear(m, n, k, bias, split_k):
     assert skinny_tile(32, 28672, 4096, 132)["SPLIT_K"] == 1
 
 
+@pytest.mark.parametrize("m,n,k,bias,split_k", [
+    (1, 96, 512, True, 1), (7, 64, 256, False, 2), (32, 80, 200, True, 1), (17, 128, 1024, False, 4),
+])
+def test_skinny_matmul_fp8_weights_match_reference(m, n, k, bias, split_k):
+    """The swap-AB GEMM with FP8 weights widened in registers (W8A16: x not quantized) against
+    fp8_linear_reference, with split-K, masked tiles and the gated silu(gate) * up; bitwise reproducible.
+    On a GPU with bf16 rows this runs the integer-op widening (_e4m3_to_bf16), in the interpreter the cast."""
+    import torch
+    import torch.nn.functional as F
+
+    from tandem.kernels.triton_quant import skinny_matmul_triton
+    from tandem.layers.quantization import fp8_linear_reference, quantize_weight_fp8
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    q, scale = quantize_weight_fp8((torch.randn(n, k, generator=gen) * 0.05).to(device))
+    b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+    tile = {"BLOCK_N": 64, "BLOCK_K": 128 if k >= 256 else 64, "SPLIT_K": split_k}
+    out = skinny_matmul_triton(x, q, b, tile, weight_scale=scale)
+    assert torch.equal(out, skinny_matmul_triton(x, q, b, tile, weight_scale=scale))
+    ref = fp8_linear_reference(x, q, scale, b, quantize_activations=False)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    assert out.shape == (m, n) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    torch.testing.assert_close(skinny_matmul_triton(x, q, b, weight_scale=scale).float(), ref.float(), **tol)
+    if n % 2 == 0:
+        gated = skinny_matmul_triton(x, q, b, tile, gated=True, weight_scale=scale)
+        half = ref.float()
+        want = (F.silu(half[:, : n // 2]).to(dtype).float() * half[:, n // 2 :]).to(dtype)
+        torch.testing.assert_close(gated.float(), want.float(), **tol)
+    with pytest.raises(ValueError, match="weight_scale"):
+        skinny_matmul_triton(x, q, b)
+
+
+def test_skinny_fp8_widening_is_exact_for_every_code():
+    """Every finite e4m3 code (subnormals, zeros of both signs, +-448) comes out of the W8A16 GEMM's
+    widening exactly: one-hot rows pick single weight elements, unit scales."""
+    import torch
+
+    from tandem.kernels.triton_quant import skinny_matmul_triton
+    from tandem.layers.quantization import FP8_DTYPE
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    n, k, m = 64, 128, 32
+    codes = (torch.arange(k)[None, :] * 8 + torch.arange(n)[:, None]) % 256  # columns 0..31 hold every code
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two NaN codes
+    q = codes.to(torch.uint8).view(FP8_DTYPE).to(device)
+    x = torch.zeros(m, k, dtype=dtype, device=device)
+    x[torch.arange(m), torch.arange(m)] = 1.0
+    out = skinny_matmul_triton(x, q, None, {"SPLIT_K": 1}, weight_scale=torch.ones(n, 1, device=device))
+    want = q[:, :m].float().t()
+    assert torch.equal(out.float(), want)
+
+
 _COMPILE_W8A8 = r"""
 import json, sys
 import triton
@@ -151,3 +208,87 @@ def test_w8a8_uses_fp8_wgmma_on_sm90():
     ops = compile_sm90(_COMPILE_W8A8)
     assert "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3" in ops, ops
     assert any(op.startswith("cp.async") for op in ops), ops
+
+
+@pytest.mark.parametrize("rows,dim,residual", [(3, 300, False), (17, 1024, True), (2, 4096, True)])
+def test_rms_norm_fp8_out_equals_norm_then_quantize(rows, dim, residual):
+    """RMSNorm writing its output quantized per token (for FP8 linears) gives bit for bit what the norm
+    followed by the quantization kernel gives: the same e4m3 bytes, scales and new residual."""
+    import torch
+
+    from tandem.kernels.triton_fused import fused_add_rms_norm_triton, rms_norm_triton
+    from tandem.kernels.triton_quant import quantize_per_token_triton
+    from tandem.layers.quantization import FP8_DTYPE, QuantizedRows
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(rows * dim)
+    x = (torch.randn(rows, dim, generator=gen) * 3).to(device, dtype)
+    x[0, :7] = 0.0
+    w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(device, dtype)
+    if residual:
+        r = torch.randn(rows, dim, generator=gen).to(device, dtype)
+        fused, new_res = fused_add_rms_norm_triton(x, r, w, 1e-6, fp8_out=True)
+        plain, plain_res = fused_add_rms_norm_triton(x, r, w, 1e-6)
+        assert torch.equal(new_res, plain_res)
+    else:
+        fused, plain = rms_norm_triton(x, w, 1e-6, fp8_out=True), rms_norm_triton(x, w, 1e-6)
+    assert isinstance(fused, QuantizedRows) and fused.dtype == dtype and fused.shape == (rows, dim)
+    assert fused.q.dtype == FP8_DTYPE and fused.scale.shape == (rows, 1)
+    q, scale = quantize_per_token_triton(plain)
+    assert torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(fused.scale, scale)
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 256), (5, 1000), (32, 2048)])
+def test_silu_and_mul_quantized_equals_unfused(rows, inter):
+    """The quantization kernel's SiLU-and-mul prologue gives bit for bit silu_and_mul then quantization."""
+    import torch
+
+    from tandem.kernels.triton_fused import silu_and_mul_triton
+    from tandem.kernels.triton_quant import quantize_per_token_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(rows + inter)
+    y = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(device, dtype)
+    q, scale = quantize_per_token_triton(y, silu_and_mul=True)
+    q_ref, scale_ref = quantize_per_token_triton(silu_and_mul_triton(y))
+    assert q.shape == (rows, inter)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
+    with pytest.raises(ValueError, match="even"):
+        quantize_per_token_triton(y[:, 1:], silu_and_mul=True)
+
+
+@pytest.mark.parametrize("rows", [2, 17, 70])
+def test_linear_takes_quantized_rows(rows, monkeypatch):
+    """An FP8 Linear given rows its producer quantized (QuantizedRows) returns what it returns given the
+    unquantized rows (it quantizes them the same way), on the swap-AB GEMM and, above W8A8_MAX_M rows,
+    on the large-M path; gate/up with fp8_out hands down_proj quantized rows."""
+    import torch
+
+    from tandem.kernels.triton_quant import quantize_per_token_triton
+    from tandem.layers import quantization
+    from tandem.layers.linear import Linear
+    from tandem.layers.quantization import QuantizedRows
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cpu":
+        monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
+        monkeypatch.setattr(quantization, "W8A8_MAX_M", 64)
+    gen = torch.Generator().manual_seed(rows)
+    lin = Linear(256, 128, bias=True)
+    lin.weight.data = (torch.randn(128, 256, generator=gen) * 0.05).to(device, dtype)
+    lin.bias.data = torch.randn(128, generator=gen).to(device, dtype)
+    assert lin.quantize_fp8_()
+    x = torch.randn(rows, 256, generator=gen).to(device, dtype)
+    if device == "cpu" and rows > 64:
+        pytest.skip("_scaled_mm has no CPU kernel")
+    xq = QuantizedRows(*quantize_per_token_triton(x), dtype)
+    torch.testing.assert_close(lin(xq), lin(x), atol=0, rtol=0)
+    gated = lin.forward_silu_and_mul(x, fp8_out=True)
+    assert isinstance(gated, QuantizedRows) and gated.shape == (rows, 64)
+    plain = lin.forward_silu_and_mul(x)
+    q, scale = quantize_per_token_triton(plain)
+    assert torch.equal(gated.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(gated.scale, scale)
