@@ -2,14 +2,17 @@
 
     python scripts/bench_fp8_linear.py --out out/fp8_linear.json [--sweep]
 
-For the Llama-3-8B and Llama-2-7B projection shapes and several row counts M it times bf16 `F.linear`, the Triton
-FP8-weight GEMM (`fp8_weight_matmul_triton`: x not quantized), the W8A8 swap-AB GEMM (`fp8_w8a8_matmul_triton`:
-x quantized per token, both operands on the FP8 tensor cores) and the per-token-quantized `torch._scaled_mm`
-path (quantization kernel included in both W8A8 paths), and reports each as weight GB/s and as a fraction of a
+For the Llama-3-8B and Llama-2-7B projection shapes and several row counts M it times bf16 `F.linear`, the FP8
+GEMV (`gemv`, up to 4 rows), the Triton FP8-weight GEMM (`triton`: x not quantized), the W8A8 swap-AB GEMM
+(`w8a8`: x quantized per token by the quantization kernel, then both operands on the FP8 tensor cores; `w8a8_gemm`:
+the GEMM alone on rows quantized beforehand, as the engine runs it after an RMSNorm or SiLU-and-mul kernel that
+writes quantized rows; `quant`: the quantization kernel alone, its fraction counting the bf16 read and the e4m3
+write) and the per-token-quantized `torch._scaled_mm` path, and reports each as weight GB/s and as a fraction of a
 device-to-device copy bandwidth measured in the same run (BENCHMARKS.md's roofline convention), plus the fp8 /
 bf16 speedup. Times are GPU times from CUDA graphs that call each path on enough weight copies (>= 4x L2) that
 every call streams its weight from HBM, as a decode step does (bench_gemv.graph_us). --sweep also times a grid
-of tiles and split-K counts of the W8A8 GEMM per shape at M in SWEEP_ROWS and reports the best beside the default
+of tiles and split-K counts of the W8A8 GEMM (on pre-quantized rows) per shape at M in SWEEP_ROWS and reports the
+best beside the default
 that `w8a8_tile` picks (for tuning that heuristic).
 """
 
@@ -18,7 +21,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -37,7 +39,6 @@ from tandem.kernels.triton_quant import (  # noqa: E402
     fp8_w8a8_matmul_triton,
     fp8_weight_matmul_triton,
     quantize_per_token_triton,
-    skinny_matmul_triton,
     w8a8_tile,
 )
 from tandem.layers.quantization import quantize_activation_per_token, quantize_weight_fp8  # noqa: E402
@@ -49,9 +50,7 @@ SHAPES = {
 }
 ROWS = [1, 8, 16, 32, 64, 128]
 SWEEP_ROWS = (16, 32)
-PATHS = ("bf16", "gemv", "triton", "w8a16_cast", "w8a16_int", "w8a16_f16", "w8a8", "w8a8_gemm", "quant", "scaled_mm")
-# The W8A16 swap-AB GEMM's ways of widening FP8 weight tiles (triton_quant._widen's modes).
-WIDEN_MODES = {"w8a16_cast": 1, "w8a16_int": 2, "w8a16_f16": 3}
+PATHS = ("bf16", "gemv", "triton", "w8a8", "w8a8_gemm", "quant", "scaled_mm")
 
 
 def scaled_mm_path(x, q, scale):  # what fp8_linear runs above W8A8_MAX_M
@@ -88,8 +87,6 @@ def main() -> None:
                     "bf16": [lambda w=w: F.linear(x, w) for w in bf16],
                     "gemv": [lambda q=q, s=s: gemv_triton(x, q, s) for q, s in fp8],
                     "triton": [lambda q=q, s=s: fp8_weight_matmul_triton(x, q, s, None) for q, s in fp8],
-                    **{p: [lambda q=q, s=s: skinny_matmul_triton(x, q, None, weight_scale=s) for q, s in fp8]
-                       for p in WIDEN_MODES},
                     "w8a8": [lambda q=q, s=s: fp8_w8a8_matmul_triton(x, q, s, None) for q, s in fp8],
                     # The GEMM alone on rows quantized beforehand: what a producer kernel that writes e4m3
                     # rows and their scales would leave to it; "quant" is the quantization kernel alone.
@@ -101,20 +98,21 @@ def main() -> None:
                 for p in paths:
                     if p == "gemv" and m > 4:
                         continue
-                    os.environ["TANDEM_W8A16_WIDEN"] = str(WIDEN_MODES.get(p, 1))
                     try:
                         t[p] = graph_us(calls[p])
                     except Exception as e:  # noqa: BLE001  a variant that does not compile here
                         print(f"  {p} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                os.environ.pop("TANDEM_W8A16_WIDEN", None)
                 frac = {p: (2 if p == "bf16" else 1) * n * k / (t[p] * 1e-6) / 1e9 / copy_gbs for p in t}
                 frac["quant"] = m * k * 3 / (t["quant"] * 1e-6) / 1e9 / copy_gbs if "quant" in t else None
                 row = {"model": model, "proj": name, "N": n, "K": k, "M": m, "us": t, "copy_fraction": frac,
                        "speedup_vs_bf16": {p: t["bf16"] / t[p] for p in t if p not in ("bf16", "quant")},
                        "default_tile": {"triton": fp8_matmul_tile(m, n, k, sms), "w8a8": w8a8_tile(m, n, k, sms)}}
                 if args.sweep and m in sweep_rows:
-                    row["sweep"] = {"w8a8": sweep(fp8, x, n, k, fp8_w8a8_matmul_triton, copy_gbs,
-                                                  itertools.product((64, 128), (128, 256), (4,), (3, 4, 5), (1, 2, 4, 8, 16)))}
+                    def gemm(x, q, s, b, tile, xq=xq):  # the engine's W8A8 path: rows quantized by their producer
+                        return fp8_w8a8_matmul_quantized(*xq, q, s, b, x.dtype, tile)
+
+                    row["sweep"] = {"w8a8": sweep(fp8, x, n, k, gemm, copy_gbs,
+                                                  itertools.product((64, 128), (128, 256), (4,), (3, 4), (1, 2, 4, 8)))}
                     row["best_tile"] = {p: v[0] for p, v in row["sweep"].items() if v}
                 rows_out.append(row)
                 best = "  best " + json.dumps(row["best_tile"]) if "best_tile" in row else ""

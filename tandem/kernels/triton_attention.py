@@ -326,13 +326,13 @@ def paged_decode_attention(
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
         USE_DOT=use_dot, DOT_PRECISION=_dot_precision(k_cache.dtype), DIRECT_OUT=num_splits == 1, USE_PDL=pdl,
         KV_HEADS=num_kv_heads, HAS_ORDER=order is not None,
-        num_warps=num_warps or 4, num_stages=num_stages or (3 if use_dot else 2), launch_pdl=pdl,
+        num_warps=num_warps or 4, num_stages=num_stages or (3 if use_dot else 2), launch_pdl=bool(pdl),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             ws_o, ws_lse, out, seq_lens, num_splits, *out.stride(),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
-            USE_PDL=pdl, num_warps=4 if num_splits * block_d >= 2048 else 2, launch_pdl=pdl,
+            USE_PDL=pdl, num_warps=4 if num_splits * block_d >= 2048 else 2, launch_pdl=bool(pdl),
         )
     return out
 
@@ -493,7 +493,7 @@ def paged_prefill_attention(
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(k_cache.dtype), USE_PDL=pdl,
-        num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages, launch_pdl=pdl,
+        num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages, launch_pdl=bool(pdl),
     )
     return out
 

@@ -101,7 +101,7 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         HAS_RESIDUAL=residual is not None, BLOCK_D=block, USE_PDL=pdl,
         QUANT_OUT=fp8_out, scale_ptr=scale if fp8_out else out, FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX,
-        num_warps=_num_warps(block), launch_pdl=pdl,
+        num_warps=_num_warps(block), launch_pdl=bool(pdl),
     )
     return (QuantizedRows(out, scale, x.dtype) if fp8_out else out), new_res
 
@@ -195,7 +195,7 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         HALF=half, BLOCK_HALF=block_half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, USE_PDL=pdl,
-        num_warps=_num_warps(block_hq * block_half), launch_pdl=pdl,
+        num_warps=_num_warps(block_hq * block_half), launch_pdl=bool(pdl),
     )
 
 
@@ -230,6 +230,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     block = min(SILU_BLOCK, triton.next_power_of_2(inter))
     pdl = use_pdl(x.device)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-        x2, out, inter, x2.stride(0), BLOCK=block, USE_PDL=pdl, num_warps=_num_warps(block), launch_pdl=pdl,
+        x2, out, inter, x2.stride(0), BLOCK=block, USE_PDL=pdl, num_warps=_num_warps(block), launch_pdl=bool(pdl),
     )
     return out

@@ -166,7 +166,7 @@ def gemv_triton(
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, GATED=gated,
         MASK_M=m != block_m, MASK_N=n_out % block_n != 0, EVEN_K=k % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, VEC=min(16 // weight.element_size(), block_k),
-        USE_PDL=pdl, launch_pdl=pdl, **cfg,
+        USE_PDL=pdl, launch_pdl=bool(pdl), **cfg,
     )
     return out
 

@@ -68,5 +68,5 @@ def write_kv_triton(
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
         PAGE=k_cache.shape[1], USE_PDL=pdl,
-        num_warps=4 if block_h * block_d >= 1024 else 2, launch_pdl=pdl,
+        num_warps=4 if block_h * block_d >= 1024 else 2, launch_pdl=bool(pdl),
     )

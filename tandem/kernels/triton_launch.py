@@ -3,12 +3,16 @@
 A kernel launched with `launch_pdl` may be scheduled while the kernel before it in the stream is still running:
 its programs become resident on SMs the other kernel leaves free, run up to `pdl_wait`, and continue the moment
 that kernel has finished, instead of the next grid being launched only then (~1 us per kernel boundary, ~300
-boundaries in a Llama-2-7B decode step). Each kernel lets its successor launch as soon as all of its own
-programs have passed their wait, so at most two kernels overlap, and by the time a kernel passes `pdl_wait`
-every kernel before it in the stream has finished.
+boundaries in a Llama-2-7B decode step). A kernel lets its successor launch as soon as all of its own programs
+have started (PDL_EARLY, the default: they signal before waiting) or have passed their wait (PDL_LATE,
+TANDEM_PDL=late), so a GEMV two kernels down the stream can be streaming its first weights during the tail of
+the one running, past the tiny norm or reduce kernel between them. Either way, by the time a kernel passes
+`pdl_wait` every kernel before it in the stream has finished: its predecessor has, and that one passed its own
+wait only after its predecessor had.
 
 The contract for a kernel body: before `pdl_wait` it may read only what no kernel of the step writes (weights,
-norm scales), and it writes nothing. The weight-streaming GEMV uses that to load its first weight tile early.
+norm scales), and it writes nothing. The weight-streaming GEMV uses that to load its first weight tile early,
+the small-M tile GEMM to prefetch its first weight tiles into L2 (`prefetch_l2`, which has no effect on values).
 TANDEM_PDL=0 turns it off (read per launch, so a CUDA graph keeps what its capture saw).
 """
 
@@ -22,13 +26,28 @@ import triton
 import triton.language as tl
 
 
+PDL_OFF, PDL_LATE, PDL_EARLY = 0, 1, 2  # a kernel's USE_PDL: how it lets the next kernel launch
+
+
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
-    # Waits until the previous kernel in the stream has finished and its writes are visible, then lets the
-    # next kernel launch. A no-op when the kernel was not launched with PDL.
-    if USE_PDL:
+    # Waits until the previous kernel in the stream has finished and its writes are visible, and lets the
+    # next kernel launch (before waiting: PDL_EARLY; after: PDL_LATE). A no-op without PDL.
+    if USE_PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif USE_PDL == 1:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    # Asks for the lines at `ptrs` (where mask) to be brought into L2; values are unaffected, so it may run
+    # before pdl_wait on any address. One instruction per element: pass one pointer per 128-byte line.
+    tl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,9 +55,13 @@ def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def use_pdl(device: torch.device) -> bool:
-    """Whether Triton kernels on `device` launch with PDL: CUDA GPUs of compute capability >= 9.0, unless
-    TANDEM_PDL=0. Never in the interpreter (CPU tensors)."""
-    if device.type != "cuda" or os.environ.get("TANDEM_PDL") == "0":
-        return False
-    return _has_pdl(device.index if device.index is not None else torch.cuda.current_device())
+def use_pdl(device: torch.device) -> int:
+    """How Triton kernels on `device` launch: with PDL (PDL_EARLY; TANDEM_PDL=late: PDL_LATE) on CUDA GPUs of
+    compute capability >= 9.0, unless TANDEM_PDL=0 (PDL_OFF). Never PDL in the interpreter (CPU tensors).
+    Launch with `launch_pdl=bool(mode)` and pass the mode as the kernel's USE_PDL."""
+    setting = os.environ.get("TANDEM_PDL")
+    if device.type != "cuda" or setting == "0":
+        return PDL_OFF
+    if not _has_pdl(device.index if device.index is not None else torch.cuda.current_device()):
+        return PDL_OFF
+    return PDL_LATE if setting == "late" else PDL_EARLY

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.triton_attention import device_sms
-from tandem.kernels.triton_launch import pdl_wait, use_pdl
+from tandem.kernels.triton_launch import pdl_wait, prefetch_l2, use_pdl
 from tandem.layers.quantization import FP8_DTYPE, FP8_MAX, MIN_AMAX
 
 MAX_QUANT_DIM = 65536  # one program holds a whole row in registers
@@ -74,7 +74,7 @@ def quantize_per_token_triton(x: torch.Tensor, silu_and_mul: bool = False) -> tu
     _quant_per_token_kernel[(n,)](
         x, q, scale, dim, x.stride(0),
         FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, BLOCK_D=block, USE_PDL=pdl, SILU_AND_MUL=silu_and_mul,
-        num_warps=min(max(block // 512, 1), 16), launch_pdl=pdl,
+        num_warps=min(max(block // 512, 1), 16), launch_pdl=bool(pdl),
     )
     return q, scale
 
@@ -222,13 +222,13 @@ def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tenso
         *operands, weight, scale, b, out, ws,
         m, n, k, k_split, stride_xm, weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, SPLIT_K=split_k, BLOCK_M=block_m,
-        USE_PDL=pdl, launch_pdl=pdl, **flags, **cfg,
+        USE_PDL=pdl, launch_pdl=bool(pdl), **flags, **cfg,
     )
     if split_k > 1:
         block = 1024
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
             ws, scale, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block,
-            USE_PDL=pdl, HAS_SCALE=weight_scale is not None, launch_pdl=pdl,
+            USE_PDL=pdl, HAS_SCALE=weight_scale is not None, launch_pdl=bool(pdl),
         )
     return out
 
@@ -242,13 +242,14 @@ def _swap_ab_kernel(
     M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-    HAS_SCALE: tl.constexpr, X_SCALED: tl.constexpr, GATED: tl.constexpr, up_offset, WIDEN_W: tl.constexpr,
+    HAS_SCALE: tl.constexpr, X_SCALED: tl.constexpr, GATED: tl.constexpr, up_offset,
+    PREFETCH_LINES: tl.constexpr, LINE_K: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
-    # Program = BLOCK_N output channels x BLOCK_M rows over K range [pid_k * K_SPLIT, +K_SPLIT). The operands
-    # go to the tensor cores as they are loaded: e4m3 x e4m3 for W8A8, or both in the model dtype; WIDEN_W
-    # (W8A16) widens an e4m3 weight tile to x's dtype in registers first (exact; see _widen) and x stays
-    # unquantized. The weight tile [BLOCK_N, BLOCK_K] is the MMA's A operand and the few token rows its
+    # Program = BLOCK_N output channels x BLOCK_M rows over K range [pid_k * K_SPLIT, +K_SPLIT). Both operands
+    # go to the tensor cores as they are loaded (no widening in registers): e4m3 x e4m3 for W8A8, or both in
+    # the model dtype. (Widening FP8 weight tiles to bf16/f16 in registers for a W8A16 variant ran at 0.3-0.5
+    # of copy bandwidth on an H200, conversion-bound: benchmarks/results/README.md, eighth session.) The
+    # weight tile [BLOCK_N, BLOCK_K] is the MMA's A operand and the few token rows its
     # narrow B operand ("swap AB": the MMA's M of 64 is filled by channels, not by the 1-32 tokens).
     # acc[n, m] holds sum_k w[n, k] x[m, k]; the token scale (X_SCALED) multiplies here, the channel scale
     # (HAS_SCALE) and bias where the sum is final (here when SPLIT_K is 1, else in _split_k_reduce_kernel,
@@ -259,6 +260,16 @@ def _swap_ab_kernel(
         M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_begin + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
     u_ptrs = w_ptrs + up_offset * stride_wn
+    if USE_PDL and PREFETCH_LINES > 0:
+        # Before the wait (the previous kernel may still run): the first PREFETCH_LINES 128-byte lines of each
+        # weight row of this program's K range go to L2, so the pipelined loads after the wait find them there.
+        pf_k = k_begin + tl.arange(0, PREFETCH_LINES) * LINE_K
+        pf_mask = n_mask[:, None] & (pf_k < k_end)[None, :]
+        pf_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + pf_k[None, :]
+        prefetch_l2(pf_ptrs, pf_mask)
+        if GATED:
+            prefetch_l2(pf_ptrs + up_offset * stride_wn, pf_mask)
+    pdl_wait(USE_PDL)
     x_ptrs = xq_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_begin + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -270,13 +281,9 @@ def _swap_ab_kernel(
             k_mask = (k0 + offs_k) < k_end
             w_mask = n_mask[:, None] & k_mask[None, :]
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if WIDEN_W == 3:
-            x = x.to(tl.float16)
-        w = _widen(tl.load(w_ptrs, mask=w_mask, other=0.0), x.dtype, WIDEN_W)
-        acc = tl.dot(w, tl.trans(x), acc)
+        acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), tl.trans(x), acc)
         if GATED:
-            u = _widen(tl.load(u_ptrs, mask=w_mask, other=0.0), x.dtype, WIDEN_W)
-            acc_up = tl.dot(u, tl.trans(x), acc_up)
+            acc_up = tl.dot(tl.load(u_ptrs, mask=w_mask, other=0.0), tl.trans(x), acc_up)
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -302,44 +309,6 @@ def _swap_ab_kernel(
 
 
 @triton.jit
-def _widen(w, dtype, MODE: tl.constexpr):
-    # An e4m3 weight tile for a dot with `dtype` operands. MODE 0: as it is (FP8 or 16-bit); 1: Triton's
-    # conversion; 2: to bf16 with integer ops, see _e4m3_to_bf16; 3: to f16 (Triton's conversion).
-    if MODE == 1:
-        w = w.to(dtype)
-    elif MODE == 2:
-        w = _e4m3_to_bf16(w)
-    elif MODE == 3:
-        w = w.to(tl.float16)
-    return w
-
-
-@triton.jit
-def _e4m3_to_bf16(w):
-    # e4m3 -> bf16, exact, four values per 32-bit word without the conversion unit: for each byte
-    # s eeee mmm, the bf16 bits s 0000eeee mmm0000 (byte-wise masks and shifts, then two byte permutes)
-    # hold value * 2^-120 (bias 127 against 7; e4m3 subnormals become bf16 subnormals, exactly), and one
-    # bf16x2 multiply by 2^120 (0x7B80) per pair restores it. Triton's own cast goes through f16 with three
-    # conversions per pair, which at one decode row costs about what the memory delivers. Not for NaN codes
-    # (quantized weights never hold them). Needs sm_90 (mul.bf16x2).
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 lo, hi, t, k;
-        and.b32 lo, $2, 0x0F0F0F0F;
-        shl.b32 lo, lo, 4;
-        shr.b32 t, $2, 4;
-        and.b32 t, t, 0x07070707;
-        lop3.b32 hi, $2, t, 0x80808080, 0xEC;
-        prmt.b32 $0, lo, hi, 0x5140;
-        prmt.b32 $1, lo, hi, 0x7362;
-        mov.b32 k, 0x7B807B80;
-        mul.rn.bf16x2 $0, $0, k;
-        mul.rn.bf16x2 $1, $1, k;
-        }""",
-        constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
-
-
-@triton.jit
 def _channel_epilogue(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
     # [BLOCK_N, BLOCK_M] fp32 sums -> times the channel scale, plus the bias (both per output channel n).
     if HAS_SCALE:
@@ -351,13 +320,17 @@ def _channel_epilogue(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE: tl.constexpr
 
 def w8a8_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
     """Tile of the W8A8 small-M GEMM from the shape alone (graph-safe): 64 channels per program (one
-    warpgroup's MMA height), K tiles of 256, 4 pipeline stages, K split in two where each half keeps >= 4 tiles.
-    Chosen from whole seed-async runs on an H100 (FP8 Llama-3-8B at 32 rows; benchmarks/results/README.md):
-    split 2 ran 1.04x split 1 and 1.13x splitting until two programs per SM, although isolated kernel timings
-    (scripts/bench_fp8_linear.py) ranked split 1 first. TANDEM_W8A8_TILE="KEY=VALUE,..." overrides it for
-    tuning runs (SPLIT_K=auto: split until ~2 programs per SM, keeping >= 4 K tiles per split)."""
+    warpgroup's MMA height), K tiles of 256, 4 pipeline stages, and K split in two where N gives fewer than
+    2/3 of the SMs a 64-channel tile (and each half keeps >= 4 K tiles). Measured on an H200 over Llama-3-8B's
+    projections at 16 and 32 pre-quantized rows (scripts/bench_fp8_linear.py --sweep; benchmarks/results/
+    README.md, eighth session): o and down (64 N tiles) run best split 2-4, qkv (96) and gate_up (448) unsplit
+    (gate_up 33.9 against 38.9 us split, which also writes and re-reads its fp32 partial sums).
+    TANDEM_W8A8_TILE="KEY=VALUE,..." overrides it for tuning runs (SPLIT_K=auto: split until ~2 programs per
+    SM, keeping >= 4 K tiles per split)."""
     block_k = 256 if k % 256 == 0 else 128
-    tile: dict[str, int | str] = {"BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": 2 if triton.cdiv(k, block_k) >= 8 else 1,
+    narrow = 3 * triton.cdiv(n, 64) < 2 * sms
+    tile: dict[str, int | str] = {"BLOCK_N": 64, "BLOCK_K": block_k,
+                                  "SPLIT_K": 2 if narrow and triton.cdiv(k, block_k) >= 8 else 1,
                                   "num_warps": 4, "num_stages": 4}
     for item in filter(None, os.environ.get("TANDEM_W8A8_TILE", "").split(",")):
         key, _, value = item.partition("=")
@@ -402,9 +375,20 @@ def fp8_w8a8_matmul_quantized(
     if m == 0:
         return out
     sms = device_sms(xq.device)
-    return _launch_small_m(_swap_ab_kernel, (xq, x_scale), xq.stride(0), weight, weight_scale, bias, out,
-                           {**w8a8_tile(m, n, k, sms), **(tile or {})}, HAS_SCALE=True, X_SCALED=True, GATED=False,
-                           up_offset=0, WIDEN_W=0)
+    cfg = {**w8a8_tile(m, n, k, sms), **(tile or {})}
+    return _launch_small_m(_swap_ab_kernel, (xq, x_scale), xq.stride(0), weight, weight_scale, bias, out, cfg,
+                           HAS_SCALE=True, X_SCALED=True, GATED=False, up_offset=0, **_prefetch(weight, cfg))
+
+
+PREFETCH_TILES = int(os.environ.get("TANDEM_PREFETCH_TILES", "2"))  # K tiles per program the swap-AB GEMM sends to L2
+
+
+def _prefetch(weight: torch.Tensor, cfg: dict[str, int]) -> dict[str, int]:
+    """The swap-AB kernel's L2 prefetch before its PDL wait: 128-byte lines per weight row (PREFETCH_TILES K
+    tiles; 0 turns it off) and the K elements per line."""
+    line_k = 128 // weight.element_size()
+    lines = PREFETCH_TILES * cfg["BLOCK_K"] // line_k
+    return {"PREFETCH_LINES": triton.next_power_of_2(lines) if lines > 0 else 0, "LINE_K": line_k}
 
 
 def _quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -416,37 +400,25 @@ def _quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------- small-M GEMM in the model dtype
 
 
-def widen_mode(x: torch.Tensor) -> int:
-    """How the W8A16 GEMM widens FP8 weight tiles for x: integer ops to bf16 on a GPU with bf16 x (2),
-    else Triton's cast (1; the interpreter, fp16). TANDEM_W8A16_WIDEN=N overrides (benchmarks)."""
-    override = os.environ.get("TANDEM_W8A16_WIDEN")
-    if override is not None:
-        return int(override)
-    return 2 if x.is_cuda and x.dtype == torch.bfloat16 else 1
-
-
-def skinny_tile(m: int, n: int, k: int, sms: int, weight_bytes: int = 2) -> dict[str, int]:
-    """Tile of the swap-AB GEMM with 16-bit (or, widened in registers, FP8) weights, from the shape alone
-    (graph-safe): 64 channels per program (one warpgroup's MMA height), K tiles of 128 (256 for FP8: the same
-    bytes of weight per stage), 4 stages, K split until ~2 programs per SM while each split keeps >= 4 K
-    tiles."""
-    block_k = 256 if weight_bytes == 1 and k % 256 == 0 else 128
+def skinny_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
+    """Tile of the swap-AB GEMM with 16-bit weights, from the shape alone (graph-safe): 64 channels per
+    program (one warpgroup's MMA height), K tiles of 128 (32 KiB of weight and x per stage), 4 stages, K split
+    until ~2 programs per SM while each split keeps >= 4 K tiles."""
+    block_k = 128
     split_k = split_k_until(n, 64, triton.cdiv(k, block_k), 2 * sms, max_split=8)
     return {"BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 4}
 
 
 def skinny_matmul_triton(
     x: torch.Tensor,  # [M, K] bf16/fp16 (fp32 in the interpreter), unit inner stride
-    weight: torch.Tensor,  # [N, K] in x's dtype or float8_e4m3fn, row-major (gated: gate rows then up rows)
+    weight: torch.Tensor,  # [N, K] in x's dtype, row-major (gated: gate rows then up rows)
     bias: torch.Tensor | None,  # [N]
     tile: dict[str, int] | None = None,  # overrides BLOCK_N / BLOCK_K / SPLIT_K / num_warps / num_stages
     gated: bool = False,  # silu(gate) * up of a merged gate/up weight: [M, N / 2], K never split
-    weight_scale: torch.Tensor | None = None,  # [N, 1] fp32, with an FP8 weight
 ) -> torch.Tensor:  # [M, N] (or [M, N / 2] gated) in x's dtype
-    """x W^T + b for a few dozen rows with the weight in the model dtype, or in FP8 with per-channel scales
-    (W8A16: each weight tile widened to x's dtype in registers, x not quantized): the swap-AB tile GEMM
-    (channels fill the MMA's M; the rows are its narrow N), the weight read once, split over K where N alone
-    is too narrow to fill the GPU; gated, silu(gate) * up in the same pass."""
+    """x W^T + b for a few dozen rows with the weight in the model dtype: the swap-AB tile GEMM (channels
+    fill the MMA's M; the rows are its narrow N), the weight read once, split over K where N alone is too
+    narrow to fill the GPU; gated, silu(gate) * up in the same pass."""
     m, k = x.shape
     n = weight.shape[0]
     if gated and n % 2:
@@ -457,13 +429,9 @@ def skinny_matmul_triton(
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    fp8 = weight.dtype == FP8_DTYPE
-    if fp8 != (weight_scale is not None):
-        raise ValueError("skinny_matmul_triton: an FP8 weight needs its weight_scale, and only an FP8 weight takes one")
     sms = device_sms(x.device)
-    cfg = {**skinny_tile(m, n_out, k, sms, weight.element_size()), **(tile or {})}
+    cfg = {**skinny_tile(m, n_out, k, sms), **(tile or {})}
     if gated:
         cfg["SPLIT_K"] = 1  # silu needs the whole sum
-    return _launch_small_m(_swap_ab_kernel, (x, x), x.stride(0), weight, weight_scale, bias, out, cfg,
-                           HAS_SCALE=fp8, X_SCALED=False, GATED=gated, up_offset=n_out,
-                           WIDEN_W=widen_mode(x) if fp8 else 0)
+    return _launch_small_m(_swap_ab_kernel, (x, x), x.stride(0), weight, None, bias, out, cfg,
+                           HAS_SCALE=False, X_SCALED=False, GATED=gated, up_offset=n_out, **_prefetch(weight, cfg))

@@ -135,5 +135,5 @@ def rotary_write_kv_triton(
         *k_cache.stride(), *v_cache.stride(),
         HALF=half, BLOCK_HALF=block_half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         PAGE=k_cache.shape[1], HAS_NORM=has_norm, USE_PDL=pdl,
-        num_warps=min(max(block_hq * block_half // 256, 1), 16), launch_pdl=pdl,
+        num_warps=min(max(block_hq * block_half // 256, 1), 16), launch_pdl=bool(pdl),
     )
