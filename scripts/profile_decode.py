@@ -1,12 +1,13 @@
 """Per-kernel profile of one decode step (forward graph + sampling graph replay) for named random-weight shapes.
 
-    python scripts/profile_decode.py --out out/profile [--workloads bs1,seed-async,nano] [--context 512] [--quantization fp8]
+    python scripts/profile_decode.py --out out/profile [--workloads bs1,seed-async,nano] [--context 512]
+        [--quantization fp8]
 
 For each workload the engine is built with random weights of the named shape (load_format=dummy), every row
 gets a prompt of --context tokens and decodes a few steps in sync mode; then the last decode step's slot is
 re-uploaded from its pinned host buffers and its captured graphs are replayed: timed with CUDA events (median
-step time), and profiled with torch.profiler (kernel name, time per step, launches per step, share of the
-step). The weight-bytes floor is weight bytes / a device-to-device copy bandwidth measured in the same run
+step time), and profiled with torch.profiler (kernel name, launches per step, and per step the time each
+kernel adds to the step: its end past its predecessor's end; raw durations overlap under PDL). The weight-bytes floor is weight bytes / a device-to-device copy bandwidth measured in the same run
 (read + write bytes, the roofline convention of tandem.bench.roofline); the KV floor adds the K/V the step
 reads. Writes profile_<workload>.json and .md per workload and summary.md into --out.
 """
@@ -71,8 +72,11 @@ def decode_a_few_steps(llm: LLM, batch: int, context: int, greedy: bool) -> None
     torch.cuda.synchronize()
 
 
-def profile_kernels(fn) -> dict[str, list[float]]:  # type: ignore[no-untyped-def]
-    """Kernel name -> durations (us) over REPLAYS calls of fn; host-to-device copies left out."""
+def profile_kernels(fn) -> tuple[dict[str, list[float]], dict[str, float]]:  # type: ignore[no-untyped-def]
+    """Over REPLAYS calls of fn: kernel name -> durations (us), and kernel name -> the step time it adds (us,
+    summed): how far its end lies past the end of the kernel before it. Under programmatic dependent launch a
+    kernel's programs start while its predecessor runs and wait, so durations overlap and overstate; the
+    added time does not (the added times of a step sum to its span). Host-to-device copies left out."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -80,11 +84,17 @@ def profile_kernels(fn) -> dict[str, list[float]]:  # type: ignore[no-untyped-de
             fn()
         torch.cuda.synchronize()
     per_kernel: dict[str, list[float]] = collections.defaultdict(list)
-    for evt in prof.events():
-        if evt.device_type != torch.autograd.DeviceType.CUDA or "memcpy" in evt.name.lower():
-            continue  # host-side ops, and the re-upload (not part of the step)
-        per_kernel[evt.name].append(evt.time_range.elapsed_us())
-    return per_kernel
+    added: dict[str, float] = collections.defaultdict(float)
+    kernels = sorted(((evt.time_range.start, evt.time_range.end, evt.name) for evt in prof.events()
+                      if evt.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in evt.name.lower()),
+                     key=lambda e: e[1])  # host-side ops and the re-upload (not part of the step) left out
+    last_end = None
+    for start, end, name in kernels:
+        per_kernel[name].append(end - start)
+        # A kernel that starts after the previous one ended (a replay's first) adds only its own duration.
+        added[name] += end - (start if last_end is None or start > last_end else last_end)
+        last_end = end
+    return per_kernel, added
 
 
 def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool, quantization: str | None) -> dict:
@@ -139,15 +149,18 @@ def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool, qu
             runner._sample_into(slot, logits, graph_bs, not variant.random, variant.top_k_top_p, -1)
 
     mode = "graph"
-    per_kernel = profile_kernels(replay)
+    per_kernel, added = profile_kernels(replay)
     if not per_kernel:
         mode = "eager (the profiler saw no kernels inside graph replays)"
-        per_kernel = profile_kernels(eager_step)
+        per_kernel, added = profile_kernels(eager_step)
     total_us = sum(sum(v) for v in per_kernel.values()) / REPLAYS
+    added_total = sum(added.values()) / REPLAYS
     rows = sorted(
         ({"kernel": k, "time_us": sum(v) / REPLAYS, "count": len(v) / REPLAYS,
-          "share": (sum(v) / REPLAYS) / total_us if total_us else 0.0} for k, v in per_kernel.items()),
-        key=lambda r: -r["time_us"],
+          "share": (sum(v) / REPLAYS) / total_us if total_us else 0.0,
+          "added_us": added[k] / REPLAYS,
+          "added_share": added[k] / REPLAYS / added_total if added_total else 0.0} for k, v in per_kernel.items()),
+        key=lambda r: -r["added_us"],
     )
     cost = model_cost(runner.model, runner.model_config)
     context_tokens = sum(r.num_computed_tokens for r in engine.scheduler.running)
@@ -159,7 +172,7 @@ def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool, qu
         "context": context,
         "sampler_variant": variant._asdict(), "profiled": mode, "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "build_s": round(build_s, 1),
-        "step_us": step_us, "kernel_sum_us": total_us, "copy_gbps": copy_gbps,
+        "step_us": step_us, "kernel_sum_us": total_us, "added_sum_us": added_total, "copy_gbps": copy_gbps,
         "weight_bytes": cost.weight_bytes, "kv_bytes": kv_bytes,
         "weight_floor_us": weight_floor_us, "weight_kv_floor_us": kv_floor_us,
         "roofline_fraction": kv_floor_us / step_us if step_us > 0 else None,
@@ -176,18 +189,23 @@ def markdown(res: dict) -> str:
         f"### {res['workload']}: {res['shape']}{' ' + res['quantization'] if res.get('quantization') else ''} at batch "
         f"{res['batch']}, context {res['context']} ({res['device']})",
         "",
-        f"step {res['step_us']:.1f} us (kernels sum {res['kernel_sum_us']:.1f} us); weight floor "
+        f"step {res['step_us']:.1f} us (kernels sum {res['kernel_sum_us']:.1f} us, added times sum "
+        f"{res['added_sum_us']:.1f} us); weight floor "
         f"{res['weight_floor_us']:.1f} us, weight + KV floor {res['weight_kv_floor_us']:.1f} us "
         f"(copy {res['copy_gbps']:.0f} GB/s): roofline fraction {res['roofline_fraction']:.3f}; "
         f"profiled: {res['profiled']}",
         "",
-        "| kernel | time us | count | share |",
-        "|---|---:|---:|---:|",
+        "`added us`: how much later the step ends because of the kernel (its end past its predecessor's end),",
+        "summed per name; `time us`: its durations, which overlap under programmatic dependent launch.",
+        "",
+        "| kernel | added us | added share | count | time us |",
+        "|---|---:|---:|---:|---:|",
     ]
     for r in res["kernels"]:
         name = r["kernel"].replace("|", "/")
         name = name if len(name) <= 110 else name[:107] + "..."
-        lines.append(f"| `{name}` | {r['time_us']:.1f} | {r['count']:g} | {100 * r['share']:.1f}% |")
+        lines.append(f"| `{name}` | {r['added_us']:.1f} | {100 * r['added_share']:.1f}% | {r['count']:g} | "
+                     f"{r['time_us']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
