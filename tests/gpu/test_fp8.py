@@ -196,6 +196,29 @@ def test_tiny_model_fp8_close_to_bf16(arch, checkpoint):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", sorted(TINY))
+def test_producer_quantized_rows_equal_linear_quantization(arch, checkpoint, monkeypatch):
+    """RMSNorm and SiLU-and-mul writing the rows of FP8 projections quantized (QuantizedRows) give the very
+    logits of the linears quantizing those rows themselves, at decode-sized (2, 24) and prefill-sized (96)
+    batches: the fused kernels round exactly as the norm / silu kernels followed by the quantizer."""
+    from tandem.layers.linear import Linear
+    from tandem.layers.norm import RMSNorm
+
+    folder = checkpoint(arch)
+    fp8, mc, _ = load_model_and_tokenizer(EngineConfig(model=folder, device=DEVICE, quantization="fp8"), DEVICE,
+                                          torch.bfloat16)
+    for n in (2, 24, 96):
+        tokens = [random.Random(n).randrange(3, VOCAB) for _ in range(n)]
+        fused = prefill_logits(fp8, mc, tokens)
+        with monkeypatch.context() as m:
+            norm_forward, silu_forward = RMSNorm.forward, Linear.forward_silu_and_mul
+            m.setattr(RMSNorm, "forward", lambda self, x, residual=None, fp8_out=False: norm_forward(self, x, residual))
+            m.setattr(Linear, "forward_silu_and_mul", lambda self, x, fp8_out=False: silu_forward(self, x))
+            unfused = prefill_logits(fp8, mc, tokens)
+        assert torch.equal(fused, unfused), (n, (fused - unfused).abs().max().item())
+
+
+@pytest.mark.gpu
 def test_fp8_engine_graphs_equal_eager(checkpoint):
     """Decode graphs replay the eager fp8 step bit for bit when the batch needs no padding (8 equal requests
     on the size-8 graph), and the engine's tokens track bf16 greedy mostly."""
