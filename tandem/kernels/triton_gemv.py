@@ -3,7 +3,6 @@ FP8 e4m3, and optionally silu(gate) * up of a merged gate/up weight in the same 
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -31,44 +30,19 @@ def _load_tile(ptrs, row_mask, k_mask, MASK_ROWS: tl.constexpr, MASK_K: tl.const
 
 
 @triton.jit
-def _e4m3_to_f32_scaled(w):
-    # e4m3 -> fp32 holding value * 2^-120, with integer ops only (no conversion unit): each byte s eeee mmm
-    # moved to the top of a word (prmt), shifted right by 4 with its sign (shr.s32) and masked to
-    # s 0000eeee mmm0... (bias 127 against 7). e4m3 subnormals (|w| < 2^-6 of the code scale) become fp32
-    # subnormals, which flush to zero where fp32 arithmetic flushes. The caller multiplies by 2^120.
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t;
-        prmt.b32 t, $4, 0, 0x0444; shr.s32 t, t, 4; and.b32 $0, t, 0x87F00000;
-        prmt.b32 t, $4, 0, 0x1444; shr.s32 t, t, 4; and.b32 $1, t, 0x87F00000;
-        prmt.b32 t, $4, 0, 0x2444; shr.s32 t, t, 4; and.b32 $2, t, 0x87F00000;
-        and.b32 t, $4, 0xFF000000; shr.s32 t, t, 4; and.b32 $3, t, 0x87F00000;
-        }""",
-        constraints="=r,=r,=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.float32, is_pure=True, pack=4)
-
-
-@triton.jit
-def _fma_tile(acc, x, w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-              INT_CONVERT: tl.constexpr = False):
+def _fma_tile(acc, x, w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     # acc [BLOCK_M, BLOCK_N, BLOCK_K // VEC] += x [BLOCK_M, 1, BLOCK_K] * w [1, BLOCK_N, BLOCK_K], each thread
     # first summing the VEC products of its own 16-byte weight vector (registers only, no shuffles), so the
     # fp32 accumulator is VEC times smaller than the tile and more of the weight stream fits in flight.
     # Both tiles are loaded 3-D so they share the weight's coalesced layout (no shared-memory shuffle).
-    # INT_CONVERT (e4m3 weights): widened by _e4m3_to_f32_scaled, so the sums come out scaled by 2^-120.
-    if INT_CONVERT:
-        p = x.to(tl.float32) * _e4m3_to_f32_scaled(w)
-    else:
-        p = x.to(tl.float32) * w.to(tl.float32)
+    p = x.to(tl.float32) * w.to(tl.float32)
     return acc + tl.sum(tl.reshape(p, [BLOCK_M, BLOCK_N, BLOCK_K // VEC, VEC]), axis=3)
 
 
 @triton.jit
-def _channel_out(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 INT_CONVERT: tl.constexpr = False):
+def _channel_out(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
     # [BLOCK_M, BLOCK_N, BLOCK_K // VEC] partial sums -> [BLOCK_M, BLOCK_N] fp32 outputs with scale and bias.
     y = tl.sum(acc, axis=2)
-    if INT_CONVERT:
-        y = y * 1.329227995784916e36  # 2^120: undoes _e4m3_to_f32_scaled's bias (before the scale: no overflow)
     if HAS_SCALE:
         y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -83,7 +57,7 @@ def _gemv_kernel(
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
     MASK_M: tl.constexpr, MASK_N: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-    USE_PDL: tl.constexpr, INT_CONVERT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Program = BLOCK_N output channels for all M (<= BLOCK_M) rows over the whole of K, so each weight
     # element is read once, by one program, and no second kernel adds partial sums. Products accumulate in
@@ -111,9 +85,9 @@ def _gemv_kernel(
         u = _load_tile(u_ptrs, w_rows, k_mask, MASK_N, not EVEN_K)
     pdl_wait(USE_PDL)
     x = _load_tile(x_ptrs, x_rows, k_mask, MASK_M, not EVEN_K)
-    acc = _fma_tile(acc, x, w, BLOCK_M, BLOCK_N, BLOCK_K, VEC, INT_CONVERT)
+    acc = _fma_tile(acc, x, w, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
     if GATED:
-        acc_up = _fma_tile(acc_up, x, u, BLOCK_M, BLOCK_N, BLOCK_K, VEC, INT_CONVERT)
+        acc_up = _fma_tile(acc_up, x, u, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -121,15 +95,15 @@ def _gemv_kernel(
         k_mask = (k0 + offs_k) < K
         x = _load_tile(x_ptrs, x_rows, k_mask, MASK_M, not EVEN_K)
         w = _load_tile(w_ptrs, w_rows, k_mask, MASK_N, not EVEN_K)
-        acc = _fma_tile(acc, x, w, BLOCK_M, BLOCK_N, BLOCK_K, VEC, INT_CONVERT)
+        acc = _fma_tile(acc, x, w, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
         if GATED:
             u = _load_tile(u_ptrs, w_rows, k_mask, MASK_N, not EVEN_K)
-            acc_up = _fma_tile(acc_up, x, u, BLOCK_M, BLOCK_N, BLOCK_K, VEC, INT_CONVERT)
+            acc_up = _fma_tile(acc_up, x, u, BLOCK_M, BLOCK_N, BLOCK_K, VEC)
 
     out_ty = out_ptr.dtype.element_ty
-    y = _channel_out(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE, HAS_BIAS, INT_CONVERT)
+    y = _channel_out(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE, HAS_BIAS)
     if GATED:
-        y_up = _channel_out(acc_up, offs_n + up_offset, n_mask, s_ptr, b_ptr, HAS_SCALE, HAS_BIAS, INT_CONVERT)
+        y_up = _channel_out(acc_up, offs_n + up_offset, n_mask, s_ptr, b_ptr, HAS_SCALE, HAS_BIAS)
         gate = y.to(out_ty).to(tl.float32)
         silu = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)  # F.silu rounds before the multiply
         y = silu * y_up.to(out_ty).to(tl.float32)
@@ -155,12 +129,6 @@ def gemv_config(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int
     while block_n > 1 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps, "num_stages": 1}
-
-
-def fp8_int_convert(x: torch.Tensor) -> bool:
-    """Whether the GEMV widens FP8 weights with integer ops (_e4m3_to_f32_scaled) rather than Triton's
-    conversion: on CUDA unless TANDEM_GEMV_FP8_CONVERT=cast (inline PTX has no interpreter)."""
-    return x.is_cuda and os.environ.get("TANDEM_GEMV_FP8_CONVERT", "int") != "cast"
 
 
 def gemv_triton(
@@ -198,7 +166,7 @@ def gemv_triton(
         HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None, GATED=gated,
         MASK_M=m != block_m, MASK_N=n_out % block_n != 0, EVEN_K=k % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, VEC=min(16 // weight.element_size(), block_k),
-        USE_PDL=pdl, launch_pdl=bool(pdl), INT_CONVERT=weight.element_size() == 1 and fp8_int_convert(x), **cfg,
+        USE_PDL=pdl, launch_pdl=bool(pdl), **cfg,
     )
     return out
 
