@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -213,7 +214,9 @@ def choose_num_splits(
     One split once batch x kv heads fill the SMs; below that, batch x kv heads x splits aims at
     programs_per_sm waves of the SMs, but no split gets fewer than min_tiles_per_split tiles of the static
     bound max_seq_len (the device spreads a sequence's actual tiles over the splits, so in a graph captured
-    for max_model_len short contexts leave the last splits empty).
+    for max_model_len short contexts leave the last splits empty). TANDEM_DECODE_MAX_SPLITS caps it for tuning
+    runs: on an H200, bs1 (7 splits of one tile) ran 1.13x faster than unsplit with no reduce kernel, 1.06x
+    than 2 splits, 1.01x than 4 (benchmarks/results/README.md, eighth session).
     """
     programs = max(1, batch * num_kv_heads)
     if programs >= num_sms:
@@ -222,7 +225,8 @@ def choose_num_splits(
         return 1
     want = triton.cdiv(programs_per_sm * num_sms, programs)
     worth = triton.cdiv(triton.cdiv(max(max_seq_len, 1), block_n), max(1, min_tiles_per_split))
-    return max(1, min(want, worth, MAX_SPLITS))
+    cap = int(os.environ.get("TANDEM_DECODE_MAX_SPLITS", MAX_SPLITS))  # tuning runs; read when a graph captures
+    return max(1, min(want, worth, cap))
 
 
 def decode_workspace_numel(batch: int, num_heads: int, head_dim: int, num_splits: int) -> int:
