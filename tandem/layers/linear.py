@@ -33,6 +33,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         if isinstance(x, QuantizedRows):  # from an RMSNorm / SiLU-and-mul kernel, for this FP8 weight
+            if self.weight_scale is None:
+                raise ValueError("QuantizedRows reach only linears with FP8 weights; this one holds "
+                                 f"{self.weight.dtype}")
             return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         if use_gemv(x, self.in_features, self.weight_scale is not None):
             return self._gemv(x, gated=False)

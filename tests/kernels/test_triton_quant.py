@@ -244,6 +244,10 @@ def test_linear_takes_quantized_rows(rows, monkeypatch):
                        dtype)
     tol = dict(atol=0, rtol=0) if device == "cuda" else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lin(xq), lin(x), **tol)
+    plain_linear = Linear(256, 128)
+    plain_linear.weight.data = lin.bias.data.new_zeros(128, 256)
+    with pytest.raises(ValueError, match="FP8 weights"):
+        plain_linear(xq)
     gated = lin.forward_silu_and_mul(x, fp8_out=True)
     assert isinstance(gated, QuantizedRows) and gated.shape == (rows, 64)
     plain = lin.forward_silu_and_mul(x)
