@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import bf16_weight_copies, cuda_setup, graph_us, l2_bytes  # noqa: E402  (graph_us: CUDA graphs over weight copies that overflow L2)
+from bench_gemv import bf16_weight_copies, cuda_setup, graph_us, l2_bytes, sweep_tiles  # noqa: E402  (graph_us: CUDA graphs over weight copies that overflow L2)
 
 from tandem.kernels.triton_gemv import gemv_triton  # noqa: E402
 from tandem.kernels.triton_quant import (  # noqa: E402
@@ -108,11 +108,13 @@ def main() -> None:
                        "speedup_vs_bf16": {p: t["bf16"] / t[p] for p in t if p not in ("bf16", "quant")},
                        "default_tile": {"triton": fp8_matmul_tile(m, n, k, sms), "w8a8": w8a8_tile(m, n, k, sms)}}
                 if args.sweep and m in sweep_rows:
-                    def gemm(x, q, s, b, tile, xq=xq):  # the engine's W8A8 path: rows quantized by their producer
-                        return fp8_w8a8_matmul_quantized(*xq, q, s, b, x.dtype, tile)
+                    # The engine's W8A8 path: rows quantized by their producer.
+                    def calls(tile, x=x, xq=xq, fp8=fp8):
+                        return [lambda q=q, s=s: fp8_w8a8_matmul_quantized(*xq, q, s, None, x.dtype, tile)
+                                for q, s in fp8]
 
-                    row["sweep"] = {"w8a8": sweep(fp8, x, n, k, gemm, copy_gbs,
-                                                  itertools.product((64, 128), (128, 256), (4,), (3, 4), (1, 2, 4, 8)))}
+                    row["sweep"] = {"w8a8": sweep_tiles(calls, n * k, copy_gbs, itertools.product(
+                        (64, 128), (128, 256), (4,), (3, 4), (1, 2, 4, 8)))}
                     row["best_tile"] = {p: v[0] for p, v in row["sweep"].items() if v}
                 rows_out.append(row)
                 best = "  best " + json.dumps(row["best_tile"]) if "best_tile" in row else ""
@@ -127,18 +129,6 @@ def main() -> None:
                        "rows": rows_out}, f, indent=2)
         print(f"wrote {args.out}")
 
-
-def sweep(fp8, x, n, k, fn, copy_gbs, grid) -> list[dict]:
-    """Every tile of the grid (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) timed; fastest first."""
-    table = []
-    for bn, bk, warps, stages, split in grid:
-        tile = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "SPLIT_K": split}
-        try:
-            us = graph_us([lambda q=q, s=s: fn(x, q, s, None, tile) for q, s in fp8], reps=2)
-        except Exception:  # noqa: BLE001  out of shared memory / registers for this tile
-            continue
-        table.append({"us": round(us, 2), "copy_fraction": round(n * k / (us * 1e-6) / 1e9 / copy_gbs, 4), **tile})
-    return sorted(table, key=lambda e: e["us"])
 
 
 if __name__ == "__main__":

@@ -113,6 +113,23 @@ def graph_us(calls: list, reps: int = 3) -> float:
     return ms * 1e3 / (reps * len(calls))
 
 
+def sweep_tiles(make_calls, weight_bytes: int, copy_gbs: float, grid) -> list[dict]:
+    """Every tile of `grid` ((BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) tuples) timed over the calls
+    make_calls(tile) returns, as GPU us per call and the fraction of copy bandwidth that streaming
+    weight_bytes in that time reaches; fastest first. Tiles that do not compile (out of shared memory or
+    registers) are left out."""
+    table = []
+    for bn, bk, warps, stages, split in grid:
+        tile = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "SPLIT_K": split}
+        try:
+            us = graph_us(make_calls(tile), reps=2)
+        except Exception:  # noqa: BLE001  out of shared memory / registers for this tile
+            continue
+        table.append({"us": round(us, 2), "copy_fraction": round(weight_bytes / (us * 1e-6) / 1e9 / copy_gbs, 4),
+                      **tile})
+    return sorted(table, key=lambda e: e["us"])
+
+
 def baseline(x, w, s, gated):
     y = F.linear(x, w) if s is None else fp8_weight_matmul_triton(x, w, s, None)
     return silu_and_mul_triton(y) if gated else y

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import bf16_weight_copies, cuda_setup, graph_us, l2_bytes  # noqa: E402
+from bench_gemv import bf16_weight_copies, cuda_setup, graph_us, l2_bytes, sweep_tiles  # noqa: E402
 
 from tandem.kernels.triton_quant import skinny_matmul_triton, skinny_tile  # noqa: E402
 
@@ -58,18 +58,10 @@ def main() -> None:
                 row = {"model": model, "proj": name, "N": n, "K": k, "M": m, "us": t, "copy_fraction": frac,
                        "speedup": t["cublas"] / t["triton"], "default_tile": skinny_tile(m, n, k, sms)}
                 if args.sweep and m in sweep_rows:
-                    table = []
-                    for bn, bk, warps, stages, split in GRID:
-                        tile = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages,
-                                "SPLIT_K": split}
-                        try:
-                            us = graph_us([lambda w=w: skinny_matmul_triton(x, w, None, dict(tile)) for w in weights],
-                                          reps=2)
-                        except Exception:  # noqa: BLE001  out of shared memory / registers for this tile
-                            continue
-                        table.append({"us": round(us, 2), "copy_fraction": round(2 * n * k / (us * 1e-6) / 1e9 / copy_gbs, 4),
-                                      **tile})
-                    row["sweep"] = sorted(table, key=lambda e: e["us"])[:12]
+                    def calls(tile, x=x, weights=weights):
+                        return [lambda w=w: skinny_matmul_triton(x, w, None, tile) for w in weights]
+
+                    row["sweep"] = sweep_tiles(calls, 2 * n * k, copy_gbs, GRID)[:12]
                 rows_out.append(row)
                 best = f"  best {json.dumps(row['sweep'][0])}" if row.get("sweep") else ""
                 print(f"{model:<11} {name:<8} M={m:<3} cublas {t['cublas']:7.1f} us ({frac['cublas']:.2f})  "
