@@ -18,7 +18,7 @@ LOG2E = 1.4426950408889634
 # at batch 1 with a short context every split is a chain of dependent loads (block table, K, V), so more,
 # shorter chains finish sooner. (It was 4: bs1 x 512 then ran 16 programs on 132 SMs.)
 MIN_TILES_PER_SPLIT = 1
-MAX_SPLITS = 64
+MAX_SPLITS = int(os.environ.get("TANDEM_DECODE_MAX_SPLITS", "64"))  # lower it for tuning runs
 # How many decode programs per SM we aim for (a few waves) before splitting a sequence's KV further.
 PROGRAMS_PER_SM = 4
 
@@ -214,9 +214,9 @@ def choose_num_splits(
     One split once batch x kv heads fill the SMs; below that, batch x kv heads x splits aims at
     programs_per_sm waves of the SMs, but no split gets fewer than min_tiles_per_split tiles of the static
     bound max_seq_len (the device spreads a sequence's actual tiles over the splits, so in a graph captured
-    for max_model_len short contexts leave the last splits empty). TANDEM_DECODE_MAX_SPLITS caps it for tuning
-    runs: on an H200, bs1 (7 splits of one tile) ran 1.13x faster than unsplit with no reduce kernel, 1.06x
-    than 2 splits, 1.01x than 4 (benchmarks/results/README.md, eighth session).
+    for max_model_len short contexts leave the last splits empty). TANDEM_DECODE_MAX_SPLITS (read at import)
+    caps it for tuning runs: on an H200, bs1 (7 splits of one tile) ran 1.13x faster than unsplit with no
+    reduce kernel, 1.06x than 2 splits, 1.01x than 4 (benchmarks/results/README.md, eighth session).
     """
     programs = max(1, batch * num_kv_heads)
     if programs >= num_sms:
@@ -225,8 +225,7 @@ def choose_num_splits(
         return 1
     want = triton.cdiv(programs_per_sm * num_sms, programs)
     worth = triton.cdiv(triton.cdiv(max(max_seq_len, 1), block_n), max(1, min_tiles_per_split))
-    cap = int(os.environ.get("TANDEM_DECODE_MAX_SPLITS", MAX_SPLITS))  # tuning runs; read when a graph captures
-    return max(1, min(want, worth, cap))
+    return max(1, min(want, worth, MAX_SPLITS))
 
 
 def decode_workspace_numel(batch: int, num_heads: int, head_dim: int, num_splits: int) -> int:

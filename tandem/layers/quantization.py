@@ -132,10 +132,9 @@ def _fp8_linear_quantized(
     from tandem.kernels.ops import use_triton
 
     rows = x.q.shape[0]
-    if not use_triton(x.q):  # CPU tests without the interpreter
-        out = F.linear(dequantize_fp8(x.q, x.scale), dequantize_fp8(weight, weight_scale),
-                       None if bias is None else bias.float())
-        return out.to(x.dtype)
+    if not use_triton(x.q):  # CPU tests without the interpreter: the reference on the dequantized rows
+        rows32 = dequantize_fp8(x.q, x.scale)
+        return fp8_linear_reference(rows32, weight, weight_scale, bias, quantize_activations=False).to(x.dtype)
     if rows <= W8A8_MAX_M:
         from tandem.kernels.triton_quant import fp8_w8a8_matmul_quantized
 
