@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import bf16_weight_copies, cuda_setup, graph_us, l2_bytes, sweep_tiles  # noqa: E402  (graph_us: CUDA graphs over weight copies that overflow L2)
+from bench_gemv import bf16_weight_copies, cuda_setup, graph_us, l2_bytes, sweep_tiles, write_rows  # noqa: E402  (graph_us: CUDA graphs over weight copies that overflow L2)
 
 from tandem.kernels.triton_gemv import gemv_triton  # noqa: E402
 from tandem.kernels.triton_quant import (  # noqa: E402
@@ -123,13 +123,7 @@ def main() -> None:
             del bf16, fp8
             torch.cuda.empty_cache()
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"device": props.name, "copy_gbs": copy_gbs, "timing": "CUDA graphs over >= 4x L2 of weight copies",
-                       "rows": rows_out}, f, indent=2)
-        print(f"wrote {args.out}")
-
-
+        write_rows(args.out, props, copy_gbs, rows_out)
 
 if __name__ == "__main__":
     main()

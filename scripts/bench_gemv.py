@@ -113,6 +113,16 @@ def graph_us(calls: list, reps: int = 3) -> float:
     return ms * 1e3 / (reps * len(calls))
 
 
+def write_rows(path: str, props: object, copy_gbs: float, rows: list[dict], **extra: object) -> None:
+    """The JSON every projection benchmark writes: device, copy bandwidth, how it timed, and its rows."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**extra, "device": props.name, "copy_gbs": copy_gbs,
+                   "timing": "CUDA-graph replay over >= 4x L2 of weight copies, GPU time per call", "rows": rows},
+                  f, indent=2)
+    print(f"wrote {path}")
+
+
 def sweep_tiles(make_calls, weight_bytes: int, copy_gbs: float, grid) -> list[dict]:
     """Every tile of `grid` ((BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) tuples) timed over the calls
     make_calls(tile) returns, as GPU us per call and the fraction of copy bandwidth that streaming
@@ -228,14 +238,8 @@ def main() -> None:
             del weights
             torch.cuda.empty_cache()
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"benchmark": "decode_gemv", "device": props.name, "date": time.strftime("%Y-%m-%d"),
-                       "torch": torch.__version__, "copy_gbs": copy_gbs, "sms": sms, "l2_bytes": l2,
-                       "timing": "CUDA-graph replay over >= 4x L2 of weight copies, GPU time per call",
-                       "rows": results}, f, indent=2)
-        print(f"wrote {args.out}")
-
+        write_rows(args.out, props, copy_gbs, results, benchmark="decode_gemv", date=time.strftime("%Y-%m-%d"),
+                   torch=torch.__version__, sms=sms, l2_bytes=l2)
 
 if __name__ == "__main__":
     main()
