@@ -57,6 +57,42 @@ def paged_attention(
     return out
 
 
+def fuses_decode_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, q_norm: torch.nn.Module | None, k_norm: torch.nn.Module | None
+) -> bool:
+    """Whether a decode step's rotary and KV write can run inside the decode attention kernel: Triton kernels on
+    for q, rotary over every dim, q/k norms both or neither with one eps, and TANDEM_DECODE_ROTARY != 0 (read
+    per call: a CUDA graph keeps what its capture chose)."""
+    if not use_triton(q) or os.environ.get("TANDEM_DECODE_ROTARY") == "0":
+        return False
+    if (q_norm is None) != (k_norm is None) or (q_norm is not None and q_norm.eps != k_norm.eps):  # type: ignore[union-attr]
+        return False
+    return 2 * cos.shape[-1] == q.shape[-1] and k.stride(-1) == 1
+
+
+def decode_attention_rotary(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim], raw: before norm / rotary
+    k: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim], raw
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Decode step (one token per sequence) on Triton: (q/k norm,) rotary, the cache write of k and v, and
+    attention in one kernel; see fuses_decode_rotary."""
+    from tandem.kernels.triton_attention import NewTokens, paged_decode_attention
+
+    new = NewTokens(k, v, cos, sin, meta.slot_mapping, q_norm_weight, k_norm_weight, eps)
+    return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                  max_seq_len=meta.max_seq_len, order=meta.decode_order, new_tokens=new)
+
+
 def use_gemv(x: torch.Tensor, in_features: int, fp8: bool = False) -> bool:
     """Whether a linear on x ([..., in_features]) runs the weight-streaming GEMV: Triton kernels are on for
     x and it holds at most GEMV_MAX_ROWS rows (GEMV_MAX_ROWS_FP8 for FP8 weights); TANDEM_GEMV_MAX_ROWS=N

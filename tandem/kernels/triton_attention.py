@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.triton_launch import pdl_wait, use_pdl
+from tandem.kernels.triton_launch import pdl_wait, prefetch_l2, use_pdl
 from tandem.layers.attention_metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
@@ -57,23 +58,78 @@ def _load_rows(base_ptr, rows, offs_d, stride_d, row_mask, d_mask, MASK_ROWS: tl
 
 
 @triton.jit
+def _rotate_rows(ptrs, partner_ptrs, mask, c, s, lower, norm_w, norm_w_partner, eps,
+                 HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    # Rows [R, BLOCK_D] of one token's q or k heads, (RMS-normalized per head and) rotated: dims d < HALF pair
+    # with d + HALF (`partner_ptrs`), the others with d - HALF. Rounds where _rotary_write_kv_kernel rounds.
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    xp = tl.load(partner_ptrs, mask=mask, other=0.0)
+    dt = x.dtype
+    f = x.to(tl.float32)
+    fp = xp.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(f * f, axis=1) / HEAD_DIM + eps)[:, None]
+        f = ((f * rstd).to(dt).to(tl.float32) * norm_w).to(dt).to(tl.float32)
+        fp = ((fp * rstd).to(dt).to(tl.float32) * norm_w_partner).to(dt).to(tl.float32)
+    fc = (f * c).to(dt).to(tl.float32)
+    ps = (fp * s).to(dt).to(tl.float32)
+    return tl.where(lower, fc - ps, fc + ps).to(dt)
+
+
+@triton.jit
+def _attend_tile(q, q_vec, k, v, n_mask, m_i, l_i, acc, qk_scale,
+                 USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # One KV tile of online softmax: scores in the log2 domain, running max m_i, sum l_i, output acc.
+    if USE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    else:
+        s = tl.sum(q_vec[None, :] * k.to(tl.float32), axis=1)[None, :]
+    s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every visited tile has a valid position
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if USE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    else:
+        pv = tl.sum(tl.sum(p, axis=0)[:, None] * v.to(tl.float32), axis=0)[None, :]
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, order_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, order_ptr, out_ptr, ws_o_ptr, ws_lse_ptr, counts_ptr,
+    new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, eps,
     qk_scale, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_b, stride_s, stride_h, stride_d,  # shared by k_cache and v_cache
     stride_btb,
     stride_ob, stride_oh, stride_od,
+    stride_nkb, stride_nkh, stride_nvb, stride_nvh, stride_cos, stride_sin,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr, KV_HEADS: tl.constexpr, HAS_ORDER: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr, KV_HEADS: tl.constexpr,
+    HAS_ORDER: tl.constexpr, ROTARY: tl.constexpr, HAS_NORM: tl.constexpr, LINES: tl.constexpr,
 ):
     # Program (slot i x kv head, split): all GROUP query heads of one kv head of sequence b over one contiguous
     # share of its KV tiles. The share is computed from seq_len on the device, so every split gets work
     # whatever the sequence's length, and the grid (hence a CUDA graph) never depends on the data. With
     # HAS_ORDER, slot i is sequence order[i] (longest context first): the GPU starts programs in grid order,
     # so the long ones start early and the short ones fill the last wave instead of a long one running alone.
-    pdl_wait(USE_PDL)
+    #
+    # ROTARY: q, k and v are this step's raw projections (q_ptr / new_k_ptr / new_v_ptr rows of the fused qkv
+    # output). The program rotates (and with HAS_NORM first RMS-normalizes) its q heads and its kv head's new
+    # k itself; the program whose share holds the new position (seq_len - 1) writes k and v into the cache
+    # slot, and every program uses the new k and v from registers for that position (what it loads from
+    # that slot is replaced, so no ordering with the write is needed).
+    #
+    # Under PDL the program prefetches its first KV tile into L2 before pdl_wait, so the context streams
+    # while the kernel before it (the qkv projection, with ROTARY) still runs. The block table and seq_lens
+    # it reads for that come from the host before the step, like the slots and cos/sin.
+    #
+    # Several splits: each writes its normalized partial and log-sum-exp, then counts itself in; the last of
+    # a (sequence, kv head)'s non-empty splits to arrive merges all partials in split order (the same result
+    # whichever program it is) and resets the count to 0 for the next launch.
     slot = tl.program_id(0) // KV_HEADS
     kvh = tl.program_id(0) % KV_HEADS
     split = tl.program_id(1)
@@ -88,9 +144,6 @@ def _decode_split_kernel(
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    if not DIRECT_OUT:
-        if tile_lo >= num_tiles:
-            return  # an empty share: the reduce reads only the splits that hold tiles (_used_splits)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -98,45 +151,100 @@ def _decode_split_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
+    mask = g_mask[:, None] & d_mask[None, :]
+    if not DIRECT_OUT:
+        if tile_lo >= num_tiles:
+            if num_tiles == 0:
+                if split == 0:  # seq_len 0 (a padding row): zeros, never NaN
+                    pdl_wait(USE_PDL)
+                    tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
+                             + offs_d[None, :] * stride_od, tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+                             .to(out_ptr.dtype.element_ty), mask=mask)
+            return  # an empty share: the merge reads only the splits that hold tiles (_used_splits)
 
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    k_base = k_ptr + kvh * stride_h
+    v_base = v_ptr + kvh * stride_h
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    if USE_PDL:
+        # The share's first KV tile into L2 while the kernels before this one finish: a prefetch changes no
+        # value (L2 is where every write lands), so it may run before the wait on any address.
+        offs_n = tile_lo * BLOCK_N + offs_n0
+        n_mask = offs_n < tl.minimum(seq_len, tile_hi * BLOCK_N)
+        kv_rows = _kv_tile_rows(bt_row, offs_n, n_mask, stride_b, stride_s, PAGE, True)
+        offs_line = tl.arange(0, LINES) * (1024 // k_ptr.dtype.element_ty.primitive_bitwidth)  # a line apart
+        lines = kv_rows[:, None] + offs_line[None, :] * stride_d
+        line_mask = n_mask[:, None] & (offs_line < HEAD_DIM)[None, :]
+        prefetch_l2(k_base + lines, line_mask)
+        prefetch_l2(v_base + lines, line_mask)
+    pdl_wait(USE_PDL)
+
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    if ROTARY:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        lower = offs_d < HALF
+        partner = tl.where(lower, offs_d + HALF, offs_d - HALF)
+        c = tl.load(cos_ptr + b.to(tl.int64) * stride_cos + offs_d % HALF, mask=d_mask, other=0.0)
+        s = tl.load(sin_ptr + b.to(tl.int64) * stride_sin + offs_d % HALF, mask=d_mask, other=0.0)
+        c = c.to(tl.float32)[None, :]
+        s = s.to(tl.float32)[None, :]
+        qw = c  # placeholders without norm weights
+        qwp = c
+        kw = c
+        kwp = c
+        if HAS_NORM:
+            qw = tl.load(qw_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            qwp = tl.load(qw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            kw = tl.load(kw_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            kwp = tl.load(kw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        q = _rotate_rows(q_rows + offs_d[None, :] * stride_qd, q_rows + partner[None, :] * stride_qd, mask, c, s,
+                         lower[None, :], qw, qwp, eps, HEAD_DIM, HAS_NORM)
+        k_row = new_k_ptr + b.to(tl.int64) * stride_nkb + kvh * stride_nkh
+        new_k = _rotate_rows(k_row + offs_d[None, :], k_row + partner[None, :], d_mask[None, :], c, s,
+                             lower[None, :], kw, kwp, eps, HEAD_DIM, HAS_NORM).to(k_ptr.dtype.element_ty)
+        new_v = tl.load(new_v_ptr + b.to(tl.int64) * stride_nvb + kvh * stride_nvh + offs_d[None, :],
+                        mask=d_mask[None, :], other=0.0).to(v_ptr.dtype.element_ty)  # [1, BLOCK_D]
+        last = seq_len - 1
+        holds_new = (tile_lo * BLOCK_N <= last) & (last < tile_hi * BLOCK_N)  # this share holds the new position
+        if holds_new:
+            new_slot = tl.load(slot_ptr + b).to(tl.int64)
+            if new_slot >= 0:
+                dst = (new_slot // PAGE) * stride_b + (new_slot % PAGE) * stride_s + offs_d[None, :] * stride_d
+                tl.store(k_base + dst, new_k, mask=d_mask[None, :])
+                tl.store(v_base + dst, new_v, mask=d_mask[None, :])
+    else:
+        q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=mask, other=0.0)  # [BLOCK_G, BLOCK_D]
     if USE_DOT:
         q = q.to(k_ptr.dtype.element_ty)  # tensor-core operand; scores accumulate in fp32
+        q_vec = tl.zeros([BLOCK_D], tl.float32)
     else:
         q_vec = tl.sum(q.to(tl.float32), axis=0)  # BLOCK_G == 1: the single query head, [BLOCK_D]
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    k_base = k_ptr + kvh * stride_h
-    v_base = v_ptr + kvh * stride_h
-    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    for tile in range(tile_lo, tile_hi):
+    # With ROTARY the tiles cover the context before the new position, which comes last, from registers.
+    cached_len = seq_len - 1 if ROTARY else seq_len
+    for tile in range(tile_lo, tl.minimum(tile_hi, tl.cdiv(cached_len, BLOCK_N))):
         offs_n = tile * BLOCK_N + offs_n0
-        n_mask = offs_n < seq_len
+        n_mask = offs_n < cached_len
         kv_rows = _kv_tile_rows(bt_row, offs_n, n_mask, stride_b, stride_s, PAGE, True)
         k = _load_rows(k_base, kv_rows, offs_d, stride_d, n_mask, d_mask, True, HEAD_DIM != BLOCK_D)
-        if USE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        else:
-            s = tl.sum(q_vec[None, :] * k.to(tl.float32), axis=1)[None, :]
-        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N], log2 domain
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every visited tile has a valid position
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _load_rows(v_base, kv_rows, offs_d, stride_d, n_mask, d_mask, True, HEAD_DIM != BLOCK_D)
-        if USE_DOT:
-            pv = tl.dot(p.to(v_ptr.dtype.element_ty), v, input_precision=DOT_PRECISION)
-        else:
-            pv = tl.sum(tl.sum(p, axis=0)[:, None] * v.to(tl.float32), axis=0)[None, :]
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, q_vec, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT, DOT_PRECISION)
+    if ROTARY:
+        if holds_new:
+            s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32), axis=1) * qk_scale  # [BLOCK_G]
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            if USE_DOT:
+                p_new = p_new.to(v_ptr.dtype.element_ty).to(tl.float32)  # as the tiles' p @ v rounds p
+            acc = acc * alpha[:, None] + p_new[:, None] * new_v.to(tl.float32)
+            m_i = m_new
 
     has_kv = l_i > 0.0
     o = acc / tl.where(has_kv, l_i, 1.0)[:, None]  # empty share or seq_len 0 -> zeros, never NaN
-    mask = g_mask[:, None] & d_mask[None, :]
     if DIRECT_OUT:
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=mask)
@@ -145,6 +253,14 @@ def _decode_split_kernel(
         tl.store(ws_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
         lse = tl.where(has_kv, m_i + tl.log2(tl.where(has_kv, l_i, 1.0)), float("-inf"))
         tl.store(ws_lse_ptr + row, lse, mask=g_mask)
+        # Count in (release: the partials above first, from every thread); the last to arrive merges.
+        tl.debug_barrier()
+        count_ptr = counts_ptr + b.to(tl.int64) * KV_HEADS + kvh
+        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == _used_splits(seq_len, num_splits, BLOCK_N) - 1:
+            tl.store(count_ptr, 0)
+            _merge_splits(ws_o_ptr, ws_lse_ptr, out_ptr, b, kvh * GROUP, seq_len, num_splits, num_heads,
+                          stride_ob, stride_oh, stride_od, GROUP, HEAD_DIM, BLOCK_D, BLOCK_S, BLOCK_N)
 
 
 @triton.jit
@@ -156,32 +272,27 @@ def _used_splits(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_reduce_kernel(
-    ws_o_ptr, ws_lse_ptr, out_ptr, seq_lens_ptr, num_splits,
-    stride_ob, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    # Program (b, head): merges the splits' normalized partials weighted by exp2(lse). Only the splits that
-    # held tiles wrote partials: in a graph captured for the longest context a short one fills few of them.
-    pdl_wait(USE_PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    row = b.to(tl.int64) * tl.num_programs(1) + h
+def _merge_splits(ws_o_ptr, ws_lse_ptr, out_ptr, b, head0, seq_len, num_splits, num_heads,
+                  stride_ob, stride_oh, stride_od, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Heads head0 .. head0 + GROUP - 1 of sequence b: the splits' normalized partials weighted by exp2(lse),
+    # read past L1 (.cg: other programs wrote them during this kernel).
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < _used_splits(tl.load(seq_lens_ptr + b), num_splits, BLOCK_N)
+    s_mask = offs_s < _used_splits(seq_len, num_splits, BLOCK_N)
     d_mask = offs_d < HEAD_DIM
-    lse = tl.load(ws_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights 0, output 0
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, axis=0)
-    o = tl.load(ws_o_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    res = tl.sum(w[:, None] * o, axis=0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d * stride_od,
-             res.to(out_ptr.dtype.element_ty), mask=d_mask)
+    for g in range(GROUP):
+        row = (b.to(tl.int64) * num_heads + head0 + g) * num_splits
+        lse = tl.load(ws_lse_ptr + row + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+        m = tl.max(lse, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)
+        denom = tl.sum(w, axis=0)
+        o = tl.load(ws_o_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+        res = tl.sum(w[:, None] * o, axis=0) / tl.where(denom > 0.0, denom, 1.0)
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + (head0 + g) * stride_oh + offs_d * stride_od,
+                 res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -256,8 +367,49 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+@dataclass(frozen=True, slots=True)
+class NewTokens:
+    """This step's raw k and v rows (one token per sequence) and what rotates them, for the decode kernel's
+    fused rotary: it then also takes the raw (unrotated) q, and writes k and v into the cache itself."""
+
+    k: torch.Tensor  # [B, num_kv_heads, head_dim], unit inner stride (a view of the fused qkv output)
+    v: torch.Tensor  # [B, num_kv_heads, head_dim]
+    cos: torch.Tensor  # [B, (1,) head_dim // 2]: rotary of every dim (no partial rotary)
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor  # [>= B]; -1: write nothing (padding rows)
+    q_norm_weight: torch.Tensor | None = None  # [head_dim] per-head RMSNorm of q and k first (Qwen3), both or neither
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
+_split_counts: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _split_counter(device: torch.device, numel: int) -> torch.Tensor:
+    """Arrival counts of the decode splits, one int32 per (sequence, kv head), zero between launches (the
+    merging program resets its own). One buffer per device, grown outside CUDA-graph capture: the runner's
+    warm-up runs every decode shape eagerly before capturing it."""
+    key = (device.type, device.index)
+    counts = _split_counts.get(key)
+    if counts is None or counts.numel() < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the decode attention's split counters must be allocated before CUDA-graph capture: "
+                               "run the same decode shape once eagerly first")
+        counts = torch.zeros(max(numel, 4096), dtype=torch.int32, device=device)
+        _split_counts[key] = counts
+    return counts
+
+
+def _token_rows(x: torch.Tensor, batch: int) -> torch.Tensor:
+    if x.dim() == 3 and x.shape[1] == 1:
+        x = x[:, 0]
+    if x.dim() != 2 or x.shape[0] != batch:
+        raise ValueError(f"cos/sin must be [batch, (1,) head_dim // 2], got {tuple(x.shape)}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
 def paged_decode_attention(
-    q: torch.Tensor,  # [B, H, D]
+    q: torch.Tensor,  # [B, H, D]; with new_tokens, the raw q before rotary
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, D]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, D]
     block_tables: torch.Tensor,  # [B, max_blocks] int32
@@ -272,13 +424,17 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     order: torch.Tensor | None = None,  # [B] int32: a permutation of the rows, the order programs start in
+    new_tokens: NewTokens | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence attending to its whole context (split-KV flash decoding).
+    """One query token per sequence attending to its whole context (split-KV flash decoding), in one kernel:
+    with several splits per sequence the last split to finish merges the partials.
 
     Graph-capturable: no host sync; num_splits comes from shapes and the static bound max_seq_len
     (default block_tables.shape[1] * block_size), never from seq_lens. `workspace` is an optional
     preallocated fp32 buffer of at least decode_workspace_numel(...) elements. `order` (the runner's: longest
-    context first) only changes which programs start first, never a result.
+    context first) only changes which programs start first, never a result. With `new_tokens` the kernel also
+    does what rotary_write_kv_triton would have done first: (q/k RMSNorm,) rotary on q and k, and the cache
+    write of k and v (q, k and v themselves are left as they are).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, num_heads, head_dim], got {tuple(q.shape)}")
@@ -294,6 +450,7 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     elif out.shape != q.shape:
         raise ValueError(f"out must be {tuple(q.shape)}, got {tuple(out.shape)}")
+    rot = _check_new_tokens(new_tokens, q, num_kv_heads) if new_tokens is not None else None
     if batch == 0:
         return out
 
@@ -309,7 +466,7 @@ def paged_decode_attention(
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else 1
     block_d = triton.next_power_of_2(head_dim)
 
-    ws_o = ws_lse = out  # placeholders, unused when the kernel writes out directly
+    ws_o = ws_lse = counts = out  # placeholders, unused when the kernel writes out directly
     if num_splits > 1:
         numel = decode_workspace_numel(batch, num_heads, head_dim, num_splits)
         if workspace is None:
@@ -318,26 +475,55 @@ def paged_decode_attention(
             raise ValueError(f"workspace must be a contiguous fp32 tensor of >= {numel} elements")
         split_o = batch * num_heads * num_splits * head_dim
         ws_o, ws_lse = workspace[:split_o], workspace[split_o:numel]
+        counts = _split_counter(q.device, batch * num_kv_heads)
 
     pdl = use_pdl(q.device)
     if order is not None and order.shape != (batch,):
         raise ValueError(f"order must be [{batch}], got {tuple(order.shape)}")
+    if rot is None:  # placeholders for the rotary arguments
+        nk, nv, cos, sin, qw, kw, slots, eps = q, q, q, q, q, q, seq_lens, 1e-6
+        rot_strides = (0,) * 6
+    else:
+        nk, nv, cos, sin, qw, kw, slots, eps = rot
+        rot_strides = (nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1), cos.stride(0), sin.stride(0))
     _decode_split_kernel[(batch * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out, ws_o, ws_lse,
+        counts, nk, nv, cos, sin, qw, kw, slots, eps,
         scale * LOG2E, num_splits,
-        *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(), *rot_strides,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
-        USE_DOT=use_dot, DOT_PRECISION=_dot_precision(k_cache.dtype), DIRECT_OUT=num_splits == 1, USE_PDL=pdl,
-        KV_HEADS=num_kv_heads, HAS_ORDER=order is not None,
+        BLOCK_S=triton.next_power_of_2(num_splits), USE_DOT=use_dot, DOT_PRECISION=_dot_precision(k_cache.dtype),
+        DIRECT_OUT=num_splits == 1, USE_PDL=pdl, KV_HEADS=num_kv_heads, HAS_ORDER=order is not None,
+        ROTARY=rot is not None, HAS_NORM=rot is not None and new_tokens.q_norm_weight is not None,  # type: ignore[union-attr]
+        LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
         num_warps=num_warps or 4, num_stages=num_stages or (3 if use_dot else 2), launch_pdl=bool(pdl),
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(batch, num_heads)](
-            ws_o, ws_lse, out, seq_lens, num_splits, *out.stride(),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n,
-            USE_PDL=pdl, num_warps=4 if num_splits * block_d >= 2048 else 2, launch_pdl=bool(pdl),
-        )
     return out
+
+
+def _check_new_tokens(new: NewTokens, q: torch.Tensor, num_kv_heads: int) -> tuple:
+    batch, _, head_dim = q.shape
+    kv_shape = (batch, num_kv_heads, head_dim)
+    if new.k.shape != kv_shape or new.v.shape != kv_shape:
+        raise ValueError(f"new k {tuple(new.k.shape)} / v {tuple(new.v.shape)} must be {kv_shape}")
+    if new.k.stride(2) != 1 or new.v.stride(2) != 1:
+        raise ValueError("new k and v need a unit inner stride")
+    cos, sin = _token_rows(new.cos, batch), _token_rows(new.sin, batch)
+    if cos.shape != sin.shape or 2 * cos.shape[1] != head_dim:
+        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)}: the fused rotary rotates all "
+                         f"{head_dim} dims (no partial rotary)")
+    if new.slot_mapping.dim() != 1 or new.slot_mapping.shape[0] < batch:
+        raise ValueError(f"slot_mapping must be 1-D with >= {batch} entries, got {tuple(new.slot_mapping.shape)}")
+    if (new.q_norm_weight is None) != (new.k_norm_weight is None):
+        raise ValueError("pass both q and k norm weights, or neither")
+    qw, kw = new.q_norm_weight, new.k_norm_weight
+    if qw is not None and kw is not None:
+        if qw.shape != (head_dim,) or kw.shape != (head_dim,):
+            raise ValueError(f"norm weights must be [{head_dim}]")
+        qw, kw = qw.contiguous(), kw.contiguous()
+    else:
+        qw = kw = cos
+    return new.k, new.v, cos, sin, qw, kw, new.slot_mapping, float(new.eps)
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -540,6 +726,7 @@ def paged_attention_triton(
 
 
 __all__ = [
+    "NewTokens",
     "paged_decode_attention",
     "paged_prefill_attention",
     "paged_attention_triton",

@@ -11,6 +11,7 @@ from torch import nn
 
 from tandem.kernels import ops
 from tandem.layers.attention_metadata import AttentionMetadata
+from tandem.layers.rotary import rotary_write_kv
 
 
 class AttentionSplit(Protocol):
@@ -57,6 +58,34 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta)
+
+    def rotary_attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], raw (views of the fused qkv output)
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        rotary: tuple[torch.Tensor, torch.Tensor],  # (cos, sin) of this step's positions
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        q_norm: nn.Module | None = None,  # per-head RMSNorm of q and k first (Qwen3), both or neither
+        k_norm: nn.Module | None = None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        """(q/k norm,) rotary, this step's K/V into the cache, then attention. In a decode step on CUDA the decode
+        kernel does all of it (ops.decode_attention_rotary: one kernel per layer where there were two, and the
+        context's KV streams before the qkv projection has finished); otherwise rotary_write_kv, then attend."""
+        cos, sin = rotary
+        if (_split is None and meta.is_decode and q.shape[0] == meta.num_seqs
+                and ops.fuses_decode_rotary(q, k, cos, q_norm, k_norm)):
+            norms = q_norm is not None and k_norm is not None
+            out = ops.decode_attention_rotary(
+                q, k, v, cos, sin, k_cache, v_cache, meta, self.scale,
+                q_norm.weight if norms else None, k_norm.weight if norms else None,  # type: ignore[union-attr]
+                q_norm.eps if norms else 1e-6,  # type: ignore[union-attr]
+            )
+            return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+        q, k = rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, q_norm, k_norm)
         return self.attend(q, k_cache, v_cache, meta)
 
     def attend(

@@ -24,7 +24,7 @@ from tandem.layers.parallel import (
 )
 from tandem.layers.norm import RMSNorm
 from tandem.layers.quantization import QuantizedRows
-from tandem.layers.rotary import RotaryEmbedding, rotary_write_kv
+from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.weights import WeightLoader
 
 # Hugging Face projection name -> (our fused projection, shard index in it).
@@ -74,11 +74,10 @@ class LlamaAttention(nn.Module):
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
-        # On CUDA one kernel normalizes (Qwen3) and rotates q and k in place (qkv is this layer's own buffer)
-        # and writes k and v into the cache.
-        q, k = rotary_write_kv(q, k, v, *rotary, k_cache, v_cache, meta.slot_mapping,
-                               self.q_norm if self.qk_norm else None, self.k_norm if self.qk_norm else None)
-        out = self.attn.attend(q, k_cache, v_cache, meta)  # [num_tokens, num_heads * head_dim]
+        # On CUDA one kernel normalizes (Qwen3) and rotates q and k and writes k and v into the cache: the
+        # decode attention kernel itself in decode steps, a kernel before attention otherwise.
+        out = self.attn.rotary_attend(q, k, v, rotary, k_cache, v_cache, meta,
+                                      self.q_norm if self.qk_norm else None, self.k_norm if self.qk_norm else None)
         return self.o_proj(out)
 
 

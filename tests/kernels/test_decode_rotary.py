@@ -1,0 +1,175 @@
+"""The decode kernel with fused rotary (NewTokens) against rotary_write_kv_triton followed by the plain decode
+kernel: same outputs, same cache writes, raw q/k/v untouched (interpreter on CPU, compiled on GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.kernels.triton_attention import NewTokens, paged_decode_attention
+from tandem.kernels.triton_rotary_kv import rotary_write_kv_triton
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def make_step(seq_lens, *, group, head_dim, page, dtype, num_kv_heads=2, seed=0, device=DEVICE):
+    """A decode step: each row's context (its new token last) in scattered pages, the new token's raw q/k/v
+    rows in one fused qkv buffer, cos/sin of its position, and its cache slot (-1 for seq_len 0 rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(seq_lens)
+    blocks_per_seq = [-(-n // page) for n in seq_lens]
+    max_blocks = max(blocks_per_seq + [1]) + 1
+    num_blocks = 2 + 2 * sum(blocks_per_seq)
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(batch, max_blocks, dtype=torch.int32)
+    slots = torch.full((batch,), -1, dtype=torch.int64)
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = torch.tensor([free.pop() for _ in range(n)], dtype=torch.int32)
+        if seq_lens[i]:
+            last = seq_lens[i] - 1
+            slots[i] = int(tables[i, last // page]) * page + last % page
+    kv = torch.randn(2, num_blocks, page, num_kv_heads, head_dim, generator=gen).to(dtype)
+    num_heads = num_kv_heads * group
+    qkv = torch.randn(batch, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    angles = torch.rand(batch, head_dim // 2, generator=gen) * 6.0
+    q_w = (1.0 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype)
+    k_w = (1.0 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype)
+    to = dict(device=device)
+    return dict(kv=kv.to(**to), qkv=qkv.to(**to), tables=tables.to(**to), slots=slots.to(**to),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                cos=angles.cos().to(dtype).to(**to), sin=angles.sin().to(dtype).to(**to),
+                q_w=q_w.to(**to), k_w=k_w.to(**to), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim)
+
+
+def split_qkv(qkv, st):
+    h, kvh, d = st["num_heads"], st["num_kv_heads"], st["head_dim"]
+    b = qkv.shape[0]
+    q = qkv[:, : h * d].view(b, h, d)
+    k = qkv[:, h * d : (h + kvh) * d].view(b, kvh, d)
+    v = qkv[:, (h + kvh) * d :].view(b, kvh, d)
+    return q, k, v
+
+
+def run_both(st, *, norm, num_splits, order=None):
+    """(fused output, fused cache, unfused output, unfused cache, raw qkv after the fused call)."""
+    weights = (st["q_w"], st["k_w"]) if norm else (None, None)
+    scale = st["head_dim"] ** -0.5
+    kv_ref = st["kv"].clone()
+    qkv_ref = st["qkv"].clone()
+    q, k, v = split_qkv(qkv_ref, st)
+    rotary_write_kv_triton(q, k, v, st["cos"], st["sin"], kv_ref[0], kv_ref[1], st["slots"], *weights, eps=1e-6)
+    ref = paged_decode_attention(q, kv_ref[0], kv_ref[1], st["tables"], st["seq_lens"], scale,
+                                 num_splits=num_splits, order=order)
+    kv = st["kv"].clone()
+    qkv = st["qkv"].clone()
+    q, k, v = split_qkv(qkv, st)
+    new = NewTokens(k, v, st["cos"], st["sin"], st["slots"], *weights, eps=1e-6)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, kv[0], kv[1], st["tables"], st["seq_lens"], scale, out, num_splits=num_splits,
+                           order=order, new_tokens=new)
+    return out, kv, ref, kv_ref, qkv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("norm", [False, True], ids=["rope", "qk_norm+rope"])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128), (2, 80)])
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+def test_fused_rotary_decode_equals_rotary_then_decode(dtype, norm, group, head_dim, num_splits):
+    # Contexts across page boundaries, a new token first in its page (17, 33), one-token contexts, padding rows.
+    seq_lens = [17, 0, 1, 70, 33, 5, 0, 129]
+    st = make_step(seq_lens, group=group, head_dim=head_dim, page=16, dtype=dtype)
+    out, kv, ref, kv_ref, qkv = run_both(st, norm=norm, num_splits=num_splits)
+    assert not torch.isnan(out).any()
+    # Without the norm every rounding matches; the norm's sum of squares may add up in another order.
+    tol = TOL[dtype] if norm else dict(atol=1e-6 if dtype == torch.float32 else 1e-3, rtol=1e-6)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(kv, kv_ref, **(TOL[dtype] if norm else dict(atol=0, rtol=0)))
+    assert torch.equal(qkv, st["qkv"])  # the raw projections are left as they were
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[6], torch.zeros_like(out[6]))
+
+
+def test_fused_rotary_decode_program_order_changes_no_result():
+    st = make_step([40, 3, 90, 1], group=4, head_dim=64, page=16, dtype=torch.float32)
+    order = torch.tensor([2, 0, 1, 3], dtype=torch.int32, device=DEVICE)
+    plain = run_both(st, norm=False, num_splits=4)
+    ordered = run_both(st, norm=False, num_splits=4, order=order)
+    assert torch.equal(plain[0], ordered[0]) and torch.equal(plain[1], ordered[1])
+
+
+def test_new_tokens_are_checked():
+    st = make_step([5, 9], group=1, head_dim=64, page=16, dtype=torch.float32)
+    q, k, v = split_qkv(st["qkv"], st)
+    args = (q, st["kv"][0], st["kv"][1], st["tables"], st["seq_lens"], 0.125)
+    with pytest.raises(ValueError, match="new k"):
+        paged_decode_attention(*args, new_tokens=NewTokens(k[:1], v[:1], st["cos"], st["sin"], st["slots"]))
+    with pytest.raises(ValueError, match="partial rotary"):
+        paged_decode_attention(*args, new_tokens=NewTokens(k, v, st["cos"][:, :8], st["sin"][:, :8], st["slots"]))
+    with pytest.raises(ValueError, match="both q and k norm"):
+        paged_decode_attention(*args, new_tokens=NewTokens(k, v, st["cos"], st["sin"], st["slots"], st["q_w"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("group,num_kv_heads,batch", [(1, 32, 1), (4, 8, 32), (2, 8, 3)])
+def test_gpu_fused_rotary_decode_bf16(group, num_kv_heads, batch):
+    """Llama-2-7B (bs1, many splits), Llama-3-8B (batch 32, one split) and Qwen3-like shapes in bf16 with
+    contexts up to 2k: the fused kernel equals rotary_write_kv + decode, and its cache writes are the same."""
+    gen = torch.Generator().manual_seed(batch)
+    seq_lens = torch.randint(1, 2048, (batch,), generator=gen).tolist()
+    st = make_step(seq_lens, group=group, head_dim=128, page=16, dtype=torch.bfloat16, num_kv_heads=num_kv_heads)
+    for norm in (False, True):
+        out, kv, ref, kv_ref, qkv = run_both(st, norm=norm, num_splits=None)
+        torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])
+        assert torch.equal(kv, kv_ref) or norm
+        assert torch.equal(qkv, st["qkv"])
+
+
+_COMPILE_SM90 = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tandem.kernels.triton_attention import _decode_split_kernel as kernel
+
+ptr_types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
+             "order_ptr": "*i32", "out_ptr": "*bf16", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "counts_ptr": "*i32",
+             "new_k_ptr": "*bf16", "new_v_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "qw_ptr": "*bf16",
+             "kw_ptr": "*bf16", "slot_ptr": "*i64"}
+unit = ("stride_d", "stride_qd", "stride_od")  # Triton specializes strides of 1 to constants
+out = {}
+for group, block_n, stages, rotary, direct in ((1, 64, 2, True, False), (4, 128, 3, True, True),
+                                               (4, 128, 3, False, True), (2, 64, 3, False, False)):
+    consts = dict(GROUP=group, BLOCK_G=1 if group == 1 else 16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=block_n,
+                  BLOCK_S=32, USE_DOT=group > 1, DOT_PRECISION="tf32", DIRECT_OUT=direct, USE_PDL=2, KV_HEADS=8,
+                  HAS_ORDER=True, ROTARY=rotary, HAS_NORM=rotary and group == 4, LINES=2, **{u: 1 for u in unit})
+    sig = {a: ptr_types.get(a, "constexpr" if a in consts else "fp32" if a in ("eps", "qk_scale") else "i32")
+           for a in kernel.arg_names}
+    div = [i for i, a in enumerate(kernel.arg_names) if a in ptr_types or (a.startswith("stride") and a not in unit)]
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in div})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages}).asm["ptx"]
+    # Every instruction word in program order (the L2 prefetch sits inside an inline-asm block).
+    words = [w for l in ptx.splitlines() for w in l.split("//")[0].replace("{", " ").replace(";", "; ").split()]
+    ops = [w for w in words if w.startswith(("ld.", "st.", "atom.", "red.", "griddepcontrol", "prefetch"))]
+    out[f"group{group}-rotary{rotary}-direct{direct}"] = ops
+json.dump(out, sys.stdout)
+"""
+
+
+def test_decode_kernel_compiles_for_sm90_and_prefetches_before_the_wait():
+    """On Hopper the decode kernel (plain and with fused rotary, split and direct) keeps nothing in local memory;
+    before the wait for the previous kernel it prefetches its first KV tile into L2 and writes nothing (no store,
+    no atomic), as the PDL contract requires; the split variants count in with an atomic after it."""
+    from tests.kernels.sm90 import compile_sm90
+
+    for variant, ops in compile_sm90(_COMPILE_SM90).items():
+        assert not any(op.startswith(("ld.local", "st.local")) for op in ops), variant
+        wait = ops.index("griddepcontrol.wait;")
+        before = ops[:wait]
+        assert any(op.startswith("prefetch.global.L2") for op in before), (variant, before)
+        assert not any(op.startswith(("st.global", "atom.", "red.")) for op in before), (variant, before)
+        atomics = [op for op in ops[wait:] if op.startswith("atom.")]
+        assert (atomics != []) == variant.endswith("directFalse"), (variant, atomics)
