@@ -58,12 +58,10 @@ def _load_rows(base_ptr, rows, offs_d, stride_d, row_mask, d_mask, MASK_ROWS: tl
 
 
 @triton.jit
-def _rotate_rows(ptrs, partner_ptrs, mask, c, s, lower, norm_w, norm_w_partner, eps,
-                 HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+def _rotate(x, xp, c, s, lower, norm_w, norm_w_partner, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
     # Rows [R, BLOCK_D] of one token's q or k heads, (RMS-normalized per head and) rotated: dims d < HALF pair
-    # with d + HALF (`partner_ptrs`), the others with d - HALF. Rounds where _rotary_write_kv_kernel rounds.
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    xp = tl.load(partner_ptrs, mask=mask, other=0.0)
+    # with d + HALF (xp holds each dim's partner), the others with d - HALF. Rounds as torch's apply_rotary
+    # in the storage dtype: each product, then the sum.
     dt = x.dtype
     f = x.to(tl.float32)
     fp = xp.to(tl.float32)
@@ -77,13 +75,13 @@ def _rotate_rows(ptrs, partner_ptrs, mask, c, s, lower, norm_w, norm_w_partner, 
 
 
 @triton.jit
-def _attend_tile(q, q_vec, k, v, n_mask, m_i, l_i, acc, qk_scale,
-                 USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # One KV tile of online softmax: scores in the log2 domain, running max m_i, sum l_i, output acc.
+    # q [BLOCK_G, BLOCK_D]: tensor-core operand (USE_DOT), or one head (BLOCK_G 1) against k in fp32.
     if USE_DOT:
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION)
     else:
-        s = tl.sum(q_vec[None, :] * k.to(tl.float32), axis=1)[None, :]
+        s = tl.sum(tl.sum(q.to(tl.float32), axis=0)[None, :] * k.to(tl.float32), axis=1)[None, :]
     s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
     m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every visited tile has a valid position
     alpha = tl.exp2(m_i - m_new)
@@ -120,12 +118,12 @@ def _decode_split_kernel(
     # ROTARY: q, k and v are this step's raw projections (q_ptr / new_k_ptr / new_v_ptr rows of the fused qkv
     # output). The program rotates (and with HAS_NORM first RMS-normalizes) its q heads and its kv head's new
     # k itself; the program whose share holds the new position (seq_len - 1) writes k and v into the cache
-    # slot, and every program uses the new k and v from registers for that position (what it loads from
-    # that slot is replaced, so no ordering with the write is needed).
+    # slot after its tiles, and every program takes the new k and v from registers (the tiles stop before the
+    # new position), so no program reads what this launch writes.
     #
     # Under PDL the program prefetches its first KV tile into L2 before pdl_wait, so the context streams
-    # while the kernel before it (the qkv projection, with ROTARY) still runs. The block table and seq_lens
-    # it reads for that come from the host before the step, like the slots and cos/sin.
+    # while the kernel before it (the qkv projection, with ROTARY) still runs. What it reads before the wait
+    # comes from the host before the step (block table, seq_lens, order, slots) or is a weight (norms).
     #
     # Several splits: each writes its normalized partial and log-sum-exp, then counts itself in; the last of
     # a (sequence, kv head)'s non-empty splits to arrive merges all partials in split order (the same result
@@ -176,48 +174,40 @@ def _decode_split_kernel(
         line_mask = n_mask[:, None] & (offs_line < HEAD_DIM)[None, :]
         prefetch_l2(k_base + lines, line_mask)
         prefetch_l2(v_base + lines, line_mask)
-    pdl_wait(USE_PDL)
-
-    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-    if ROTARY:
+    if ROTARY:  # what comes from the host or the weights, before the wait
         HALF: tl.constexpr = HEAD_DIM // 2
-        lower = offs_d < HALF
-        partner = tl.where(lower, offs_d + HALF, offs_d - HALF)
-        c = tl.load(cos_ptr + b.to(tl.int64) * stride_cos + offs_d % HALF, mask=d_mask, other=0.0)
-        s = tl.load(sin_ptr + b.to(tl.int64) * stride_sin + offs_d % HALF, mask=d_mask, other=0.0)
-        c = c.to(tl.float32)[None, :]
-        s = s.to(tl.float32)[None, :]
-        qw = c  # placeholders without norm weights
-        qwp = c
-        kw = c
-        kwp = c
+        lower = (offs_d < HALF)[None, :]
+        partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+        last = seq_len - 1
+        holds_new = (tile_lo * BLOCK_N <= last) & (last < tile_hi * BLOCK_N)  # this share holds the new position
+        new_slot = tl.load(slot_ptr + b).to(tl.int64)
+        qw = tl.zeros([1, BLOCK_D], tl.float32)  # placeholders without norm weights
+        qwp = qw
+        kw = qw
+        kwp = qw
         if HAS_NORM:
             qw = tl.load(qw_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
             qwp = tl.load(qw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
             kw = tl.load(kw_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
             kwp = tl.load(kw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        q = _rotate_rows(q_rows + offs_d[None, :] * stride_qd, q_rows + partner[None, :] * stride_qd, mask, c, s,
-                         lower[None, :], qw, qwp, eps, HEAD_DIM, HAS_NORM)
+    pdl_wait(USE_PDL)
+
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    if ROTARY:
+        c = tl.load(cos_ptr + b.to(tl.int64) * stride_cos + offs_d % HALF, mask=d_mask, other=0.0)
+        s = tl.load(sin_ptr + b.to(tl.int64) * stride_sin + offs_d % HALF, mask=d_mask, other=0.0)
+        c = c.to(tl.float32)[None, :]
+        s = s.to(tl.float32)[None, :]
+        q_raw = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=mask, other=0.0)
+        q_par = tl.load(q_rows + partner[None, :] * stride_qd, mask=mask, other=0.0)
         k_row = new_k_ptr + b.to(tl.int64) * stride_nkb + kvh * stride_nkh
-        new_k = _rotate_rows(k_row + offs_d[None, :], k_row + partner[None, :], d_mask[None, :], c, s,
-                             lower[None, :], kw, kwp, eps, HEAD_DIM, HAS_NORM).to(k_ptr.dtype.element_ty)
+        k_raw = tl.load(k_row + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        k_par = tl.load(k_row + partner[None, :], mask=d_mask[None, :], other=0.0)
         new_v = tl.load(new_v_ptr + b.to(tl.int64) * stride_nvb + kvh * stride_nvh + offs_d[None, :],
                         mask=d_mask[None, :], other=0.0).to(v_ptr.dtype.element_ty)  # [1, BLOCK_D]
-        last = seq_len - 1
-        holds_new = (tile_lo * BLOCK_N <= last) & (last < tile_hi * BLOCK_N)  # this share holds the new position
-        if holds_new:
-            new_slot = tl.load(slot_ptr + b).to(tl.int64)
-            if new_slot >= 0:
-                dst = (new_slot // PAGE) * stride_b + (new_slot % PAGE) * stride_s + offs_d[None, :] * stride_d
-                tl.store(k_base + dst, new_k, mask=d_mask[None, :])
-                tl.store(v_base + dst, new_v, mask=d_mask[None, :])
+        q = q_raw  # rotated where used
     else:
         q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=mask, other=0.0)  # [BLOCK_G, BLOCK_D]
-    if USE_DOT:
-        q = q.to(k_ptr.dtype.element_ty)  # tensor-core operand; scores accumulate in fp32
-        q_vec = tl.zeros([BLOCK_D], tl.float32)
-    else:
-        q_vec = tl.sum(q.to(tl.float32), axis=0)  # BLOCK_G == 1: the single query head, [BLOCK_D]
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -230,9 +220,15 @@ def _decode_split_kernel(
         kv_rows = _kv_tile_rows(bt_row, offs_n, n_mask, stride_b, stride_s, PAGE, True)
         k = _load_rows(k_base, kv_rows, offs_d, stride_d, n_mask, d_mask, True, HEAD_DIM != BLOCK_D)
         v = _load_rows(v_base, kv_rows, offs_d, stride_d, n_mask, d_mask, True, HEAD_DIM != BLOCK_D)
-        m_i, l_i, acc = _attend_tile(q, q_vec, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT, DOT_PRECISION)
+        if ROTARY:  # loop-invariant: compiled to run once, after the first tiles' loads are issued
+            q_tile = _rotate(q_raw, q_par, c, s, lower, qw, qwp, eps, HEAD_DIM, HAS_NORM)
+        else:
+            q_tile = q
+        m_i, l_i, acc = _attend_tile(q_tile, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT, DOT_PRECISION)
     if ROTARY:
         if holds_new:
+            q = _rotate(q_raw, q_par, c, s, lower, qw, qwp, eps, HEAD_DIM, HAS_NORM)
+            new_k = _rotate(k_raw, k_par, c, s, lower, kw, kwp, eps, HEAD_DIM, HAS_NORM).to(k_ptr.dtype.element_ty)
             s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32), axis=1) * qk_scale  # [BLOCK_G]
             m_new = tl.maximum(m_i, s_new)
             alpha = tl.exp2(m_i - m_new)
@@ -242,6 +238,10 @@ def _decode_split_kernel(
                 p_new = p_new.to(v_ptr.dtype.element_ty).to(tl.float32)  # as the tiles' p @ v rounds p
             acc = acc * alpha[:, None] + p_new[:, None] * new_v.to(tl.float32)
             m_i = m_new
+            if new_slot >= 0:  # into the cache for the next steps (nothing in this launch reads it back)
+                dst = (new_slot // PAGE) * stride_b + (new_slot % PAGE) * stride_s + offs_d[None, :] * stride_d
+                tl.store(k_base + dst, new_k, mask=d_mask[None, :])
+                tl.store(v_base + dst, new_v, mask=d_mask[None, :])
 
     has_kv = l_i > 0.0
     o = acc / tl.where(has_kv, l_i, 1.0)[:, None]  # empty share or seq_len 0 -> zeros, never NaN

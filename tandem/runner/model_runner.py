@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -158,8 +158,14 @@ class ModelRunner:
         ints["block_tables"][:2].zero_()
         meta = self._meta(0, 3, 2, max_query_len=2, max_seq_len=2, num_decodes=1)
         qkv = torch.zeros(3, (heads + 2 * kv_heads) * dim, dtype=self.dtype, device=self.device)
-        ops.paged_attention(qkv[:, : heads * dim].view(3, heads, dim), self.kv_cache[0, 0], self.kv_cache[0, 1],
-                            meta, dim**-0.5)
+        q = qkv[:, : heads * dim].view(3, heads, dim)
+        ops.paged_attention(q, self.kv_cache[0, 0], self.kv_cache[0, 1], meta, dim**-0.5)
+        if self.max_num_seqs * self.num_kv_heads > self._num_sms:
+            # Decodes beyond a wave start longest first (_meta's decode_order): that variant too. (The decode
+            # graphs' warm-up does not compile it: their attention is the decode kernel with fused rotary.)
+            ints["decode_order"][:1] = 0
+            meta = replace(meta, decode_order=ints["decode_order"][:1])
+            ops.paged_attention(q, self.kv_cache[0, 0], self.kv_cache[0, 1], meta, dim**-0.5)
 
     def set_timing(self, enabled: bool) -> None:
         """Turns on timing events around each step's GPU work (for the timeline)."""
