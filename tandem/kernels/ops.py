@@ -60,14 +60,19 @@ def paged_attention(
 def fuses_decode_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, q_norm: torch.nn.Module | None, k_norm: torch.nn.Module | None
 ) -> bool:
-    """Whether a decode step's rotary and KV write can run inside the decode attention kernel: Triton kernels on
-    for q, rotary over every dim, q/k norms both or neither with one eps, and TANDEM_DECODE_ROTARY != 0 (read
-    per call: a CUDA graph keeps what its capture chose)."""
+    """Whether a decode step's rotary and KV write run inside the decode attention kernel: Triton kernels on for
+    q, rotary over every dim, q/k norms both or neither with one eps, fewer sequences x kv heads than the GPU
+    has SMs (the kernel splits each sequence's context: at batch 1 it saved the rotary kernel's ~2 us a layer,
+    while at batch 32 x 8 kv heads the rotation ahead of the tile loads cost more than that on an H200), and
+    TANDEM_DECODE_ROTARY != 0 (read per call: a CUDA graph keeps what its capture chose)."""
     if not use_triton(q) or os.environ.get("TANDEM_DECODE_ROTARY") == "0":
         return False
     if (q_norm is None) != (k_norm is None) or (q_norm is not None and q_norm.eps != k_norm.eps):  # type: ignore[union-attr]
         return False
-    return 2 * cos.shape[-1] == q.shape[-1] and k.stride(-1) == 1
+    from tandem.kernels.triton_attention import device_sms
+
+    return (2 * cos.shape[-1] == q.shape[-1] and k.stride(-1) == 1
+            and k.shape[0] * k.shape[1] < device_sms(q.device))
 
 
 def decode_attention_rotary(

@@ -128,7 +128,7 @@ def test_gpu_fused_rotary_decode_bf16(group, num_kv_heads, batch):
         torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])
         # rotary_write_kv_triton's products may be contracted into bf16 FMAs by the compiler (a last-bit
         # difference); without the norm, the fused kernel's k equals torch's apply_rotary in bf16 exactly.
-        torch.testing.assert_close(kv, kv_ref, atol=0, rtol=2**-7)
+        torch.testing.assert_close(kv, kv_ref, atol=2**-5, rtol=2**-7)
         assert torch.equal(qkv, st["qkv"])
         if not norm:
             _, k, v = split_qkv(st["qkv"], st)
@@ -184,3 +184,20 @@ def test_decode_kernel_compiles_for_sm90_and_prefetches_before_the_wait():
         assert not any(op.startswith(("st.global", "atom.", "red.")) for op in before), (variant, before)
         atomics = [op for op in ops[wait:] if op.startswith("atom.")]
         assert (atomics != []) == variant.endswith("directFalse"), (variant, atomics)
+
+
+def test_fuses_decode_rotary_only_where_the_decode_grid_is_split(monkeypatch):
+    from tandem.kernels import ops
+    from tandem.layers.norm import RMSNorm
+
+    monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
+    q, cos = torch.zeros(4, 8, 64), torch.zeros(4, 32)
+    k = torch.zeros(4, 2, 64)
+    assert ops.fuses_decode_rotary(q, k, cos, None, None)
+    assert not ops.fuses_decode_rotary(torch.zeros(66, 8, 64), torch.zeros(66, 2, 64), cos, None, None)  # 132 programs
+    assert not ops.fuses_decode_rotary(q, k, torch.zeros(4, 16), None, None)  # partial rotary
+    assert ops.fuses_decode_rotary(q, k, cos, RMSNorm(64, 1e-6), RMSNorm(64, 1e-6))
+    assert not ops.fuses_decode_rotary(q, k, cos, RMSNorm(64, 1e-6), RMSNorm(64, 1e-5))
+    assert not ops.fuses_decode_rotary(q, k, cos, RMSNorm(64, 1e-6), None)
+    monkeypatch.setenv("TANDEM_DECODE_ROTARY", "0")
+    assert not ops.fuses_decode_rotary(q, k, cos, None, None)

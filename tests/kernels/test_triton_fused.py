@@ -178,10 +178,18 @@ def run_steps(model, config) -> list[torch.Tensor]:
 @pytest.mark.skipif(CUDA, reason="compares the CPU PyTorch path with the interpreted Triton path")
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
 def test_model_forward_same_logits_with_forced_triton(qk_norm, monkeypatch):
+    """Prefill through rotary_write_kv + the prefill kernel, the decode step through the decode kernel with fused
+    rotary (and Qwen3's q/k norm), against the PyTorch layers."""
+    from tandem.kernels import ops
+
     model, config = tiny_model(qk_norm)
     eager = run_steps(model, config)
     monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
+    calls = []
+    real = ops.decode_attention_rotary
+    monkeypatch.setattr(ops, "decode_attention_rotary", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     fused = run_steps(model, config)
+    assert len(calls) == config.num_layers  # the decode step, once per layer
     for a, b in zip(fused, eager):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
