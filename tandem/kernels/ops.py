@@ -69,7 +69,7 @@ def fuses_decode_rotary(
         return False
     if (q_norm is None) != (k_norm is None) or (q_norm is not None and q_norm.eps != k_norm.eps):  # type: ignore[union-attr]
         return False
-    from tandem.kernels.triton_launch import device_sms
+    from tandem.kernels.triton_attention import device_sms
 
     return (2 * cos.shape[-1] == q.shape[-1] and k.stride(-1) == 1
             and k.shape[0] * k.shape[1] < device_sms(q.device))
@@ -88,7 +88,6 @@ def decode_attention_rotary(
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
     eps: float,
-    fp8_rows: tuple[torch.Tensor, torch.Tensor] | None = None,  # see decode_writes_fp8_rows
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Decode step (one token per sequence) on Triton: (q/k norm,) rotary, the cache write of k and v, and
     attention in one kernel; see fuses_decode_rotary."""
@@ -96,33 +95,7 @@ def decode_attention_rotary(
 
     new = NewTokens(k, v, cos, sin, meta.slot_mapping, q_norm_weight, k_norm_weight, eps)
     return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                  max_seq_len=meta.max_seq_len, order=meta.decode_order, new_tokens=new,
-                                  fp8_rows=fp8_rows)
-
-
-def decode_writes_fp8_rows(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """Whether this step's decode kernel can also write its output rows quantized per token (for an FP8
-    o_proj, sparing the separate quantization kernel): a decode step on Triton whose launch runs one split per
-    sequence (sequences x kv heads fill the SMs). TANDEM_DECODE_FP8_ROWS=0 turns it off (read per call)."""
-    if not use_triton(q) or not meta.is_decode or q.shape[0] != meta.num_seqs:
-        return False
-    if os.environ.get("TANDEM_DECODE_FP8_ROWS") == "0":
-        return False
-    from tandem.kernels.triton_attention import decode_num_splits
-
-    splits = decode_num_splits(q.shape[0], k_cache.shape[2], q.shape[2], k_cache.dtype, meta.max_seq_len, q.device)
-    return splits == 1
-
-
-def decode_attention_fp8_rows(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    fp8_rows: tuple[torch.Tensor, torch.Tensor],
-) -> torch.Tensor:
-    """paged_attention of a decode step that also writes fp8_rows (see decode_writes_fp8_rows)."""
-    from tandem.kernels.triton_attention import paged_decode_attention
-
-    return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                  max_seq_len=meta.max_seq_len, order=meta.decode_order, fp8_rows=fp8_rows)
+                                  max_seq_len=meta.max_seq_len, order=meta.decode_order, new_tokens=new)
 
 
 def use_gemv(x: torch.Tensor, in_features: int, fp8: bool = False) -> bool:

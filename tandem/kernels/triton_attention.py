@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -9,9 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
-from tandem.kernels.triton_quant import store_quantized_row
-from tandem.layers.quantization import FP8_MAX, MIN_AMAX
+from tandem.kernels.triton_launch import pdl_wait, prefetch_l2, use_pdl
 from tandem.layers.attention_metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
@@ -98,7 +97,7 @@ def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexpr
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, order_ptr, out_ptr, ws_o_ptr, ws_lse_ptr, counts_ptr,
-    new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, eps, q8_ptr, q8_scale_ptr,
+    new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, eps,
     qk_scale, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_b, stride_s, stride_h, stride_d,  # shared by k_cache and v_cache
@@ -109,7 +108,6 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr, KV_HEADS: tl.constexpr,
     HAS_ORDER: tl.constexpr, ROTARY: tl.constexpr, HAS_NORM: tl.constexpr, LINES: tl.constexpr,
-    FP8_ROWS: tl.constexpr, ROW_BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr,
 ):
     # Program (slot i x kv head, split): all GROUP query heads of one kv head of sequence b over one contiguous
     # share of its KV tiles. The share is computed from seq_len on the device, so every split gets work
@@ -130,10 +128,6 @@ def _decode_split_kernel(
     # Several splits: each writes its normalized partial and log-sum-exp, then counts itself in; the last of
     # a (sequence, kv head)'s non-empty splits to arrive merges all partials in split order (the same result
     # whichever program it is) and resets the count to 0 for the next launch.
-    #
-    # FP8_ROWS (one split): the sequence's kv-head programs count in after writing their heads, and the last
-    # quantizes the whole output row per token for an FP8 o_proj (e4m3 at q8_ptr, scale at q8_scale_ptr), the
-    # bytes quantize_per_token_triton would write from `out`.
     slot = tl.program_id(0) // KV_HEADS
     kvh = tl.program_id(0) % KV_HEADS
     split = tl.program_id(1)
@@ -254,18 +248,6 @@ def _decode_split_kernel(
     if DIRECT_OUT:
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=mask)
-        if FP8_ROWS:
-            tl.debug_barrier()
-            count_ptr = counts_ptr + b.to(tl.int64)
-            if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == KV_HEADS - 1:
-                tl.store(count_ptr, 0)
-                row_len = num_heads * HEAD_DIM
-                offs_r = tl.arange(0, ROW_BLOCK)
-                r_mask = offs_r < row_len
-                row = tl.load(out_ptr + b.to(tl.int64) * stride_ob + (offs_r // HEAD_DIM) * stride_oh
-                              + (offs_r % HEAD_DIM) * stride_od, mask=r_mask, other=0.0, cache_modifier=".cg")
-                store_quantized_row(row.to(tl.float32), offs_r, r_mask, q8_ptr + b.to(tl.int64) * row_len,
-                                    q8_scale_ptr + b, FP8_MAX_C, MIN_AMAX_C)
     else:
         row = (b.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_G] into [B, H, splits]
         tl.store(ws_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
@@ -313,6 +295,18 @@ def _merge_splits(ws_o_ptr, ws_lse_ptr, out_ptr, b, head0, seq_len, num_splits, 
                  res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, for the kernels' shape-only tile heuristics."""
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 132  # interpreter runs: pretend an H100 so the heuristic is exercised the same way
+
+
 def decode_block_n(head_dim: int, dtype: torch.dtype, programs: int = 0, num_sms: int = 0) -> int:
     """KV positions per decode tile: ~16 KiB of K (and of V) per tile, ~32 KiB once batch x kv heads
     programs fill the SMs without splitting. Swept on an H200 (h200_s5_kernels_sweep.json): at batch 32
@@ -343,14 +337,6 @@ def choose_num_splits(
     want = triton.cdiv(programs_per_sm * num_sms, programs)
     worth = triton.cdiv(triton.cdiv(max(max_seq_len, 1), block_n), max(1, min_tiles_per_split))
     return max(1, min(want, worth, MAX_SPLITS))
-
-
-def decode_num_splits(batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int,
-                      device: torch.device) -> int:
-    """The splits per sequence paged_decode_attention picks by default for these shapes."""
-    num_sms = device_sms(device)
-    block_n = decode_block_n(head_dim, dtype, batch * num_kv_heads, num_sms)
-    return choose_num_splits(batch, num_kv_heads, max_seq_len, block_n, num_sms)
 
 
 def decode_workspace_numel(batch: int, num_heads: int, head_dim: int, num_splits: int) -> int:
@@ -439,7 +425,6 @@ def paged_decode_attention(
     num_stages: int | None = None,
     order: torch.Tensor | None = None,  # [B] int32: a permutation of the rows, the order programs start in
     new_tokens: NewTokens | None = None,
-    fp8_rows: tuple[torch.Tensor, torch.Tensor] | None = None,  # e4m3 [B, H * D] and fp32 [B, 1], one split only
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole context (split-KV flash decoding), in one kernel:
     with several splits per sequence the last split to finish merges the partials.
@@ -449,9 +434,7 @@ def paged_decode_attention(
     preallocated fp32 buffer of at least decode_workspace_numel(...) elements. `order` (the runner's: longest
     context first) only changes which programs start first, never a result. With `new_tokens` the kernel also
     does what rotary_write_kv_triton would have done first: (q/k RMSNorm,) rotary on q and k, and the cache
-    write of k and v (q, k and v themselves are left as they are). With `fp8_rows` (only where the launch runs one
-    split per sequence: `decode_num_splits(...) == 1`) it also writes each output row quantized per token, as
-    quantize_per_token_triton would from `out`.
+    write of k and v (q, k and v themselves are left as they are).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [batch, num_heads, head_dim], got {tuple(q.shape)}")
@@ -479,15 +462,6 @@ def paged_decode_attention(
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, block_n, num_sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if fp8_rows is not None:
-        q8, q8_scale = fp8_rows
-        if num_splits != 1:
-            raise ValueError(f"fp8_rows needs one split per sequence, this launch has {num_splits}")
-        if q8.shape != (batch, num_heads * head_dim) or not q8.is_contiguous() or q8_scale.shape != (batch, 1):
-            raise ValueError(f"fp8_rows must be contiguous [{batch}, {num_heads * head_dim}] and [{batch}, 1], "
-                             f"got {tuple(q8.shape)} and {tuple(q8_scale.shape)}")
-    else:
-        q8 = q8_scale = out  # placeholders
     use_dot = group > 1
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else 1
     block_d = triton.next_power_of_2(head_dim)
@@ -502,8 +476,6 @@ def paged_decode_attention(
         split_o = batch * num_heads * num_splits * head_dim
         ws_o, ws_lse = workspace[:split_o], workspace[split_o:numel]
         counts = _split_counter(q.device, batch * num_kv_heads)
-    elif fp8_rows is not None:
-        counts = _split_counter(q.device, batch)
 
     pdl = use_pdl(q.device)
     if order is not None and order.shape != (batch,):
@@ -516,7 +488,7 @@ def paged_decode_attention(
         rot_strides = (nk.stride(0), nk.stride(1), nv.stride(0), nv.stride(1), cos.stride(0), sin.stride(0))
     _decode_split_kernel[(batch * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out, ws_o, ws_lse,
-        counts, nk, nv, cos, sin, qw, kw, slots, eps, q8, q8_scale,
+        counts, nk, nv, cos, sin, qw, kw, slots, eps,
         scale * LOG2E, num_splits,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(), *rot_strides,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
@@ -524,8 +496,6 @@ def paged_decode_attention(
         DIRECT_OUT=num_splits == 1, USE_PDL=pdl, KV_HEADS=num_kv_heads, HAS_ORDER=order is not None,
         ROTARY=rot is not None, HAS_NORM=rot is not None and new_tokens.q_norm_weight is not None,  # type: ignore[union-attr]
         LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
-        FP8_ROWS=fp8_rows is not None, ROW_BLOCK=triton.next_power_of_2(num_heads * head_dim) if fp8_rows else 1,
-        FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX,
         num_warps=num_warps or 4, num_stages=num_stages or (3 if use_dot else 2), launch_pdl=bool(pdl),
     )
     return out

@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
+from tandem.kernels.triton_attention import device_sms
+from tandem.kernels.triton_launch import pdl_wait, prefetch_l2, use_pdl
 from tandem.layers.quantization import FP8_DTYPE, FP8_MAX, MIN_AMAX
 
 MAX_QUANT_DIM = 65536  # one program holds a whole row in registers

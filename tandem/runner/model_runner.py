@@ -77,7 +77,7 @@ class ModelRunner:
         self.num_kv_heads = local_kv_heads(mc, self.parallel)  # this rank's share of the KV heads
         self._num_sms = 0  # the SMs one decode wave fills (CUDA only: the decode program order)
         if self.device.type == "cuda":
-            from tandem.kernels.triton_launch import device_sms  # lazy: CPU runs never import Triton
+            from tandem.kernels.triton_attention import device_sms  # lazy: CPU runs never import Triton
 
             self._num_sms = device_sms(self.device)
         self.max_model_len = config.max_model_len or min(model_max_len(mc), 8192)

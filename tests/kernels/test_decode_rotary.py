@@ -149,16 +149,14 @@ from tandem.kernels.triton_attention import _decode_split_kernel as kernel
 ptr_types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
              "order_ptr": "*i32", "out_ptr": "*bf16", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "counts_ptr": "*i32",
              "new_k_ptr": "*bf16", "new_v_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "qw_ptr": "*bf16",
-             "kw_ptr": "*bf16", "slot_ptr": "*i64", "q8_ptr": "*fp8e4nv", "q8_scale_ptr": "*fp32"}
+             "kw_ptr": "*bf16", "slot_ptr": "*i64"}
 unit = ("stride_d", "stride_qd", "stride_od")  # Triton specializes strides of 1 to constants
 out = {}
-for group, block_n, stages, rotary, direct, rows in ((1, 64, 2, True, False, False), (4, 128, 3, True, True, True),
-                                                     (4, 128, 3, False, True, False), (2, 64, 3, False, False, False),
-                                                     (4, 128, 3, False, True, True)):
+for group, block_n, stages, rotary, direct in ((1, 64, 2, True, False), (4, 128, 3, True, True),
+                                               (4, 128, 3, False, True), (2, 64, 3, False, False)):
     consts = dict(GROUP=group, BLOCK_G=1 if group == 1 else 16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=block_n,
                   BLOCK_S=32, USE_DOT=group > 1, DOT_PRECISION="tf32", DIRECT_OUT=direct, USE_PDL=2, KV_HEADS=8,
-                  HAS_ORDER=True, ROTARY=rotary, HAS_NORM=rotary and group == 4, LINES=2, FP8_ROWS=rows,
-                  ROW_BLOCK=4096 if rows else 1, FP8_MAX_C=448.0, MIN_AMAX_C=1e-12, **{u: 1 for u in unit})
+                  HAS_ORDER=True, ROTARY=rotary, HAS_NORM=rotary and group == 4, LINES=2, **{u: 1 for u in unit})
     sig = {a: ptr_types.get(a, "constexpr" if a in consts else "fp32" if a in ("eps", "qk_scale") else "i32")
            for a in kernel.arg_names}
     div = [i for i, a in enumerate(kernel.arg_names) if a in ptr_types or (a.startswith("stride") and a not in unit)]
@@ -167,16 +165,15 @@ for group, block_n, stages, rotary, direct, rows in ((1, 64, 2, True, False, Fal
     # Every instruction word in program order (the L2 prefetch sits inside an inline-asm block).
     words = [w for l in ptx.splitlines() for w in l.split("//")[0].replace("{", " ").replace(";", "; ").split()]
     ops = [w for w in words if w.startswith(("ld.", "st.", "atom.", "red.", "griddepcontrol", "prefetch"))]
-    out[f"group{group}-rotary{rotary}-rows{rows}-direct{direct}"] = ops
+    out[f"group{group}-rotary{rotary}-direct{direct}"] = ops
 json.dump(out, sys.stdout)
 """
 
 
 def test_decode_kernel_compiles_for_sm90_and_prefetches_before_the_wait():
-    """On Hopper the decode kernel (plain and with fused rotary, split and direct, with FP8 rows) keeps nothing in
-    local memory; before the wait for the previous kernel it prefetches its first KV tile into L2 and writes
-    nothing (no store, no atomic), as the PDL contract requires; the split and FP8-row variants count in with an
-    atomic after it."""
+    """On Hopper the decode kernel (plain and with fused rotary, split and direct) keeps nothing in local memory;
+    before the wait for the previous kernel it prefetches its first KV tile into L2 and writes nothing (no store,
+    no atomic), as the PDL contract requires; the split variants count in with an atomic after it."""
     from tests.kernels.sm90 import compile_sm90
 
     for variant, ops in compile_sm90(_COMPILE_SM90).items():
@@ -186,7 +183,7 @@ def test_decode_kernel_compiles_for_sm90_and_prefetches_before_the_wait():
         assert any(op.startswith("prefetch.global.L2") for op in before), (variant, before)
         assert not any(op.startswith(("st.global", "atom.", "red.")) for op in before), (variant, before)
         atomics = [op for op in ops[wait:] if op.startswith("atom.")]
-        assert (atomics != []) == (variant.endswith("directFalse") or "rowsTrue" in variant), (variant, atomics)
+        assert (atomics != []) == variant.endswith("directFalse"), (variant, atomics)
 
 
 def test_fuses_decode_rotary_only_where_the_decode_grid_is_split(monkeypatch):
@@ -204,100 +201,3 @@ def test_fuses_decode_rotary_only_where_the_decode_grid_is_split(monkeypatch):
     assert not ops.fuses_decode_rotary(q, k, cos, RMSNorm(64, 1e-6), None)
     monkeypatch.setenv("TANDEM_DECODE_ROTARY", "0")
     assert not ops.fuses_decode_rotary(q, k, cos, None, None)
-
-
-@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "fused_rotary"])
-def test_decode_writes_fp8_rows_as_the_quantizer_would(rotary):
-    """With one split per sequence the decode kernel's last kv-head program of each sequence quantizes the output
-    row: the very bytes (and scales) quantize_per_token_triton writes from `out`; padding rows give zero rows."""
-    from tandem.kernels.triton_quant import quantize_per_token_triton
-    from tandem.layers.quantization import FP8_DTYPE
-
-    st = make_step([17, 0, 40, 3, 90], group=4, head_dim=64, page=16, dtype=torch.float32)
-    q, k, v = split_qkv(st["qkv"], st)
-    batch, heads = q.shape[0], q.shape[1]
-    order = torch.tensor([4, 2, 0, 3, 1], dtype=torch.int32, device=DEVICE)
-    new = NewTokens(k, v, st["cos"], st["sin"], st["slots"]) if rotary else None
-    q8 = torch.empty(batch, heads * 64, dtype=FP8_DTYPE, device=DEVICE)
-    scale = torch.full((batch, 1), float("nan"), device=DEVICE)
-    for _ in range(2):  # the second launch finds the counters reset by the first
-        kv = st["kv"].clone()
-        out = paged_decode_attention(q, kv[0], kv[1], st["tables"], st["seq_lens"], 0.125, num_splits=1,
-                                     order=order, new_tokens=new, fp8_rows=(q8, scale))
-        ref_q, ref_scale = quantize_per_token_triton(out.reshape(batch, -1))
-        assert torch.equal(q8.view(torch.uint8), ref_q.view(torch.uint8))
-        assert torch.equal(scale, ref_scale)
-    with pytest.raises(ValueError, match="one split"):
-        paged_decode_attention(q, kv[0], kv[1], st["tables"], st["seq_lens"], 0.125, num_splits=2,
-                               fp8_rows=(q8, scale))
-
-
-def fp8_decode_logits(model, config, batch: int, device: str, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Prefill of `batch` short prompts, then three decode steps (with a padding row) on fixed tokens (the same
-    inputs whatever the logits); logits of each step."""
-    from tests.models.paged_kv import PagedKV, Seq
-
-    seqs = [Seq([3 + (7 * i + j) % 90 for j in range(4 + i % 9)]) for i in range(batch)]
-    kv = PagedKV(config, num_blocks=8 * batch + 8, dtype=dtype, device=device)
-    logits = []
-    with torch.inference_mode():
-        for padding in (0, 1, 1, 1):
-            step = kv.step(seqs, num_padding_rows=padding)
-            out = model.compute_logits(model(step.input_ids, step.positions, kv.kv_cache, step.meta))
-            logits.append(out[step.last_token_idx].float())
-            for i, seq in enumerate(seqs):
-                seq.token_ids.append(3 + (11 * i + len(seq.token_ids)) % 90)
-    return logits
-
-
-def test_fp8_model_decode_rows_quantized_by_attention(monkeypatch):
-    """A tiny FP8 llama on the interpreter: in decode steps o_proj gets its input quantized by the attention
-    kernel (QuantizedRows: no quantization kernel for it), in the prefill step as bf16 rows; with
-    TANDEM_DECODE_FP8_ROWS=0 never. (The bytes are checked above; the logits against o_proj's own quantization
-    on the GPU, as the interpreter's FP8 tile GEMM is not exact.)"""
-    from tandem.layers.linear import Linear
-    from tandem.layers.quantization import QuantizedRows
-    from tandem.models.loader import quantize_linears_fp8
-    from tests.kernels.test_triton_fused import tiny_model
-
-    monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
-    model, config = tiny_model(qk_norm=False)
-    quantize_linears_fp8(model)
-    o_projs = {id(layer.self_attn.o_proj) for layer in model.model.layers}
-    seen = []
-    real = Linear.forward
-    monkeypatch.setattr(Linear, "forward", lambda self, x: (
-        seen.append(isinstance(x, QuantizedRows)) if id(self) in o_projs else None) or real(self, x))
-    logits = fp8_decode_logits(model, config, 3, DEVICE, torch.float32)
-    assert seen == [False] * config.num_layers + [True] * (3 * config.num_layers)
-    assert all(torch.isfinite(x).all() for x in logits)
-    seen.clear()
-    monkeypatch.setenv("TANDEM_DECODE_FP8_ROWS", "0")
-    fp8_decode_logits(model, config, 3, DEVICE, torch.float32)
-    assert seen == [False] * (4 * config.num_layers)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
-@pytest.mark.parametrize("batch", [40, 70], ids=["fused_rotary", "rotary_kernel"])
-def test_gpu_fp8_decode_rows_from_attention_equal_the_quantizer(qk_norm, batch, monkeypatch):
-    """bf16 FP8 model on the GPU: o_proj's input quantized by the decode kernel (40 rows x 2 kv heads: with the
-    fused rotary; 70: a full wave, after the rotary kernel) gives the very logits of o_proj quantizing it."""
-    from tandem.kernels import ops
-    from tandem.models.loader import quantize_linears_fp8
-    from tests.kernels.test_triton_fused import tiny_model
-
-    model, config = tiny_model(qk_norm)
-    model = model.to("cuda", torch.bfloat16)
-    quantize_linears_fp8(model)
-    calls = []
-    real = ops.decode_attention_fp8_rows if batch == 70 else ops.decode_attention_rotary
-    name = "decode_attention_fp8_rows" if batch == 70 else "decode_attention_rotary"
-    monkeypatch.setattr(ops, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    rows = fp8_decode_logits(model, config, batch, "cuda", torch.bfloat16)
-    assert len(calls) == 3 * config.num_layers
-    monkeypatch.setenv("TANDEM_DECODE_FP8_ROWS", "0")
-    plain = fp8_decode_logits(model, config, batch, "cuda", torch.bfloat16)
-    for a, b in zip(rows, plain):
-        assert torch.equal(a, b), (a - b).abs().max().item()
