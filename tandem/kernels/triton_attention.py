@@ -220,7 +220,7 @@ def _decode_split_kernel(
         kv_rows = _kv_tile_rows(bt_row, offs_n, n_mask, stride_b, stride_s, PAGE, True)
         k = _load_rows(k_base, kv_rows, offs_d, stride_d, n_mask, d_mask, True, HEAD_DIM != BLOCK_D)
         v = _load_rows(v_base, kv_rows, offs_d, stride_d, n_mask, d_mask, True, HEAD_DIM != BLOCK_D)
-        if ROTARY:  # loop-invariant: compiled to run once, after the first tiles' loads are issued
+        if ROTARY:  # loop-invariant: Triton hoists it out of the loop, ahead of the first tiles' loads
             q_tile = _rotate(q_raw, q_par, c, s, lower, qw, qwp, eps, HEAD_DIM, HAS_NORM)
         else:
             q_tile = q
