@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.triton_launch import pdl_wait, prefetch_l2, use_pdl
+from tandem.kernels.triton_rotary_kv import check_rotary_args
 from tandem.layers.attention_metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
@@ -400,14 +401,6 @@ def _split_counter(device: torch.device, numel: int) -> torch.Tensor:
     return counts
 
 
-def _token_rows(x: torch.Tensor, batch: int) -> torch.Tensor:
-    if x.dim() == 3 and x.shape[1] == 1:
-        x = x[:, 0]
-    if x.dim() != 2 or x.shape[0] != batch:
-        raise ValueError(f"cos/sin must be [batch, (1,) head_dim // 2], got {tuple(x.shape)}")
-    return x if x.stride(1) == 1 else x.contiguous()
-
-
 def paged_decode_attention(
     q: torch.Tensor,  # [B, H, D]; with new_tokens, the raw q before rotary
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, D]
@@ -508,18 +501,12 @@ def _check_new_tokens(new: NewTokens, q: torch.Tensor, num_kv_heads: int) -> tup
         raise ValueError(f"new k {tuple(new.k.shape)} / v {tuple(new.v.shape)} must be {kv_shape}")
     if new.k.stride(2) != 1 or new.v.stride(2) != 1:
         raise ValueError("new k and v need a unit inner stride")
-    cos, sin = _token_rows(new.cos, batch), _token_rows(new.sin, batch)
-    if cos.shape != sin.shape or 2 * cos.shape[1] != head_dim:
-        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)}: the fused rotary rotates all "
-                         f"{head_dim} dims (no partial rotary)")
-    if new.slot_mapping.dim() != 1 or new.slot_mapping.shape[0] < batch:
-        raise ValueError(f"slot_mapping must be 1-D with >= {batch} entries, got {tuple(new.slot_mapping.shape)}")
-    if (new.q_norm_weight is None) != (new.k_norm_weight is None):
-        raise ValueError("pass both q and k norm weights, or neither")
+    cos, sin = check_rotary_args(batch, head_dim, new.cos, new.sin, new.slot_mapping, new.q_norm_weight,
+                                 new.k_norm_weight)
+    # The kernel steps through a row of cos / sin with unit stride (rows by their own stride).
+    cos, sin = (t if t.stride(1) == 1 else t.contiguous() for t in (cos, sin))
     qw, kw = new.q_norm_weight, new.k_norm_weight
     if qw is not None and kw is not None:
-        if qw.shape != (head_dim,) or kw.shape != (head_dim,):
-            raise ValueError(f"norm weights must be [{head_dim}]")
         qw, kw = qw.contiguous(), kw.contiguous()
     else:
         qw = kw = cos

@@ -8,6 +8,7 @@ import triton.language as tl
 
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
 from tandem.kernels.triton_quant import store_quantized_row
+from tandem.kernels.triton_rotary_kv import token_rows
 from tandem.layers.quantization import FP8_DTYPE, FP8_MAX, MIN_AMAX, QuantizedRows
 
 # Math is fp32; values are rounded to the storage dtype exactly where the eager PyTorch layers round
@@ -163,15 +164,6 @@ def _rotary_kernel(
     _rotate_heads(k_ptr + t * stride_kt, stride_kh, stride_kd, num_k_heads, c, s, offs_d, d_mask, HALF, BLOCK_HK)
 
 
-def _as_token_rows(t: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """cos/sin [num_tokens, 1, half] (RotaryEmbedding.forward) or [num_tokens, half] -> a [num_tokens, half] view."""
-    if t.dim() == 3 and t.shape[1] == 1:
-        t = t[:, 0]
-    if t.dim() != 2 or t.shape[0] != num_tokens:
-        raise ValueError(f"cos/sin must be [num_tokens, (1,) rotary_dim // 2], got {tuple(t.shape)}")
-    return t
-
-
 def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In place: rotate q [T, Hq, D] and k [T, Hk, D] (strided views allowed) by cos/sin of 2 * half <= D dims.
 
@@ -180,7 +172,7 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     num_tokens, _, head_dim = q.shape
     if k.dim() != 3 or k.shape[0] != num_tokens or k.shape[2] != head_dim:
         raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
-    cos, sin = _as_token_rows(cos, num_tokens), _as_token_rows(sin, num_tokens)
+    cos, sin = token_rows(cos, num_tokens), token_rows(sin, num_tokens)
     half = cos.shape[1]
     if sin.shape != cos.shape or 2 * half > head_dim:
         raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not fit head_dim {head_dim}")

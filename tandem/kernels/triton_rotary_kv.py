@@ -80,13 +80,32 @@ def _rotary_write_kv_kernel(
         tl.store(dst + HALF * stride_vcd, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _token_rows(x: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """cos/sin [num_tokens, 1, half] (RotaryEmbedding.forward) or [num_tokens, half] -> [num_tokens, half]."""
+def token_rows(x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """cos/sin [num_tokens, 1, half] (RotaryEmbedding.forward) or [num_tokens, half] -> a [num_tokens, half] view."""
     if x.dim() == 3 and x.shape[1] == 1:
         x = x[:, 0]
     if x.dim() != 2 or x.shape[0] != num_tokens:
-        raise ValueError(f"cos/sin must be [num_tokens, (1,) head_dim // 2], got {tuple(x.shape)}")
+        raise ValueError(f"cos/sin must be [num_tokens, (1,) rotary_dim // 2], got {tuple(x.shape)}")
     return x
+
+
+def check_rotary_args(
+    num_tokens: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks every kernel with a fused (q/k norm +) full rotary + KV write makes (this file's, and the decode
+    attention kernel's with NewTokens); returns cos and sin as [num_tokens, head_dim // 2] rows."""
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
+        raise ValueError(f"slot_mapping must be 1-D with >= {num_tokens} entries, got {tuple(slot_mapping.shape)}")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("pass both q and k norm weights, or neither")
+    if q_norm_weight is not None and (q_norm_weight.shape != (head_dim,) or k_norm_weight.shape != (head_dim,)):  # type: ignore[union-attr]
+        raise ValueError(f"norm weights must be [{head_dim}]")
+    cos, sin = token_rows(cos, num_tokens), token_rows(sin, num_tokens)
+    if sin.shape != cos.shape or 2 * cos.shape[1] != head_dim:
+        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)}: the fused kernel rotates all "
+                         f"{head_dim} dims (no partial rotary)")
+    return cos, sin
 
 
 def rotary_write_kv_triton(
@@ -108,18 +127,9 @@ def rotary_write_kv_triton(
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
         raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit k {tuple(k.shape)}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
-        raise ValueError(f"slot_mapping must be 1-D with >= {num_tokens} entries, got {tuple(slot_mapping.shape)}")
-    if (q_norm_weight is None) != (k_norm_weight is None):
-        raise ValueError("pass both q and k norm weights, or neither")
+    cos, sin = check_rotary_args(num_tokens, head_dim, cos, sin, slot_mapping, q_norm_weight, k_norm_weight)
     has_norm = q_norm_weight is not None
-    if has_norm and (q_norm_weight.shape != (head_dim,) or k_norm_weight.shape != (head_dim,)):  # type: ignore[union-attr]
-        raise ValueError(f"norm weights must be [{head_dim}]")
-    cos, sin = _token_rows(cos, num_tokens), _token_rows(sin, num_tokens)
     half = cos.shape[1]
-    if sin.shape != cos.shape or 2 * half != head_dim:
-        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)}: the fused kernel rotates all "
-                         f"{head_dim} dims (no partial rotary)")
     if num_tokens == 0:
         return
     qw = q_norm_weight.contiguous() if has_norm else cos  # type: ignore[union-attr]
