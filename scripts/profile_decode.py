@@ -35,12 +35,14 @@ from tandem.runner.cuda_graphs import sampler_variant  # noqa: E402
 # workload -> (named shape, batch): the shapes of the bs1, seed-async and nano benchmarks (prefix: llama-3.2-1b).
 WORKLOADS = {
     "bs1": ("llama-2-7b", 1),
+    "bs1-8b": ("llama-3-8b", 1),
     "seed-async": ("llama-3-8b", 32),
     "nano": ("qwen3-0.6b", 256),
     "prefix": ("llama-3.2-1b", 32),
 }
 DECODE_STEPS = 4
 REPLAYS = 10
+BY_POSITION = False  # --by-position
 
 
 def build(shape: str, batch: int, context: int, quantization: str | None = None) -> LLM:
@@ -72,7 +74,24 @@ def decode_a_few_steps(llm: LLM, batch: int, context: int, greedy: bool) -> None
     torch.cuda.synchronize()
 
 
-def profile_kernels(fn) -> tuple[dict[str, list[float]], dict[str, float]]:  # type: ignore[no-untyped-def]
+def by_position(kernels: list[tuple[float, float, str]], layers: int) -> list[tuple[float, float, str]]:
+    """Labels each launch of a kernel that runs k times a layer with its position in the layer ("name [i/k]"),
+    so a table tells the projections' GEMMs (qkv, o, gate_up, down) apart."""
+    counts = collections.Counter(name for _, _, name in kernels)
+    seen: dict[str, int] = collections.defaultdict(int)
+    out = []
+    for start, end, name in kernels:
+        per_step = counts[name] // REPLAYS
+        k = per_step // layers if layers and per_step % layers == 0 else 0
+        if k > 1:
+            out.append((start, end, f"{name} [{seen[name] % per_step % k}/{k}]"))
+        else:
+            out.append((start, end, name))
+        seen[name] += 1
+    return out
+
+
+def profile_kernels(fn, layers: int = 0) -> tuple[dict[str, list[float]], dict[str, float]]:  # type: ignore[no-untyped-def]
     """Over REPLAYS calls of fn: kernel name -> durations (us), and kernel name -> the step time it adds (us,
     summed): how far its end lies past the end of the kernel before it. Under programmatic dependent launch a
     kernel's programs start while its predecessor runs and wait, so durations overlap and overstate; the
@@ -88,6 +107,8 @@ def profile_kernels(fn) -> tuple[dict[str, list[float]], dict[str, float]]:  # t
     kernels = sorted(((evt.time_range.start, evt.time_range.end, evt.name) for evt in prof.events()
                       if evt.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in evt.name.lower()),
                      key=lambda e: e[1])  # host-side ops and the re-upload (not part of the step) left out
+    if layers:
+        kernels = by_position(kernels, layers)
     last_end = None
     for start, end, name in kernels:
         per_kernel[name].append(end - start)
@@ -149,10 +170,11 @@ def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool, qu
             runner._sample_into(slot, logits, graph_bs, not variant.random, variant.top_k_top_p, -1)
 
     mode = "graph"
-    per_kernel, added = profile_kernels(replay)
+    layers = runner.model_config.num_layers if BY_POSITION else 0
+    per_kernel, added = profile_kernels(replay, layers)
     if not per_kernel:
         mode = "eager (the profiler saw no kernels inside graph replays)"
-        per_kernel, added = profile_kernels(eager_step)
+        per_kernel, added = profile_kernels(eager_step, layers)
     total_us = sum(sum(v) for v in per_kernel.values()) / REPLAYS
     added_total = sum(added.values()) / REPLAYS
     rows = sorted(
@@ -216,7 +238,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per row")
     parser.add_argument("--sampling", choices=("greedy", "top-p"), default="greedy")
     parser.add_argument("--quantization", choices=("fp8",), default=None, help="FP8 weights (weight floor in FP8 bytes)")
+    parser.add_argument("--by-position", action="store_true",
+                        help="one row per position in the layer for kernels that run several times a layer")
     args = parser.parse_args()
+    global BY_POSITION
+    BY_POSITION = args.by_position
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py needs a CUDA GPU")
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]

@@ -173,7 +173,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         vocab = hf.config.vocab_size
         requests = make_requests(w, vocab, scale=scale)
         warm = [(p, min(n, 4)) for p, n in requests[: min(4, len(requests))]]
-        if w.name == "bs1":
+        if w.num_requests == 1:  # bs1, bs1-8b
             run_hf_generate(hf, warm[:1], device)
             peer_results["transformers generate (dynamic cache)"] = run_hf_generate(hf, requests, device)
             peer_results["transformers generate (static cache)"] = run_hf_generate(hf, requests, device, "static")

@@ -27,6 +27,8 @@ WORKLOADS: dict[str, Workload] = {
         Workload("seed-async", "llama-3-8b", 32, (256, 256), (1024, 1024),
                  what="the seed's async experiment, scaled down"),
         Workload("bs1", "llama-2-7b", 1, (128, 128), (256, 256), what="CUDA graphs at batch 1"),
+        Workload("bs1-8b", "llama-3-8b", 1, (128, 128), (256, 256),
+                 what="bs1 at the Llama-3-8B shape (the FP8 target's shape: GQA, 128K vocabulary)"),
         Workload("nano", "qwen3-0.6b", 256, (100, 1024), (100, 1024), what="many short requests"),
         Workload("prefix", "llama-3.2-1b", 256, (64, 64), (128, 128), shared_prefix_len=1024,
                  what="prefix sharing"),

@@ -9,7 +9,7 @@ import triton.language as tl
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
 from tandem.kernels.triton_quant import store_quantized_row
 from tandem.kernels.triton_rotary_kv import token_rows
-from tandem.layers.quantization import FP8_DTYPE, FP8_MAX, MIN_AMAX, QuantizedRows
+from tandem.layers.quantization import FP8_DTYPE, FP8_MAX, MIN_AMAX, PartialSums, QuantizedRows
 
 # Math is fp32; values are rounded to the storage dtype exactly where the eager PyTorch layers round
 # (norm before the weight multiply, each rotary product), so GPU results track the eager path and HF.
@@ -31,19 +31,39 @@ def _rms_norm_kernel(
     stride_xa, stride_xb, stride_ra, stride_rb,
     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
     QUANT_OUT: tl.constexpr, scale_ptr, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr,
+    SPLITS: tl.constexpr, split_stride, ps_ptr, pb_ptr, HAS_PSCALE: tl.constexpr, HAS_PBIAS: tl.constexpr,
 ):
     # Program = one row (token, or token x head for per-head norms); rows are addressed as x[a, b, :]
     # with a = row // inner, b = row % inner, so row-strided views (slices of a fused qkv) need no copy.
     # QUANT_OUT: the output row, rounded to x's dtype, is written quantized per token (e4m3 at out_ptr, its
     # scale at scale_ptr) exactly as quantize_per_token_triton would quantize it, for an FP8 linear.
+    # SPLITS > 0 (PartialSums, with a residual): x_ptr holds a split-K GEMM's fp32 partial sums, SPLITS
+    # of them split_stride apart; the row is their sum in split order times the channel scale (ps_ptr) plus
+    # the bias (pb_ptr), rounded to the residual's dtype: what _split_k_reduce_kernel would have written.
     row = tl.program_id(0).to(tl.int64)
     a = row // inner
     b = row % inner
     offs = tl.arange(0, BLOCK_D)
     mask = offs < dim
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait
+    if SPLITS > 0:
+        if HAS_PSCALE:
+            p_scale = tl.load(ps_ptr + offs, mask=mask, other=0.0)
+        if HAS_PBIAS:
+            p_bias = tl.load(pb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     pdl_wait(USE_PDL)
-    x = tl.load(x_ptr + a * stride_xa + b * stride_xb + offs, mask=mask, other=0.0)
+    if SPLITS > 0:
+        part_ptrs = x_ptr + a * stride_xa + b * stride_xb + offs
+        acc = tl.load(part_ptrs, mask=mask, other=0.0)
+        for i in tl.static_range(1, SPLITS):
+            acc += tl.load(part_ptrs + i * split_stride, mask=mask, other=0.0)
+        if HAS_PSCALE:
+            acc = acc * p_scale
+        if HAS_PBIAS:
+            acc = acc + p_bias
+        x = acc.to(res_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + a * stride_xa + b * stride_xb + offs, mask=mask, other=0.0)
     s = x.to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + a * stride_ra + b * stride_rb + offs, mask=mask, other=0.0)
@@ -73,8 +93,10 @@ def _as_rows3(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
 
-def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def _rms_norm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
               fp8_out: bool = False):
+    if isinstance(x, PartialSums):
+        return _rms_norm_partials(x, residual, weight, eps, fp8_out)
     dim = x.shape[-1]
     if weight.shape != (dim,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match the normalized dim {dim}")
@@ -102,6 +124,39 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         HAS_RESIDUAL=residual is not None, BLOCK_D=block, USE_PDL=pdl,
         QUANT_OUT=fp8_out, scale_ptr=scale if fp8_out else out, FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX,
+        SPLITS=0, split_stride=0, ps_ptr=out, pb_ptr=out, HAS_PSCALE=False, HAS_PBIAS=False,
+        num_warps=_num_warps(block), launch_pdl=bool(pdl),
+    )
+    return (QuantizedRows(out, scale, x.dtype) if fp8_out else out), new_res
+
+
+def _rms_norm_partials(x: PartialSums, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       fp8_out: bool):
+    """_rms_norm of a split-K GEMM's output given as its partial sums (added here, in split order)."""
+    splits, rows, dim = x.ws.shape
+    if residual is None or residual.shape != (rows, dim) or residual.dtype != x.dtype or residual.stride(-1) != 1:
+        raise ValueError(f"PartialSums [{rows}, {dim}] of {x.dtype} need a residual of that shape and dtype, got "
+                         f"{None if residual is None else (tuple(residual.shape), residual.dtype)}")
+    if weight.shape != (dim,) or dim > MAX_NORM_DIM or not x.ws.is_contiguous():
+        raise ValueError(f"weight {tuple(weight.shape)} / partial sums {tuple(x.ws.shape)} do not fit a norm over {dim}")
+    if fp8_out and weight.dtype != x.dtype:
+        raise ValueError(f"fp8_out takes a weight in the rows' dtype, got {weight.dtype} for {x.dtype}")
+    out = torch.empty(rows, dim, dtype=FP8_DTYPE if fp8_out else torch.promote_types(weight.dtype, x.dtype),
+                      device=x.ws.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.ws.device) if fp8_out else None
+    new_res = torch.empty(rows, dim, dtype=x.dtype, device=x.ws.device)
+    if rows == 0:
+        return (QuantizedRows(out, scale, x.dtype) if fp8_out else out), new_res
+    block = triton.next_power_of_2(dim)
+    pdl = use_pdl(x.ws.device)
+    _rms_norm_kernel[(rows,)](
+        x.ws, residual, weight.contiguous(), out, new_res,
+        1, dim, float(eps),
+        dim, 0, residual.stride(0), 0,
+        HAS_RESIDUAL=True, BLOCK_D=block, USE_PDL=pdl,
+        QUANT_OUT=fp8_out, scale_ptr=scale if fp8_out else out, FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX,
+        SPLITS=splits, split_stride=rows * dim, ps_ptr=x.scale if x.scale is not None else out,
+        pb_ptr=x.bias if x.bias is not None else out, HAS_PSCALE=x.scale is not None, HAS_PBIAS=x.bias is not None,
         num_warps=_num_warps(block), launch_pdl=bool(pdl),
     )
     return (QuantizedRows(out, scale, x.dtype) if fp8_out else out), new_res
@@ -114,10 +169,11 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: 
 
 
 def fused_add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: bool = False
+    x: torch.Tensor | PartialSums, residual: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: bool = False
 ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """(norm(x + residual) * weight, x + residual) in one pass; neither input is written. fp8_out: the first
-    quantized per token (QuantizedRows), as rms_norm_triton's."""
+    quantized per token (QuantizedRows), as rms_norm_triton's. x may be a split-K GEMM's PartialSums, which
+    the kernel adds up first (no reduce kernel)."""
     return _rms_norm(x, residual, weight, eps, fp8_out)
 
 

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from tandem.kernels.triton_attention import device_sms
 from tandem.kernels.triton_launch import pdl_wait, prefetch_l2, use_pdl
-from tandem.layers.quantization import FP8_DTYPE, FP8_MAX, MIN_AMAX
+from tandem.layers.quantization import DEFER_REDUCE, FP8_DTYPE, FP8_MAX, MIN_AMAX, PartialSums
 
 MAX_QUANT_DIM = 65536  # one program holds a whole row in registers
 
@@ -51,6 +51,96 @@ def _quant_per_token_kernel(
     store_quantized_row(x.to(tl.float32), offs, mask, q_ptr + row * dim, scale_ptr + row, FP8_MAX_C, MIN_AMAX_C)
 
 
+@triton.jit
+def _quant_wide_kernel(
+    x_ptr, q_ptr, scale_ptr, amax_ptr, count_ptr, dim, stride_x, amax_stride,
+    FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr, PHASE: tl.constexpr, LAUNCH_STEP: tl.constexpr,
+):
+    # _quant_per_token_kernel's values with a row spread over dim / BLOCK programs (chunks) instead of one.
+    # PHASE 2 (GPU): each chunk raises the row's amax to its own |max| (atomic max), counts itself in
+    # (release), waits until every chunk of the row has (acquire), then quantizes its values with the row's
+    # scale. PHASE 0 then PHASE 1 (the interpreter, which runs programs one at a time, so none may wait for
+    # another): the same in two launches, the first up to the count, the second from the amax read on.
+    # The counts only grow, by LAUNCH_STEP a launch (int64; chunk 0 adds LAUNCH_STEP - chunks + 1, the others
+    # 1, so the step does not depend on the row's width), and until a program has counted itself in,
+    # count // LAUNCH_STEP numbers the row's launch; its parity picks one of two amax slots, and the launch
+    # clears the other one for the next launch (the launch before, which used it, has finished).
+    pdl_wait(USE_PDL)
+    chunk = tl.program_id(0)
+    chunks = tl.num_programs(0)
+    row = tl.program_id(1).to(tl.int64)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < dim
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if SILU_AND_MUL:
+        up = tl.load(x_ptr + row * stride_x + dim + offs, mask=mask, other=0.0)
+        g = x.to(tl.float32)
+        silu = (g * tl.sigmoid(g)).to(x.dtype).to(tl.float32)
+        x = (silu * up.to(tl.float32)).to(x.dtype)
+    x = x.to(tl.float32)
+    count = count_ptr + row
+    if PHASE != 1:
+        launch = tl.atomic_add(count, 0, sem="relaxed", scope="gpu") // LAUNCH_STEP
+        tl.atomic_max(amax_ptr + (launch % 2) * amax_stride + row, tl.max(tl.abs(x), axis=0), sem="relaxed",
+                      scope="gpu")
+        tl.debug_barrier()
+        tl.atomic_add(count, tl.where(chunk == 0, LAUNCH_STEP - chunks + 1, 1).to(tl.int64), sem="release",
+                      scope="gpu")
+    if PHASE != 0:
+        if PHASE == 2:
+            while tl.atomic_add(count, 0, sem="acquire", scope="gpu") < (launch + 1) * LAUNCH_STEP:
+                pass
+        else:
+            launch = tl.atomic_add(count, 0, sem="acquire", scope="gpu") // LAUNCH_STEP - 1
+        amax = tl.atomic_max(amax_ptr + (launch % 2) * amax_stride + row, 0.0, sem="acquire", scope="gpu")
+        amax = tl.maximum(amax, MIN_AMAX_C)
+        scale = tl.math.div_rn(amax, FP8_MAX_C)
+        q = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
+        q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
+        tl.store(q_ptr + row * dim + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        if chunk == 0:
+            tl.store(scale_ptr + row, scale)
+            tl.store(amax_ptr + ((launch + 1) % 2) * amax_stride + row, 0.0)
+
+
+WIDE_BLOCK = 2048  # values per _quant_wide_kernel program
+LAUNCH_STEP = 1 << 16  # what a _quant_wide_kernel launch adds to each of its rows' counts (> its chunks)
+WIDE_MIN_CHUNKS = 4
+WIDE_QUANT = os.environ.get("TANDEM_QUANT_WIDE", "1") == "1"
+_wide_state: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _wide_quant_state(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """_quant_wide_kernel's two amax slots per row (fp32 [2, cap], zero) and launch counts (int64 [cap]). One
+    pair per device, grown outside CUDA-graph capture (the runner's warm-up runs every decode shape eagerly
+    before capturing it)."""
+    key = (device.type, torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index)
+    state = _wide_state.get(key)
+    if state is None or state[1].numel() < rows:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the wide quantizer's row state must be allocated before CUDA-graph capture: "
+                               "run the same shape once eagerly first")
+        cap = max(rows, 1024)
+        state = (torch.zeros(2, cap, dtype=torch.float32, device=device),
+                 torch.zeros(cap, dtype=torch.int64, device=device))
+        _wide_state[key] = state
+    return state
+
+
+def use_wide_quant(rows: int, dim: int, device: torch.device) -> bool:
+    """Whether a row of `dim` values is quantized by several programs (_quant_wide_kernel): rows at least
+    WIDE_MIN_CHUNKS chunks wide, and few enough programs that every one is resident at once on a GPU (the
+    chunks of a row wait for each other). On an H200 the wide kernel took Llama-3-8B's SiLU-and-mul rows
+    (14,336 values, 7 chunks) from 6.4 to 4.2 us a layer at 32 rows, and o_proj's input (4,096, 2 chunks)
+    from 1.8 to 3.1 us: the waiting costs more than one program a row spends on a short row.
+    TANDEM_QUANT_WIDE=0 keeps one program a row."""
+    chunks = triton.cdiv(dim, WIDE_BLOCK)
+    if not WIDE_QUANT or chunks < WIDE_MIN_CHUNKS or chunks >= LAUNCH_STEP:
+        return False
+    return device.type != "cuda" or rows * triton.cdiv(dim, WIDE_BLOCK) <= 4 * device_sms(device)
+
+
 def quantize_per_token_triton(x: torch.Tensor, silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """[n, k] (unit inner stride; rows may be strided) -> (e4m3 [n, k] contiguous, fp32 scale [n, 1]);
     silu_and_mul: x is [n, 2 * k] (gate then up) and the rows quantized are silu(gate) * up."""
@@ -69,8 +159,18 @@ def quantize_per_token_triton(x: torch.Tensor, silu_and_mul: bool = False) -> tu
     scale = torch.empty(n, 1, dtype=torch.float32, device=x.device)
     if n == 0:
         return q, scale
-    block = triton.next_power_of_2(dim)
     pdl = use_pdl(x.device)
+    if use_wide_quant(n, dim, x.device):
+        amax, counts = _wide_quant_state(x.device, n)
+        phases = (2,) if x.is_cuda else (0, 1)
+        for phase in phases:
+            _quant_wide_kernel[(triton.cdiv(dim, WIDE_BLOCK), n)](
+                x, q, scale, amax, counts, dim, x.stride(0), amax.stride(0),
+                FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, BLOCK=WIDE_BLOCK, USE_PDL=pdl, SILU_AND_MUL=silu_and_mul,
+                PHASE=phase, LAUNCH_STEP=LAUNCH_STEP, num_warps=4, launch_pdl=bool(pdl),
+            )
+        return q, scale
+    block = triton.next_power_of_2(dim)
     _quant_per_token_kernel[(n,)](
         x, q, scale, dim, x.stride(0),
         FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX, BLOCK_D=block, USE_PDL=pdl, SILU_AND_MUL=silu_and_mul,
@@ -203,10 +303,12 @@ def fp8_weight_matmul_triton(
 
 
 def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-                    bias: torch.Tensor | None, out: torch.Tensor, cfg: dict[str, int], **flags: bool) -> torch.Tensor:
+                    bias: torch.Tensor | None, out: torch.Tensor, cfg: dict[str, int], defer: bool = False,
+                    **flags: bool) -> torch.Tensor | PartialSums:
     """Runs a small-M GEMM kernel (`operands`: its leading x pointer arguments; `flags`: its own constexpr
     switches) over a grid of N tiles x K splits x row blocks, then, when K is split, the reduce that adds the
-    fp32 partials in split order and applies the channel scale (when there is one) and the bias."""
+    fp32 partials in split order and applies the channel scale (when there is one) and the bias; or, with
+    `defer` (and TANDEM_DEFER_REDUCE not 0), hands the partials on as PartialSums for the kernel after it."""
     m, n = out.shape
     k = weight.shape[1]
     block_m = min(64, max(16, triton.next_power_of_2(m)))  # more rows tile over the grid's third axis
@@ -224,6 +326,8 @@ def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tenso
         HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, SPLIT_K=split_k, BLOCK_M=block_m,
         USE_PDL=pdl, launch_pdl=bool(pdl), **flags, **cfg,
     )
+    if split_k > 1 and defer and DEFER_REDUCE:
+        return PartialSums(ws, weight_scale, bias, out.dtype)
     if split_k > 1:
         block = 1024
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
@@ -349,13 +453,14 @@ def fp8_w8a8_matmul_triton(
     weight_scale: torch.Tensor,  # [N, 1] fp32
     bias: torch.Tensor | None,  # [N]
     tile: dict[str, int] | None = None,  # overrides BLOCK_N / BLOCK_K / SPLIT_K / num_warps / num_stages
-) -> torch.Tensor:  # [M, N] in x's dtype
+    defer: bool = False,  # split over K: may return PartialSums instead of running the reduce
+) -> torch.Tensor | PartialSums:  # [M, N] in x's dtype
     """x (W * scale)^T + b for up to a few dozen rows with x quantized per token (as _scaled_mm's path does):
     FP8 x FP8 on the tensor cores, the weight read once, split over K where N alone is too narrow."""
     if x.shape[0] == 0:
         return torch.empty(0, weight.shape[0], dtype=x.dtype, device=x.device)
     xq, xs = quantize_per_token_triton(x) if x.is_cuda else _quantize_ref(x)
-    return fp8_w8a8_matmul_quantized(xq, xs, weight, weight_scale, bias, x.dtype, tile)
+    return fp8_w8a8_matmul_quantized(xq, xs, weight, weight_scale, bias, x.dtype, tile, defer)
 
 
 def fp8_w8a8_matmul_quantized(
@@ -366,7 +471,8 @@ def fp8_w8a8_matmul_quantized(
     bias: torch.Tensor | None,  # [N]
     out_dtype: torch.dtype,
     tile: dict[str, int] | None = None,
-) -> torch.Tensor:  # [M, N] in out_dtype
+    defer: bool = False,  # split over K: may return PartialSums instead of running the reduce
+) -> torch.Tensor | PartialSums:  # [M, N] in out_dtype
     """The W8A8 swap-AB GEMM on rows already quantized per token (by quantize_per_token_triton or by the
     kernel that produced them)."""
     m, k = xq.shape
@@ -377,7 +483,7 @@ def fp8_w8a8_matmul_quantized(
     sms = device_sms(xq.device)
     cfg = {**w8a8_tile(m, n, k, sms), **(tile or {})}
     return _launch_small_m(_swap_ab_kernel, (xq, x_scale), xq.stride(0), weight, weight_scale, bias, out, cfg,
-                           HAS_SCALE=True, X_SCALED=True, GATED=False, up_offset=0, **_prefetch(weight, cfg))
+                           defer, HAS_SCALE=True, X_SCALED=True, GATED=False, up_offset=0, **_prefetch(weight, cfg))
 
 
 PREFETCH_TILES = int(os.environ.get("TANDEM_PREFETCH_TILES", "2"))  # K tiles per program the swap-AB GEMM sends to L2
@@ -415,7 +521,8 @@ def skinny_matmul_triton(
     bias: torch.Tensor | None,  # [N]
     tile: dict[str, int] | None = None,  # overrides BLOCK_N / BLOCK_K / SPLIT_K / num_warps / num_stages
     gated: bool = False,  # silu(gate) * up of a merged gate/up weight: [M, N / 2], K never split
-) -> torch.Tensor:  # [M, N] (or [M, N / 2] gated) in x's dtype
+    defer: bool = False,  # split over K: may return PartialSums instead of running the reduce
+) -> torch.Tensor | PartialSums:  # [M, N] (or [M, N / 2] gated) in x's dtype
     """x W^T + b for a few dozen rows with the weight in the model dtype: the swap-AB tile GEMM (channels
     fill the MMA's M; the rows are its narrow N), the weight read once, split over K where N alone is too
     narrow to fill the GPU; gated, silu(gate) * up in the same pass."""
@@ -433,5 +540,5 @@ def skinny_matmul_triton(
     cfg = {**skinny_tile(m, n_out, k, sms), **(tile or {})}
     if gated:
         cfg["SPLIT_K"] = 1  # silu needs the whole sum
-    return _launch_small_m(_swap_ab_kernel, (x, x), x.stride(0), weight, None, bias, out, cfg,
+    return _launch_small_m(_swap_ab_kernel, (x, x), x.stride(0), weight, None, bias, out, cfg, defer,
                            HAS_SCALE=False, X_SCALED=False, GATED=gated, up_offset=n_out, **_prefetch(weight, cfg))

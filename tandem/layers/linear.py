@@ -11,6 +11,7 @@ from tandem.kernels.ops import use_gemv, use_skinny, use_triton
 from tandem.layers.activation import silu_and_mul
 from tandem.layers.quantization import (
     FP8_DTYPE,
+    PartialSums,
     QuantizedRows,
     fp8_linear,
     fp8_quantizes_activations,
@@ -31,18 +32,20 @@ class Linear(nn.Module):
         # [out, 1] fp32 once quantize_fp8_() has turned the weight into float8_e4m3fn; None in the model dtype.
         self.register_buffer("weight_scale", None)
 
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows, defer_reduce: bool = False) -> torch.Tensor | PartialSums:
+        """defer_reduce (the output feeds only RMSNorm's add + norm, which takes PartialSums): a GEMM split
+        over K may return its partial sums instead of running the reduce kernel."""
         if isinstance(x, QuantizedRows):  # from an RMSNorm / SiLU-and-mul kernel, for this FP8 weight
             if self.weight_scale is None:
                 raise ValueError("QuantizedRows reach only linears with FP8 weights; this one holds "
                                  f"{self.weight.dtype}")
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, defer_reduce)
         if use_gemv(x, self.in_features, self.weight_scale is not None):
             return self._gemv(x, gated=False)
         if self.weight_scale is not None:
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, defer_reduce)
         if use_skinny(x, self.in_features):
-            return self._skinny(x, gated=False)
+            return self._skinny(x, gated=False, defer=defer_reduce and x.dim() == 2)
         return F.linear(x, self.weight, self.bias)
 
     def forward_silu_and_mul(
@@ -64,11 +67,11 @@ class Linear(nn.Module):
             return QuantizedRows(*quantize_per_token_triton(y, silu_and_mul=True), y.dtype)
         return silu_and_mul(y)
 
-    def _skinny(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
+    def _skinny(self, x: torch.Tensor, gated: bool, defer: bool = False) -> torch.Tensor | PartialSums:
         from tandem.kernels.triton_quant import skinny_matmul_triton  # lazy: CPU runs never import Triton
 
-        out = skinny_matmul_triton(x.reshape(-1, self.in_features), self.weight, self.bias, gated=gated)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        out = skinny_matmul_triton(x.reshape(-1, self.in_features), self.weight, self.bias, gated=gated, defer=defer)
+        return out if isinstance(out, PartialSums) else out.view(*x.shape[:-1], out.shape[-1])
 
     def _gemv(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
         from tandem.kernels.triton_gemv import gemv_triton  # lazy: CPU runs never import Triton

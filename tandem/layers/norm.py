@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels.ops import use_triton
-from tandem.layers.quantization import QuantizedRows, fp8_quantizes_activations
+from tandem.layers.quantization import PartialSums, QuantizedRows, fp8_quantizes_activations
 
 
 class RMSNorm(nn.Module):
@@ -17,11 +17,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)  # [hidden_size]
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8_out: bool = False
+        self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None = None, fp8_out: bool = False
     ) -> torch.Tensor | QuantizedRows | tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual). fp8_out (the output
         feeds FP8 linears only): where those would quantize x per token (fp8_quantizes_activations) and
-        Triton runs, norm(...) comes quantized by this kernel, as QuantizedRows; otherwise as a tensor."""
+        Triton runs, norm(...) comes quantized by this kernel, as QuantizedRows; otherwise as a tensor.
+        x may be a split-K linear's PartialSums (Linear's defer_reduce): the Triton kernel adds them up."""
+        if isinstance(x, PartialSums):
+            if residual is not None and use_triton(x.ws):
+                from tandem.kernels.triton_fused import fused_add_rms_norm_triton  # lazy: no Triton on CPU
+
+                quantize = fp8_out and fp8_quantizes_activations(x.shape[0])
+                return fused_add_rms_norm_triton(x, residual, self.weight, self.eps, quantize)
+            x = x.reduce()
         if use_triton(x):
             from tandem.kernels.triton_fused import fused_add_rms_norm_triton, rms_norm_triton  # lazy: no Triton on CPU
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from tandem.config import ModelConfig, ParallelConfig
 from tandem.layers.linear import Embedding, Linear, lm_head_logits
+from tandem.layers.quantization import PartialSums
 
 _GROUP: Any = None  # the tensor-parallel process group (None: the default group)
 
@@ -154,9 +155,11 @@ class RowParallelLinear(Linear):
         self.tp = tp
         self.has_bias = bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        return all_reduce(y) if self.tp.size > 1 else y
+    def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | PartialSums:
+        """defer_reduce: as Linear's, on one rank (across ranks the all-reduce needs the summed output)."""
+        if self.tp.size > 1:
+            return all_reduce(super().forward(x))
+        return super().forward(x, defer_reduce)
 
     def shard_for_load(self, tensor: torch.Tensor | LazyTensor, is_bias: bool) -> torch.Tensor | None:
         """This rank's columns of the weight; the bias on rank 0, None (skip it) elsewhere."""

@@ -48,6 +48,35 @@ class QuantizedRows(NamedTuple):
         return self.q.shape
 
 
+class PartialSums(NamedTuple):
+    """A split-K GEMM's output before its reduce: fp32 partial sums [splits, n, out] whose split-order sum,
+    times the channel scale (FP8 weights) plus the bias, rounded to `dtype`, is the linear's output. Handed
+    to the add + RMSNorm kernel after it (RMSNorm), which adds them itself, so no reduce kernel runs."""
+
+    ws: torch.Tensor  # [splits, n, out] fp32
+    scale: torch.Tensor | None  # [out, 1] fp32 (FP8 weights) or None
+    bias: torch.Tensor | None  # [out]
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.ws.shape[1:]
+
+    def reduce(self) -> torch.Tensor:
+        """The linear's output [n, out], as the split-K reduce kernel computes it (PyTorch, any device)."""
+        acc = self.ws[0].clone()
+        for part in self.ws[1:]:
+            acc += part
+        if self.scale is not None:
+            acc = acc * self.scale.view(1, -1)
+        if self.bias is not None:
+            acc = acc + self.bias.float()
+        return acc.to(self.dtype)
+
+
+DEFER_REDUCE = os.environ.get("TANDEM_DEFER_REDUCE", "1") == "1"  # Linear(defer_reduce=True) may return PartialSums
+
+
 def check_fp8_device(device: torch.device) -> None:
     """ValueError unless `device` is a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)."""
     need = "fp8 needs a CUDA GPU with compute capability >= 8.9 (Ada/Hopper)"
@@ -97,14 +126,15 @@ def fp8_linear(
     weight: torch.Tensor,  # [out, in] float8_e4m3fn, row-major
     weight_scale: torch.Tensor,  # [out, 1] fp32
     bias: torch.Tensor | None,  # [out] in x's dtype
-) -> torch.Tensor:  # [..., out] in x's dtype
+    defer_reduce: bool = False,  # a split-K swap-AB GEMM may return PartialSums (2-D x only)
+) -> torch.Tensor | PartialSums:  # [..., out] in x's dtype
     """x W^T + b with W in FP8. Up to W8A16_MAX_M rows a Triton kernel multiplies the bf16 rows by the widened
     FP8 weight (weight-only: x is not quantized); above, x is quantized per token and both scales (and the
     bias) are applied to an FP8 x FP8 product: the swap-AB Triton GEMM up to W8A8_MAX_M rows, one rowwise-
     scaled torch._scaled_mm above. No host sync and no data-dependent shape, so all capture in CUDA graphs.
     On the CPU it runs the reference (tests; the engine refuses fp8 there)."""
     if isinstance(x, QuantizedRows):
-        return _fp8_linear_quantized(x, weight, weight_scale, bias)
+        return _fp8_linear_quantized(x, weight, weight_scale, bias, defer_reduce)
     if not x.is_cuda:
         return fp8_linear_reference(x, weight, weight_scale, bias)
     lead = x.shape[:-1]
@@ -113,8 +143,12 @@ def fp8_linear(
     if rows <= W8A8_MAX_M:
         from tandem.kernels.triton_quant import fp8_w8a8_matmul_triton, fp8_weight_matmul_triton
 
-        small = fp8_weight_matmul_triton if rows <= W8A16_MAX_M else fp8_w8a8_matmul_triton
-        out = small(x2, weight, weight_scale, bias)
+        if rows <= W8A16_MAX_M:
+            out = fp8_weight_matmul_triton(x2, weight, weight_scale, bias)
+        else:
+            out = fp8_w8a8_matmul_triton(x2, weight, weight_scale, bias, defer=defer_reduce and x.dim() == 2)
+            if isinstance(out, PartialSums):
+                return out
         return out.view(*lead, out.shape[-1])
     xq, x_scale = quantize_activation_per_token(x2)
     # Rowwise scaling: scale_a [M, 1], scale_b [1, N] (fp32, unit inner stride); mat2 column-major [K, N],
@@ -125,8 +159,9 @@ def fp8_linear(
 
 
 def _fp8_linear_quantized(
-    x: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
+    x: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+    defer_reduce: bool = False,
+) -> torch.Tensor | PartialSums:
     """fp8_linear's quantizing paths on rows a producer kernel quantized (the same values fp8_linear's own
     quantization would give): the swap-AB GEMM up to W8A8_MAX_M rows, _scaled_mm above."""
     from tandem.kernels.ops import use_triton
@@ -138,7 +173,7 @@ def _fp8_linear_quantized(
     if rows <= W8A8_MAX_M:
         from tandem.kernels.triton_quant import fp8_w8a8_matmul_quantized
 
-        return fp8_w8a8_matmul_quantized(x.q, x.scale, weight, weight_scale, bias, x.dtype)
+        return fp8_w8a8_matmul_quantized(x.q, x.scale, weight, weight_scale, bias, x.dtype, defer=defer_reduce)
     return torch._scaled_mm(x.q, weight.t(), scale_a=x.scale, scale_b=weight_scale.view(1, -1), bias=bias,
                             out_dtype=x.dtype)
 

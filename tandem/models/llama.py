@@ -78,7 +78,7 @@ class LlamaAttention(nn.Module):
         # decode attention kernel itself in decode steps, a kernel before attention otherwise.
         out = self.attn.rotary_attend(q, k, v, rotary, k_cache, v_cache, meta,
                                       self.q_norm if self.qk_norm else None, self.k_norm if self.qk_norm else None)
-        return self.o_proj(out)
+        return self.o_proj(out, defer_reduce=True)  # into post_attention_layernorm: PartialSums are fine
 
 
 class LlamaMLP(nn.Module):
@@ -93,7 +93,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         fp8_out = self.down_proj.weight_scale is not None  # down_proj in FP8: silu(gate) * up comes quantized
-        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, fp8_out))
+        # Into the next add + RMSNorm (the next layer's or the final one): PartialSums are fine.
+        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, fp8_out), defer_reduce=True)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -74,6 +74,88 @@ def test_fused_add_rms_norm_matches_layer(dim, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits,scaled,bias", [(2, True, False), (4, False, True), (3, True, True)])
+def test_fused_add_rms_norm_takes_partial_sums(splits, scaled, bias, dtype):
+    """A split-K GEMM's partial sums (PartialSums) go straight into add + RMSNorm: the same outputs, bit
+    for bit, as the reduce then the norm (plain and quantized for FP8), and the RMSNorm layer takes them too."""
+    from tandem.layers.quantization import PartialSums
+
+    rows, dim = 5, 576
+    ws = randn(splits, rows, dim, dtype=torch.float32, seed=3).to(DEVICE)
+    scale = (randn(dim, 1, dtype=torch.float32, seed=4).abs() + 0.5).to(DEVICE) if scaled else None
+    b = randn(dim, dtype=dtype, seed=5).to(DEVICE) if bias else None
+    parts = PartialSums(ws, scale, b, dtype)
+    assert parts.shape == (rows, dim)
+    residual = randn(rows, dim, dtype=dtype, seed=6).to(DEVICE)
+    norm = make_norm(dim, dtype)
+    norm.weight.data = norm.weight.data.to(DEVICE)
+    reduced = split_k_reduce(parts)  # what the GEMM's reduce kernel writes
+    want = fused_add_rms_norm_triton(reduced, residual, norm.weight, 1e-6)
+    got = fused_add_rms_norm_triton(parts, residual, norm.weight, 1e-6)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if dtype == torch.float16 or CUDA:
+        got_q = fused_add_rms_norm_triton(parts, residual, norm.weight, 1e-6, fp8_out=True)[0]
+        want_q = fused_add_rms_norm_triton(reduced, residual, norm.weight, 1e-6, fp8_out=True)[0]
+        assert torch.equal(got_q.q.view(torch.uint8), want_q.q.view(torch.uint8))
+        assert torch.equal(got_q.scale, want_q.scale)
+    close(parts.reduce(), reduced, dtype)  # PyTorch's sum (no fused multiply-add on the GPU)
+    layer_out, layer_res = norm(parts, residual)  # on the CPU the layer's PyTorch path reduces first
+    close(layer_out, norm(reduced, residual)[0], dtype)
+    close(layer_res, reduced + residual, dtype)
+    with pytest.raises(ValueError, match="residual"):
+        fused_add_rms_norm_triton(parts, residual[:2], norm.weight, 1e-6)
+
+
+def split_k_reduce(parts):
+    """PartialSums through _split_k_reduce_kernel, as the GEMM would have reduced them."""
+    from tandem.kernels.triton_quant import _split_k_reduce_kernel
+
+    splits, m, n = parts.ws.shape
+    out = torch.empty(m, n, dtype=parts.dtype, device=parts.ws.device)
+    scale = parts.scale if parts.scale is not None else out
+    _split_k_reduce_kernel[(triton_cdiv(m * n, 1024),)](
+        parts.ws, scale, parts.bias if parts.bias is not None else scale, out, m, n, n,
+        HAS_BIAS=parts.bias is not None, SPLIT_K=splits, BLOCK=1024, USE_PDL=0, HAS_SCALE=parts.scale is not None)
+    return out
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+@pytest.mark.skipif(CUDA, reason="16-bit operands in fp32 run TF32 dots on a GPU; the gpu test covers bf16")
+def test_split_k_linears_defer_their_reduce(monkeypatch):
+    """A Linear asked to defer its reduce hands back the split-K partial sums (16-bit skinny GEMM and FP8
+    W8A8 GEMM) whose reduce equals its usual output bit for bit; TANDEM_DEFER_REDUCE=0 and unsplit GEMMs
+    return tensors."""
+    from tandem.kernels import triton_quant
+    from tandem.kernels.triton_quant import fp8_w8a8_matmul_quantized, skinny_matmul_triton
+    from tandem.layers.linear import Linear
+    from tandem.layers.quantization import PartialSums, quantize_activation_per_token_ref, quantize_weight_fp8
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1024, generator=gen).to(DEVICE)
+    w = (torch.randn(128, 1024, generator=gen) * 0.05).to(DEVICE)
+    b = torch.randn(128, generator=gen).to(DEVICE)
+    tile = {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4}
+    parts = skinny_matmul_triton(x, w, b, tile, defer=True)
+    assert isinstance(parts, PartialSums) and parts.ws.shape == (4, 6, 128)
+    assert torch.equal(split_k_reduce(parts), skinny_matmul_triton(x, w, b, tile))
+    q, scale = quantize_weight_fp8(w)
+    xq, xs = quantize_activation_per_token_ref(x)
+    parts = fp8_w8a8_matmul_quantized(xq, xs, q, scale, b, x.dtype, {**tile, "BLOCK_K": 256, "SPLIT_K": 2}, True)
+    assert isinstance(parts, PartialSums) and parts.scale is scale
+    assert torch.equal(split_k_reduce(parts), fp8_w8a8_matmul_quantized(xq, xs, q, scale, b, x.dtype,
+                                                                 {**tile, "BLOCK_K": 256, "SPLIT_K": 2}))
+    assert isinstance(skinny_matmul_triton(x, w, b, {**tile, "SPLIT_K": 1}, defer=True), torch.Tensor)
+    monkeypatch.setattr(triton_quant, "DEFER_REDUCE", False)
+    assert isinstance(skinny_matmul_triton(x, w, b, tile, defer=True), torch.Tensor)
+    lin = Linear(1024, 128)
+    lin.weight.data = w
+    assert isinstance(lin(x, defer_reduce=True), torch.Tensor)  # no Triton on this path: F.linear
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_per_head_qk_norm_on_fused_qkv_views(head_dim, dtype):
     # Qwen3: q and k norms over head_dim, read straight from the fused qkv output.
@@ -243,3 +325,38 @@ def test_gpu_bf16_silu_and_mul(inter):
     x = torch.randn(129, 2 * inter, device="cuda") * 3
     ref = torch.nn.functional.silu(x[:, :inter]) * x[:, inter:]
     assert rel_err(silu_and_mul_triton(x.bfloat16()), ref) < 1e-2
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336)])
+def test_gpu_deferred_reduce_into_add_rms_norm(n, k, fp8):
+    """Llama-3-8B's o_proj and down_proj at 32 rows on the GPU: the split-K GEMM's partial sums handed to
+    add + RMSNorm give bit for bit what the reduce kernel then the norm give (bf16 skinny GEMM; FP8 W8A8
+    GEMM with the norm quantizing its output for the next FP8 linear)."""
+    from tandem.kernels.triton_quant import fp8_w8a8_matmul_quantized, quantize_per_token_triton, skinny_matmul_triton
+    from tandem.layers.quantization import PartialSums, quantize_weight_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(32, k, generator=gen, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    residual = torch.randn(32, n, generator=gen, device="cuda").to(torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(n, generator=gen, device="cuda")).to(torch.bfloat16)
+    if fp8:
+        q, scale = quantize_weight_fp8(w)
+        xq, xs = quantize_per_token_triton(x)
+        parts = fp8_w8a8_matmul_quantized(xq, xs, q, scale, None, x.dtype, defer=True)
+        plain = fp8_w8a8_matmul_quantized(xq, xs, q, scale, None, x.dtype)
+    else:
+        parts = skinny_matmul_triton(x, w, None, defer=True)
+        plain = skinny_matmul_triton(x, w, None)
+    assert isinstance(parts, PartialSums) and parts.ws.shape[0] > 1
+    got = fused_add_rms_norm_triton(parts, residual, norm_w, 1e-5, fp8_out=fp8)
+    want = fused_add_rms_norm_triton(plain, residual, norm_w, 1e-5, fp8_out=fp8)
+    assert torch.equal(got[1], want[1])
+    if fp8:
+        assert torch.equal(got[0].q.view(torch.uint8), want[0].q.view(torch.uint8))
+        assert torch.equal(got[0].scale, want[0].scale)
+    else:
+        assert torch.equal(got[0], want[0])

@@ -253,3 +253,33 @@ def test_linear_takes_quantized_rows(rows, monkeypatch):
     plain = lin.forward_silu_and_mul(x)
     q, scale = quantize_per_token_triton(plain)
     assert torch.equal(gated.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(gated.scale, scale)
+
+
+@pytest.mark.parametrize("silu_and_mul", [False, True], ids=["plain", "silu"])
+@pytest.mark.parametrize("rows,dim", [(1, 8192), (5, 9000), (3, 14336)])  # 9000: a masked last chunk
+def test_wide_quantizer_equals_one_program_a_row(rows, dim, silu_and_mul, monkeypatch):
+    """Rows spread over several programs (_quant_wide_kernel: the interpreter runs its two phases as two
+    launches, a GPU one launch whose chunks wait for each other) quantize bit for bit as one program a row,
+    call after call (the launch counts and the two amax slots carry over from one call to the next)."""
+    import torch
+
+    from tandem.kernels import triton_quant
+    from tandem.kernels.triton_quant import LAUNCH_STEP, quantize_per_token_triton, use_wide_quant
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    assert use_wide_quant(rows, dim, torch.device(device))
+    gen = torch.Generator().manual_seed(rows + dim)
+    counts_before = triton_quant._wide_quant_state(torch.device(device), rows)[1][:rows].clone()
+    for call in range(3):
+        y = (torch.randn(rows, (2 if silu_and_mul else 1) * dim, generator=gen) * (call + 1)).to(device, dtype)
+        got = quantize_per_token_triton(y, silu_and_mul=silu_and_mul)
+        quantize_per_token_triton(torch.randn(rows, 10240, generator=gen).to(device, dtype))  # 5 chunks between
+        monkeypatch.setattr(triton_quant, "WIDE_QUANT", False)
+        want = quantize_per_token_triton(y, silu_and_mul=silu_and_mul)
+        monkeypatch.setattr(triton_quant, "WIDE_QUANT", True)
+        assert torch.equal(got[1], want[1])
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    counts = triton_quant._wide_quant_state(torch.device(device), rows)[1][:rows]
+    assert torch.equal(counts - counts_before, torch.full_like(counts, 6 * LAUNCH_STEP))  # whatever the width
+    assert not use_wide_quant(rows, 4096, torch.device(device))  # two chunks: one program a row
