@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kernels.ops import use_triton
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -47,6 +49,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of [B, V] rows: on CUDA a two-stage Triton kernel that spreads each row over the GPU
+    (torch reduces a row in one block: ~35 us for a 128K vocabulary on an H200), else torch."""
+    if use_triton(x) and x.dim() == 2:
+        from tandem.kernels.triton_argmax import argmax_rows_triton  # lazy: CPU runs never import Triton
+
+        return argmax_rows_triton(x)
+    return x.argmax(dim=-1)
+
+
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
@@ -68,7 +80,7 @@ def sample(
 ) -> SamplerOutput:
     # Greedy reads the logits as they are: bf16 -> fp32 is exact, so the argmax (first index on ties) is the
     # same, without a float32 copy of a [B, vocab] tensor. Everything else computes in float32.
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax_rows(logits)
     if all_greedy:
         token_ids = greedy_ids
     else:
@@ -79,7 +91,7 @@ def sample(
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = torch.softmax(scaled, dim=-1)
         race = probs / exponential_noise(seeds, positions, logits.shape[-1])
-        token_ids = torch.where(greedy, greedy_ids, race.argmax(dim=-1))
+        token_ids = torch.where(greedy, greedy_ids, argmax_rows(race))
     if num_logprobs < 0:
         return SamplerOutput(token_ids, None, None, None)
     logprobs_all = torch.log_softmax(logits.float(), dim=-1)
