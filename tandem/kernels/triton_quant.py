@@ -37,18 +37,26 @@ def _quant_per_token_kernel(
     SILU_AND_MUL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
-    # Program = one token. SILU_AND_MUL: the row holds gate then up (2 * dim values) and the quantized values
-    # are silu(gate) * up, rounded as silu_and_mul rounds them (the silu, then the product, in x's dtype).
+    # Program = one token (its values: _quant_input).
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < dim
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    x = _quant_input(x_ptr + row * stride_x, offs, mask, dim, SILU_AND_MUL)
+    store_quantized_row(x, offs, mask, q_ptr + row * dim, scale_ptr + row, FP8_MAX_C, MIN_AMAX_C)
+
+
+@triton.jit
+def _quant_input(row_ptr, offs, mask, dim, SILU_AND_MUL: tl.constexpr):
+    # The fp32 values a quantizer quantizes at offs of one row: the row itself, or (SILU_AND_MUL: the row
+    # holds gate then up, dim each) silu(gate) * up rounded as silu_and_mul rounds it (the silu, then the
+    # product, in the row's dtype).
+    x = tl.load(row_ptr + offs, mask=mask, other=0.0)
     if SILU_AND_MUL:
-        up = tl.load(x_ptr + row * stride_x + dim + offs, mask=mask, other=0.0)
+        up = tl.load(row_ptr + dim + offs, mask=mask, other=0.0)
         g = x.to(tl.float32)
         silu = (g * tl.sigmoid(g)).to(x.dtype).to(tl.float32)
         x = (silu * up.to(tl.float32)).to(x.dtype)
-    store_quantized_row(x.to(tl.float32), offs, mask, q_ptr + row * dim, scale_ptr + row, FP8_MAX_C, MIN_AMAX_C)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -72,13 +80,7 @@ def _quant_wide_kernel(
     row = tl.program_id(1).to(tl.int64)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < dim
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if SILU_AND_MUL:
-        up = tl.load(x_ptr + row * stride_x + dim + offs, mask=mask, other=0.0)
-        g = x.to(tl.float32)
-        silu = (g * tl.sigmoid(g)).to(x.dtype).to(tl.float32)
-        x = (silu * up.to(tl.float32)).to(x.dtype)
-    x = x.to(tl.float32)
+    x = _quant_input(x_ptr + row * stride_x, offs, mask, dim, SILU_AND_MUL)
     count = count_ptr + row
     if PHASE != 1:
         launch = tl.atomic_add(count, 0, sem="relaxed", scope="gpu") // LAUNCH_STEP

@@ -283,3 +283,41 @@ def test_wide_quantizer_equals_one_program_a_row(rows, dim, silu_and_mul, monkey
     counts = triton_quant._wide_quant_state(torch.device(device), rows)[1][:rows]
     assert torch.equal(counts - counts_before, torch.full_like(counts, 6 * LAUNCH_STEP))  # whatever the width
     assert not use_wide_quant(rows, 4096, torch.device(device))  # two chunks: one program a row
+
+
+_COMPILE_WIDE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tandem.kernels.triton_quant import LAUNCH_STEP, _quant_wide_kernel
+
+names = _quant_wide_kernel.arg_names
+types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "amax_ptr": "*fp32", "count_ptr": "*i64"}
+cx = {"FP8_MAX_C": 448.0, "MIN_AMAX_C": 1e-12, "BLOCK": 2048, "USE_PDL": 2, "SILU_AND_MUL": True, "PHASE": 2,
+      "LAUNCH_STEP": LAUNCH_STEP}
+src = ASTSource(fn=_quant_wide_kernel, signature={n: types.get(n, "constexpr" if n in cx else "i32") for n in names},
+                constexprs=cx)
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+json.dump([l.split()[1] if l.split()[0].startswith("@") else l.split()[0] for l in ptx.splitlines()
+           if l.strip() and l.split()[-1] != "//" and any(w in l for w in ("atom.", "griddepcontrol", "ld.global.gpu",
+                                                                          "bar.sync", "st.global"))], sys.stdout)
+"""
+
+
+def test_wide_quantizer_orders_its_count_on_sm90():
+    """Compiled for Hopper, the wide quantizer's chunks wait for the previous kernel before touching the row
+    state, raise the amax before a barrier and a release add, and read the count and the amax with acquire
+    semantics at GPU scope before any value is stored."""
+    from tests.kernels.sm90 import compile_sm90
+
+    ops = compile_sm90(_COMPILE_WIDE)
+    wait = ops.index("griddepcontrol.wait;")
+    first_atom = next(i for i, op in enumerate(ops) if op.startswith("atom."))
+    assert wait < first_atom
+    release = next(i for i, op in enumerate(ops) if op.startswith("atom.global.gpu.release.add"))
+    assert any(op.startswith("atom.global.gpu.relaxed.max") for op in ops[:release])
+    assert "bar.sync" in ops[first_atom:release]
+    acquire = [i for i, op in enumerate(ops) if ".acquire." in op]
+    first_store = next(i for i, op in enumerate(ops) if op.startswith("st.global"))
+    assert acquire and release < acquire[0] < first_store
