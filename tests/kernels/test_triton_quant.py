@@ -298,20 +298,32 @@ cx = {"FP8_MAX_C": 448.0, "MIN_AMAX_C": 1e-12, "BLOCK": 2048, "USE_PDL": 2, "SIL
       "LAUNCH_STEP": LAUNCH_STEP}
 src = ASTSource(fn=_quant_wide_kernel, signature={n: types.get(n, "constexpr" if n in cx else "i32") for n in names},
                 constexprs=cx)
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-json.dump([l.split()[1] if l.split()[0].startswith("@") else l.split()[0] for l in ptx.splitlines()
-           if l.strip() and l.split()[-1] != "//" and any(w in l for w in ("atom.", "griddepcontrol", "ld.global.gpu",
-                                                                          "bar.sync", "st.global"))], sys.stdout)
+compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+ptx = compiled.asm["ptx"]
+ops = [l.split()[1] if l.split()[0].startswith("@") else l.split()[0] for l in ptx.splitlines()
+       if l.strip() and l.split()[-1] != "//" and any(w in l for w in ("atom.", "griddepcontrol", "ld.global.gpu",
+                                                                      "bar.sync", "st.global"))]
+import os, re, subprocess, tempfile
+bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+    f.write(compiled.asm["cubin"])
+    f.flush()
+    usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
+                           capture_output=True, text=True).stdout
+json.dump({"ops": ops, "regs": int(re.search(r"REG:(\d+)", usage).group(1))}, sys.stdout)
 """
 
 
 def test_wide_quantizer_orders_its_count_on_sm90():
     """Compiled for Hopper, the wide quantizer's chunks wait for the previous kernel before touching the row
     state, raise the amax before a barrier and a release add, and read the count and the amax with acquire
-    semantics at GPU scope before any value is stored."""
+    semantics at GPU scope before any value is stored. Its registers leave room for the 4 programs per SM
+    that use_wide_quant allows (they must all be resident at once: they wait for each other)."""
     from tests.kernels.sm90 import compile_sm90
 
-    ops = compile_sm90(_COMPILE_WIDE)
+    out = compile_sm90(_COMPILE_WIDE)
+    ops = out["ops"]
+    assert 4 * 128 * out["regs"] <= 65536, out["regs"]
     wait = ops.index("griddepcontrol.wait;")
     first_atom = next(i for i, op in enumerate(ops) if op.startswith("atom."))
     assert wait < first_atom
