@@ -19,44 +19,44 @@ MAX_CHUNKS = 1024  # chunks a row may have (second stage: one program holds them
 
 
 @triton.jit
+def _first_best(val, idx, valid, vocab):
+    # (best value, first index holding it) over the valid lanes, NaN counting as the largest and the first
+    # NaN winning (torch.argmax's order): NaNs rank ahead of an equal +inf by an offset of vocab.
+    nan = val != val
+    key = tl.where(nan, float("inf"), val)
+    best = tl.max(tl.where(valid, key, float("-inf")), axis=0)
+    rank = tl.where(valid & (key == best), tl.where(nan, idx, idx + vocab), 2 * vocab + 1)
+    first = tl.min(rank, axis=0)
+    is_nan = first < vocab
+    return tl.where(is_nan, float("nan"), best), tl.where(is_nan, first, first - vocab)
+
+
+@triton.jit
 def _chunk_argmax_kernel(x_ptr, val_ptr, idx_ptr, vocab, stride_x, chunks,
                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    # Program = one chunk of one row: its largest value and the first index holding it (NaN counts as the
-    # largest, the first NaN winning), written to [row, chunk].
+    # Program = one chunk of one row: its best value and first index (_first_best), written to [row, chunk].
     pdl_wait(USE_PDL)
     row = tl.program_id(1).to(tl.int64)
     chunk = tl.program_id(0)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-    nan = x != x
-    key = tl.where(nan, float("inf"), x)
-    best = tl.max(key, axis=0)
-    # The first index at the best key, NaNs ahead of an equal +inf.
-    rank = tl.where(key == best, tl.where(nan, offs, offs + vocab), 2 * vocab + BLOCK)
-    first = tl.min(rank, axis=0)
-    is_nan = first < vocab
-    idx = tl.where(is_nan, first, first - vocab)
-    tl.store(val_ptr + row * chunks + chunk, tl.where(is_nan, float("nan"), best))
+    mask = offs < vocab
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    best, idx = _first_best(x, offs, mask, vocab)
+    tl.store(val_ptr + row * chunks + chunk, best)
     tl.store(idx_ptr + row * chunks + chunk, idx)
 
 
 @triton.jit
 def _row_argmax_kernel(val_ptr, idx_ptr, out_ptr, chunks, vocab, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
-    # Program = one row: the chunk winners compared as the first stage compares values (chunks are in index
-    # order, so the first chunk at the best key holds the row's first best index).
+    # Program = one row: the chunk winners compared as the first stage compares values (their indices
+    # carry the order, so the first chunk at the best value holds the row's first best index).
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     mask = offs < chunks
     val = tl.load(val_ptr + row * chunks + offs, mask=mask, other=float("-inf"))
     idx = tl.load(idx_ptr + row * chunks + offs, mask=mask, other=0)
-    nan = val != val
-    key = tl.where(nan, float("inf"), val)
-    best = tl.max(key, axis=0)
-    big = 2 * vocab + 1
-    rank = tl.where(mask & (key == best), tl.where(nan, idx, idx + vocab), big)
-    first = tl.min(rank, axis=0)
-    tl.store(out_ptr + row, tl.where(first < vocab, first, first - vocab).to(tl.int64))
+    tl.store(out_ptr + row, _first_best(val, idx, mask, vocab)[1].to(tl.int64))
 
 
 def argmax_rows_triton(logits: torch.Tensor) -> torch.Tensor:

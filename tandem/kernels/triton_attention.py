@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.triton_launch import pdl_wait, prefetch_l2, use_pdl
+from tandem.kernels.triton_launch import pdl_wait, persistent_state, prefetch_l2, use_pdl
 from tandem.kernels.triton_rotary_kv import check_rotary_args
 from tandem.layers.attention_metadata import AttentionMetadata
 
@@ -383,22 +383,11 @@ class NewTokens:
     eps: float = 1e-6
 
 
-_split_counts: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
 def _split_counter(device: torch.device, numel: int) -> torch.Tensor:
     """Arrival counts of the decode splits, one int32 per (sequence, kv head), zero between launches (the
-    merging program resets its own). One buffer per device, grown outside CUDA-graph capture: the runner's
-    warm-up runs every decode shape eagerly before capturing it."""
-    key = (device.type, device.index)
-    counts = _split_counts.get(key)
-    if counts is None or counts.numel() < numel:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the decode attention's split counters must be allocated before CUDA-graph capture: "
-                               "run the same decode shape once eagerly first")
-        counts = torch.zeros(max(numel, 4096), dtype=torch.int32, device=device)
-        _split_counts[key] = counts
-    return counts
+    merging program resets its own). One buffer per device (persistent_state)."""
+    return persistent_state("the decode attention's split counters", device, numel,
+                            lambda n: torch.zeros(n, dtype=torch.int32, device=device), 4096)
 
 
 def paged_decode_attention(

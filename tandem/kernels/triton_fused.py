@@ -95,71 +95,53 @@ def _as_rows3(x: torch.Tensor) -> torch.Tensor:
 
 def _rms_norm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
               fp8_out: bool = False):
-    if isinstance(x, PartialSums):
-        return _rms_norm_partials(x, residual, weight, eps, fp8_out)
-    dim = x.shape[-1]
+    # x: rows, or a split-K GEMM's PartialSums [splits, rows, dim] (contiguous, with a residual whose rows
+    # give the dtype the kernel rounds their sum to), which the kernel adds up in split order.
+    parts = x if isinstance(x, PartialSums) else None
+    if parts is not None:
+        if residual is None or residual.stride(-1) != 1 or not parts.ws.is_contiguous():
+            raise ValueError(f"PartialSums {tuple(parts.ws.shape)} need contiguous partial sums and a residual with a "
+                             f"unit inner stride, got {None if residual is None else tuple(residual.stride())}")
+        x3 = parts.ws[0].unsqueeze(1)  # [rows, 1, dim]: the first split; the kernel steps to the others
+    shape, dtype = (parts.shape, parts.dtype) if parts is not None else (x.shape, x.dtype)
+    device = x3.device if parts is not None else x.device
+    dim = shape[-1]
     if weight.shape != (dim,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match the normalized dim {dim}")
     if dim > MAX_NORM_DIM:
         raise ValueError(f"rms_norm_triton supports a last dim up to {MAX_NORM_DIM}, got {dim}")
-    if fp8_out and (x.dim() != 2 or weight.dtype != x.dtype):
-        raise ValueError(f"fp8_out takes [tokens, dim] rows with a weight in their dtype, got {tuple(x.shape)} "
-                         f"{x.dtype} and a {weight.dtype} weight")
-    out = torch.empty(x.shape, dtype=FP8_DTYPE if fp8_out else torch.promote_types(weight.dtype, x.dtype),
-                      device=x.device)
-    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device) if fp8_out else None
-    new_res = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
-    if x.numel() == 0:
-        return (QuantizedRows(out, scale, x.dtype) if fp8_out else out), new_res
-    x3 = _as_rows3(x)
+    if fp8_out and (len(shape) != 2 or weight.dtype != dtype):
+        raise ValueError(f"fp8_out takes [tokens, dim] rows with a weight in their dtype, got {tuple(shape)} "
+                         f"{dtype} and a {weight.dtype} weight")
+    out = torch.empty(shape, dtype=FP8_DTYPE if fp8_out else torch.promote_types(weight.dtype, dtype), device=device)
+    scale = torch.empty(shape[0], 1, dtype=torch.float32, device=device) if fp8_out else None
+    new_res = torch.empty(shape, dtype=dtype, device=device) if residual is not None else None
+    if out.numel() == 0:
+        return (QuantizedRows(out, scale, dtype) if fp8_out else out), new_res
+    if parts is None:
+        x3 = _as_rows3(x)
     r3 = _as_rows3(residual) if residual is not None else x3
-    if r3.shape != x3.shape or r3.dtype != x3.dtype:
-        raise ValueError(f"residual {tuple(r3.shape)} {r3.dtype} does not match x {tuple(x3.shape)} {x3.dtype}")
+    if r3.shape != x3.shape or r3.dtype != dtype:
+        raise ValueError(f"residual {tuple(r3.shape)} {r3.dtype} does not match x {tuple(x3.shape)} {dtype}")
+    if parts is None:
+        split_args = dict(SPLITS=0, split_stride=0, ps_ptr=out, pb_ptr=out, HAS_PSCALE=False, HAS_PBIAS=False)
+    else:
+        split_args = dict(SPLITS=parts.ws.shape[0], split_stride=x3.numel(),
+                          ps_ptr=parts.scale if parts.scale is not None else out,
+                          pb_ptr=parts.bias if parts.bias is not None else out,
+                          HAS_PSCALE=parts.scale is not None, HAS_PBIAS=parts.bias is not None)
     rows = x3.shape[0] * x3.shape[1]
     block = triton.next_power_of_2(dim)
-    pdl = use_pdl(x.device)
+    pdl = use_pdl(device)
     _rms_norm_kernel[(rows,)](
         x3, r3, weight.contiguous(), out, new_res if new_res is not None else out,
         x3.shape[1], dim, float(eps),
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         HAS_RESIDUAL=residual is not None, BLOCK_D=block, USE_PDL=pdl,
         QUANT_OUT=fp8_out, scale_ptr=scale if fp8_out else out, FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX,
-        SPLITS=0, split_stride=0, ps_ptr=out, pb_ptr=out, HAS_PSCALE=False, HAS_PBIAS=False,
-        num_warps=_num_warps(block), launch_pdl=bool(pdl),
+        **split_args, num_warps=_num_warps(block), launch_pdl=bool(pdl),
     )
-    return (QuantizedRows(out, scale, x.dtype) if fp8_out else out), new_res
-
-
-def _rms_norm_partials(x: PartialSums, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                       fp8_out: bool):
-    """_rms_norm of a split-K GEMM's output given as its partial sums (added here, in split order)."""
-    splits, rows, dim = x.ws.shape
-    if residual is None or residual.shape != (rows, dim) or residual.dtype != x.dtype or residual.stride(-1) != 1:
-        raise ValueError(f"PartialSums [{rows}, {dim}] of {x.dtype} need a residual of that shape and dtype, got "
-                         f"{None if residual is None else (tuple(residual.shape), residual.dtype)}")
-    if weight.shape != (dim,) or dim > MAX_NORM_DIM or not x.ws.is_contiguous():
-        raise ValueError(f"weight {tuple(weight.shape)} / partial sums {tuple(x.ws.shape)} do not fit a norm over {dim}")
-    if fp8_out and weight.dtype != x.dtype:
-        raise ValueError(f"fp8_out takes a weight in the rows' dtype, got {weight.dtype} for {x.dtype}")
-    out = torch.empty(rows, dim, dtype=FP8_DTYPE if fp8_out else torch.promote_types(weight.dtype, x.dtype),
-                      device=x.ws.device)
-    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.ws.device) if fp8_out else None
-    new_res = torch.empty(rows, dim, dtype=x.dtype, device=x.ws.device)
-    if rows == 0:
-        return (QuantizedRows(out, scale, x.dtype) if fp8_out else out), new_res
-    block = triton.next_power_of_2(dim)
-    pdl = use_pdl(x.ws.device)
-    _rms_norm_kernel[(rows,)](
-        x.ws, residual, weight.contiguous(), out, new_res,
-        1, dim, float(eps),
-        dim, 0, residual.stride(0), 0,
-        HAS_RESIDUAL=True, BLOCK_D=block, USE_PDL=pdl,
-        QUANT_OUT=fp8_out, scale_ptr=scale if fp8_out else out, FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX,
-        SPLITS=splits, split_stride=rows * dim, ps_ptr=x.scale if x.scale is not None else out,
-        pb_ptr=x.bias if x.bias is not None else out, HAS_PSCALE=x.scale is not None, HAS_PBIAS=x.bias is not None,
-        num_warps=_num_warps(block), launch_pdl=bool(pdl),
-    )
-    return (QuantizedRows(out, scale, x.dtype) if fp8_out else out), new_res
+    return (QuantizedRows(out, scale, dtype) if fp8_out else out), new_res
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: bool = False):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -65,3 +67,24 @@ def use_pdl(device: torch.device) -> int:
     if not _has_pdl(device.index if device.index is not None else torch.cuda.current_device()):
         return PDL_OFF
     return PDL_LATE if setting == "late" else PDL_EARLY
+
+
+_persistent: dict[tuple[str, str, int | None], tuple[int, Any]] = {}
+
+
+def persistent_state(name: str, device: torch.device, size: int, make: Callable[[int], Any], min_capacity: int) -> Any:
+    """State a kernel keeps from one launch to the next (counters, maxima), one per (name, device):
+    make(capacity) with capacity >= size, made anew only when a launch needs more and never during CUDA-graph
+    capture (the runner's warm-up runs every shape eagerly before capturing it; a capture that would need
+    more raises). `name` says whose state it is in that error."""
+    key = (name, device.type,
+           torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index)
+    entry = _persistent.get(key)
+    if entry is None or entry[0] < size:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{name} must be allocated before CUDA-graph capture: run the same shape once "
+                               "eagerly first")
+        capacity = max(size, min_capacity)
+        entry = (capacity, make(capacity))
+        _persistent[key] = entry
+    return entry[1]

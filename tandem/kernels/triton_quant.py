@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.triton_attention import device_sms
-from tandem.kernels.triton_launch import pdl_wait, prefetch_l2, use_pdl
+from tandem.kernels.triton_launch import pdl_wait, persistent_state, prefetch_l2, use_pdl
 from tandem.layers.quantization import DEFER_REDUCE, FP8_DTYPE, FP8_MAX, MIN_AMAX, PartialSums
 
 MAX_QUANT_DIM = 65536  # one program holds a whole row in registers
@@ -22,12 +22,19 @@ def store_quantized_row(x, offs, mask, q_row_ptr, scale_ptr, FP8_MAX_C: tl.const
     # quantize_activation_per_token_ref's math: fp32 amax, scale = amax / 448, IEEE-rounded division (div_rn:
     # Triton's `/` is approximate), clamp, round-to-nearest-even e4m3 cast. Shared by the kernels that write
     # quantized activations (this file's quantizer, RMSNorm's QUANT_OUT).
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX_C)
-    scale = tl.math.div_rn(amax, FP8_MAX_C)
+    scale = store_quantized(x, tl.max(tl.abs(x), axis=0), offs, mask, q_row_ptr, FP8_MAX_C, MIN_AMAX_C)
+    tl.store(scale_ptr, scale)
+
+
+@triton.jit
+def store_quantized(x, amax, offs, mask, q_row_ptr, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr):
+    # fp32 values of a row whose |max| is amax -> e4m3 at q_row_ptr + offs; returns the row's scale
+    # (store_quantized_row's math from the amax on).
+    scale = tl.math.div_rn(tl.maximum(amax, MIN_AMAX_C), FP8_MAX_C)
     q = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
     q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
     tl.store(q_row_ptr + offs, q.to(q_row_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr, scale)
+    return scale
 
 
 @triton.jit
@@ -96,11 +103,7 @@ def _quant_wide_kernel(
         else:
             launch = tl.atomic_add(count, 0, sem="acquire", scope="gpu") // LAUNCH_STEP - 1
         amax = tl.atomic_max(amax_ptr + (launch % 2) * amax_stride + row, 0.0, sem="acquire", scope="gpu")
-        amax = tl.maximum(amax, MIN_AMAX_C)
-        scale = tl.math.div_rn(amax, FP8_MAX_C)
-        q = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
-        q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
-        tl.store(q_ptr + row * dim + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        scale = store_quantized(x, amax, offs, mask, q_ptr + row * dim, FP8_MAX_C, MIN_AMAX_C)
         if chunk == 0:
             tl.store(scale_ptr + row, scale)
             tl.store(amax_ptr + ((launch + 1) % 2) * amax_stride + row, 0.0)
@@ -110,24 +113,14 @@ WIDE_BLOCK = 2048  # values per _quant_wide_kernel program
 LAUNCH_STEP = 1 << 16  # what a _quant_wide_kernel launch adds to each of its rows' counts (> its chunks)
 WIDE_MIN_CHUNKS = 4
 WIDE_QUANT = os.environ.get("TANDEM_QUANT_WIDE", "1") == "1"
-_wide_state: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _wide_quant_state(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """_quant_wide_kernel's two amax slots per row (fp32 [2, cap], zero) and launch counts (int64 [cap]). One
-    pair per device, grown outside CUDA-graph capture (the runner's warm-up runs every decode shape eagerly
-    before capturing it)."""
-    key = (device.type, torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index)
-    state = _wide_state.get(key)
-    if state is None or state[1].numel() < rows:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the wide quantizer's row state must be allocated before CUDA-graph capture: "
-                               "run the same shape once eagerly first")
-        cap = max(rows, 1024)
-        state = (torch.zeros(2, cap, dtype=torch.float32, device=device),
-                 torch.zeros(cap, dtype=torch.int64, device=device))
-        _wide_state[key] = state
-    return state
+    """_quant_wide_kernel's two amax slots per row (fp32 [2, cap], zero) and launch counts (int64 [cap]), made
+    together (a fresh count needs fresh slots). One pair per device (persistent_state)."""
+    return persistent_state("the wide quantizer's row state", device, rows,
+                            lambda n: (torch.zeros(2, n, dtype=torch.float32, device=device),
+                                       torch.zeros(n, dtype=torch.int64, device=device)), 1024)
 
 
 def use_wide_quant(rows: int, dim: int, device: torch.device) -> bool:
@@ -140,7 +133,7 @@ def use_wide_quant(rows: int, dim: int, device: torch.device) -> bool:
     chunks = triton.cdiv(dim, WIDE_BLOCK)
     if not WIDE_QUANT or chunks < WIDE_MIN_CHUNKS or chunks >= LAUNCH_STEP:
         return False
-    return device.type != "cuda" or rows * triton.cdiv(dim, WIDE_BLOCK) <= 4 * device_sms(device)
+    return device.type != "cuda" or rows * chunks <= 4 * device_sms(device)
 
 
 def quantize_per_token_triton(x: torch.Tensor, silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
