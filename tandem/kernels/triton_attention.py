@@ -106,9 +106,9 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_od,
     stride_nkb, stride_nkh, stride_nvb, stride_nvh, stride_cos, stride_sin,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, USE_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr, KV_HEADS: tl.constexpr,
-    HAS_ORDER: tl.constexpr, ROTARY: tl.constexpr, HAS_NORM: tl.constexpr, LINES: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
+    KV_HEADS: tl.constexpr, HAS_ORDER: tl.constexpr, ROTARY: tl.constexpr, HAS_NORM: tl.constexpr, LINES: tl.constexpr,
 ):
     # Program (slot i x kv head, split): all GROUP query heads of one kv head of sequence b over one contiguous
     # share of its KV tiles. The share is computed from seq_len on the device, so every split gets work
@@ -122,9 +122,11 @@ def _decode_split_kernel(
     # slot after its tiles, and every program takes the new k and v from registers (the tiles stop before the
     # new position), so no program reads what this launch writes.
     #
-    # Under PDL the program prefetches its first KV tile into L2 before pdl_wait, so the context streams
-    # while the kernel before it (the qkv projection, with ROTARY) still runs. What it reads before the wait
-    # comes from the host before the step (block table, seq_lens, order, slots) or is a weight (norms).
+    # Under PDL the program reads its first KV tile before pdl_wait, so the context streams while the kernel
+    # before it still runs: into registers with ROTARY (its predecessor is the qkv projection, and no kernel
+    # of the step writes a cached position), else into L2 only (the rotary kernel before it writes the new
+    # position). The rest of what it reads before the wait comes from the host before the step (block table,
+    # seq_lens, order, slots) or is a weight (norms).
     #
     # Several splits: each writes its normalized partial and log-sum-exp, then counts itself in; the last of
     # a (sequence, kv head)'s non-empty splits to arrive merges all partials in split order (the same result
@@ -164,15 +166,25 @@ def _decode_split_kernel(
     k_base = k_ptr + kvh * stride_h
     v_base = v_ptr + kvh * stride_h
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    if USE_PDL:
+    # With ROTARY the tiles cover the context before the new position, which comes last, from registers.
+    cached_len = seq_len - 1 if ROTARY else seq_len
+    cached_hi = tl.minimum(tile_hi, tl.cdiv(cached_len, BLOCK_N))  # past the share's last cached tile
+    # With ROTARY the share's first tile is loaded into registers before the wait. No kernel of the step
+    # writes a cached position (this launch writes the new one, which no tile covers), so the tile is what
+    # the wait would have shown. Without ROTARY the rotary kernel before this one writes the new position
+    # into the cache, so under PDL the first tile is only prefetched into L2 (no value is read).
+    offs_first = tile_lo * BLOCK_N + offs_n0
+    first_mask = offs_first < tl.minimum(cached_len, tile_hi * BLOCK_N)
+    first_rows = _kv_tile_rows(bt_row, offs_first, first_mask, stride_b, stride_s, PAGE, True)
+    if ROTARY:
+        k_first = _load_rows(k_base, first_rows, offs_d, stride_d, first_mask, d_mask, True, HEAD_DIM != BLOCK_D)
+        v_first = _load_rows(v_base, first_rows, offs_d, stride_d, first_mask, d_mask, True, HEAD_DIM != BLOCK_D)
+    elif USE_PDL:
         # The share's first KV tile into L2 while the kernels before this one finish: a prefetch changes no
         # value (L2 is where every write lands), so it may run before the wait on any address.
-        offs_n = tile_lo * BLOCK_N + offs_n0
-        n_mask = offs_n < tl.minimum(seq_len, tile_hi * BLOCK_N)
-        kv_rows = _kv_tile_rows(bt_row, offs_n, n_mask, stride_b, stride_s, PAGE, True)
         offs_line = tl.arange(0, LINES) * (1024 // k_ptr.dtype.element_ty.primitive_bitwidth)  # a line apart
-        lines = kv_rows[:, None] + offs_line[None, :] * stride_d
-        line_mask = n_mask[:, None] & (offs_line < HEAD_DIM)[None, :]
+        lines = first_rows[:, None] + offs_line[None, :] * stride_d
+        line_mask = first_mask[:, None] & (offs_line < HEAD_DIM)[None, :]
         prefetch_l2(k_base + lines, line_mask)
         prefetch_l2(v_base + lines, line_mask)
     if ROTARY:  # what comes from the host or the weights, before the wait
@@ -206,29 +218,28 @@ def _decode_split_kernel(
         k_par = tl.load(k_row + partner[None, :], mask=d_mask[None, :], other=0.0)
         new_v = tl.load(new_v_ptr + b.to(tl.int64) * stride_nvb + kvh * stride_nvh + offs_d[None, :],
                         mask=d_mask[None, :], other=0.0).to(v_ptr.dtype.element_ty)  # [1, BLOCK_D]
-        q = q_raw  # rotated where used
+        q = _rotate(q_raw, q_par, c, s, lower, qw, qwp, eps, HEAD_DIM, HAS_NORM)
     else:
         q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=mask, other=0.0)  # [BLOCK_G, BLOCK_D]
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # With ROTARY the tiles cover the context before the new position, which comes last, from registers.
-    cached_len = seq_len - 1 if ROTARY else seq_len
-    for tile in range(tile_lo, tl.minimum(tile_hi, tl.cdiv(cached_len, BLOCK_N))):
+    tile_start = tile_lo
+    if ROTARY:
+        if tile_lo < cached_hi:
+            m_i, l_i, acc = _attend_tile(q, k_first, v_first, first_mask, m_i, l_i, acc, qk_scale, USE_DOT,
+                                         DOT_PRECISION)
+        tile_start = tile_lo + 1
+    for tile in range(tile_start, cached_hi):
         offs_n = tile * BLOCK_N + offs_n0
         n_mask = offs_n < cached_len
         kv_rows = _kv_tile_rows(bt_row, offs_n, n_mask, stride_b, stride_s, PAGE, True)
         k = _load_rows(k_base, kv_rows, offs_d, stride_d, n_mask, d_mask, True, HEAD_DIM != BLOCK_D)
         v = _load_rows(v_base, kv_rows, offs_d, stride_d, n_mask, d_mask, True, HEAD_DIM != BLOCK_D)
-        if ROTARY:  # loop-invariant: Triton hoists it out of the loop, ahead of the first tiles' loads
-            q_tile = _rotate(q_raw, q_par, c, s, lower, qw, qwp, eps, HEAD_DIM, HAS_NORM)
-        else:
-            q_tile = q
-        m_i, l_i, acc = _attend_tile(q_tile, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT, DOT_PRECISION)
+        m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT, DOT_PRECISION)
     if ROTARY:
         if holds_new:
-            q = _rotate(q_raw, q_par, c, s, lower, qw, qwp, eps, HEAD_DIM, HAS_NORM)
             new_k = _rotate(k_raw, k_par, c, s, lower, kw, kwp, eps, HEAD_DIM, HAS_NORM).to(k_ptr.dtype.element_ty)
             s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32), axis=1) * qk_scale  # [BLOCK_G]
             m_new = tl.maximum(m_i, s_new)
@@ -261,7 +272,7 @@ def _decode_split_kernel(
         if arrived == _used_splits(seq_len, num_splits, BLOCK_N) - 1:
             tl.store(count_ptr, 0)
             _merge_splits(ws_o_ptr, ws_lse_ptr, out_ptr, b, kvh * GROUP, seq_len, num_splits, num_heads,
-                          stride_ob, stride_oh, stride_od, GROUP, HEAD_DIM, BLOCK_D, BLOCK_S, BLOCK_N)
+                          stride_ob, stride_oh, stride_od, GROUP, HEAD_DIM, BLOCK_D, MERGE_G, MERGE_S, BLOCK_N)
 
 
 @triton.jit
@@ -275,25 +286,45 @@ def _used_splits(seq_len, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def _merge_splits(ws_o_ptr, ws_lse_ptr, out_ptr, b, head0, seq_len, num_splits, num_heads,
                   stride_ob, stride_oh, stride_od, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+                  BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr):
     # Heads head0 .. head0 + GROUP - 1 of sequence b: the splits' normalized partials weighted by exp2(lse),
-    # read past L1 (.cg: other programs wrote them during this kernel).
-    offs_s = tl.arange(0, BLOCK_S)
+    # read past L1 (.cg: other programs wrote them during this kernel). All the group's heads at once, MERGE_S
+    # splits a round (one round up to MERGE_S used splits): each round's loads are one batch of L2 round trips,
+    # where a loop over the heads waited for one head's loads before issuing the next head's.
+    offs_g = tl.arange(0, MERGE_G)
+    offs_s = tl.arange(0, MERGE_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < _used_splits(seq_len, num_splits, BLOCK_N)
+    g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    for g in range(GROUP):
-        row = (b.to(tl.int64) * num_heads + head0 + g) * num_splits
-        lse = tl.load(ws_lse_ptr + row + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-        m = tl.max(lse, axis=0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse - m)
-        denom = tl.sum(w, axis=0)
-        o = tl.load(ws_o_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-        res = tl.sum(w[:, None] * o, axis=0) / tl.where(denom > 0.0, denom, 1.0)
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + (head0 + g) * stride_oh + offs_d * stride_od,
-                 res.to(out_ptr.dtype.element_ty), mask=d_mask)
+    used = _used_splits(seq_len, num_splits, BLOCK_N)
+    rows = (b.to(tl.int64) * num_heads + head0 + offs_g) * num_splits  # [G]: each head's first split
+    m = tl.full([MERGE_G], float("-inf"), tl.float32)
+    denom = tl.zeros([MERGE_G], tl.float32)
+    acc = tl.zeros([MERGE_G, BLOCK_D], tl.float32)
+    for s0 in range(0, used, MERGE_S):
+        idx = rows[:, None] + (s0 + offs_s)[None, :]  # [G, S]
+        gs_mask = g_mask[:, None] & ((s0 + offs_s) < used)[None, :]
+        lse = tl.load(ws_lse_ptr + idx, mask=gs_mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(ws_o_ptr + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                    mask=gs_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split empty so far: weights 0, never NaN
+        alpha = tl.exp2(m - m_ref)
+        w = tl.exp2(lse - m_ref[:, None])  # [G, S]
+        denom = denom * alpha + tl.sum(w, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+        m = m_new
+    res = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + (head0 + offs_g)[:, None] * stride_oh
+             + offs_d[None, :] * stride_od, res.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+def _merge_tile(group: int, block_d: int, num_splits: int) -> tuple[int, int]:
+    """(MERGE_G, MERGE_S): the merge's [heads, splits] tile, ~4K fp32 partial values (32 registers a thread
+    at 4 warps) a round."""
+    merge_g = triton.next_power_of_2(group)
+    merge_s = max(1, min(triton.next_power_of_2(num_splits), 4096 // (merge_g * block_d)))
+    return merge_g, merge_s
 
 
 @functools.lru_cache(maxsize=None)
@@ -447,6 +478,7 @@ def paged_decode_attention(
     use_dot = group > 1
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else 1
     block_d = triton.next_power_of_2(head_dim)
+    merge_g, merge_s = _merge_tile(group, block_d, num_splits)
 
     ws_o = ws_lse = counts = out  # placeholders, unused when the kernel writes out directly
     if num_splits > 1:
@@ -474,7 +506,7 @@ def paged_decode_attention(
         scale * LOG2E, num_splits,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(), *rot_strides,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
-        BLOCK_S=triton.next_power_of_2(num_splits), USE_DOT=use_dot, DOT_PRECISION=_dot_precision(k_cache.dtype),
+        MERGE_G=merge_g, MERGE_S=merge_s, USE_DOT=use_dot, DOT_PRECISION=_dot_precision(k_cache.dtype),
         DIRECT_OUT=num_splits == 1, USE_PDL=pdl, KV_HEADS=num_kv_heads, HAS_ORDER=order is not None,
         ROTARY=rot is not None, HAS_NORM=rot is not None and new_tokens.q_norm_weight is not None,  # type: ignore[union-attr]
         LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),

@@ -144,7 +144,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tandem.kernels.triton_attention import _decode_split_kernel as kernel
+from tandem.kernels.triton_attention import _decode_split_kernel as kernel, _merge_tile
 
 ptr_types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
              "order_ptr": "*i32", "out_ptr": "*bf16", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "counts_ptr": "*i32",
@@ -154,8 +154,9 @@ unit = ("stride_d", "stride_qd", "stride_od")  # Triton specializes strides of 1
 out = {}
 for group, block_n, stages, rotary, direct in ((1, 64, 2, True, False), (4, 128, 3, True, True),
                                                (4, 128, 3, False, True), (2, 64, 3, False, False)):
+    merge_g, merge_s = _merge_tile(group, 128, 32)
     consts = dict(GROUP=group, BLOCK_G=1 if group == 1 else 16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=block_n,
-                  BLOCK_S=32, USE_DOT=group > 1, DOT_PRECISION="tf32", DIRECT_OUT=direct, USE_PDL=2, KV_HEADS=8,
+                  MERGE_G=merge_g, MERGE_S=merge_s, USE_DOT=group > 1, DOT_PRECISION="tf32", DIRECT_OUT=direct, USE_PDL=2, KV_HEADS=8,
                   HAS_ORDER=True, ROTARY=rotary, HAS_NORM=rotary and group == 4, LINES=2, **{u: 1 for u in unit})
     sig = {a: ptr_types.get(a, "constexpr" if a in consts else "fp32" if a in ("eps", "qk_scale") else "i32")
            for a in kernel.arg_names}
@@ -170,17 +171,23 @@ json.dump(out, sys.stdout)
 """
 
 
-def test_decode_kernel_compiles_for_sm90_and_prefetches_before_the_wait():
+def test_decode_kernel_compiles_for_sm90_and_reads_its_first_tile_before_the_wait():
     """On Hopper the decode kernel (plain and with fused rotary, split and direct) keeps nothing in local memory;
-    before the wait for the previous kernel it prefetches its first KV tile into L2 and writes nothing (no store,
-    no atomic), as the PDL contract requires; the split variants count in with an atomic after it."""
+    before the wait for the previous kernel it reads its first KV tile (with fused rotary into registers: 128-bit
+    loads, as many as the tile's K and V need; without, a prefetch into L2) and writes nothing (no store, no
+    atomic), as the PDL contract requires; the split variants count in with an atomic after it."""
     from tests.kernels.sm90 import compile_sm90
 
     for variant, ops in compile_sm90(_COMPILE_SM90).items():
         assert not any(op.startswith(("ld.local", "st.local")) for op in ops), variant
         wait = ops.index("griddepcontrol.wait;")
         before = ops[:wait]
-        assert any(op.startswith("prefetch.global.L2") for op in before), (variant, before)
+        if "rotaryTrue" in variant:
+            block_n = 64 if variant.startswith("group1") else 128
+            wide = [op for op in before if op.startswith("ld.global") and op.endswith(".v4.b32")]
+            assert len(wide) == 2 * block_n * 128 * 2 // 16 // 128, (variant, before)  # 4 warps of 32 threads
+        else:
+            assert any(op.startswith("prefetch.global.L2") for op in before), (variant, before)
         assert not any(op.startswith(("st.global", "atom.", "red.")) for op in before), (variant, before)
         atomics = [op for op in ops[wait:] if op.startswith("atom.")]
         assert (atomics != []) == variant.endswith("directFalse"), (variant, atomics)

@@ -11,6 +11,7 @@ import torch
 from tandem.kernels import ops
 from tandem.kernels.triton_attention import (
     MAX_SPLITS,
+    _merge_tile,
     choose_num_splits,
     decode_block_n,
     decode_workspace_numel,
@@ -477,6 +478,20 @@ def test_decode_many_splits_odd_lengths_and_padding_rows(num_splits, group):
     for i, n in enumerate(seq_lens):
         if n == 0:
             assert torch.equal(out[i], torch.zeros_like(out[i]))
+
+
+def test_decode_merge_in_several_rounds():
+    # 8 heads of 128 dims merge 4 splits a round (_merge_tile): 9 used splits of 129 tokens take three rounds,
+    # whose running max and sum carry over; 3 and 4 splits fit one round, exactly or not.
+    assert _merge_tile(8, 128, 64) == (8, 4)
+    seq_lens = [129, 0, 33, 64, 5]
+    case = make_case(seq_lens, [1] * len(seq_lens), group=8, head_dim=128, block_size=16, dtype=torch.float32,
+                     seed=11)
+    m = case.meta
+    out = paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
+                                 out=poisoned_like(case.q), num_splits=64, block_n=16)
+    assert_matches(out, dense_reference(case), torch.float32)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
 def test_num_splits_fill_the_gpu_at_batch_one_short_context():
