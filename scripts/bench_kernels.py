@@ -145,11 +145,12 @@ def bench_shape(args, batch, seq_len, copy_gbs, device) -> dict:
                                             num_splits=num_splits, workspace=workspace, **cfg)
         return graph_ms(fn) if graph else median_ms(fn)
 
-    ms = run_tandem()
+    ms = run_tandem(num_stages=args.num_stages)
     row = {
         "batch": batch, "seq_len": seq_len, "num_splits": splits, "block_n": block_n,
         "kv_bytes": kv_bytes, "bytes": total_bytes,
-        "tandem_ms": ms, "tandem_gbs": total_bytes / (ms * 1e-3) / 1e9, "tandem_eager_ms": run_tandem(graph=False),
+        "tandem_ms": ms, "tandem_gbs": total_bytes / (ms * 1e-3) / 1e9,
+        "tandem_eager_ms": run_tandem(graph=False, num_stages=args.num_stages),
     }
     row["tandem_copy_fraction"] = row["tandem_gbs"] / copy_gbs
 
@@ -171,8 +172,9 @@ def bench_shape(args, batch, seq_len, copy_gbs, device) -> dict:
     if args.sweep:
         best, table = None, []
         num_tiles = -(-seq_len // block_n)
-        split_options = sorted({1, splits} | {n for n in (2, 4, 8, 16, 32, 64) if n <= 2 * num_tiles})
-        for bn, warps, stages, ns in itertools.product((32, 64, 128), (4, 8), (2, 3), split_options):
+        split_options = sorted({1, splits} | {n for n in args.sweep_splits if n <= 2 * num_tiles})
+        for bn, warps, stages, ns in itertools.product(args.sweep_block_n, args.sweep_warps, args.sweep_stages,
+                                                       split_options):
             try:
                 t = run_tandem(num_splits=ns, block_n=bn, num_warps=warps, num_stages=stages)
             except Exception as exc:  # out of shared memory etc.: record and move on
@@ -223,6 +225,13 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--sweep", action="store_true", help="also search tile/warp/stage/split settings")
+    parser.add_argument("--sweep-block-n", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--sweep-warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--sweep-stages", type=int, nargs="+", default=[2, 3, 5],
+                        help="Triton num_stages; the page-table load takes stages of its own, so tiles are "
+                             "double-buffered only from 5")
+    parser.add_argument("--sweep-splits", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
+    parser.add_argument("--num-stages", type=int, default=None, help="the kernel's num_stages outside the sweep")
     parser.add_argument("--graph-max-len", type=int, default=0,
                         help="size the default split count from this static bound (the engine's max_model_len)")
     args = parser.parse_args()

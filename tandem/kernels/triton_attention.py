@@ -343,7 +343,9 @@ def decode_block_n(head_dim: int, dtype: torch.dtype, programs: int = 0, num_sms
     """KV positions per decode tile: ~16 KiB of K (and of V) per tile, ~32 KiB once batch x kv heads
     programs fill the SMs without splitting. Swept on an H200 (h200_s5_kernels_sweep.json): at batch 32
     x 512-2048 tokens 128-position tiles (3 stages) ran 0.98x SDPA where 64 ran 0.83-0.92x; at batch 1
-    the smaller tiles keep more splits busy over a short context."""
+    the smaller tiles keep more splits busy over a short context. Past a wave the better tile follows how
+    full the last wave is (h200_s11_kernels_sweep_{nano,b48_64}.json: 64 positions 11% faster at 512
+    programs, 5% slower at 768), which no rule here tracks yet."""
     tile_bytes = 32768 if num_sms and programs >= num_sms else 16384
     return max(16, min(128, tile_bytes // (triton.next_power_of_2(head_dim) * dtype.itemsize)))
 
@@ -638,7 +640,10 @@ def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, i
         return 64, 32, 4, 2
     if head_dim <= 64:
         return 128, 64, 4, 3
-    return 128, 64, 8, 3
+    # 5 stages: the block-table load takes pipeline stages of its own, so at 3 the K/V tiles had one buffer and
+    # each tile's loads waited for the tile before it to be done; 5 double-buffers them (h200_s11_prefill
+    # .json: 7-10% faster at 512-2048 tokens with 8 warps; 4 warps at 5 stages ran at half the speed).
+    return 128, 64, 8, 5
 
 
 def paged_prefill_attention(

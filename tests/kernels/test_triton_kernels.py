@@ -500,3 +500,37 @@ def test_num_splits_fill_the_gpu_at_batch_one_short_context():
     # Enough programs already: no split.
     assert choose_num_splits(256, 8, 512, 64, 132) == 1
     assert choose_num_splits(1, 8, 512, 64, 132, min_tiles_per_split=4) == 2
+
+
+_COMPILE_PREFILL_SM90 = r"""
+import json, re
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tandem.kernels.triton_attention import _prefill_config, _prefill_kernel as kernel
+
+ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "qsl_ptr": "*i32",
+        "seq_lens_ptr": "*i32", "out_ptr": "*bf16"}
+unit = ("stride_d", "stride_qd", "stride_od")
+block_m, block_n, warps, stages = _prefill_config(128, torch.bfloat16)
+consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="tf32",
+              USE_PDL=2, **{u: 1 for u in unit})
+sig = {a: ptrs.get(a, "constexpr" if a in consts else "fp32" if a == "qk_scale" else "i32") for a in kernel.arg_names}
+div = [i for i, a in enumerate(kernel.arg_names) if a in ptrs or (a.startswith("stride") and a not in unit)]
+src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in div})
+asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}).asm
+# The waits on the K/V copies inside the two tile loops: how many copy groups each leaves in flight.
+in_loop = [int(m) for m in re.findall(r"ttg.async_wait %tile\S*, %tile\S*, %pages\S* \{num = (\d+)", asm["ttgir"])]
+json.dump({"in_loop_waits": in_loop, "local": "ld.local" in asm["ptx"] or "st.local" in asm["ptx"]}, __import__("sys").stdout)
+"""
+
+
+def test_prefill_kernel_double_buffers_its_kv_tiles_on_sm90():
+    """The block-table load of a tile takes pipeline stages of its own: at the prefill's num_stages the loops'
+    waits on the K/V copies must leave the next tile's copies in flight (num > 0), or each tile's loads wait
+    for the tile before it to be done."""
+    from tests.kernels.sm90 import compile_sm90
+
+    got = compile_sm90(_COMPILE_PREFILL_SM90)
+    assert len(got["in_loop_waits"]) == 2 and all(n > 0 for n in got["in_loop_waits"]), got
+    assert not got["local"]
