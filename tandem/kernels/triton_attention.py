@@ -641,8 +641,9 @@ def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, i
     if head_dim <= 64:
         return 128, 64, 4, 3
     # 5 stages: the block-table load takes pipeline stages of its own, so at 3 the K/V tiles had one buffer and
-    # each tile's loads waited for the tile before it to be done; 5 double-buffers them (h200_s11_prefill
-    # .json: 7-10% faster at 512-2048 tokens with 8 warps; 4 warps at 5 stages ran at half the speed).
+    # each tile's loads waited for the tile before it to be done; 5 double-buffers them (scripts/
+    # bench_prefill.py, h200_s11_bench_prefill.json: 7-12% faster at 512-2048 tokens with 8 warps; 4 warps at
+    # 5 stages ran at half the speed).
     return 128, 64, 8, 5
 
 
