@@ -340,14 +340,34 @@ def device_sms(device: torch.device) -> int:
 
 
 def decode_block_n(head_dim: int, dtype: torch.dtype, programs: int = 0, num_sms: int = 0) -> int:
-    """KV positions per decode tile: ~16 KiB of K (and of V) per tile, ~32 KiB once batch x kv heads
-    programs fill the SMs without splitting. Swept on an H200 (h200_s5_kernels_sweep.json): at batch 32
-    x 512-2048 tokens 128-position tiles (3 stages) ran 0.98x SDPA where 64 ran 0.83-0.92x; at batch 1
-    the smaller tiles keep more splits busy over a short context. Past a wave the better tile follows how
-    full the last wave is (h200_s11_kernels_sweep_{nano,b48_64}.json: 64 positions 11% faster at 512
-    programs, 5% slower at 768), which no rule here tracks yet."""
-    tile_bytes = 32768 if num_sms and programs >= num_sms else 16384
-    return max(16, min(128, tile_bytes // (triton.next_power_of_2(head_dim) * dtype.itemsize)))
+    """KV positions per decode tile: ~16 KiB of K (and of V) per tile while batch x kv heads programs leave SMs
+    to splits; once they fill the SMs, ~32 KiB unless 16 KiB tiles fill the last wave of programs better.
+    Swept on an H200 (h200_s5_kernels_sweep.json): at batch 32 x 512-2048 tokens 128-position tiles (3 stages)
+    ran 0.98x SDPA where 64 ran 0.83-0.92x; at batch 1 the smaller tiles keep more splits busy over a short
+    context. Past a wave the time follows how full the last wave is (h200_s11_kernels_sweep_nano_waves{,2}
+    .json, head_dim 128, 512 tokens: 64 positions 17-21% faster at 448 and 512 programs, 2-5% at 832-1,024,
+    128 positions 14% faster at 576 and 640, 1-3% at 1,216 and 1,280; the estimate below picks the faster at
+    every swept point)."""
+    per_tile = triton.next_power_of_2(head_dim) * dtype.itemsize
+    big, small = (max(16, min(128, tile_bytes // per_tile)) for tile_bytes in (32768, 16384))
+    if not num_sms or programs < num_sms:
+        return small
+    if big == small:
+        return big
+    fill_big = _last_wave_fill(programs, DECODE_PROGRAMS_PER_SM[0], num_sms)
+    fill_small = _last_wave_fill(programs, DECODE_PROGRAMS_PER_SM[1], num_sms)
+    return small if fill_small > fill_big else big
+
+
+# Decode programs resident per SM with ~32 KiB and ~16 KiB tiles at 4 warps and 3 stages, as the sweeps above
+# fit them on an H200: 3 (one K and one V tile in shared memory, 74 KiB at head_dim 128) and 4 (registers).
+DECODE_PROGRAMS_PER_SM = (3, 4)
+
+
+def _last_wave_fill(programs: int, per_sm: int, num_sms: int) -> float:
+    """programs / the program slots of the waves they take (1.0: every wave full)."""
+    slots = per_sm * num_sms
+    return programs / (triton.cdiv(programs, slots) * slots)
 
 
 def choose_num_splits(

@@ -235,6 +235,11 @@ def test_decode_tiles_double_once_the_programs_fill_the_sms():
     assert decode_block_n(128, torch.bfloat16) == 64  # 16 KiB of K per tile
     assert decode_block_n(128, torch.bfloat16, programs=8, num_sms=132) == 64  # batch 1: splits need tiles
     assert decode_block_n(128, torch.bfloat16, programs=256, num_sms=132) == 128  # batch 32 x 8 kv heads
+    # Past a wave, the tile whose programs fill the last wave better: at 512 programs 128-position ones (3 an SM)
+    # would leave a second wave a third full where 64-position ones (4 an SM) take one; at 576 and 768 the
+    # larger tiles fill their waves better.
+    assert [decode_block_n(128, torch.bfloat16, programs=p, num_sms=132) for p in (448, 512, 576, 768, 1216)] == \
+        [64, 64, 128, 128, 128]
     assert decode_block_n(128, torch.float32, programs=256, num_sms=132) == 64
     assert decode_block_n(64, torch.bfloat16, programs=2048, num_sms=132) == 128  # capped
 
