@@ -347,7 +347,7 @@ def decode_block_n(head_dim: int, dtype: torch.dtype, programs: int = 0, num_sms
     context. Past a wave the time follows how full the last wave is (h200_s11_kernels_sweep_nano_waves{,2}
     .json, head_dim 128, 512 tokens: 64 positions 17-21% faster at 448 and 512 programs, 2-5% at 832-1,024,
     128 positions 14% faster at 576 and 640, 1-3% at 1,216 and 1,280; the estimate below picks the faster at
-    every swept point)."""
+    16 of the 18 points swept this session, and at 384 programs, the two others, costs 2%)."""
     per_tile = triton.next_power_of_2(head_dim) * dtype.itemsize
     big, small = (max(16, min(128, tile_bytes // per_tile)) for tile_bytes in (32768, 16384))
     if not num_sms or programs < num_sms:
