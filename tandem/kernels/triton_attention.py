@@ -108,7 +108,8 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
-    KV_HEADS: tl.constexpr, HAS_ORDER: tl.constexpr, ROTARY: tl.constexpr, HAS_NORM: tl.constexpr, LINES: tl.constexpr,
+    KV_HEADS: tl.constexpr, HAS_ORDER: tl.constexpr, ROTARY: tl.constexpr, HAS_NORM: tl.constexpr,
+    LINES: tl.constexpr,
 ):
     # Program (slot i x kv head, split): all GROUP query heads of one kv head of sequence b over one contiguous
     # share of its KV tiles. The share is computed from seq_len on the device, so every split gets work
@@ -339,6 +340,18 @@ def device_sms(device: torch.device) -> int:
     return 132  # interpreter runs: pretend an H100 so the heuristic is exercised the same way
 
 
+# Decode programs resident per SM with ~32 KiB and ~16 KiB tiles at 4 warps and 3 stages, as the sweeps in
+# decode_block_n fit them on an H200: 3 (one K and one V tile in shared memory, 74 KiB at head_dim 128) and 4
+# (registers).
+DECODE_PROGRAMS_PER_SM = (3, 4)
+
+
+def _last_wave_fill(programs: int, per_sm: int, num_sms: int) -> float:
+    """programs / the program slots of the waves they take (1.0: every wave full)."""
+    slots = per_sm * num_sms
+    return programs / (triton.cdiv(programs, slots) * slots)
+
+
 def decode_block_n(head_dim: int, dtype: torch.dtype, programs: int = 0, num_sms: int = 0) -> int:
     """KV positions per decode tile: ~16 KiB of K (and of V) per tile while batch x kv heads programs leave SMs
     to splits; once they fill the SMs, ~32 KiB unless 16 KiB tiles fill the last wave of programs better.
@@ -357,17 +370,6 @@ def decode_block_n(head_dim: int, dtype: torch.dtype, programs: int = 0, num_sms
     fill_big = _last_wave_fill(programs, DECODE_PROGRAMS_PER_SM[0], num_sms)
     fill_small = _last_wave_fill(programs, DECODE_PROGRAMS_PER_SM[1], num_sms)
     return small if fill_small > fill_big else big
-
-
-# Decode programs resident per SM with ~32 KiB and ~16 KiB tiles at 4 warps and 3 stages, as the sweeps above
-# fit them on an H200: 3 (one K and one V tile in shared memory, 74 KiB at head_dim 128) and 4 (registers).
-DECODE_PROGRAMS_PER_SM = (3, 4)
-
-
-def _last_wave_fill(programs: int, per_sm: int, num_sms: int) -> float:
-    """programs / the program slots of the waves they take (1.0: every wave full)."""
-    slots = per_sm * num_sms
-    return programs / (triton.cdiv(programs, slots) * slots)
 
 
 def choose_num_splits(

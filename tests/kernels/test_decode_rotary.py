@@ -156,8 +156,9 @@ for group, block_n, stages, rotary, direct in ((1, 64, 2, True, False), (4, 128,
                                                (4, 128, 3, False, True), (2, 64, 3, False, False)):
     merge_g, merge_s = _merge_tile(group, 128, 32)
     consts = dict(GROUP=group, BLOCK_G=1 if group == 1 else 16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=block_n,
-                  MERGE_G=merge_g, MERGE_S=merge_s, USE_DOT=group > 1, DOT_PRECISION="tf32", DIRECT_OUT=direct, USE_PDL=2, KV_HEADS=8,
-                  HAS_ORDER=True, ROTARY=rotary, HAS_NORM=rotary and group == 4, LINES=2, **{u: 1 for u in unit})
+                  MERGE_G=merge_g, MERGE_S=merge_s, USE_DOT=group > 1, DOT_PRECISION="tf32", DIRECT_OUT=direct,
+                  USE_PDL=2, KV_HEADS=8, HAS_ORDER=True, ROTARY=rotary, HAS_NORM=rotary and group == 4, LINES=2,
+                  **{u: 1 for u in unit})
     sig = {a: ptr_types.get(a, "constexpr" if a in consts else "fp32" if a in ("eps", "qk_scale") else "i32")
            for a in kernel.arg_names}
     div = [i for i, a in enumerate(kernel.arg_names) if a in ptr_types or (a.startswith("stride") and a not in unit)]

@@ -508,7 +508,7 @@ def test_num_splits_fill_the_gpu_at_batch_one_short_context():
 
 
 _COMPILE_PREFILL_SM90 = r"""
-import json, re
+import json, re, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -526,7 +526,8 @@ src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs={(i,): [["tt.
 asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}).asm
 # The waits on the K/V copies inside the two tile loops: how many copy groups each leaves in flight.
 in_loop = [int(m) for m in re.findall(r"ttg.async_wait %tile\S*, %tile\S*, %pages\S* \{num = (\d+)", asm["ttgir"])]
-json.dump({"in_loop_waits": in_loop, "local": "ld.local" in asm["ptx"] or "st.local" in asm["ptx"]}, __import__("sys").stdout)
+local = "ld.local" in asm["ptx"] or "st.local" in asm["ptx"]
+json.dump({"in_loop_waits": in_loop, "local": local}, sys.stdout)
 """
 
 
