@@ -102,9 +102,9 @@ def _rms_norm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, weig
         if residual is None or residual.stride(-1) != 1 or not parts.ws.is_contiguous():
             raise ValueError(f"PartialSums {tuple(parts.ws.shape)} need contiguous partial sums and a residual with a "
                              f"unit inner stride, got {None if residual is None else tuple(residual.stride())}")
-        x3 = parts.ws[0].unsqueeze(1)  # [rows, 1, dim]: the first split; the kernel steps to the others
-    shape, dtype = (parts.shape, parts.dtype) if parts is not None else (x.shape, x.dtype)
-    device = x3.device if parts is not None else x.device
+        shape, dtype, device = parts.shape, parts.dtype, parts.ws.device
+    else:
+        shape, dtype, device = x.shape, x.dtype, x.device
     dim = shape[-1]
     if weight.shape != (dim,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match the normalized dim {dim}")
@@ -120,16 +120,16 @@ def _rms_norm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, weig
         return (QuantizedRows(out, scale, dtype) if fp8_out else out), new_res
     if parts is None:
         x3 = _as_rows3(x)
-    r3 = _as_rows3(residual) if residual is not None else x3
-    if r3.shape != x3.shape or r3.dtype != dtype:
-        raise ValueError(f"residual {tuple(r3.shape)} {r3.dtype} does not match x {tuple(x3.shape)} {dtype}")
-    if parts is None:
         split_args = dict(SPLITS=0, split_stride=0, ps_ptr=out, pb_ptr=out, HAS_PSCALE=False, HAS_PBIAS=False)
     else:
+        x3 = parts.ws[0].unsqueeze(1)  # [rows, 1, dim]: the first split; the kernel steps to the others
         split_args = dict(SPLITS=parts.ws.shape[0], split_stride=x3.numel(),
                           ps_ptr=parts.scale if parts.scale is not None else out,
                           pb_ptr=parts.bias if parts.bias is not None else out,
                           HAS_PSCALE=parts.scale is not None, HAS_PBIAS=parts.bias is not None)
+    r3 = _as_rows3(residual) if residual is not None else x3
+    if r3.shape != x3.shape or r3.dtype != dtype:
+        raise ValueError(f"residual {tuple(r3.shape)} {r3.dtype} does not match x {tuple(x3.shape)} {dtype}")
     rows = x3.shape[0] * x3.shape[1]
     block = triton.next_power_of_2(dim)
     pdl = use_pdl(device)
