@@ -299,11 +299,12 @@ def fp8_weight_matmul_triton(
 
 def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tensor, weight_scale: torch.Tensor | None,
                     bias: torch.Tensor | None, out: torch.Tensor, cfg: dict[str, int], defer: bool = False,
-                    **flags: bool) -> torch.Tensor | PartialSums:
+                    extra: tuple = (), **flags: bool) -> torch.Tensor | PartialSums:
     """Runs a small-M GEMM kernel (`operands`: its leading x pointer arguments; `flags`: its own constexpr
     switches) over a grid of N tiles x K splits x row blocks, then, when K is split, the reduce that adds the
     fp32 partials in split order and applies the channel scale (when there is one) and the bias; or, with
-    `defer` (and TANDEM_DEFER_REDUCE not 0), hands the partials on as PartialSums for the kernel after it."""
+    `defer` (and TANDEM_DEFER_REDUCE not 0), hands the partials on as PartialSums for the kernel after it.
+    `extra`: pointer arguments of the kernel after its workspace."""
     m, n = out.shape
     k = weight.shape[1]
     block_m = min(64, max(16, triton.next_power_of_2(m)))  # more rows tile over the grid's third axis
@@ -313,10 +314,11 @@ def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tenso
     ws = torch.empty(split_k, m, n, dtype=torch.float32, device=out.device) if split_k > 1 else out
     scale = weight_scale if weight_scale is not None else out  # a placeholder pointer when unscaled
     b = bias if bias is not None else scale
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), split_k, triton.cdiv(m, block_m))
+    per_program = cfg["BLOCK_N"] // 2 if flags.get("GATED") == GATE_PAIRS else cfg["BLOCK_N"]  # outputs
+    grid = (triton.cdiv(n, per_program), split_k, triton.cdiv(m, block_m))
     pdl = use_pdl(out.device)
     kernel[grid](
-        *operands, weight, scale, b, out, ws,
+        *operands, weight, scale, b, out, ws, *extra,
         m, n, k, k_split, stride_xm, weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, SPLIT_K=split_k, BLOCK_M=block_m,
         USE_PDL=pdl, launch_pdl=bool(pdl), **flags, **cfg,
@@ -337,26 +339,37 @@ def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tenso
 
 @triton.jit
 def _swap_ab_kernel(
-    xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
+    xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, oa_ptr,
     M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
     HAS_SCALE: tl.constexpr, X_SCALED: tl.constexpr, GATED: tl.constexpr, up_offset,
-    PREFETCH_LINES: tl.constexpr, LINE_K: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE_K: tl.constexpr, AMAX_OUT: tl.constexpr,
 ):
-    # Program = BLOCK_N output channels x BLOCK_M rows over K range [pid_k * K_SPLIT, +K_SPLIT). Both operands
-    # go to the tensor cores as they are loaded (no widening in registers): e4m3 x e4m3 for W8A8, or both in
-    # the model dtype. (Widening FP8 weight tiles to bf16/f16 in registers for a W8A16 variant ran at 0.3-0.5
-    # of copy bandwidth on an H200, conversion-bound: benchmarks/results/README.md, eighth session.) The
-    # weight tile [BLOCK_N, BLOCK_K] is the MMA's A operand and the few token rows its
-    # narrow B operand ("swap AB": the MMA's M of 64 is filled by channels, not by the 1-32 tokens).
-    # acc[n, m] holds sum_k w[n, k] x[m, k]; the token scale (X_SCALED) multiplies here, the channel scale
-    # (HAS_SCALE) and bias where the sum is final (here when SPLIT_K is 1, else in _split_k_reduce_kernel,
-    # partial sums added in split order: bitwise reproducible). GATED (SPLIT_K 1 only): the program also
-    # multiplies the up rows (up_offset rows below its gate rows) and writes silu(gate) * up, each rounded
-    # as the unfused GEMM + silu_and_mul round it.
-    pid_k, offs_m, offs_n, offs_k, m_mask, n_mask, k_begin, k_end = _small_m_program(
+    # Program = BLOCK_N weight rows x BLOCK_M rows over K range [pid_k * K_SPLIT, +K_SPLIT). Both operands
+    # go to the tensor cores in one dtype: e4m3 x e4m3 for W8A8, or both in the model dtype. (Widening FP8
+    # weight tiles to bf16/f16 in registers for a W8A16 variant ran at 0.3-0.5 of copy bandwidth on an H200,
+    # conversion-bound: benchmarks/results/README.md, eighth session.) The weight tile [BLOCK_N, BLOCK_K] is
+    # the MMA's A operand and the few token rows its narrow B operand ("swap AB": the MMA's M of 64 is filled
+    # by channels, not by the 1-32 tokens). acc[n, m] holds sum_k w[n, k] x[m, k]; the token scale
+    # (X_SCALED: e4m3 rows, their scales at xs_ptr) multiplies here, the channel scale (HAS_SCALE) and bias
+    # where the sum is final (here when SPLIT_K is 1,
+    # else in _split_k_reduce_kernel or the kernel taking PartialSums, partial sums added in split order:
+    # bitwise reproducible). GATED (SPLIT_K 1 only) writes silu(gate) * up, each rounded as the unfused GEMM +
+    # silu_and_mul round it: GATE_TWO, the program multiplies its BLOCK_N gate rows and the up rows up_offset
+    # below (two tiles); GATE_PAIRS, its tile is BLOCK_N / 2 gate rows and their up rows (one tile, BLOCK_N /
+    # 2 outputs). AMAX_OUT (SPLIT_K 1 only): each row's |max| over the program's outputs, as stored, goes to
+    # oa_ptr[row, program] ([M, N tiles]: the row's |max| is their max, for _quant_from_parts_kernel).
+    pid_k, offs_m, _, offs_k, m_mask, _, k_begin, k_end = _small_m_program(
         M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+    if GATED == 2:
+        j = tl.arange(0, BLOCK_N)
+        offs_o = tl.program_id(0) * (BLOCK_N // 2) + (j % (BLOCK_N // 2))  # the output column of each weight row
+        n_mask = offs_o < N
+        offs_n = offs_o + tl.where(j < BLOCK_N // 2, 0, up_offset)
+    else:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_begin + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
     u_ptrs = w_ptrs + up_offset * stride_wn
     if USE_PDL and PREFETCH_LINES > 0:
@@ -366,7 +379,7 @@ def _swap_ab_kernel(
         pf_mask = n_mask[:, None] & (pf_k < k_end)[None, :]
         pf_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + pf_k[None, :]
         prefetch_l2(pf_ptrs, pf_mask)
-        if GATED:
+        if GATED == 1:
             prefetch_l2(pf_ptrs + up_offset * stride_wn, pf_mask)
     pdl_wait(USE_PDL)
     x_ptrs = xq_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_begin + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
@@ -381,7 +394,7 @@ def _swap_ab_kernel(
             w_mask = n_mask[:, None] & k_mask[None, :]
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), tl.trans(x), acc)
-        if GATED:
+        if GATED == 1:
             acc_up = tl.dot(tl.load(u_ptrs, mask=w_mask, other=0.0), tl.trans(x), acc_up)
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -389,22 +402,45 @@ def _swap_ab_kernel(
     if X_SCALED:
         x_scale = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
         acc = acc * x_scale
-        if GATED:
+        if GATED == 1:
             acc_up = acc_up * x_scale
-    mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT_K == 1:
         acc = _channel_epilogue(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE, HAS_BIAS)
-        if GATED:
+        out_ty = out_ptr.dtype.element_ty
+        if GATED == 1:
             acc_up = _channel_epilogue(acc_up, offs_n + up_offset, n_mask, s_ptr, b_ptr, HAS_SCALE, HAS_BIAS)
-            out_ty = out_ptr.dtype.element_ty
-            gate = acc.to(out_ty).to(tl.float32)
-            silu = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)  # F.silu rounds before the multiply
-            acc = silu * acc_up.to(out_ty).to(tl.float32)
-        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            acc = _silu_mul(acc, acc_up, out_ty)
+            offs_o = offs_n
+        elif GATED == 2:
+            # rows [0, half) are gate, [half, BLOCK_N) their up rows: [2, half, M] -> [half, M, 2] -> split
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0)))
+            acc = _silu_mul(gate, up, out_ty)
+            offs_o = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            n_mask = offs_o < N
+        else:
+            offs_o = offs_n
+        mask = n_mask[:, None] & m_mask[None, :]
+        val = acc.to(out_ty)
+        tl.store(out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_o[:, None], val, mask=mask)
+        if AMAX_OUT:
+            row_max = tl.max(tl.where(mask, tl.abs(val.to(tl.float32)), 0.0), axis=0)
+            tl.store(oa_ptr + offs_m * tl.num_programs(0) + tl.program_id(0), row_max, mask=m_mask)
     else:
+        mask = n_mask[:, None] & m_mask[None, :]
         ws_ptrs = ws_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
         tl.store(ws_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _silu_mul(gate, up, out_ty: tl.constexpr):
+    # silu(gate) * up with the roundings of the unfused GEMM + silu_and_mul: each projection rounded to the
+    # output dtype, F.silu rounding before the multiply.
+    g = gate.to(out_ty).to(tl.float32)
+    silu = (g * tl.sigmoid(g)).to(out_ty).to(tl.float32)
+    return silu * up.to(out_ty).to(tl.float32)
+
+
+GATE_NONE, GATE_TWO, GATE_PAIRS = 0, 1, 2  # its GATED
 
 
 @triton.jit
@@ -417,6 +453,10 @@ def _channel_epilogue(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE: tl.constexpr
     return acc
 
 
+LONE_STAGE_BYTES = 144 * 1024  # shared memory for the pipeline of a W8A8 program alone on its SM
+LONE_MAX_STAGES = 6  # measured up to 6 (8 did not fit beside the epilogue)
+
+
 def w8a8_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
     """Tile of the W8A8 small-M GEMM from the shape alone (graph-safe): 64 channels per program (one
     warpgroup's MMA height), K tiles of 256, 4 pipeline stages, and K split in two where N gives fewer than
@@ -424,14 +464,28 @@ def w8a8_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
     projections at 16 and 32 pre-quantized rows (scripts/bench_fp8_linear.py --sweep; benchmarks/results/
     README.md, eighth session): o and down (64 N tiles) run best split 2-4, qkv (96) and gate_up (448) unsplit
     (gate_up 33.9 against 38.9 us split, which also writes and re-reads its fp32 partial sums).
+    Where the grid has no more programs than the GPU has SMs, each program streams alone on its SM and
+    nothing else hides its load latency, so it gets as many stages as LONE_STAGE_BYTES of shared memory hold
+    (up to LONE_MAX_STAGES): in the seed-async decode step on an H200 (scripts/profile_decode.py, eleventh-
+    twelfth sessions) 6 stages took qkv (96 programs) from 10.6 to 8.5 us a layer, down (128) from 17.6 to
+    15.9 and o (128) from 6.6 to 6.1; gate_up (448 programs, two an SM) ran slower at 6.
     TANDEM_W8A8_TILE="KEY=VALUE,..." overrides it for tuning runs (SPLIT_K=auto: split until ~2 programs per
-    SM, keeping >= 4 K tiles per split)."""
+    SM, keeping >= 4 K tiles per split); an item "NxK:KEY=VALUE" only for the weights of that shape."""
     block_k = 256 if k % 256 == 0 else 128
     narrow = 3 * triton.cdiv(n, 64) < 2 * sms
-    tile: dict[str, int | str] = {"BLOCK_N": 64, "BLOCK_K": block_k,
-                                  "SPLIT_K": 2 if narrow and triton.cdiv(k, block_k) >= 8 else 1,
-                                  "num_warps": 4, "num_stages": 4}
+    split = 2 if narrow and triton.cdiv(k, block_k) >= 8 else 1
+    block_m = min(64, max(16, triton.next_power_of_2(m)))  # as _launch_small_m tiles the rows
+    stages = 4
+    if triton.cdiv(n, 64) * split * triton.cdiv(m, block_m) <= sms:
+        stage_bytes = (64 + block_m) * block_k  # one e4m3 weight tile and one of x
+        stages = max(stages, min(LONE_MAX_STAGES, LONE_STAGE_BYTES // stage_bytes,
+                                 triton.cdiv(triton.cdiv(k, block_k), split)))
+    tile: dict[str, int | str] = {"BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4,
+                                  "num_stages": stages}
     for item in filter(None, os.environ.get("TANDEM_W8A8_TILE", "").split(",")):
+        shape, _, item = item.rpartition(":")
+        if shape and shape != f"{n}x{k}":
+            continue
         key, _, value = item.partition("=")
         if key not in tile:
             raise ValueError(f"TANDEM_W8A8_TILE: unknown key {key!r} (expected one of {sorted(tile)})")
@@ -478,7 +532,75 @@ def fp8_w8a8_matmul_quantized(
     sms = device_sms(xq.device)
     cfg = {**w8a8_tile(m, n, k, sms), **(tile or {})}
     return _launch_small_m(_swap_ab_kernel, (xq, x_scale), xq.stride(0), weight, weight_scale, bias, out, cfg,
-                           defer, HAS_SCALE=True, X_SCALED=True, GATED=False, up_offset=0, **_prefetch(weight, cfg))
+                           defer, (out,), HAS_SCALE=True, X_SCALED=True, GATED=GATE_NONE, up_offset=0,
+                           AMAX_OUT=False, **_prefetch(weight, cfg))
+
+
+def fp8_w8a8_gated(
+    xq: torch.Tensor,  # [M, K] float8_e4m3fn, unit inner stride
+    x_scale: torch.Tensor,  # [M, 1] fp32
+    weight: torch.Tensor,  # [2 * I, K] float8_e4m3fn row-major: gate rows then up rows
+    weight_scale: torch.Tensor,  # [2 * I, 1] fp32
+    out_dtype: torch.dtype,
+    quantize: bool = False,  # return the output quantized per token
+    tile: dict[str, int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [M, I] silu(gate) * up, or (e4m3 [M, I], fp32 [M, 1])
+    """silu(x Wg^T) * (x Wu^T) of a merged gate/up FP8 weight on quantized rows, in one W8A8 swap-AB pass
+    (each program's tile: BLOCK_N / 2 gate rows and their up rows). quantize: the GEMM also writes each
+    program's row maxima, and a quantizer that needs no reduction of its own (_quant_from_parts_kernel) turns
+    the rows into what quantize_per_token_triton would (bit for bit), in place of the SiLU-and-mul quantizer
+    that found the row maxima itself (4.2 us a layer on Llama-3-8B's 32 x 14,336 rows, H200)."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    if n % 2:
+        raise ValueError(f"a gated GEMM needs an even number of weight rows (gate then up), got {n}")
+    out = torch.empty(m, n // 2, dtype=out_dtype, device=xq.device)
+    cfg = {**w8a8_tile(m, n, k, device_sms(xq.device)), **(tile or {}), "SPLIT_K": 1}  # silu needs whole sums
+    tiles = triton.cdiv(n // 2, cfg["BLOCK_N"] // 2)
+    parts = torch.empty(m, tiles, dtype=torch.float32, device=xq.device) if quantize else out
+    if m:
+        _launch_small_m(_swap_ab_kernel, (xq, x_scale), xq.stride(0), weight, weight_scale, None, out, cfg, False,
+                        (parts,), HAS_SCALE=True, X_SCALED=True, GATED=GATE_PAIRS, up_offset=n // 2,
+                        AMAX_OUT=quantize, **_prefetch(weight, cfg))
+    return quantize_from_parts(out, parts) if quantize else out
+
+
+@triton.jit
+def _quant_from_parts_kernel(
+    x_ptr, parts_ptr, q_ptr, scale_ptr, dim, num_parts, stride_x,
+    FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # Program = BLOCK values of one row: the row's |max| is the max of its num_parts partial maxima (written
+    # by the kernel that produced the row), then store_quantized's math; chunk 0 writes the scale.
+    pdl_wait(USE_PDL)
+    chunk = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    p = tl.arange(0, PARTS)
+    amax = tl.max(tl.load(parts_ptr + row * num_parts + p, mask=p < num_parts, other=0.0), axis=0)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < dim
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = store_quantized(x, amax, offs, mask, q_ptr + row * dim, FP8_MAX_C, MIN_AMAX_C)
+    if chunk == 0:
+        tl.store(scale_ptr + row, scale)
+
+
+def quantize_from_parts(x: torch.Tensor, parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, k] rows and [n, p] partial |max| values whose max per row is the row's |max| -> (e4m3 [n, k], fp32
+    scale [n, 1]) equal to quantize_per_token_triton(x), from one pass with no reduction across programs."""
+    n, dim = x.shape
+    q = torch.empty(n, dim, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(n, 1, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return q, scale
+    pdl = use_pdl(x.device)
+    _quant_from_parts_kernel[(triton.cdiv(dim, WIDE_BLOCK), n)](
+        x, parts, q, scale, dim, parts.shape[1], x.stride(0), FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX,
+        BLOCK=WIDE_BLOCK, PARTS=triton.next_power_of_2(parts.shape[1]), USE_PDL=pdl, num_warps=4,
+        launch_pdl=bool(pdl),
+    )
+    return q, scale
 
 
 PREFETCH_TILES = int(os.environ.get("TANDEM_PREFETCH_TILES", "2"))  # K tiles per program the swap-AB GEMM sends to L2
@@ -535,5 +657,6 @@ def skinny_matmul_triton(
     cfg = {**skinny_tile(m, n_out, k, sms), **(tile or {})}
     if gated:
         cfg["SPLIT_K"] = 1  # silu needs the whole sum
-    return _launch_small_m(_swap_ab_kernel, (x, x), x.stride(0), weight, None, bias, out, cfg, defer,
-                           HAS_SCALE=False, X_SCALED=False, GATED=gated, up_offset=n_out, **_prefetch(weight, cfg))
+    return _launch_small_m(_swap_ab_kernel, (x, x), x.stride(0), weight, None, bias, out, cfg, defer, (out,),
+                           HAS_SCALE=False, X_SCALED=False, GATED=GATE_TWO if gated else GATE_NONE, up_offset=n_out,
+                           AMAX_OUT=False, **_prefetch(weight, cfg))

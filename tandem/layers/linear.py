@@ -12,6 +12,7 @@ from tandem.layers.activation import silu_and_mul
 from tandem.layers.quantization import (
     FP8_DTYPE,
     PartialSums,
+    W8A8_MAX_M,
     QuantizedRows,
     fp8_linear,
     fp8_quantizes_activations,
@@ -54,8 +55,15 @@ class Linear(nn.Module):
         """silu(gate) * up of this merged gate/up projection (gate rows first): one weight-streaming kernel at
         decode batch sizes on CUDA, else the projection followed by silu_and_mul. fp8_out (the result feeds
         an FP8 linear): where that linear would quantize it per token, the silu_and_mul kernel writes it
-        quantized (QuantizedRows)."""
-        if not isinstance(x, QuantizedRows):
+        quantized (QuantizedRows). Quantized rows up to W8A8_MAX_M on a GPU (or the interpreter) run the W8A8
+        GEMM with silu(gate) * up in its epilogue, quantized for fp8_out from the row maxima it writes."""
+        if isinstance(x, QuantizedRows):
+            if self.bias is None and x.q.shape[0] <= W8A8_MAX_M and use_triton(x.q):
+                from tandem.kernels.triton_quant import fp8_w8a8_gated  # lazy: CPU runs never import Triton
+
+                out = fp8_w8a8_gated(x.q, x.scale, self.weight, self.weight_scale, x.dtype, quantize=fp8_out)
+                return QuantizedRows(*out, x.dtype) if fp8_out else out
+        else:
             if use_gemv(x, self.in_features, self.weight_scale is not None):
                 return self._gemv(x, gated=True)
             if self.weight_scale is None and use_skinny(x, self.in_features):

@@ -133,17 +133,22 @@ from tandem.kernels.triton_quant import _swap_ab_kernel
 
 names = _swap_ab_kernel.arg_names
 types = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16",
-         "out_ptr": "*bf16", "ws_ptr": "*fp32"}
-cx = {"HAS_BIAS": False, "EVEN_K": True, "SPLIT_K": 1, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256, "USE_PDL": 2,
-      "HAS_SCALE": True, "X_SCALED": True, "GATED": False, "PREFETCH_LINES": 4, "LINE_K": 128}
-src = ASTSource(fn=_swap_ab_kernel, signature={n: types.get(n, "constexpr" if n in cx else "i32") for n in names},
-                constexprs=cx, attrs={(names.index(a),): [["tt.divisibility", 16]] for a in ("xq_ptr", "w_ptr", "K", "K_SPLIT",
-                                                                                               "stride_xm", "stride_wn")})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
-order = [w for l in ptx.splitlines() for w in l.replace("{", " ").replace(";", "; ").split()
-         if w.startswith(("prefetch", "griddepcontrol", "cp.async"))]
-json.dump({"ops": sorted({l.split()[0] for l in ptx.splitlines() if l.strip().startswith(("wgmma", "mma", "cp.async"))}),
-           "order": order}, sys.stdout)
+         "out_ptr": "*bf16", "ws_ptr": "*fp32", "oa_ptr": "*fp32"}
+out = {}
+for name, gated in (("plain", 0), ("gated", 2)):
+    cx = {"HAS_BIAS": False, "EVEN_K": True, "SPLIT_K": 1, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256,
+          "USE_PDL": 2, "HAS_SCALE": True, "X_SCALED": True, "GATED": gated, "PREFETCH_LINES": 4, "LINE_K": 128,
+          "AMAX_OUT": gated == 2}
+    src = ASTSource(fn=_swap_ab_kernel, signature={n: types.get(n, "constexpr" if n in cx else "i32") for n in names},
+                    constexprs=cx, attrs={(names.index(a),): [["tt.divisibility", 16]]
+                                          for a in ("xq_ptr", "w_ptr", "K", "K_SPLIT", "stride_xm", "stride_wn")})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 6}).asm["ptx"]
+    order = [w for l in ptx.splitlines() for w in l.replace("{", " ").replace(";", "; ").split()
+             if w.startswith(("prefetch", "griddepcontrol", "cp.async"))]
+    out[name] = {"ops": sorted({l.split()[0] for l in ptx.splitlines()
+                                if l.strip().startswith(("wgmma", "mma", "cp.async", "atom", "red"))}),
+                 "order": order}
+json.dump(out, sys.stdout)
 """
 
 
@@ -152,14 +157,16 @@ def test_w8a8_uses_fp8_wgmma_on_sm90():
     the MMA's N) from pipelined async copies: no widening of either operand. Under PDL it lets the next
     kernel launch, then prefetches its first weight lines into L2, and only then waits for the previous
     kernel: every operand load comes after the wait."""
-    out = compile_sm90(_COMPILE_W8A8)
-    ops, order = out["ops"], out["order"]
-    assert "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3" in ops, ops
-    assert any(op.startswith("cp.async") for op in ops), ops
-    wait = order.index("griddepcontrol.wait;")
-    assert order.index("griddepcontrol.launch_dependents;") < wait
-    assert "prefetch.global.L2" in order[:wait]
-    assert not any(op.startswith("cp.async") for op in order[:wait]), order[:wait + 1]
+    compiled = compile_sm90(_COMPILE_W8A8)
+    for variant in ("plain", "gated"):  # gated: gate/up pairs, silu * up and the row maxima in the epilogue
+        ops, order = compiled[variant]["ops"], compiled[variant]["order"]
+        assert "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3" in ops, ops
+        assert any(op.startswith("cp.async") for op in ops), ops
+        assert not any(op.startswith(("atom", "red")) for op in ops), ops  # row maxima: plain stores
+        wait = order.index("griddepcontrol.wait;")
+        assert order.index("griddepcontrol.launch_dependents;") < wait
+        assert "prefetch.global.L2" in order[:wait]
+        assert not any(op.startswith("cp.async") for op in order[:wait]), order[:wait + 1]
 
 
 @pytest.mark.parametrize("rows,dim,residual", [(3, 300, False), (17, 1024, True), (2, 4096, True)])
@@ -210,6 +217,44 @@ def test_silu_and_mul_quantized_equals_unfused(rows, inter):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
     with pytest.raises(ValueError, match="even"):
         quantize_per_token_triton(y[:, 1:], silu_and_mul=True)
+
+
+@pytest.mark.parametrize("rows,inter,k", [(1, 64, 256), (5, 96, 320), (32, 160, 256), (40, 48, 512)])
+def test_w8a8_gated_equals_gemm_then_silu_and_mul_quantizer(rows, inter, k):
+    """The gate/up W8A8 GEMM with silu(gate) * up in its epilogue (each program: gate rows and their up rows;
+    masked K and channel tiles here) gives the plain W8A8 GEMM followed by SiLU-and-mul, and, quantizing from
+    the row maxima its programs write, bit for bit the e4m3 bytes and scales of the SiLU-and-mul quantizer."""
+    import torch
+    import torch.nn.functional as F
+
+    from tandem.kernels.triton_quant import (
+        fp8_w8a8_gated,
+        fp8_w8a8_matmul_quantized,
+        quantize_from_parts,
+        quantize_per_token_triton,
+    )
+    from tandem.layers.quantization import quantize_weight_fp8
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(rows + inter)
+    xq, xs = quantize_per_token_triton(torch.randn(rows, k, generator=gen).to(device, dtype))
+    w, ws = quantize_weight_fp8((torch.randn(2 * inter, k, generator=gen) * 0.1).to(device))
+    full = fp8_w8a8_matmul_quantized(xq, xs, w, ws, None, dtype, {"SPLIT_K": 1})
+    gated = fp8_w8a8_gated(xq, xs, w, ws, dtype)
+    want = (F.silu(full[:, :inter].float()).to(dtype).float() * full[:, inter:].float()).to(dtype)
+    assert gated.shape == (rows, inter) and gated.dtype == dtype
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(gated.float(), want.float(), **tol)
+    q, scale = fp8_w8a8_gated(xq, xs, w, ws, dtype, quantize=True)
+    q_ref, scale_ref = quantize_per_token_triton(full, silu_and_mul=True)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
+    # The quantizer alone: any split of a row's |max| into partial maxima gives quantize_per_token_triton's.
+    x = torch.randn(rows, 3000, generator=gen).to(device, dtype)
+    parts = x.float().abs().view(rows, 5, 600).amax(dim=2)
+    q, scale = quantize_from_parts(x, parts)
+    q_ref, scale_ref = quantize_per_token_triton(x)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
 
 
 @pytest.mark.parametrize("rows", [2, 17, 70])
