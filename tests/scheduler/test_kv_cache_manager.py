@@ -31,6 +31,28 @@ def test_hash_chain_depends_on_the_whole_prefix() -> None:
     assert hash_block_tokens(a, [5, 6]) == hash_block_tokens(hash_block_tokens(None, [1, 2]), [5, 6])
 
 
+def test_block_hash_is_the_digest_of_parent_and_tokens_and_repeats_are_remembered() -> None:
+    """The remembered hashes are exactly the blake2b digests (the memo only skips recomputing them), and a
+    second request with the same prompt prefix finds its blocks' hashes remembered."""
+    import hashlib
+    from array import array
+
+    from tandem.scheduler.kv_cache_manager import _hash_block
+
+    parent = hash_block_tokens(None, [7, 8, 9, 10])
+    want = hashlib.blake2b(parent + array("q", [11, 12, 13, 14]).tobytes(), digest_size=16).digest()
+    assert hash_block_tokens(parent, [11, 12, 13, 14]) == want
+    assert hash_block_tokens(parent, (11, 12, 13, 14)) == want  # any sequence of the same tokens
+    assert hash_block_tokens(parent, [11, 12, 13, 15]) != want
+    kv = KVCacheManager(block_size=4, num_blocks=32)
+    prompt = list(range(100, 113))  # three full blocks and one token
+    admit(kv, make_request("a", prompt))
+    hits = _hash_block.cache_info().hits
+    computed, cached = kv.get_computed_blocks(make_request("b", prompt[:12] + [999]))
+    assert cached == 12 and computed == kv.get_block_ids("a")[:3]
+    assert _hash_block.cache_info().hits >= hits + 3
+
+
 def test_prefix_hit_is_capped_below_the_last_token() -> None:
     kv = KVCacheManager(block_size=4, num_blocks=20)
     first = make_request("a", list(range(1, 13)))  # 12 tokens = 3 full blocks
