@@ -41,7 +41,7 @@ from tandem.layers.quantization import (  # noqa: E402
     quantize_activation_per_token_ref,
     quantize_weight_fp8,
 )
-from tandem.models.loader import load_model_and_tokenizer, quantize_linears_fp8  # noqa: E402
+from tandem.models.loader import load_model_and_tokenizer  # noqa: E402
 from tests.models.paged_kv import PagedKV, Seq  # noqa: E402
 
 DEVICE = "cuda"

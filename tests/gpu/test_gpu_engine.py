@@ -471,7 +471,6 @@ def test_long_mixed_workload_finishes_everything_and_returns_every_block(overlap
     engine, sched = llm.engine, llm.engine.scheduler
     reqs = mixed_requests()
     arrivals = collections.deque(sorted(reqs, key=lambda r: r[3]))
-    params = {rid: p for rid, _, p, _ in reqs}
     tokens: dict[str, list[int]] = collections.defaultdict(list)
     logprobs: dict[str, list] = collections.defaultdict(list)
     finished: dict[str, FinishReason | None] = {}
