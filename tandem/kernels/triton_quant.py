@@ -353,9 +353,9 @@ def _swap_ab_kernel(
     # the MMA's A operand and the few token rows its narrow B operand ("swap AB": the MMA's M of 64 is filled
     # by channels, not by the 1-32 tokens). acc[n, m] holds sum_k w[n, k] x[m, k]; the token scale
     # (X_SCALED: e4m3 rows, their scales at xs_ptr) multiplies here, the channel scale (HAS_SCALE) and bias
-    # where the sum is final (here when SPLIT_K is 1,
-    # else in _split_k_reduce_kernel or the kernel taking PartialSums, partial sums added in split order:
-    # bitwise reproducible). GATED (SPLIT_K 1 only) writes silu(gate) * up, each rounded as the unfused GEMM +
+    # where the sum is final (here when SPLIT_K is 1, else in _split_k_reduce_kernel or the kernel taking
+    # PartialSums, partial sums added in split order: bitwise reproducible).
+    # GATED (SPLIT_K 1 only) writes silu(gate) * up, each rounded as the unfused GEMM +
     # silu_and_mul round it: GATE_TWO, the program multiplies its BLOCK_N gate rows and the up rows up_offset
     # below (two tiles); GATE_PAIRS, its tile is BLOCK_N / 2 gate rows and their up rows (one tile, BLOCK_N /
     # 2 outputs). AMAX_OUT (SPLIT_K 1 only): each row's |max| over the program's outputs, as stored, goes to
