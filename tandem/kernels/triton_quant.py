@@ -297,6 +297,11 @@ def fp8_weight_matmul_triton(
                            {**fp8_matmul_tile(m, n, k, sms), **(tile or {})})
 
 
+def small_m_rows(m: int) -> int:
+    """BLOCK_M of the small-M GEMMs for m rows: 16-64; more rows tile over the grid's third axis."""
+    return min(64, max(16, triton.next_power_of_2(m)))
+
+
 def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tensor, weight_scale: torch.Tensor | None,
                     bias: torch.Tensor | None, out: torch.Tensor, cfg: dict[str, int], defer: bool = False,
                     extra: tuple = (), **flags: bool) -> torch.Tensor | PartialSums:
@@ -307,7 +312,7 @@ def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tenso
     `extra`: pointer arguments of the kernel after its workspace."""
     m, n = out.shape
     k = weight.shape[1]
-    block_m = min(64, max(16, triton.next_power_of_2(m)))  # more rows tile over the grid's third axis
+    block_m = small_m_rows(m)
     split_k = cfg.pop("SPLIT_K")
     k_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), split_k) * cfg["BLOCK_K"]
     split_k = triton.cdiv(k, k_split)  # rounding K_SPLIT up to whole tiles can leave fewer splits
@@ -476,7 +481,7 @@ def w8a8_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
     block_k = 256 if k % 256 == 0 else 128
     narrow = 3 * triton.cdiv(n, 64) < 2 * sms
     split = 2 if narrow and triton.cdiv(k, block_k) >= 8 else 1
-    block_m = min(64, max(16, triton.next_power_of_2(m)))  # as _launch_small_m tiles the rows
+    block_m = small_m_rows(m)
     programs = triton.cdiv(n, 64) * split * triton.cdiv(m, block_m)
     if programs > sms and block_m <= 32 and k % 128 == 0:
         block_k = 128  # 48 KiB a program at 4 stages: 4 fit an SM, so up to 4 x sms programs all run at once

@@ -12,8 +12,8 @@ from tandem.layers.activation import silu_and_mul
 from tandem.layers.quantization import (
     FP8_DTYPE,
     PartialSums,
-    W8A8_MAX_M,
     QuantizedRows,
+    W8A8_MAX_M,
     fp8_linear,
     fp8_quantizes_activations,
     fp8_supported_shape,

@@ -18,7 +18,7 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
     request another prompt's KV, and token ids are user-controlled. Recently hashed blocks are
     remembered by their exact (parent, tokens) key, so requests that share a prompt prefix hash
     it once: 256 requests behind a 1,024-token system prompt spent ~8 of the ~10 ms of each
-    admitting step hashing the same 64 blocks again (scripts/bench_host_step.py --prefill).
+    admitting step hashing the same 64 blocks again (scripts/bench_host_step.py --shared-prefix 1024).
     """
     return _hash_block(parent, tuple(token_ids))
 
@@ -99,10 +99,10 @@ class KVCacheManager:
         """Extends the request's hash chain to `num_blocks` full blocks of known tokens."""
         hashes = self._hashes.setdefault(request.request_id, [])
         assert num_blocks * self.block_size <= request.num_tokens, "hashing a block with unknown tokens"
-        tokens, size, hash_block = request.all_token_ids, self.block_size, _hash_block  # hash_block_tokens, inlined
+        tokens, size = request.all_token_ids, self.block_size
         for j in range(len(hashes), num_blocks):
             parent = hashes[j - 1] if j else None
-            hashes.append(hash_block(parent, tuple(tokens[j * size : (j + 1) * size])))
+            hashes.append(hash_block_tokens(parent, tokens[j * size : (j + 1) * size]))
         return hashes
 
     # --- allocation ------------------------------------------------------------------------
