@@ -97,12 +97,19 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def make_inputs(batch, seq_len, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0):
-    """A paged cache with shuffled blocks (block 0 reserved), its block tables, seq_lens and one query per row."""
+def make_inputs(batch, seq_len, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0, layout="nhd"):
+    """A paged cache with shuffled blocks (block 0 reserved), its block tables, seq_lens and one query per row.
+    layout "hnd" stores each block head-major (a kv head's positions of a block contiguous) behind the same
+    [num_blocks, block_size, num_kv_heads, head_dim] view."""
     gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = -(-seq_len // block_size)
     num_blocks = 1 + batch * blocks_per_seq
-    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
+    if layout == "hnd":
+        kv = torch.randn(2, num_blocks, num_kv_heads, block_size, head_dim, generator=gen, device=device,
+                         dtype=dtype).transpose(2, 3)
+    else:
+        kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen, device=device,
+                         dtype=dtype)
     perm = torch.randperm(num_blocks - 1, generator=gen, device=device) + 1
     block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)
     seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
@@ -115,7 +122,7 @@ def contiguous_kv(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int)
     batch = block_tables.shape[0]
     _, block_size, num_kv_heads, head_dim = cache.shape
     gathered = cache[block_tables.long()]  # [batch, blocks, block_size, kv_heads, dim]
-    gathered = gathered.view(batch, -1, num_kv_heads, head_dim)[:, :seq_len]
+    gathered = gathered.reshape(batch, -1, num_kv_heads, head_dim)[:, :seq_len]
     return gathered.transpose(1, 2).contiguous()
 
 
@@ -128,7 +135,8 @@ def bench_shape(args, batch, seq_len, copy_gbs, device) -> dict:
     dtype = DTYPES[args.dtype]
     elem = dtype.itemsize
     q, k_cache, v_cache, block_tables, seq_lens = make_inputs(
-        batch, seq_len, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size, dtype, device)
+        batch, seq_len, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size, dtype, device,
+        layout=args.layout)
     scale = 1.0 / math.sqrt(args.head_dim)
     kv_bytes = 2 * batch * seq_len * args.num_kv_heads * args.head_dim * elem
     io_bytes = 2 * q.numel() * elem + block_tables.numel() * 4 + seq_lens.numel() * 4
@@ -153,6 +161,12 @@ def bench_shape(args, batch, seq_len, copy_gbs, device) -> dict:
         "tandem_eager_ms": run_tandem(graph=False, num_stages=args.num_stages),
     }
     row["tandem_copy_fraction"] = row["tandem_gbs"] / copy_gbs
+    if args.fp8_out:  # the output quantized for an FP8 o_proj (one group per sequence and kv head)
+        fp8 = torch.empty(out.shape, dtype=torch.float8_e4m3fn, device=device)
+        out_scale = torch.empty(batch, args.num_kv_heads, dtype=torch.float32, device=device)
+        row["tandem_fp8_out_ms"] = graph_ms(lambda: paged_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out=fp8, out_scale=out_scale, num_splits=splits,
+            num_stages=args.num_stages))
 
     keys = contiguous_kv(k_cache, block_tables, seq_len)
     values = contiguous_kv(v_cache, block_tables, seq_len)
@@ -224,6 +238,10 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--layout", choices=["nhd", "hnd"], default="nhd",
+                        help="cache memory order within a block: positions then heads (the engine's), or heads first")
+    parser.add_argument("--fp8-out", action="store_true",
+                        help="also time the kernel writing its output quantized for an FP8 o_proj")
     parser.add_argument("--sweep", action="store_true", help="also search tile/warp/stage/split settings")
     parser.add_argument("--sweep-block-n", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--sweep-warps", type=int, nargs="+", default=[4, 8])
@@ -254,6 +272,7 @@ def main() -> None:
                 if "sdpa_ms" in row else f"  sdpa failed: {row['sdpa_error'][:60]}")
         print(f"{batch:>5} {seq_len:>6} {row['num_splits']:>6} {row['tandem_ms'] * 1e3:>10.1f} "
               f"{row['tandem_gbs']:>8.0f} {row['tandem_copy_fraction']:>6.3f} {sdpa}"
+              + (f"  fp8 out {row['tandem_fp8_out_ms'] * 1e3:.1f} us" if "tandem_fp8_out_ms" in row else "")
               + (f"  best {row['sweep_best']}" if row.get("sweep_best") else ""), flush=True)
 
     result = {
@@ -264,7 +283,7 @@ def main() -> None:
         "triton": triton.__version__,
         "python": platform.python_version(),
         "layout": {"num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim,
-                   "block_size": args.block_size, "dtype": args.dtype},
+                   "block_size": args.block_size, "dtype": args.dtype, "memory_order": args.layout},
         "copy_bandwidth_gbs": copy_gbs,
         "timing": "CUDA-graph replay, L2 flushed before each call (GPU time); *_eager_ms: triton do_bench median",
         "graph_max_len": args.graph_max_len or None,

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.kernels.reference import paged_attention_ref, write_kv_ref
 from tandem.layers.attention_metadata import AttentionMetadata
+from tandem.layers.quantization import (
+    FP8_DTYPE,
+    W8A8_MAX_M,
+    QuantizedRows,
+    fp8_quantizes_activations,
+    group_block_k,
+)
+
+if TYPE_CHECKING:
+    from tandem.kernels.triton_attention import NewTokens
 
 # Linears of at most this many rows run kernels/triton_gemv.py on CUDA: at one decode row cuBLAS picks
 # split-K GEMMs that stream the weight at ~0.67-0.90 of copy bandwidth plus a reduce kernel; the GEMV reads
@@ -61,18 +72,21 @@ def fuses_decode_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, q_norm: torch.nn.Module | None, k_norm: torch.nn.Module | None
 ) -> bool:
     """Whether a decode step's rotary and KV write run inside the decode attention kernel: Triton kernels on for
-    q, rotary over every dim, q/k norms both or neither with one eps, fewer sequences x kv heads than the GPU
-    has SMs (the kernel splits each sequence's context: at batch 1 it saved the rotary kernel's ~2 us a layer,
-    while at batch 32 x 8 kv heads the rotation ahead of the tile loads cost more than that on an H200), and
-    TANDEM_DECODE_ROTARY != 0 (read per call: a CUDA graph keeps what its capture chose)."""
+    q, rotary over every dim, q/k norms both or neither with one eps, sequences x kv heads programs that all
+    fit on the GPU at once (DECODE_PROGRAMS_PER_SM of the larger tiles per SM), and TANDEM_DECODE_ROTARY != 0
+    (read per call: a CUDA graph keeps what its capture chose; 1 fuses at any batch). On an H200 it saved the
+    rotary kernel's ~2 us a layer at batch 1 (split contexts), and since each program loads its first KV tile
+    before the PDL wait, seed-async's batch 32 x 8 kv heads (256 programs on 132 SMs) ran 2.4% faster in bf16
+    (benchmarks/results/README.md, thirteenth session); past one wave it was not measured, so it stays off."""
     if not use_triton(q) or os.environ.get("TANDEM_DECODE_ROTARY") == "0":
         return False
     if (q_norm is None) != (k_norm is None) or (q_norm is not None and q_norm.eps != k_norm.eps):  # type: ignore[union-attr]
         return False
-    from tandem.kernels.triton_attention import device_sms
+    from tandem.kernels.triton_attention import DECODE_PROGRAMS_PER_SM, device_sms
 
+    one_wave = k.shape[0] * k.shape[1] <= DECODE_PROGRAMS_PER_SM[0] * device_sms(q.device)
     return (2 * cos.shape[-1] == q.shape[-1] and k.stride(-1) == 1
-            and k.shape[0] * k.shape[1] < device_sms(q.device))
+            and (one_wave or os.environ.get("TANDEM_DECODE_ROTARY") == "1"))
 
 
 def decode_attention_rotary(
@@ -88,14 +102,50 @@ def decode_attention_rotary(
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
     eps: float,
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    fp8_out: bool = False,
+) -> torch.Tensor | QuantizedRows:  # [num_seqs, num_heads, head_dim], or [num_seqs, num_heads * head_dim] rows
     """Decode step (one token per sequence) on Triton: (q/k norm,) rotary, the cache write of k and v, and
-    attention in one kernel; see fuses_decode_rotary."""
-    from tandem.kernels.triton_attention import NewTokens, paged_decode_attention
+    attention in one kernel; see fuses_decode_rotary. fp8_out: see decode_attention."""
+    from tandem.kernels.triton_attention import NewTokens
 
     new = NewTokens(k, v, cos, sin, meta.slot_mapping, q_norm_weight, k_norm_weight, eps)
-    return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                  max_seq_len=meta.max_seq_len, order=meta.decode_order, new_tokens=new)
+    return decode_attention(q, k_cache, v_cache, meta, scale, new, fp8_out)
+
+
+def decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    new_tokens: NewTokens | None = None,
+    fp8_out: bool = False,
+) -> torch.Tensor | QuantizedRows:  # [num_seqs, num_heads, head_dim], or [num_seqs, num_heads * head_dim] rows
+    """A decode step's attention on Triton (with new_tokens also their rotary and cache write). fp8_out (see
+    decode_fp8_groups): the output comes quantized for an FP8 o_proj, one group per (sequence, kv head)."""
+    from tandem.kernels.triton_attention import paged_decode_attention
+
+    args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    kw = dict(max_seq_len=meta.max_seq_len, order=meta.decode_order, new_tokens=new_tokens)
+    if not fp8_out:
+        return paged_decode_attention(*args, **kw)
+    num_seqs, num_heads, head_dim = q.shape
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=FP8_DTYPE, device=q.device)
+    out_scale = torch.empty(num_seqs, k_cache.shape[2], dtype=torch.float32, device=q.device)
+    paged_decode_attention(*args, out=out, out_scale=out_scale, **kw)
+    return QuantizedRows(out.view(num_seqs, num_heads * head_dim), out_scale, q.dtype)
+
+
+def decode_fp8_groups(q: torch.Tensor, num_kv_heads: int) -> bool:
+    """Whether a decode step's attention writes its output quantized for an FP8 o_proj (QuantizedRows in one
+    group per kv head: its query heads' values over their own |max|), so that no quantization kernel runs
+    between them: where o_proj would quantize rows for its W8A8 GEMM (2 to W8A8_MAX_M rows, Triton), and a
+    group fills whole FP8 K tiles. TANDEM_DECODE_FP8_OUT=0 turns it off (read per call)."""
+    rows, num_heads, head_dim = q.shape
+    if os.environ.get("TANDEM_DECODE_FP8_OUT") == "0":
+        return False
+    return (fp8_quantizes_activations(rows) and rows <= W8A8_MAX_M and use_triton(q)
+            and group_block_k(num_heads // num_kv_heads * head_dim, 256) > 0)
 
 
 def use_gemv(x: torch.Tensor, in_features: int, fp8: bool = False) -> bool:

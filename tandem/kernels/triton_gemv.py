@@ -8,8 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.triton_attention import device_sms
-from tandem.kernels.triton_launch import pdl_wait, use_pdl
+from tandem.kernels.triton_launch import device_sms, pdl_wait, use_pdl
 
 
 @triton.jit

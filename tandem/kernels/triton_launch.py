@@ -53,6 +53,18 @@ def prefetch_l2(ptrs, mask):
 
 
 @functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, for the kernels' shape-only tile heuristics."""
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 132  # interpreter runs: pretend an H100 so the heuristic is exercised the same way
+
+
+@functools.lru_cache(maxsize=None)
 def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 

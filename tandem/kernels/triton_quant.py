@@ -9,9 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.triton_attention import device_sms
-from tandem.kernels.triton_launch import pdl_wait, persistent_state, prefetch_l2, use_pdl
-from tandem.layers.quantization import DEFER_REDUCE, FP8_DTYPE, FP8_MAX, MIN_AMAX, PartialSums
+from tandem.kernels.triton_launch import device_sms, pdl_wait, persistent_state, prefetch_l2, use_pdl
+from tandem.layers.quantization import DEFER_REDUCE, FP8_DTYPE, FP8_MAX, MIN_AMAX, PartialSums, group_block_k
 
 MAX_QUANT_DIM = 65536  # one program holds a whole row in registers
 
@@ -349,7 +348,7 @@ def _swap_ab_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
     HAS_SCALE: tl.constexpr, X_SCALED: tl.constexpr, GATED: tl.constexpr, up_offset,
-    PREFETCH_LINES: tl.constexpr, LINE_K: tl.constexpr, AMAX_OUT: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, LINE_K: tl.constexpr, AMAX_OUT: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     # Program = BLOCK_N weight rows x BLOCK_M rows over K range [pid_k * K_SPLIT, +K_SPLIT). Both operands
     # go to the tensor cores in one dtype: e4m3 x e4m3 for W8A8, or both in the model dtype. (Widening FP8
@@ -365,6 +364,8 @@ def _swap_ab_kernel(
     # below (two tiles); GATE_PAIRS, its tile is BLOCK_N / 2 gate rows and their up rows (one tile, BLOCK_N /
     # 2 outputs). AMAX_OUT (SPLIT_K 1 only): each row's |max| over the program's outputs, as stored, goes to
     # oa_ptr[row, program] ([M, N tiles]: the row's |max| is their max, for _quant_from_parts_kernel).
+    # GROUP_K > 0 (X_SCALED): x is quantized in groups of GROUP_K columns, scales [M, K / GROUP_K], and each
+    # K tile (within one group) adds its product times its group's scale.
     pid_k, offs_m, _, offs_k, m_mask, _, k_begin, k_end = _small_m_program(
         M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     if GATED == 2:
@@ -398,13 +399,17 @@ def _swap_ab_kernel(
             k_mask = (k0 + offs_k) < k_end
             w_mask = n_mask[:, None] & k_mask[None, :]
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), tl.trans(x), acc)
+        if GROUP_K > 0:
+            xs = tl.load(xs_ptr + offs_m * (K // GROUP_K) + k0 // GROUP_K, mask=m_mask, other=0.0)
+            acc += tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), tl.trans(x)) * xs[None, :]
+        else:
+            acc = tl.dot(tl.load(w_ptrs, mask=w_mask, other=0.0), tl.trans(x), acc)
         if GATED == 1:
             acc_up = tl.dot(tl.load(u_ptrs, mask=w_mask, other=0.0), tl.trans(x), acc_up)
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if X_SCALED:
+    if X_SCALED and GROUP_K == 0:
         x_scale = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
         acc = acc * x_scale
         if GATED == 1:
@@ -533,7 +538,7 @@ def fp8_w8a8_matmul_quantized(
     defer: bool = False,  # split over K: may return PartialSums instead of running the reduce
 ) -> torch.Tensor | PartialSums:  # [M, N] in out_dtype
     """The W8A8 swap-AB GEMM on rows already quantized per token (by quantize_per_token_triton or by the
-    kernel that produced them)."""
+    kernel that produced them), or in groups of columns (x_scale [M, G], contiguous: QuantizedRows)."""
     m, k = xq.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
@@ -541,9 +546,15 @@ def fp8_w8a8_matmul_quantized(
         return out
     sms = device_sms(xq.device)
     cfg = {**w8a8_tile(m, n, k, sms), **(tile or {})}
+    group_k = 0
+    if x_scale.shape[1] > 1:
+        group_k = k // x_scale.shape[1]
+        cfg["BLOCK_K"] = group_block_k(group_k, cfg["BLOCK_K"])
+        if not cfg["BLOCK_K"] or k % group_k or not x_scale.is_contiguous():
+            raise ValueError(f"rows quantized in groups of {group_k} of {k} columns: no FP8 K tile fits a group")
     return _launch_small_m(_swap_ab_kernel, (xq, x_scale), xq.stride(0), weight, weight_scale, bias, out, cfg,
                            defer, (out,), HAS_SCALE=True, X_SCALED=True, GATED=GATE_NONE, up_offset=0,
-                           AMAX_OUT=False, **_prefetch(weight, cfg))
+                           AMAX_OUT=False, GROUP_K=group_k, **_prefetch(weight, cfg))
 
 
 def fp8_w8a8_gated(
@@ -571,7 +582,7 @@ def fp8_w8a8_gated(
     if m:
         _launch_small_m(_swap_ab_kernel, (xq, x_scale), xq.stride(0), weight, weight_scale, None, out, cfg, False,
                         (parts,), HAS_SCALE=True, X_SCALED=True, GATED=GATE_PAIRS, up_offset=n // 2,
-                        AMAX_OUT=quantize, **_prefetch(weight, cfg))
+                        AMAX_OUT=quantize, GROUP_K=0, **_prefetch(weight, cfg))
     return quantize_from_parts(out, parts) if quantize else out
 
 
@@ -669,4 +680,4 @@ def skinny_matmul_triton(
         cfg["SPLIT_K"] = 1  # silu needs the whole sum
     return _launch_small_m(_swap_ab_kernel, (x, x), x.stride(0), weight, None, bias, out, cfg, defer, (out,),
                            HAS_SCALE=False, X_SCALED=False, GATED=GATE_TWO if gated else GATE_NONE, up_offset=n_out,
-                           AMAX_OUT=False, **_prefetch(weight, cfg))
+                           AMAX_OUT=False, GROUP_K=0, **_prefetch(weight, cfg))

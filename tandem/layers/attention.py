@@ -11,6 +11,7 @@ from torch import nn
 
 from tandem.kernels import ops
 from tandem.layers.attention_metadata import AttentionMetadata
+from tandem.layers.quantization import QuantizedRows
 from tandem.layers.rotary import rotary_write_kv
 
 
@@ -71,21 +72,28 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         q_norm: nn.Module | None = None,  # per-head RMSNorm of q and k first (Qwen3), both or neither
         k_norm: nn.Module | None = None,
-    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        fp8_out: bool = False,  # the caller's o_proj holds FP8 weights
+    ) -> torch.Tensor | QuantizedRows:  # [num_tokens, num_heads * head_dim]
         """(q/k norm,) rotary, this step's K/V into the cache, then attention. In a decode step on CUDA the decode
         kernel does all of it (ops.decode_attention_rotary: one kernel per layer where there were two, and the
-        context's KV streams before the qkv projection has finished); otherwise rotary_write_kv, then attend."""
+        context's KV streams before the qkv projection has finished); otherwise rotary_write_kv, then attend.
+        With fp8_out, a decode step where ops.decode_fp8_groups allows it returns the output quantized for the
+        FP8 o_proj (QuantizedRows, one group per kv head) instead of in the model dtype."""
         cos, sin = rotary
-        if (_split is None and meta.is_decode and q.shape[0] == meta.num_seqs
-                and ops.fuses_decode_rotary(q, k, cos, q_norm, k_norm)):
+        decode = _split is None and meta.is_decode and q.shape[0] == meta.num_seqs
+        fp8 = fp8_out and decode and ops.decode_fp8_groups(q, self.num_kv_heads)
+        if decode and ops.fuses_decode_rotary(q, k, cos, q_norm, k_norm):
             norms = q_norm is not None and k_norm is not None
             out = ops.decode_attention_rotary(
                 q, k, v, cos, sin, k_cache, v_cache, meta, self.scale,
                 q_norm.weight if norms else None, k_norm.weight if norms else None,  # type: ignore[union-attr]
                 q_norm.eps if norms else 1e-6,  # type: ignore[union-attr]
+                fp8_out=fp8,
             )
-            return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+            return out if fp8 else out.reshape(q.shape[0], self.num_heads * self.head_dim)
         q, k = rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, q_norm, k_norm)
+        if fp8:
+            return ops.decode_attention(q, k_cache, v_cache, meta, self.scale, fp8_out=True)
         return self.attend(q, k_cache, v_cache, meta)
 
     def attend(

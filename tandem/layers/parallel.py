@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tandem.config import ModelConfig, ParallelConfig
 from tandem.layers.linear import Embedding, Linear, lm_head_logits
-from tandem.layers.quantization import PartialSums
+from tandem.layers.quantization import PartialSums, QuantizedRows
 
 _GROUP: Any = None  # the tensor-parallel process group (None: the default group)
 
@@ -155,7 +155,7 @@ class RowParallelLinear(Linear):
         self.tp = tp
         self.has_bias = bias
 
-    def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | PartialSums:
+    def forward(self, x: torch.Tensor | QuantizedRows, defer_reduce: bool = False) -> torch.Tensor | PartialSums:
         """defer_reduce: as Linear's, on one rank (across ranks the all-reduce needs the summed output)."""
         if self.tp.size > 1:
             return all_reduce(super().forward(x))

@@ -37,15 +37,26 @@ _IGNORED_SCALES = (".input_scale", ".output_scale", ".k_scale", ".v_scale", ".kv
 class QuantizedRows(NamedTuple):
     """Activations quantized per token, as fp8_linear would quantize them: e4m3 rows, their fp32 scales
     (rows ~= q * scale) and the dtype of the unquantized activations (the linear's output dtype). Written by
-    a producer kernel (RMSNorm, SiLU-and-mul) whose consumer is an FP8 linear that quantizes x anyway."""
+    a producer kernel (RMSNorm, SiLU-and-mul) whose consumer is an FP8 linear that quantizes x anyway.
+    With G > 1 scale columns each row is G groups of k / G columns, each quantized over its own |max|
+    (quantize_activation_groups_ref): the decode attention writes one group per kv head for o_proj."""
 
     q: torch.Tensor  # [n, k] float8_e4m3fn, row-major
-    scale: torch.Tensor  # [n, 1] fp32
+    scale: torch.Tensor  # [n, G] fp32, contiguous; G = 1: per token
     dtype: torch.dtype
 
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
+
+    @property
+    def group_size(self) -> int:
+        """Columns per scale: k for per-token rows."""
+        return self.q.shape[1] // self.scale.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [n, k]: every value times its group's scale."""
+        return self.q.float() * self.scale.repeat_interleave(self.group_size, dim=1)
 
 
 class PartialSums(NamedTuple):
@@ -121,6 +132,28 @@ def quantize_activation_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, to
     return (x32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+def quantize_activation_groups_ref(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, k] float -> (e4m3 [n, k], fp32 scale [n, k / group_size]), every group of group_size consecutive
+    columns over its own |max|: scale = amax / 448 as per token, but the values are multiplied by the one
+    IEEE-rounded 448 / amax of their group rather than each divided by the scale (the kernel writing them,
+    the decode attention, does one division per group; the results differ from a division by at most one
+    e4m3 rounding step, where x / scale falls within an fp32 ulp of a rounding boundary)."""
+    n, k = x.shape
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"group size {group_size} does not divide {k} columns")
+    x32 = x.float().reshape(n, k // group_size, group_size)
+    amax = x32.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX)
+    q = (x32 * (FP8_MAX / amax)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(n, k), (amax / FP8_MAX).view(n, k // group_size)
+
+
+def group_block_k(group_size: int, block_k: int) -> int:
+    """The K tile of a swap-AB GEMM on rows quantized in groups of group_size columns: the largest power of two
+    <= block_k that divides the group (each K tile then lies in one group); 0 below 32, the FP8 MMA's K."""
+    tile = min(block_k, group_size & -group_size)
+    return tile if tile >= 32 else 0
+
+
 def fp8_linear(
     x: torch.Tensor | QuantizedRows,  # [..., in] bfloat16, or [n, in] rows quantized by their producer
     weight: torch.Tensor,  # [out, in] float8_e4m3fn, row-major
@@ -167,9 +200,11 @@ def _fp8_linear_quantized(
     from tandem.kernels.ops import use_triton
 
     rows = x.q.shape[0]
+    grouped = x.scale.shape[1] > 1
     if not use_triton(x.q):  # CPU tests without the interpreter: the reference on the dequantized rows
-        rows32 = dequantize_fp8(x.q, x.scale)
-        return fp8_linear_reference(rows32, weight, weight_scale, bias, quantize_activations=False).to(x.dtype)
+        return fp8_linear_reference(x.dequantize(), weight, weight_scale, bias, quantize_activations=False).to(x.dtype)
+    if grouped and rows > W8A8_MAX_M:  # _scaled_mm scales rows, not groups: back to rows in the model dtype
+        return fp8_linear(x.dequantize().to(x.dtype), weight, weight_scale, bias, defer_reduce)
     if rows <= W8A8_MAX_M:
         from tandem.kernels.triton_quant import fp8_w8a8_matmul_quantized
 

@@ -77,7 +77,8 @@ class LlamaAttention(nn.Module):
         # On CUDA one kernel normalizes (Qwen3) and rotates q and k and writes k and v into the cache: the
         # decode attention kernel itself in decode steps, a kernel before attention otherwise.
         out = self.attn.rotary_attend(q, k, v, rotary, k_cache, v_cache, meta,
-                                      self.q_norm if self.qk_norm else None, self.k_norm if self.qk_norm else None)
+                                      self.q_norm if self.qk_norm else None, self.k_norm if self.qk_norm else None,
+                                      fp8_out=self.o_proj.weight_scale is not None)
         return self.o_proj(out, defer_reduce=True)  # into post_attention_layernorm: PartialSums are fine
 
 

@@ -28,3 +28,20 @@ if INTERPRET:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     _interpreter._patch_lang_tensor = _patch_lang_tensor_numpy24
+
+    import numpy as np
+
+    _convert_float = _interpreter._convert_float
+    _FP8 = {(3, 7): torch.float8_e4m3fn, (2, 15): torch.float8_e5m2}  # (mantissa bits, exponent bias)
+
+    def _convert_float_fp8_rne(input, input_dtype, output_dtype, rounding_mode):
+        # triton 3.6's interpreter rounds float -> fp8 half-up on one cut-off bit and ORs a mantissa carry
+        # into the exponent, so a value just below a power of two can come out halved (-127.9 -> -64 in
+        # e4m3). The GPU converts round-to-nearest-even, as torch does: use torch for fp32/fp16 -> fp8.
+        target = _FP8.get((output_dtype.fp_mantissa_width, output_dtype.exponent_bias))
+        if output_dtype.primitive_bitwidth == 8 and target is not None and input.dtype in (np.float32, np.float16):
+            converted = torch.from_numpy(np.ascontiguousarray(input)).to(target).view(torch.uint8)
+            return converted.numpy().reshape(input.shape)
+        return _convert_float(input, input_dtype, output_dtype, rounding_mode)
+
+    _interpreter._convert_float = _convert_float_fp8_rne

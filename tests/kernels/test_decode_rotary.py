@@ -149,17 +149,19 @@ from tandem.kernels.triton_attention import _decode_split_kernel as kernel, _mer
 ptr_types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
              "order_ptr": "*i32", "out_ptr": "*bf16", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "counts_ptr": "*i32",
              "new_k_ptr": "*bf16", "new_v_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "qw_ptr": "*bf16",
-             "kw_ptr": "*bf16", "slot_ptr": "*i64"}
+             "kw_ptr": "*bf16", "slot_ptr": "*i64", "oscale_ptr": "*fp32"}
 unit = ("stride_d", "stride_qd", "stride_od")  # Triton specializes strides of 1 to constants
 out = {}
-for group, block_n, stages, rotary, direct in ((1, 64, 2, True, False), (4, 128, 3, True, True),
-                                               (4, 128, 3, False, True), (2, 64, 3, False, False)):
+for group, block_n, stages, rotary, direct, fp8 in ((1, 64, 2, True, False, False), (4, 128, 3, True, True, False),
+                                                    (4, 128, 3, False, True, False), (2, 64, 3, False, False, False),
+                                                    (4, 128, 3, True, True, True), (2, 64, 3, False, False, True)):
     merge_g, merge_s = _merge_tile(group, 128, 32)
     consts = dict(GROUP=group, BLOCK_G=1 if group == 1 else 16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=block_n,
                   MERGE_G=merge_g, MERGE_S=merge_s, USE_DOT=group > 1, DOT_PRECISION="tf32", DIRECT_OUT=direct,
                   USE_PDL=2, KV_HEADS=8, HAS_ORDER=True, ROTARY=rotary, HAS_NORM=rotary and group == 4, LINES=2,
-                  **{u: 1 for u in unit})
-    sig = {a: ptr_types.get(a, "constexpr" if a in consts else "fp32" if a in ("eps", "qk_scale") else "i32")
+                  FP8_OUT=fp8, **{u: 1 for u in unit})
+    types = {**ptr_types, "out_ptr": "*fp8e4nv" if fp8 else "*bf16"}
+    sig = {a: types.get(a, "constexpr" if a in consts else "fp32" if a in ("eps", "qk_scale") else "i32")
            for a in kernel.arg_names}
     div = [i for i, a in enumerate(kernel.arg_names) if a in ptr_types or (a.startswith("stride") and a not in unit)]
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in div})
@@ -167,7 +169,7 @@ for group, block_n, stages, rotary, direct in ((1, 64, 2, True, False), (4, 128,
     # Every instruction word in program order (the L2 prefetch sits inside an inline-asm block).
     words = [w for l in ptx.splitlines() for w in l.split("//")[0].replace("{", " ").replace(";", "; ").split()]
     ops = [w for w in words if w.startswith(("ld.", "st.", "atom.", "red.", "griddepcontrol", "prefetch"))]
-    out[f"group{group}-rotary{rotary}-direct{direct}"] = ops
+    out[f"group{group}-fp8{fp8}-rotary{rotary}-direct{direct}"] = ops
 json.dump(out, sys.stdout)
 """
 
@@ -194,7 +196,7 @@ def test_decode_kernel_compiles_for_sm90_and_reads_its_first_tile_before_the_wai
         assert (atomics != []) == variant.endswith("directFalse"), (variant, atomics)
 
 
-def test_fuses_decode_rotary_only_where_the_decode_grid_is_split(monkeypatch):
+def test_fuses_decode_rotary_where_the_decode_grid_fits_one_wave(monkeypatch):
     from tandem.kernels import ops
     from tandem.layers.norm import RMSNorm
 
@@ -202,10 +204,34 @@ def test_fuses_decode_rotary_only_where_the_decode_grid_is_split(monkeypatch):
     q, cos = torch.zeros(4, 8, 64), torch.zeros(4, 32)
     k = torch.zeros(4, 2, 64)
     assert ops.fuses_decode_rotary(q, k, cos, None, None)
-    assert not ops.fuses_decode_rotary(torch.zeros(66, 8, 64), torch.zeros(66, 2, 64), cos, None, None)  # 132 programs
+    assert ops.fuses_decode_rotary(torch.zeros(32, 32, 64), torch.zeros(32, 8, 64), cos, None, None)  # 256 programs
+    wide = torch.zeros(256, 8, 64)  # 2048 programs: several waves on 132 SMs (the interpreter's count)
+    assert not ops.fuses_decode_rotary(torch.zeros(256, 32, 64), wide, cos, None, None)
+    monkeypatch.setenv("TANDEM_DECODE_ROTARY", "1")
+    assert ops.fuses_decode_rotary(torch.zeros(256, 32, 64), wide, cos, None, None)
+    monkeypatch.delenv("TANDEM_DECODE_ROTARY")
     assert not ops.fuses_decode_rotary(q, k, torch.zeros(4, 16), None, None)  # partial rotary
     assert ops.fuses_decode_rotary(q, k, cos, RMSNorm(64, 1e-6), RMSNorm(64, 1e-6))
     assert not ops.fuses_decode_rotary(q, k, cos, RMSNorm(64, 1e-6), RMSNorm(64, 1e-5))
     assert not ops.fuses_decode_rotary(q, k, cos, RMSNorm(64, 1e-6), None)
     monkeypatch.setenv("TANDEM_DECODE_ROTARY", "0")
     assert not ops.fuses_decode_rotary(q, k, cos, None, None)
+
+
+def test_decode_fp8_groups_where_o_proj_runs_the_w8a8_gemm(monkeypatch):
+    """The decode attention writes FP8 rows for o_proj only where o_proj would quantize rows for its W8A8 GEMM
+    (2 to W8A8_MAX_M rows on Triton) and a kv head's group of columns fills whole FP8 K tiles."""
+    from tandem.kernels import ops
+    from tandem.layers.quantization import W8A8_MAX_M
+
+    monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
+    assert ops.decode_fp8_groups(torch.zeros(8, 32, 128), 8)  # groups of 4 heads x 128
+    assert ops.decode_fp8_groups(torch.zeros(W8A8_MAX_M, 8, 64), 8)  # one head of 64 a group
+    assert not ops.decode_fp8_groups(torch.zeros(1, 32, 128), 8)  # one row: the GEMV takes bf16 rows
+    assert not ops.decode_fp8_groups(torch.zeros(W8A8_MAX_M + 1, 32, 128), 8)  # _scaled_mm scales whole rows
+    assert not ops.decode_fp8_groups(torch.zeros(8, 8, 80), 8)  # 80 columns: no K tile of >= 32 fits
+    monkeypatch.setenv("TANDEM_DECODE_FP8_OUT", "0")
+    assert not ops.decode_fp8_groups(torch.zeros(8, 32, 128), 8)
+    monkeypatch.setenv("TANDEM_DECODE_FP8_OUT", "1")
+    monkeypatch.setenv("TANDEM_FORCE_TRITON", "0")
+    assert not ops.decode_fp8_groups(torch.zeros(8, 32, 128), 8)  # CPU references

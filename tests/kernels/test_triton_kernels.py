@@ -196,6 +196,62 @@ def test_decode_program_order_changes_no_result(num_splits):
                                order=m.decode_order[:3])
 
 
+def assert_same_codes(got: torch.Tensor, want: torch.Tensor) -> None:
+    """e4m3 tensors equal byte for byte in the interpreter; compiled, the two kernel variants compared (with and
+    without the FP8 output) may round their fp32 math differently in the last bit, which can move a value to
+    the neighbouring e4m3 code: allow that for at most 1% of the values."""
+    got, want = got.view(torch.uint8).int(), want.view(torch.uint8).int()
+    if not CUDA:
+        assert torch.equal(got, want)
+        return
+    differ = got != want
+    assert differ.float().mean().item() <= 0.01 and ((got - want).abs()[differ] <= 1).all()
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])  # direct write, and the last split's merge
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_fp8_out_is_its_output_quantized_in_kv_head_groups(num_splits, group, dtype):
+    """With out_scale the decode kernel writes, bit for bit, its own output (in q's dtype) quantized in one
+    group per (sequence, kv head): quantize_activation_groups_ref's e4m3 bytes and scales; padding rows get
+    zeros and the smallest scale. The fused rotary variant too."""
+    from tandem.kernels.triton_attention import NewTokens
+    from tandem.layers.quantization import FP8_DTYPE, quantize_activation_groups_ref as quantize_groups
+
+    case = make_case(DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS), group=group, head_dim=64, block_size=16,
+                     dtype=dtype, seed=40 + group)
+    m = case.meta
+    rows, heads, dim = case.q.shape
+    plain = paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
+                                   num_splits=num_splits)
+    want_q, want_s = quantize_groups(plain.reshape(rows, heads * dim), group * dim)
+    out = torch.full(case.q.shape, 1.0, device=DEVICE).to(FP8_DTYPE)
+    scale = torch.full((rows, NUM_KV_HEADS), float("nan"), device=DEVICE)
+    paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale, out=out,
+                           num_splits=num_splits, out_scale=scale)
+    assert_same_codes(out.view(rows, -1), want_q)
+    torch.testing.assert_close(scale, want_s, rtol=1e-6, atol=0)
+    assert (out[1].float() == 0).all() and scale[1].tolist() == want_s[1].tolist()  # a padding row
+
+    # The fused rotary + cache write: the same kernel stores through the same helper.
+    gen = torch.Generator().manual_seed(9)
+    k_new = torch.randn(rows, NUM_KV_HEADS, dim, generator=gen).to(DEVICE, dtype)
+    v_new = torch.randn(rows, NUM_KV_HEADS, dim, generator=gen).to(DEVICE, dtype)
+    cos, sin = (torch.randn(rows, dim // 2, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    slots = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+    new = NewTokens(k_new, v_new, cos, sin, slots)
+    plain = paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
+                                   num_splits=num_splits, new_tokens=new)
+    want_q, want_s = quantize_groups(plain.reshape(rows, heads * dim), group * dim)
+    paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale, out=out,
+                           num_splits=num_splits, new_tokens=new, out_scale=scale)
+    assert_same_codes(out.view(rows, -1), want_q)
+    torch.testing.assert_close(scale, want_s, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="FP8 output"):
+        paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
+                               out=out, out_scale=scale[:, :1])
+
+
 @pytest.mark.parametrize("block_n", [16, 32, 64])
 def test_decode_tiles_smaller_and_larger_than_a_block(block_n):
     case = make_case([70, 3, 0, 33], [1] * 4, group=4, head_dim=64, block_size=32, dtype=torch.float32, seed=3)

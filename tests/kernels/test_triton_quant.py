@@ -88,6 +88,41 @@ def test_small_m_fp8_matmuls_match_reference(m, n, k, bias, split_k, w8a8):
     torch.testing.assert_close(out.float(), ref.float(), **tol)
 
 
+@pytest.mark.parametrize("group", [128, 256, 512])
+@pytest.mark.parametrize("m,n,k,bias,split_k", [(5, 64, 1024, True, 1), (32, 96, 2048, False, 2), (3, 40, 1536, False, 1)])
+def test_w8a8_on_rows_quantized_in_groups(m, n, k, bias, split_k, group):
+    """The swap-AB GEMM on rows quantized in groups of columns (the decode attention's output for o_proj:
+    QuantizedRows with [m, k / group] scales) against fp8_linear_reference on the dequantized rows, K tiles
+    shrunk to fit a group where the default is wider, with split-K; and the same through fp8_linear."""
+    import torch
+
+    from tandem.kernels.triton_quant import fp8_w8a8_matmul_quantized
+    from tandem.layers.quantization import (
+        QuantizedRows,
+        fp8_linear,
+        fp8_linear_reference,
+        quantize_activation_groups_ref,
+        quantize_weight_fp8,
+    )
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(m + group)
+    x = torch.randn(m, k, generator=gen) * torch.linspace(0.1, 4.0, k // group).repeat_interleave(group)
+    rows = QuantizedRows(*quantize_activation_groups_ref(x.to(device, dtype), group), dtype)
+    assert rows.group_size == group and rows.scale.shape == (m, k // group)
+    w, w_scale = quantize_weight_fp8((torch.randn(n, k, generator=gen) * 0.05).to(device))
+    b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+    ref = fp8_linear_reference(rows.dequantize(), w, w_scale, b, quantize_activations=False).to(dtype)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    out = fp8_w8a8_matmul_quantized(rows.q, rows.scale, w, w_scale, b, dtype, {"SPLIT_K": split_k})
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    torch.testing.assert_close(fp8_linear(rows, w, w_scale, b).float(), ref.float(), **tol)
+    per_token = QuantizedRows(*quantize_activation_groups_ref(x.to(device, dtype), k), dtype)
+    assert per_token.scale.shape == (m, 1) and torch.equal(per_token.dequantize(), per_token.q.float() * per_token.scale)
+
+
 @pytest.mark.parametrize("m,n,k,bias,split_k", [
     (1, 96, 512, True, 1), (7, 64, 256, False, 1), (32, 80, 200, True, 1),  # 200: a masked K tile
     (17, 128, 1024, False, 4), (3, 40, 640, True, 2), (40, 64, 384, False, 8),
@@ -135,10 +170,10 @@ names = _swap_ab_kernel.arg_names
 types = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16",
          "out_ptr": "*bf16", "ws_ptr": "*fp32", "oa_ptr": "*fp32"}
 out = {}
-for name, gated in (("plain", 0), ("gated", 2)):
+for name, gated, group_k in (("plain", 0, 0), ("gated", 2, 0), ("grouped", 0, 512)):
     cx = {"HAS_BIAS": False, "EVEN_K": True, "SPLIT_K": 1, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256,
           "USE_PDL": 2, "HAS_SCALE": True, "X_SCALED": True, "GATED": gated, "PREFETCH_LINES": 4, "LINE_K": 128,
-          "AMAX_OUT": gated == 2}
+          "AMAX_OUT": gated == 2, "GROUP_K": group_k}
     src = ASTSource(fn=_swap_ab_kernel, signature={n: types.get(n, "constexpr" if n in cx else "i32") for n in names},
                     constexprs=cx, attrs={(names.index(a),): [["tt.divisibility", 16]]
                                           for a in ("xq_ptr", "w_ptr", "K", "K_SPLIT", "stride_xm", "stride_wn")})
@@ -158,7 +193,8 @@ def test_w8a8_uses_fp8_wgmma_on_sm90():
     kernel launch, then prefetches its first weight lines into L2, and only then waits for the previous
     kernel: every operand load comes after the wait."""
     compiled = compile_sm90(_COMPILE_W8A8)
-    for variant in ("plain", "gated"):  # gated: gate/up pairs, silu * up and the row maxima in the epilogue
+    # gated: gate/up pairs, silu * up and the row maxima in the epilogue; grouped: x scaled per K tile's group
+    for variant in ("plain", "gated", "grouped"):
         ops, order = compiled[variant]["ops"], compiled[variant]["order"]
         assert "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3" in ops, ops
         assert any(op.startswith("cp.async") for op in ops), ops
