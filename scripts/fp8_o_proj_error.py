@@ -20,7 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tandem.layers.quantization import quantize_activation_groups_ref, quantize_activation_per_token_ref  # noqa: E402
+from tandem.layers.quantization import (  # noqa: E402
+    QuantizedRows,
+    quantize_activation_groups_ref,
+    quantize_activation_per_token_ref,
+)
 from tests.chat_prompts import QUESTIONS, chat_messages  # noqa: E402
 from tests.conftest import SMOL_GGUF, smol_model_folder  # noqa: E402
 
@@ -44,9 +48,9 @@ def main() -> None:
         x = inputs[0].reshape(-1, inputs[0].shape[-1]).to(torch.bfloat16).float()
         weight = module.weight.float()
         exact = x @ weight.T
-        for name, (q, scale) in zip(errors, (quantize_activation_per_token_ref(x),
-                                             quantize_activation_groups_ref(x, group))):
-            deq = q.float() * scale.repeat_interleave(x.shape[1] // scale.shape[1], dim=1)
+        for name, quantized in zip(errors, (quantize_activation_per_token_ref(x),
+                                            quantize_activation_groups_ref(x, group))):
+            deq = QuantizedRows(*quantized, x.dtype).dequantize()
             errors[name].append(((deq @ weight.T - exact).norm() / exact.norm()).item())
 
     for layer in model.model.layers:
