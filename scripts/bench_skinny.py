@@ -31,8 +31,30 @@ from tandem.kernels.triton_quant import skinny_matmul_triton, skinny_tile  # noq
 SHAPES = {
     "llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
     "llama-2-7b": [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096), ("down", 4096, 11008)],
+    "qwen3-0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)],
+    "llama-3.2-1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)],
 }
 GRID = list(itertools.product((64, 128), (64, 128), (4,), (3, 4), (1, 2, 4, 8)))
+# Past 64 rows (--sweep-rows 128,256): BLOCK_M (the MMA's N) of 64-256 rows a program as well.
+WIDE_GRID = [(bm, bn, bk, warps, stages, split)
+             for bm, bn, bk, warps in ((64, 64, 128, 4), (128, 64, 64, 4), (128, 64, 128, 4), (128, 128, 64, 8),
+                                       (256, 64, 64, 4), (256, 128, 64, 8))
+             for stages in (3, 4) for split in (1, 2, 4)]
+
+
+def sweep_wide(x: torch.Tensor, weights: list[torch.Tensor], weight_bytes: int, copy_gbs: float) -> list[dict]:
+    """WIDE_GRID's tiles at x's row count, fastest first (tiles that do not compile left out)."""
+    table = []
+    for bm, bn, bk, warps, stages, split in WIDE_GRID:
+        tile = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages,
+                "SPLIT_K": split}
+        try:
+            us = graph_us([lambda w=w: skinny_matmul_triton(x, w, None, tile) for w in weights], reps=2)
+        except Exception:  # noqa: BLE001  out of shared memory / registers for this tile
+            continue
+        table.append({"us": round(us, 2), "copy_fraction": round(weight_bytes / (us * 1e-6) / 1e9 / copy_gbs, 4),
+                      **tile})
+    return sorted(table, key=lambda e: e["us"])
 
 
 def main() -> None:
@@ -57,7 +79,9 @@ def main() -> None:
                 frac = {p: 2 * n * k / (us * 1e-6) / 1e9 / copy_gbs for p, us in t.items()}
                 row = {"model": model, "proj": name, "N": n, "K": k, "M": m, "us": t, "copy_fraction": frac,
                        "speedup": t["cublas"] / t["triton"], "default_tile": skinny_tile(m, n, k, sms)}
-                if args.sweep and m in sweep_rows:
+                if args.sweep and m in sweep_rows and m > 64:
+                    row["sweep"] = sweep_wide(x, weights, 2 * n * k, copy_gbs)[:12]
+                elif args.sweep and m in sweep_rows:
                     def calls(tile, x=x, weights=weights):
                         return [lambda w=w: skinny_matmul_triton(x, w, None, tile) for w in weights]
 

@@ -311,7 +311,7 @@ def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tenso
     `extra`: pointer arguments of the kernel after its workspace."""
     m, n = out.shape
     k = weight.shape[1]
-    block_m = small_m_rows(m)
+    block_m = cfg.pop("BLOCK_M", 0) or small_m_rows(m)
     split_k = cfg.pop("SPLIT_K")
     k_split = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), split_k) * cfg["BLOCK_K"]
     split_k = triton.cdiv(k, k_split)  # rounding K_SPLIT up to whole tiles can leave fewer splits

@@ -14,9 +14,11 @@ from tandem.kernels.triton_launch import pdl_wait, use_pdl
 
 @triton.jit
 def _norm_rotate(base_ptr, stride_h, stride_d, num_heads, w_ptr, eps, c, s, offs_d, d_mask,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
+                 out_ptr, out_stride_h, out_stride_d):
     # Loads all heads of one token ([BLOCK_H, BLOCK_HALF] per half), RMS-normalizes each head over its
-    # 2 * HALF dims when HAS_NORM, rotates pairs (i, i + HALF), stores in place; returns the rotated halves.
+    # 2 * HALF dims when HAS_NORM, rotates pairs (i, i + HALF), stores them at out_ptr with its own strides
+    # (base_ptr's for in place); returns the rotated halves.
     offs_h = tl.arange(0, BLOCK_H)
     mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
     ptrs1 = base_ptr + offs_h[:, None] * stride_h + offs_d[None, :] * stride_d
@@ -35,22 +37,25 @@ def _norm_rotate(base_ptr, stride_h, stride_d, num_heads, w_ptr, eps, c, s, offs
         f2 = ((f2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
     o1 = ((f1 * c).to(dt).to(tl.float32) - (f2 * s).to(dt).to(tl.float32)).to(dt)
     o2 = ((f2 * c).to(dt).to(tl.float32) + (f1 * s).to(dt).to(tl.float32)).to(dt)
-    tl.store(ptrs1, o1, mask=mask)
-    tl.store(ptrs2, o2, mask=mask)
+    out1 = out_ptr + offs_h[:, None] * out_stride_h + offs_d[None, :] * out_stride_d
+    tl.store(out1, o1, mask=mask)
+    tl.store(out1 + HALF * out_stride_d, o2, mask=mask)
     return o1, o2
 
 
 @triton.jit
 def _rotary_write_kv_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr,
     num_q_heads, num_kv_heads, eps,
     stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_oqt, stride_oqh, stride_oqd,
     stride_ct, stride_cd, stride_st, stride_sd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     PAGE: tl.constexpr, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # Program = one token: cos/sin loaded once for all its q and k heads; k (rotated) and v go to the cache.
+    # Program = one token: cos/sin loaded once for all its q and k heads; k (rotated) and v go to the cache,
+    # the rotated q to q_out_ptr (q's own rows when the caller rotates in place).
     pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -58,9 +63,9 @@ def _rotary_write_kv_kernel(
     c = tl.load(cos_ptr + t * stride_ct + offs_d * stride_cd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + t * stride_st + offs_d * stride_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     _norm_rotate(q_ptr + t * stride_qt, stride_qh, stride_qd, num_q_heads, qw_ptr, eps, c, s, offs_d, d_mask,
-                 HALF, BLOCK_HQ, HAS_NORM)
+                 HALF, BLOCK_HQ, HAS_NORM, q_out_ptr + t * stride_oqt, stride_oqh, stride_oqd)
     k1, k2 = _norm_rotate(k_ptr + t * stride_kt, stride_kh, stride_kd, num_kv_heads, kw_ptr, eps, c, s, offs_d,
-                          d_mask, HALF, BLOCK_HK, HAS_NORM)
+                          d_mask, HALF, BLOCK_HK, HAS_NORM, k_ptr + t * stride_kt, stride_kh, stride_kd)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # -1: padding token, nothing written
         page = slot // PAGE
@@ -120,9 +125,15 @@ def rotary_write_kv_triton(
     q_norm_weight: torch.Tensor | None = None,  # [head_dim]; both or neither
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    q_out: torch.Tensor | None = None,  # [T, num_heads, head_dim]: the rotated q goes here instead (q unchanged)
 ) -> None:
-    """In place: q and k <- rotary(rms_norm(x) * w if norm weights else x); rotated k and v -> cache slots."""
+    """In place: q and k <- rotary(rms_norm(x) * w if norm weights else x); rotated k and v -> cache slots.
+    With q_out the rotated q is written there and q is only read."""
     num_tokens, num_heads, head_dim = q.shape
+    if q_out is None:
+        q_out = q
+    elif q_out.shape != q.shape or q_out.dtype != q.dtype:
+        raise ValueError(f"q_out {tuple(q_out.shape)} {q_out.dtype} must match q {tuple(q.shape)} {q.dtype}")
     if k.dim() != 3 or k.shape[0] != num_tokens or k.shape[2] != head_dim or v.shape != k.shape:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
@@ -138,9 +149,9 @@ def rotary_write_kv_triton(
     block_hq, block_hk = triton.next_power_of_2(num_heads), triton.next_power_of_2(k.shape[1])
     pdl = use_pdl(q.device)
     _rotary_write_kv_kernel[(num_tokens,)](
-        q, k, v, cos, sin, qw, kw, k_cache, v_cache, slot_mapping,
+        q, k, v, cos, sin, qw, kw, k_cache, v_cache, slot_mapping, q_out,
         num_heads, k.shape[1], float(eps),
-        *q.stride(), *k.stride(), *v.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *q_out.stride(),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         *k_cache.stride(), *v_cache.stride(),
         HALF=half, BLOCK_HALF=block_half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,

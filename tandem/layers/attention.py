@@ -17,10 +17,14 @@ from tandem.layers.rotary import rotary_write_kv
 
 class AttentionSplit(Protocol):
     """Takes over every attention call while piecewise CUDA graphs are captured (runner/cuda_graphs.py):
-    returns the tensor that will hold the attention output at replay, [num_tokens, num_heads, head_dim]."""
+    returns the tensor that will hold the attention output at replay, [num_tokens, num_heads, head_dim].
+    q_out(q) is where the eager attention will read q at replay: a layer that produces its q anyway (the
+    rotary kernel) writes it there, and the call that follows finds it in place (no copy)."""
 
     def __call__(self, layer: Attention, q: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> torch.Tensor: ...
+
+    def q_out(self, q: torch.Tensor) -> torch.Tensor: ...
 
 
 _split: AttentionSplit | None = None
@@ -91,7 +95,9 @@ class Attention(nn.Module):
                 fp8_out=fp8,
             )
             return out if fp8 else out.reshape(q.shape[0], self.num_heads * self.head_dim)
-        q, k = rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, q_norm, k_norm)
+        # Under a piecewise capture the rotated q goes straight where the eager attention reads it at replay.
+        q_out = _split.q_out(q) if _split is not None else None
+        q, k = rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, q_norm, k_norm, q_out)
         if fp8:
             return ops.decode_attention(q, k_cache, v_cache, meta, self.scale, fp8_out=True)
         return self.attend(q, k_cache, v_cache, meta)

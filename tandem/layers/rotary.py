@@ -102,11 +102,13 @@ def rotary_write_kv(
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
     q_norm: nn.Module | None = None,  # per-head RMSNorm of q and k (Qwen3), both or neither
     k_norm: nn.Module | None = None,
+    q_out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]: where the rotated q goes
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q/k norm,) rotary and the KV-cache write; returns the (q, k) that attention reads.
 
-    On CUDA one fused kernel does all of it per layer, normalizing and rotating q and k IN PLACE; on CPU
-    the separate reference layers run (norm outputs are fresh tensors, q and k are left untouched).
+    On CUDA one fused kernel does all of it per layer, normalizing and rotating q and k IN PLACE (q into
+    q_out instead where given); on CPU the separate reference layers run (norm outputs are fresh tensors, q
+    and k are left untouched, q_out receives a copy of the rotated q). With q_out the q returned is q_out.
     """
     norms = q_norm is not None and k_norm is not None
     fusable = not norms or q_norm.eps == k_norm.eps  # type: ignore[union-attr]
@@ -117,10 +119,13 @@ def rotary_write_kv(
             q, k, v, cos, sin, k_cache, v_cache, slot_mapping,
             q_norm.weight if norms else None, k_norm.weight if norms else None,  # type: ignore[union-attr]
             q_norm.eps if norms else 1e-6,  # type: ignore[union-attr]
+            q_out=q_out,
         )
-        return q, k
+        return (q if q_out is None else q_out), k
     if q_norm is not None and k_norm is not None:
         q, k = q_norm(q), k_norm(k)
     q, k = apply_rotary_qk(q, k, cos, sin)
     write_kv(k, v, k_cache, v_cache, slot_mapping)
+    if q_out is not None:
+        q = q_out.copy_(q)
     return q, k

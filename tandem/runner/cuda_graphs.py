@@ -131,9 +131,10 @@ def piecewise_sizes(max_tokens: int) -> list[int]:
 
 
 class _Splitter:
-    """The attention hook while pieces are captured: copies q into the shared static q buffer (inside the
-    piece that computed it), ends the piece, begins the next, and hands back the static output buffer that
-    the eager attention will fill at replay."""
+    """The attention hook while pieces are captured: q goes into the shared static q buffer inside the piece
+    that computed it (written there by the rotary kernel through q_out, else copied), then the piece ends,
+    the next begins, and the caller gets the static output buffer that the eager attention will fill at
+    replay."""
 
     def __init__(self, max_tokens: int, pool: object) -> None:
         self.max_tokens = max_tokens
@@ -144,16 +145,22 @@ class _Splitter:
         self.graph: torch.cuda.CUDAGraph | None = None  # the piece being captured; None while warming up
         self.pieces: list[torch.cuda.CUDAGraph] = []
 
-    def __call__(self, layer: Attention, q: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> torch.Tensor:
-        num_tokens = q.shape[0]
+    def q_out(self, q: torch.Tensor) -> torch.Tensor:
+        """The static q rows [num_tokens, heads, head_dim] the eager attention reads for a q shaped like `q`."""
         if self.q_buf is None:  # first warm-up call, outside any capture: plain allocations
             self.q_buf = torch.empty(self.max_tokens, *q.shape[1:], dtype=q.dtype, device=q.device)
             self.out_buf = torch.zeros_like(self.q_buf)
         elif self.q_buf.shape[1:] != q.shape[1:] or self.q_buf.dtype != q.dtype:
             raise RuntimeError(f"piecewise graphs need one q shape for every layer, got {tuple(q.shape)} after "
                                f"{tuple(self.q_buf.shape)}")
-        self.q_buf[:num_tokens].copy_(q)
+        return self.q_buf[: q.shape[0]]
+
+    def __call__(self, layer: Attention, q: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q_rows = self.q_out(q)
+        if q.data_ptr() != q_rows.data_ptr() or q.stride() != q_rows.stride():
+            q_rows.copy_(q)
         self.layers.append((layer, k_cache, v_cache))
         if self.graph is not None:
             self.graph.capture_end()

@@ -95,6 +95,30 @@ def test_layer_dispatch_forced_triton_matches_cpu_path(monkeypatch):
     torch.testing.assert_close(cache_f, cache_ref, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("forced", [False, True], ids=["cpu-path", "triton"])
+def test_q_out_receives_the_rotated_q_and_q_is_left_alone(monkeypatch, forced):
+    # The piecewise graphs' static q buffer: the rotated q goes there, q (a view of qkv) is only read.
+    qkv, rope, positions, norms, cache, slots = _case(torch.float32, 5, 4, 2, 16, True, seed=4)
+    cos, sin = rope(positions)
+    q, k, v = _split(qkv.clone(), 4, 2, 16)
+    cache_ref = cache.clone()
+    q_ref, k_ref = rotary_write_kv(q, k, v, cos, sin, cache_ref[0], cache_ref[1], slots, *norms)
+    if forced:
+        monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
+    qkv_f = qkv.clone()
+    q, k, v = _split(qkv_f, 4, 2, 16)
+    q_out = torch.full((8, 4, 16), float("nan"))[:5]
+    cache_f = cache.clone()
+    q_f, k_f = rotary_write_kv(q, k, v, cos, sin, cache_f[0], cache_f[1], slots, *norms, q_out=q_out)
+    assert q_f.data_ptr() == q_out.data_ptr()
+    torch.testing.assert_close(q_out, q_ref, **TOL[torch.float32])
+    torch.testing.assert_close(k_f, k_ref, **TOL[torch.float32])
+    torch.testing.assert_close(cache_f, cache_ref, **TOL[torch.float32])
+    assert torch.equal(q, _split(qkv, 4, 2, 16)[0])  # the raw q, untouched
+    with pytest.raises(ValueError, match="q_out"):
+        rotary_write_kv_triton(q, k, v, cos, sin, cache_f[0], cache_f[1], slots, q_out=q_out[:4])
+
+
 def test_bad_shapes_raise_value_error():
     qkv, rope, positions, _, cache, slots = _case(torch.float32, 2, 4, 2, 16, False)
     cos, sin = rope(positions)

@@ -2,8 +2,8 @@
 token buckets, and the config. (Capture and replay themselves: tests/gpu/test_gpu_engine.py.)
 
 Under `split_at_attention` every Attention.attend goes to the split, which here does at once what a replay
-does between two pieces: q copied into one static buffer, the real attention written into one static output
-buffer that the model reads on. Logits must not change, for every architecture, on a step that mixes a
+does between two pieces: q in one static buffer (written there by the rotary kernel through q_out, or
+copied), the real attention written into one static output buffer that the model reads on. Logits must not change, for every architecture, on a step that mixes a
 prefill, a chunk and decodes.
 """
 
@@ -31,13 +31,19 @@ class EagerSplit:
         self.q_buf: torch.Tensor | None = None
         self.out_buf: torch.Tensor | None = None
         self.calls: list[Attention] = []
+        self.copies = 0  # calls whose q was not in the static buffer already
+
+    def q_out(self, q: torch.Tensor) -> torch.Tensor:
+        if self.q_buf is None:
+            self.q_buf = torch.full((self.max_tokens, *q.shape[1:]), float("nan"), dtype=q.dtype)
+            self.out_buf = torch.full_like(self.q_buf, float("nan"))  # rows past n are never read
+        return self.q_buf[: q.shape[0]]
 
     def __call__(self, layer: Attention, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         n = q.shape[0]
-        if self.q_buf is None:
-            self.q_buf = torch.empty(self.max_tokens, *q.shape[1:], dtype=q.dtype)
-            self.out_buf = torch.full_like(self.q_buf, float("nan"))  # rows past n are never read
-        self.q_buf[:n].copy_(q)
+        if q.data_ptr() != self.q_out(q).data_ptr():
+            self.q_buf[:n].copy_(q)  # type: ignore[index]
+            self.copies += 1
         self.calls.append(layer)
         out = self.out_buf[:n]  # type: ignore[index]
         result = ops.paged_attention(self.q_buf[:n], k_cache, v_cache, self.meta, layer.scale, out)
@@ -79,6 +85,8 @@ def test_split_attention_gives_the_model_the_same_logits(family_model):
                 hidden = model(step.input_ids, step.positions, kv.kv_cache, step.meta)
             assert splitter.calls == [m for m in model.modules() if isinstance(m, Attention)]
             assert len(splitter.calls) == mc.num_layers
+            # Rotary models hand attention its q in the static buffer already; GPT-2 (no rotary) copies it.
+            assert splitter.copies == (mc.num_layers if mc.architecture == "gpt2" else 0)
         else:
             hidden = model(step.input_ids, step.positions, kv.kv_cache, step.meta)
         results.append(model.compute_logits(hidden[step.last_token_idx]))
