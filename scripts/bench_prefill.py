@@ -6,11 +6,11 @@
 For each layout (heads / kv heads) and (batch, tokens) every sequence prefills its whole context (a paged cache
 with shuffled blocks, block size 16 unless --block-size, head_dim 128, bf16), timed inside a CUDA graph with
 the L2 flushed before each call (GPU time, as scripts/bench_kernels.py). It reports microseconds and the
-attention TFLOP/s (causal: half of 4 x tokens^2 x heads x head_dim per sequence), and whether each configuration's output equals the first
-configuration's bit for bit (num_stages changes the pipelining, never the arithmetic; the tile sizes change
-the order of the online softmax, so other tiles match to rounding only). --sdpa adds torch's
-scaled_dot_product_attention on the same q and contiguous K/V (GQA through enable_gqa), causal, with whichever
-backend torch picks, as the reference to beat.
+attention TFLOP/s (causal: half of 4 x tokens^2 x heads x head_dim per sequence), and whether each
+configuration's output equals the first configuration's bit for bit (num_stages changes the pipelining, never
+the arithmetic; the tile sizes change the order of the online softmax, so other tiles match to rounding only).
+--sdpa adds torch's scaled_dot_product_attention on the same q and contiguous K/V (GQA through enable_gqa),
+causal, with whichever backend torch picks, as the reference to beat.
 """
 
 from __future__ import annotations

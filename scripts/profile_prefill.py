@@ -100,7 +100,8 @@ def profile(name: str, quantization: str | None, device: str = "cuda", limit: in
     rows = sorted(({"kernel": k, "time_us": sum(v), "count": len(v), "share": sum(v) / total_us}
                    for k, v in per_kernel.items()), key=lambda r: -r["time_us"])
     result = {
-        "workload": name, "quantization": quantization, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "workload": name, "quantization": quantization,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__, "build_s": round(build_s, 1), "steps": len(log),
         "tokens": sum(len(p) for p, _ in requests), "wall_s": wall_s, "kernel_sum_s": total_us / 1e6,
         "floor_s": floor, "roofline_fraction": floor / wall_s if wall_s else None,

@@ -3,8 +3,8 @@ token buckets, and the config. (Capture and replay themselves: tests/gpu/test_gp
 
 Under `split_at_attention` every Attention.attend goes to the split, which here does at once what a replay
 does between two pieces: q in one static buffer (written there by the rotary kernel through q_out, or
-copied), the real attention written into one static output buffer that the model reads on. Logits must not change, for every architecture, on a step that mixes a
-prefill, a chunk and decodes.
+copied), the real attention written into one static output buffer that the model reads on. Logits must not
+change, for every architecture, on a step that mixes a prefill, a chunk and decodes.
 """
 
 from __future__ import annotations
