@@ -180,8 +180,10 @@ for name, gated, group_k in (("plain", 0, 0), ("gated", 2, 0), ("grouped", 0, 51
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 6}).asm["ptx"]
     order = [w for l in ptx.splitlines() for w in l.replace("{", " ").replace(";", "; ").split()
              if w.startswith(("prefetch", "griddepcontrol", "cp.async"))]
-    out[name] = {"ops": sorted({l.split()[0] for l in ptx.splitlines()
-                                if l.strip().startswith(("wgmma", "mma", "cp.async", "atom", "red"))}),
+    # An instruction's first word (past a guard predicate such as `@%p3`: guarded atomics count too).
+    lines = [l.split(None, 1)[1] if l.strip().startswith("@") else l.strip() for l in ptx.splitlines() if l.strip()]
+    out[name] = {"ops": sorted({l.split()[0] for l in lines
+                                if l.startswith(("wgmma", "mma", "cp.async", "atom", "red"))}),
                  "order": order}
 json.dump(out, sys.stdout)
 """
