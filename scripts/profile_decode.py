@@ -1,7 +1,7 @@
 """Per-kernel profile of one decode step (forward graph + sampling graph replay) for named random-weight shapes.
 
     python scripts/profile_decode.py --out out/profile [--workloads bs1,seed-async,nano] [--context 512]
-        [--quantization fp8]
+        [--quantization fp8] [--kv-cache-dtype fp8]
 
 For each workload the engine is built with random weights of the named shape (load_format=dummy), every row
 gets a prompt of --context tokens and decodes a few steps in sync mode; then the last decode step's slot is
@@ -43,6 +43,7 @@ WORKLOADS = {
 DECODE_STEPS = 4
 REPLAYS = 10
 BY_POSITION = False  # --by-position
+KV_CACHE_DTYPE = "auto"  # --kv-cache-dtype
 
 
 def build(shape: str, batch: int, context: int, quantization: str | None = None) -> LLM:
@@ -50,7 +51,7 @@ def build(shape: str, batch: int, context: int, quantization: str | None = None)
     blocks_per_seq = -(-max_model_len // 16)
     return LLM(model=shape, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=max_model_len,
                max_num_seqs=batch, max_num_batched_tokens=max(8192, context), num_kv_blocks=batch * blocks_per_seq + 8,
-               overlap=False, seed=0, quantization=quantization)
+               overlap=False, seed=0, quantization=quantization, kv_cache_dtype=KV_CACHE_DTYPE)
 
 
 def decode_a_few_steps(llm: LLM, batch: int, context: int, greedy: bool) -> None:
@@ -184,14 +185,14 @@ def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool, qu
           "added_share": added[k] / REPLAYS / added_total if added_total else 0.0} for k, v in per_kernel.items()),
         key=lambda r: -r["added_us"],
     )
-    cost = model_cost(runner.model, runner.model_config)
+    cost = model_cost(runner.model, runner.model_config, kv_cache_dtype=runner.kv_cache.dtype)
     context_tokens = sum(r.num_computed_tokens for r in engine.scheduler.running)
     kv_bytes = context_tokens * cost.kv_bytes_per_token
     weight_floor_us = cost.weight_bytes / (copy_gbps * 1e9) * 1e6
     kv_floor_us = (cost.weight_bytes + kv_bytes) / (copy_gbps * 1e9) * 1e6
     result = {
         "workload": name, "shape": shape, "quantization": quantization, "batch": batch, "graph_batch_size": graph_bs,
-        "context": context,
+        "context": context, "kv_cache_dtype": str(runner.kv_cache.dtype),
         "sampler_variant": variant._asdict(), "profiled": mode, "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "build_s": round(build_s, 1),
         "step_us": step_us, "kernel_sum_us": total_us, "added_sum_us": added_total, "copy_gbps": copy_gbps,
@@ -209,7 +210,7 @@ def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool, qu
 def markdown(res: dict) -> str:
     lines = [
         f"### {res['workload']}: {res['shape']}{' ' + res['quantization'] if res.get('quantization') else ''} at batch "
-        f"{res['batch']}, context {res['context']} ({res['device']})",
+        f"{res['batch']}, context {res['context']}, KV cache {res.get('kv_cache_dtype', 'bf16')} ({res['device']})",
         "",
         f"step {res['step_us']:.1f} us (kernels sum {res['kernel_sum_us']:.1f} us, added times sum "
         f"{res['added_sum_us']:.1f} us); weight floor "
@@ -238,11 +239,14 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per row")
     parser.add_argument("--sampling", choices=("greedy", "top-p"), default="greedy")
     parser.add_argument("--quantization", choices=("fp8",), default=None, help="FP8 weights (weight floor in FP8 bytes)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="fp8: an FP8 KV cache (KV floor in its FP8 bytes)")
     parser.add_argument("--by-position", action="store_true",
                         help="one row per position in the layer for kernels that run several times a layer")
     args = parser.parse_args()
-    global BY_POSITION
+    global BY_POSITION, KV_CACHE_DTYPE
     BY_POSITION = args.by_position
+    KV_CACHE_DTYPE = args.kv_cache_dtype
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py needs a CUDA GPU")
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]

@@ -95,7 +95,8 @@ def profile(name: str, quantization: str | None, device: str = "cuda", limit: in
             per_kernel[evt.name].append(evt.time_range.end - evt.time_range.start)
     total_us = sum(sum(v) for v in per_kernel.values())
     ceilings = measure_ceilings(torch.device(device), fp8=quantization == "fp8")
-    cost = model_cost(llm.engine.runner.model, llm.engine.model_config)
+    cost = model_cost(llm.engine.runner.model, llm.engine.model_config,
+                      kv_cache_dtype=llm.engine.runner.kv_cache.dtype)
     floor = floor_seconds(log, cost, ceilings)
     rows = sorted(({"kernel": k, "time_us": sum(v), "count": len(v), "share": sum(v) / total_us}
                    for k, v in per_kernel.items()), key=lambda r: -r["time_us"])

@@ -17,6 +17,13 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 
+# kv_cache_dtype names (vLLM's): None stands for the model dtype.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -82,6 +89,9 @@ class EngineConfig:
     piecewise_max_tokens: int | None = None
     seed: int = 0
     quantization: str | None = None  # None | fp8 (weights in float8_e4m3fn, per-output-channel scales)
+    # auto: the KV cache in the model dtype; fp8 (= fp8_e4m3): K and V stored as float8_e4m3fn (scale 1, saturated
+    # at +-448), half the bytes of bf16 per token: twice the tokens fit, and decode attention reads half as much.
+    kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1  # GPUs (or CPU processes) one model is sharded over, Megatron-style
     data_parallel_size: int = 1  # whole-engine replicas, each on its own tensor_parallel_size GPUs
 
@@ -91,6 +101,8 @@ class EngineConfig:
         if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):
             # Rowwise-scaled FP8 GEMMs write bfloat16 (the only output type every torch/CUDA combination has).
             raise ValueError(f"quantization fp8 runs with dtype bfloat16 (or auto), got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -138,6 +150,11 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    def resolved_kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type: the model dtype, or float8_e4m3fn for kv_cache_dtype fp8."""
+        kv = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        return self.resolved_dtype() if kv is None else kv
 
 
 # Net allocations of GC-tracked objects between young-generation collections while an engine runs (Python's

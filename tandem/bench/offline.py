@@ -153,7 +153,7 @@ def load_hf_peer(w: Workload, dtype: str, device: str) -> Any:
 
 def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | None,
                    quantization: str | None = None, tensor_parallel_size: int = 1,
-                   data_parallel_size: int = 1) -> dict[str, Any]:
+                   data_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> dict[str, Any]:
     import torch
 
     from tandem import LLM
@@ -163,8 +163,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     dtype = w.dtype if device.startswith("cuda") else "float32"
     result: dict[str, Any] = {"workload": w.name, "what": w.what, "device": _device_name(device), "dtype": dtype,
                               "scale": scale, "date": time.strftime("%Y-%m-%d"), "quantization": quantization,
-                              "peers": {}, "tensor_parallel_size": tensor_parallel_size,
-                              "data_parallel_size": data_parallel_size}
+                              "kv_cache_dtype": kv_cache_dtype, "peers": {},
+                              "tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size}
     peer_results: dict[str, Any] = {}
     vocab = None
     # transformers first, then free it, so tandem can size its KV cache from what is left.
@@ -185,7 +185,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     llm_kwargs: dict[str, Any] = dict(dtype=dtype, device=device, max_num_seqs=max(min(w.num_requests, 256), 1),
-                                      quantization=quantization, tensor_parallel_size=tensor_parallel_size,
+                                      quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                                      tensor_parallel_size=tensor_parallel_size,
                                       data_parallel_size=data_parallel_size)
     if w.model is not None:
         llm_kwargs.update(model=w.model, load_format="dummy")
@@ -201,7 +202,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     llm.engine.scheduler.reset_prefix_cache()
     main = run_tandem(llm, requests, record=True)
     ceilings = measure_ceilings(torch.device(device), fp8=quantization == "fp8")
-    cost = model_cost(llm.engine.runner.model, llm.engine.model_config, tensor_parallel_size)
+    cost = model_cost(llm.engine.runner.model, llm.engine.model_config, tensor_parallel_size,
+                      llm.engine.runner.kv_cache.dtype)
     floor = floor_seconds(main["_step_log"], cost, ceilings)
     group = llm.engine.runner.group
     if group is not None:
@@ -263,14 +265,15 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
                      "fp8_matmul_tflops": ceilings.fp8_matmul_tflops},
         "weight_bytes": cost.weight_bytes,
     })
-    if quantization is not None and "bf16" in peers:
-        # The same workload unquantized, in a fresh engine once this one's memory is back (each sizes its
-        # KV cache from what is free): the ratio fp8 / bf16 lands in result["ratios"]["tandem bf16"].
+    if (quantization is not None or kv_cache_dtype != "auto") and "bf16" in peers:
+        # The same workload unquantized (bf16 weights and KV cache), in a fresh engine once this one's memory is
+        # back (each sizes its KV cache from what is free): the ratio fp8 / bf16 lands in
+        # result["ratios"]["tandem bf16"].
         del llm
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-        llm = LLM(**{**llm_kwargs, "quantization": None})
+        llm = LLM(**{**llm_kwargs, "quantization": None, "kv_cache_dtype": "auto"})
         run_tandem(llm, warm)
         llm.engine.scheduler.reset_prefix_cache()
         r = run_tandem(llm, requests)
@@ -439,7 +442,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             continue
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
         results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.quantization,
-                                      args.tensor_parallel_size, args.data_parallel_size))
+                                      args.tensor_parallel_size, args.data_parallel_size, args.kv_cache_dtype))
         _print_table(results[-1:])
     _print_table([r for r in results if r["workload"] != "serve"])
     if args.out:
@@ -456,7 +459,8 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
     bench.add_argument("--workload", default="cpu", help=f"comma list of {sorted(WORKLOADS) + ['serve']} or all")
     bench.add_argument("--peers", default="hf,sync,eager,noprefix,bf16",
                        help="comma list: hf (transformers), sync, eager (no CUDA graphs), noprefix, "
-                            "bf16 (with --quantization: the unquantized engine, for the fp8 / bf16 ratio), "
+                            "bf16 (with --quantization or --kv-cache-dtype fp8: the engine with bf16 weights and "
+                            "KV cache, for the fp8 / bf16 ratio), "
                             "tp1 (with --tensor-parallel-size N > 1: the same run on one GPU, in a fresh engine), "
                             "dp1 (with --data-parallel-size M > 1: the same run on one engine, in a fresh LLM), "
                             "nogemv (CUDA: a fresh engine without the decode GEMV kernel, TANDEM_GEMV_MAX_ROWS=0), "
@@ -465,6 +469,8 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
                             "with M > 1 only hf and dp1 run")
     bench.add_argument("--quantization", default=None, choices=["fp8"],
                        help="run tandem with FP8 weights (roofline on FP8 bytes)")
+    bench.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                       help="run tandem with an FP8 KV cache (roofline on its FP8 bytes)")
     bench.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="shard tandem's model over this many GPUs (the tp1 peer runs unsharded)")
     bench.add_argument("--data-parallel-size", type=int, default=1,

@@ -78,9 +78,11 @@ class ModelCost:
     fp8_body_params: int = 0  # the body parameters stored (and multiplied) in FP8
 
 
-def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1) -> ModelCost:
+def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,
+               kv_cache_dtype: torch.dtype | None = None) -> ModelCost:
     """Per-GPU cost: with tensor parallelism `model` is one rank's shard, and every term is that rank's share
-    (the ranks run in parallel; the all-reduces are not counted). FP8 weights count one byte each."""
+    (the ranks run in parallel; the all-reduces are not counted). FP8 weights count one byte each, and so does
+    each K and V element of an FP8 KV cache (kv_cache_dtype; None: the model dtype)."""
     from tandem.layers.quantization import FP8_DTYPE
 
     tp = tensor_parallel_size
@@ -95,7 +97,8 @@ def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1)
             fp8 += p.numel()
     # Per-output-channel scales of FP8 linears are read with their weights.
     total_bytes += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith("weight_scale"))
-    elem = embed_bytes // max(embed, 1)  # the model dtype: embeddings (and the KV cache) are never FP8
+    elem = embed_bytes // max(embed, 1)  # the model dtype: embeddings are never FP8
+    kv_elem = elem if kv_cache_dtype is None else kv_cache_dtype.itemsize
     lm_head = -(-mc.vocab_size // tp) * mc.hidden_size
     indexed_only_bytes = embed_bytes - (lm_head * elem if mc.tie_word_embeddings else 0)
     kv_heads = max(mc.num_kv_heads // tp, 1)
@@ -103,7 +106,7 @@ def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1)
         weight_bytes=total_bytes - indexed_only_bytes,
         body_params=total - embed - (0 if mc.tie_word_embeddings else lm_head),
         lm_head_params=lm_head,
-        kv_bytes_per_token=2 * mc.num_layers * kv_heads * mc.head_dim * elem,
+        kv_bytes_per_token=2 * mc.num_layers * kv_heads * mc.head_dim * kv_elem,
         attn_flops_per_pair=4 * mc.num_layers * (mc.num_heads // tp) * mc.head_dim,
         fp8_body_params=fp8,
     )

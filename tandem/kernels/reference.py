@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.layers.attention_metadata import AttentionMetadata
+from tandem.layers.quantization import FP8_DTYPE, FP8_MAX
 
 
 def write_kv_ref(
@@ -22,8 +23,20 @@ def write_kv_ref(
     keep = (slots >= 0).nonzero().squeeze(1)  # [num_written]
     if keep.shape[0] != slots.shape[0]:
         k, v, slots = k[keep], v[keep], slots[keep]
-    k_flat[slots] = k.to(k_cache.dtype)
-    v_flat[slots] = v.to(v_cache.dtype)
+    k_flat[slots] = to_cache_dtype(k, k_cache.dtype)
+    v_flat[slots] = to_cache_dtype(v, v_cache.dtype)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it: an FP8 cache (scale 1) saturates at +-448 first, as the Triton kernels do."""
+    if dtype == FP8_DTYPE:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
+
+
+def compute_dtype(q: torch.Tensor, cache: torch.Tensor) -> torch.dtype:
+    """What attention multiplies in: the cache's dtype, except that an FP8 cache is read back in q's."""
+    return q.dtype if cache.dtype == FP8_DTYPE else cache.dtype
 
 
 def paged_attention_ref(
@@ -66,8 +79,9 @@ def _decode_attention(
     valid = (query_lens == 1) & (seq_lens > 0)  # [num_seqs]
     token_idx = starts[:-1].clamp(max=num_tokens - 1)  # [num_seqs]
 
-    keys = _gather_context(k_cache, meta.block_tables, meta.max_seq_len)  # [num_seqs, kv_heads, ctx, dim]
-    values = _gather_context(v_cache, meta.block_tables, meta.max_seq_len)
+    dt = compute_dtype(q, k_cache)
+    keys = _gather_context(k_cache, meta.block_tables, meta.max_seq_len).to(dt)  # [num_seqs, kv_heads, ctx, dim]
+    values = _gather_context(v_cache, meta.block_tables, meta.max_seq_len).to(dt)
     ctx_len = keys.shape[2]
     # A padding row attends to position 0 only, so no row is fully masked (which would give NaN).
     visible = torch.arange(ctx_len, device=q.device)[None, :] < seq_lens.clamp(min=1)[:, None]  # [num_seqs, ctx]
@@ -113,8 +127,9 @@ def _varlen_attention(
         if query_len <= 0 or seq_len <= 0:
             continue
         blocks = block_tables[i, : -(-seq_len // block_size)]
-        keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)  # [h, ctx, d]
-        values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        dt = compute_dtype(q, k_cache)
+        keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1).to(dt)
+        values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1).to(dt)
         queries = q[start:end].transpose(0, 1).to(keys.dtype)  # [num_heads, query_len, dim]
         mask = None
         if query_len != seq_len:

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.reference import compute_dtype
+from tandem.kernels.triton_kv import is_fp8_cache, to_cache
 from tandem.kernels.triton_launch import device_sms, pdl_wait, persistent_state, prefetch_l2, use_pdl
 from tandem.kernels.triton_rotary_kv import check_rotary_args
 from tandem.layers.attention_metadata import AttentionMetadata
@@ -79,9 +81,14 @@ def _rotate(x, xp, c, s, lower, norm_w, norm_w_partner, eps, HEAD_DIM: tl.conste
 
 
 @triton.jit
-def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 KV_FP8: tl.constexpr):
     # One KV tile of online softmax: scores in the log2 domain, running max m_i, sum l_i, output acc.
     # q [BLOCK_G, BLOCK_D]: tensor-core operand (USE_DOT), or one head (BLOCK_G 1) against k in fp32.
+    # KV_FP8: the e4m3 tiles are widened to q's dtype (exactly), and the dots run in it.
+    if KV_FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     if USE_DOT:
         s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION)
     else:
@@ -133,7 +140,7 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
     KV_HEADS: tl.constexpr, HAS_ORDER: tl.constexpr, ROTARY: tl.constexpr, HAS_NORM: tl.constexpr,
-    LINES: tl.constexpr, FP8_OUT: tl.constexpr,
+    LINES: tl.constexpr, FP8_OUT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # Program (slot i x kv head, split): all GROUP query heads of one kv head of sequence b over one contiguous
     # share of its KV tiles. The share is computed from seq_len on the device, so every split gets work
@@ -241,7 +248,8 @@ def _decode_split_kernel(
         k_raw = tl.load(k_row + offs_d[None, :], mask=d_mask[None, :], other=0.0)
         k_par = tl.load(k_row + partner[None, :], mask=d_mask[None, :], other=0.0)
         new_v = tl.load(new_v_ptr + b.to(tl.int64) * stride_nvb + kvh * stride_nvh + offs_d[None, :],
-                        mask=d_mask[None, :], other=0.0).to(v_ptr.dtype.element_ty)  # [1, BLOCK_D]
+                        mask=d_mask[None, :], other=0.0)
+        new_v = to_cache(new_v, v_ptr, KV_FP8)  # [1, BLOCK_D], as the cache will hold it
         q = _rotate(q_raw, q_par, c, s, lower, qw, qwp, eps, HEAD_DIM, HAS_NORM)
     else:
         q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=mask, other=0.0)  # [BLOCK_G, BLOCK_D]
@@ -253,7 +261,7 @@ def _decode_split_kernel(
     if ROTARY:
         if tile_lo < cached_hi:
             m_i, l_i, acc = _attend_tile(q, k_first, v_first, first_mask, m_i, l_i, acc, qk_scale, USE_DOT,
-                                         DOT_PRECISION)
+                                         DOT_PRECISION, KV_FP8)
         tile_start = tile_lo + 1
     for tile in range(tile_start, cached_hi):
         offs_n = tile * BLOCK_N + offs_n0
@@ -261,17 +269,20 @@ def _decode_split_kernel(
         kv_rows = _kv_tile_rows(bt_row, offs_n, n_mask, stride_b, stride_s, PAGE, True)
         k = _load_rows(k_base, kv_rows, offs_d, stride_d, n_mask, d_mask, True, HEAD_DIM != BLOCK_D)
         v = _load_rows(v_base, kv_rows, offs_d, stride_d, n_mask, d_mask, True, HEAD_DIM != BLOCK_D)
-        m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT, DOT_PRECISION)
+        m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT, DOT_PRECISION, KV_FP8)
     if ROTARY:
         if holds_new:
-            new_k = _rotate(k_raw, k_par, c, s, lower, kw, kwp, eps, HEAD_DIM, HAS_NORM).to(k_ptr.dtype.element_ty)
+            new_k = to_cache(_rotate(k_raw, k_par, c, s, lower, kw, kwp, eps, HEAD_DIM, HAS_NORM), k_ptr, KV_FP8)
             s_new = tl.sum(q.to(tl.float32) * new_k.to(tl.float32), axis=1) * qk_scale  # [BLOCK_G]
             m_new = tl.maximum(m_i, s_new)
             alpha = tl.exp2(m_i - m_new)
             p_new = tl.exp2(s_new - m_new)
             l_i = l_i * alpha + p_new
-            if USE_DOT:
-                p_new = p_new.to(v_ptr.dtype.element_ty).to(tl.float32)  # as the tiles' p @ v rounds p
+            if USE_DOT:  # as the tiles' p @ v rounds p
+                if KV_FP8:
+                    p_new = p_new.to(q.dtype).to(tl.float32)
+                else:
+                    p_new = p_new.to(v_ptr.dtype.element_ty).to(tl.float32)
             acc = acc * alpha[:, None] + p_new[:, None] * new_v.to(tl.float32)
             m_i = m_new
             if new_slot >= 0:  # into the cache for the next steps (nothing in this launch reads it back)
@@ -537,6 +548,7 @@ def paged_decode_attention(
         counts = _split_counter(q.device, batch * num_kv_heads)
 
     pdl = use_pdl(q.device)
+    kv_fp8 = is_fp8_cache(k_cache)
     if order is not None and order.shape != (batch,):
         raise ValueError(f"order must be [{batch}], got {tuple(order.shape)}")
     if rot is None:  # placeholders for the rotary arguments
@@ -552,10 +564,11 @@ def paged_decode_attention(
         scale * LOG2E, num_splits,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(), *rot_strides,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
-        MERGE_G=merge_g, MERGE_S=merge_s, USE_DOT=use_dot, DOT_PRECISION=_dot_precision(k_cache.dtype),
+        MERGE_G=merge_g, MERGE_S=merge_s, USE_DOT=use_dot, DOT_PRECISION=_dot_precision(compute_dtype(q, k_cache)),
         DIRECT_OUT=num_splits == 1, USE_PDL=pdl, KV_HEADS=num_kv_heads, HAS_ORDER=order is not None,
         ROTARY=rot is not None, HAS_NORM=rot is not None and new_tokens.q_norm_weight is not None,  # type: ignore[union-attr]
         LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)), FP8_OUT=out_scale is not None,
+        KV_FP8=kv_fp8,
         num_warps=num_warps or 4, num_stages=num_stages or (3 if use_dot else 2), launch_pdl=bool(pdl),
     )
     return out
@@ -589,7 +602,7 @@ def _prefill_tile(
     stride_b, stride_s, stride_d,
     offs_n0, offs_d, d_mask,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # One BLOCK_N tile of keys for a BLOCK_M tile of query rows; MASKED tiles straddle the diagonal
     # or the end of the context, unmasked ones are visible to every row.
@@ -597,6 +610,8 @@ def _prefill_tile(
     n_mask = offs_n < kv_end
     kv_rows = _kv_tile_rows(bt_row, offs_n, n_mask, stride_b, stride_s, PAGE, MASKED)
     k = _load_rows(k_base, kv_rows, offs_d, stride_d, n_mask, d_mask, MASKED, HEAD_DIM != BLOCK_D)
+    if KV_FP8:  # e4m3 widened to q's dtype exactly; the dots run in it
+        k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         s = tl.where((offs_n[None, :] <= pos[:, None]) & n_mask[None, :], s, float("-inf"))
@@ -605,7 +620,9 @@ def _prefill_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = _load_rows(v_base, kv_rows, offs_d, stride_d, n_mask, d_mask, MASKED, HEAD_DIM != BLOCK_D)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v_base.dtype.element_ty), v, input_precision=DOT_PRECISION)
+    if KV_FP8:
+        v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -622,6 +639,7 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # Program (row tile, sequence, kv head). A sequence's query rows are its (token, group head) pairs,
     # row = token * GROUP + g, so the GQA heads sharing a kv head share every K/V tile load.
@@ -649,7 +667,9 @@ def _prefill_kernel(
     pos = ctx_start + tok
     tok_idx = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + tok_idx[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(k_ptr.dtype.element_ty)
+                mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+    if not KV_FP8:  # the dots run in the cache's dtype (an FP8 cache's tiles are widened to q's instead)
+        q = q.to(k_ptr.dtype.element_ty)
 
     first_pos = ctx_start + r0 // GROUP
     kv_end = ctx_start + (tl.minimum(r0 + BLOCK_M, num_rows) - 1) // GROUP + 1  # last row's position + 1
@@ -666,12 +686,12 @@ def _prefill_kernel(
         acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, pos, tile, k_base, v_base, bt_row, kv_end, qk_scale,
                                       stride_b, stride_s, stride_d,
                                       offs_n0, offs_d, d_mask, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
-                                      DOT_PRECISION, False)
+                                      DOT_PRECISION, False, KV_FP8)
     for tile in range(num_full, num_tiles):
         acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, pos, tile, k_base, v_base, bt_row, kv_end, qk_scale,
                                       stride_b, stride_s, stride_d,
                                       offs_n0, offs_d, d_mask, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
-                                      DOT_PRECISION, True)
+                                      DOT_PRECISION, True, KV_FP8)
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok_idx[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
@@ -729,7 +749,7 @@ def paged_prefill_attention(
     if batch == 0 or num_tokens == 0 or max_query_len <= 0:
         return out
 
-    cfg_m, cfg_n, cfg_warps, cfg_stages = _prefill_config(head_dim, k_cache.dtype)
+    cfg_m, cfg_n, cfg_warps, cfg_stages = _prefill_config(head_dim, compute_dtype(q, k_cache))
     block_m = block_m or cfg_m
     block_n = block_n or cfg_n
     grid = (triton.cdiv(max_query_len * group, block_m), batch, num_kv_heads)
@@ -739,7 +759,8 @@ def paged_prefill_attention(
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(k_cache.dtype), USE_PDL=pdl,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(compute_dtype(q, k_cache)), USE_PDL=pdl,
+        KV_FP8=is_fp8_cache(k_cache),
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages, launch_pdl=bool(pdl),
     )
     return out

@@ -7,6 +7,22 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
+from tandem.layers.quantization import FP8_DTYPE, FP8_MAX
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def to_cache(x, cache_ptr, KV_FP8: tl.constexpr):
+    # x as the cache at cache_ptr stores it (reference.to_cache_dtype): an FP8 cache (scale 1) saturates at
+    # +-448, then rounds to nearest even.
+    if KV_FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -_FP8_MAX), _FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8_DTYPE
 
 
 @triton.jit
@@ -17,7 +33,7 @@ def _write_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # One program per token: copies the [num_kv_heads, head_dim] rows of K and V.
     pdl_wait(USE_PDL)
@@ -33,11 +49,11 @@ def _write_kv_kernel(
 
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
     dst = page * stride_kcb + in_page * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, to_cache(k, k_cache_ptr, KV_FP8), mask=mask)
 
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
     dst = page * stride_vcb + in_page * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, to_cache(v, v_cache_ptr, KV_FP8), mask=mask)
 
 
 def write_kv_triton(
@@ -67,6 +83,6 @@ def write_kv_triton(
         k, v, k_cache, v_cache, slot_mapping,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-        PAGE=k_cache.shape[1], USE_PDL=pdl,
+        PAGE=k_cache.shape[1], USE_PDL=pdl, KV_FP8=is_fp8_cache(k_cache),
         num_warps=4 if block_h * block_d >= 1024 else 2, launch_pdl=bool(pdl),
     )

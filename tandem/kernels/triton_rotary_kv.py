@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.triton_kv import is_fp8_cache, to_cache
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
 
 # Math is fp32, rounded to the storage dtype where the eager layers round (norm output before and after
@@ -52,7 +53,7 @@ def _rotary_write_kv_kernel(
     stride_ct, stride_cd, stride_st, stride_sd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    PAGE: tl.constexpr, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    PAGE: tl.constexpr, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # Program = one token: cos/sin loaded once for all its q and k heads; k (rotated) and v go to the cache,
     # the rotated q to q_out_ptr (q's own rows when the caller rotates in place).
@@ -74,15 +75,15 @@ def _rotary_write_kv_kernel(
         mask = (offs_h[:, None] < num_kv_heads) & d_mask[None, :]
         dst = k_cache_ptr + page * stride_kcb + in_page * stride_kcs + offs_h[:, None] * stride_kch \
             + offs_d[None, :] * stride_kcd
-        tl.store(dst, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF * stride_kcd, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst, to_cache(k1, k_cache_ptr, KV_FP8), mask=mask)
+        tl.store(dst + HALF * stride_kcd, to_cache(k2, k_cache_ptr, KV_FP8), mask=mask)
         src = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd
         dst = v_cache_ptr + page * stride_vcb + in_page * stride_vcs + offs_h[:, None] * stride_vch \
             + offs_d[None, :] * stride_vcd
         v1 = tl.load(src, mask=mask, other=0.0)
         v2 = tl.load(src + HALF * stride_vd, mask=mask, other=0.0)
-        tl.store(dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF * stride_vcd, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst, to_cache(v1, v_cache_ptr, KV_FP8), mask=mask)
+        tl.store(dst + HALF * stride_vcd, to_cache(v2, v_cache_ptr, KV_FP8), mask=mask)
 
 
 def token_rows(x: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -155,6 +156,6 @@ def rotary_write_kv_triton(
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         *k_cache.stride(), *v_cache.stride(),
         HALF=half, BLOCK_HALF=block_half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-        PAGE=k_cache.shape[1], HAS_NORM=has_norm, USE_PDL=pdl,
+        PAGE=k_cache.shape[1], HAS_NORM=has_norm, USE_PDL=pdl, KV_FP8=is_fp8_cache(k_cache),
         num_warps=min(max(block_hq * block_half // 256, 1), 16), launch_pdl=bool(pdl),
     )

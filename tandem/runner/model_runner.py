@@ -16,7 +16,7 @@ import torch
 from tandem.config import EngineConfig, ModelConfig, ParallelConfig
 from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.layers.parallel import local_kv_heads
-from tandem.layers.quantization import check_fp8_device
+from tandem.layers.quantization import FP8_DTYPE, check_fp8_device, check_fp8_kv_device
 from tandem.models.loader import load_model_and_tokenizer, model_max_len
 from tandem.runner.cuda_graphs import (DecodeGraphs, PiecewiseGraphs, SamplerVariant, graph_batch_sizes,
                                        piecewise_sizes, sampler_variant)
@@ -70,6 +70,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         if config.quantization == "fp8":
             check_fp8_device(self.device)
+        self.kv_cache_dtype = config.resolved_kv_cache_dtype()
+        if self.kv_cache_dtype == FP8_DTYPE:
+            check_fp8_kv_device(self.device)
         self.model, self.model_config, self.tokenizer = load_model_and_tokenizer(
             config, self.device, self.dtype, self.parallel, load_tokenizer=self.parallel.rank == 0)
         self.model.eval()
@@ -98,7 +101,7 @@ class ModelRunner:
         # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads (this rank's), head_dim]
         self.kv_cache = torch.zeros(
             mc.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, mc.head_dim,
-            dtype=self.dtype, device=self.device,
+            dtype=self.kv_cache_dtype, device=self.device,
         )
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
@@ -175,7 +178,7 @@ class ModelRunner:
     # ---------------------------------------------------------------- sizing
 
     def _kv_bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         mc = self.model_config
         return 2 * mc.num_layers * self.num_kv_heads * mc.head_dim * self.block_size * elem
 
@@ -204,7 +207,7 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         num_tokens = self.max_num_tokens
         scratch = torch.zeros(mc.num_layers, 2, 1, self.block_size, self.num_kv_heads, mc.head_dim,
-                              dtype=self.dtype, device=self.device)
+                              dtype=self.kv_cache_dtype, device=self.device)
         ids = torch.zeros(num_tokens, dtype=torch.int32, device=self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),

@@ -162,11 +162,13 @@ GRAPH_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["mha8-splits", "llama-gqa", "qwen3-hd128"])
-def test_graph_replay_equals_eager_for_every_batch_size(case, checkpoint):
+@pytest.mark.parametrize("case,kv_cache_dtype", [("mha8-splits", "auto"), ("llama-gqa", "auto"),
+                                                 ("qwen3-hd128", "auto"), ("llama-gqa", "fp8"),
+                                                 ("qwen3-hd128", "fp8")])
+def test_graph_replay_equals_eager_for_every_batch_size(case, kv_cache_dtype, checkpoint):
     arch, max_num_seqs, max_model_len = GRAPH_CASES[case]
     llm = make_llm(checkpoint(arch), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                   num_kv_blocks=8 * max_num_seqs + 8)
+                   num_kv_blocks=8 * max_num_seqs + 8, kv_cache_dtype=kv_cache_dtype)
     engine, runner = llm.engine, llm.engine.runner
     graphs = runner.graphs
     assert graphs is not None and graphs.batch_sizes[-1] == max_num_seqs
@@ -200,12 +202,14 @@ def test_graph_replay_equals_eager_for_every_batch_size(case, checkpoint):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3"])
-def test_piecewise_graphs_equal_eager_on_mixed_steps(arch, checkpoint):
+@pytest.mark.parametrize("arch,kv_cache_dtype", [("llama", "auto"), ("gpt2", "auto"), ("qwen3", "auto"),
+                                                 ("llama", "fp8")])
+def test_piecewise_graphs_equal_eager_on_mixed_steps(arch, kv_cache_dtype, checkpoint):
     """Steps that mix prefills (whole prompts and chunks) into the decodes: the piecewise graphs (pieces captured
     per token bucket, attention launched between them) give the tokens of the eager forward, over many buckets
-    and amounts of padding, and return every block."""
-    llm = make_llm(checkpoint(arch), max_num_seqs=16, max_num_batched_tokens=160, num_kv_blocks=400)
+    and amounts of padding, and return every block (also with an FP8 KV cache)."""
+    llm = make_llm(checkpoint(arch), max_num_seqs=16, max_num_batched_tokens=160, num_kv_blocks=400,
+                   kv_cache_dtype=kv_cache_dtype)
     engine, runner = llm.engine, llm.engine.runner
     pieces = runner.piecewise
     assert pieces is not None and pieces.sizes[-1] == 160
@@ -391,8 +395,10 @@ def test_logits_and_greedy_tokens_match_transformers(arch, checkpoint, record_pr
 
 
 @pytest.mark.gpu
-def test_overlap_and_sync_give_the_same_greedy_tokens(checkpoint):
-    llm = make_llm(checkpoint("llama"), max_num_seqs=8, max_num_batched_tokens=96, num_kv_blocks=256)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_overlap_and_sync_give_the_same_greedy_tokens(kv_cache_dtype, checkpoint):
+    llm = make_llm(checkpoint("llama"), max_num_seqs=8, max_num_batched_tokens=96, num_kv_blocks=256,
+                   kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
     rng = random.Random(3)
     shared = random_prompt(rng, 70)

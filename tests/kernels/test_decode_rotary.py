@@ -152,15 +152,19 @@ ptr_types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i
              "kw_ptr": "*bf16", "slot_ptr": "*i64", "oscale_ptr": "*fp32"}
 unit = ("stride_d", "stride_qd", "stride_od")  # Triton specializes strides of 1 to constants
 out = {}
-for group, block_n, stages, rotary, direct, fp8 in ((1, 64, 2, True, False, False), (4, 128, 3, True, True, False),
-                                                    (4, 128, 3, False, True, False), (2, 64, 3, False, False, False),
-                                                    (4, 128, 3, True, True, True), (2, 64, 3, False, False, True)):
+for group, block_n, stages, rotary, direct, fp8, kv8 in (
+        (1, 64, 2, True, False, False, False), (4, 128, 3, True, True, False, False),
+        (4, 128, 3, False, True, False, False), (2, 64, 3, False, False, False, False),
+        (4, 128, 3, True, True, True, False), (2, 64, 3, False, False, True, False),
+        (4, 128, 3, True, True, True, True), (2, 64, 3, False, False, False, True), (1, 128, 2, True, True, False, True)):
     merge_g, merge_s = _merge_tile(group, 128, 32)
     consts = dict(GROUP=group, BLOCK_G=1 if group == 1 else 16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=block_n,
                   MERGE_G=merge_g, MERGE_S=merge_s, USE_DOT=group > 1, DOT_PRECISION="tf32", DIRECT_OUT=direct,
                   USE_PDL=2, KV_HEADS=8, HAS_ORDER=True, ROTARY=rotary, HAS_NORM=rotary and group == 4, LINES=2,
-                  FP8_OUT=fp8, **{u: 1 for u in unit})
+                  FP8_OUT=fp8, KV_FP8=kv8, **{u: 1 for u in unit})
     types = {**ptr_types, "out_ptr": "*fp8e4nv" if fp8 else "*bf16"}
+    if kv8:
+        types.update(k_ptr="*fp8e4nv", v_ptr="*fp8e4nv")
     sig = {a: types.get(a, "constexpr" if a in consts else "fp32" if a in ("eps", "qk_scale") else "i32")
            for a in kernel.arg_names}
     div = [i for i, a in enumerate(kernel.arg_names) if a in ptr_types or (a.startswith("stride") and a not in unit)]
@@ -169,13 +173,14 @@ for group, block_n, stages, rotary, direct, fp8 in ((1, 64, 2, True, False, Fals
     # Every instruction word in program order (the L2 prefetch sits inside an inline-asm block).
     words = [w for l in ptx.splitlines() for w in l.split("//")[0].replace("{", " ").replace(";", "; ").split()]
     ops = [w for w in words if w.startswith(("ld.", "st.", "atom.", "red.", "griddepcontrol", "prefetch"))]
-    out[f"group{group}-fp8{fp8}-rotary{rotary}-direct{direct}"] = ops
+    out[f"group{group}-fp8{fp8}-kvfp8{kv8}-rotary{rotary}-direct{direct}"] = ops
 json.dump(out, sys.stdout)
 """
 
 
 def test_decode_kernel_compiles_for_sm90_and_reads_its_first_tile_before_the_wait():
-    """On Hopper the decode kernel (plain and with fused rotary, split and direct) keeps nothing in local memory;
+    """On Hopper the decode kernel (plain and with fused rotary, split and direct, bf16 and FP8 KV cache) keeps
+    nothing in local memory;
     before the wait for the previous kernel it reads its first KV tile (with fused rotary into registers: 128-bit
     loads, as many as the tile's K and V need; without, a prefetch into L2) and writes nothing (no store, no
     atomic), as the PDL contract requires; the split variants count in with an atomic after it."""
@@ -186,9 +191,10 @@ def test_decode_kernel_compiles_for_sm90_and_reads_its_first_tile_before_the_wai
         wait = ops.index("griddepcontrol.wait;")
         before = ops[:wait]
         if "rotaryTrue" in variant:
-            block_n = 64 if variant.startswith("group1") else 128
+            block_n = 64 if variant.startswith("group1") and "kvfp8False" in variant else 128
+            elem = 1 if "kvfp8True" in variant else 2
             wide = [op for op in before if op.startswith("ld.global") and op.endswith(".v4.b32")]
-            assert len(wide) == 2 * block_n * 128 * 2 // 16 // 128, (variant, before)  # 4 warps of 32 threads
+            assert len(wide) == 2 * block_n * 128 * elem // 16 // 128, (variant, before)  # 4 warps of 32 threads
         else:
             assert any(op.startswith("prefetch.global.L2") for op in before), (variant, before)
         assert not any(op.startswith(("st.global", "atom.", "red.")) for op in before), (variant, before)

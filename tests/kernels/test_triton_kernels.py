@@ -570,20 +570,25 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tandem.kernels.triton_attention import _prefill_config, _prefill_kernel as kernel
 
-ptrs = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "qsl_ptr": "*i32",
-        "seq_lens_ptr": "*i32", "out_ptr": "*bf16"}
 unit = ("stride_d", "stride_qd", "stride_od")
 block_m, block_n, warps, stages = _prefill_config(128, torch.bfloat16)
-consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION="tf32",
-              USE_PDL=2, **{u: 1 for u in unit})
-sig = {a: ptrs.get(a, "constexpr" if a in consts else "fp32" if a == "qk_scale" else "i32") for a in kernel.arg_names}
-div = [i for i, a in enumerate(kernel.arg_names) if a in ptrs or (a.startswith("stride") and a not in unit)]
-src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in div})
-asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}).asm
-# The waits on the K/V copies inside the two tile loops: how many copy groups each leaves in flight.
-in_loop = [int(m) for m in re.findall(r"ttg.async_wait %tile\S*, %tile\S*, %pages\S* \{num = (\d+)", asm["ttgir"])]
-local = "ld.local" in asm["ptx"] or "st.local" in asm["ptx"]
-json.dump({"in_loop_waits": in_loop, "local": local}, sys.stdout)
+got = {}
+for kv in ("bf16", "fp8e4nv"):  # the KV cache's element type (an FP8 cache's tiles are widened in registers)
+    ptrs = {"q_ptr": "*bf16", "k_ptr": "*" + kv, "v_ptr": "*" + kv, "bt_ptr": "*i32", "qsl_ptr": "*i32",
+            "seq_lens_ptr": "*i32", "out_ptr": "*bf16"}
+    consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n,
+                  DOT_PRECISION="tf32", USE_PDL=2, KV_FP8=kv != "bf16", **{u: 1 for u in unit})
+    sig = {a: ptrs.get(a, "constexpr" if a in consts else "fp32" if a == "qk_scale" else "i32")
+           for a in kernel.arg_names}
+    div = [i for i, a in enumerate(kernel.arg_names) if a in ptrs or (a.startswith("stride") and a not in unit)]
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in div})
+    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": warps, "num_stages": stages}).asm
+    # The waits on the K/V copies inside the two tile loops: how many copy groups each leaves in flight.
+    in_loop = [int(m) for m in re.findall(r"ttg.async_wait %tile\S*, %tile\S*, %pages\S* \{num = (\d+)",
+                                          asm["ttgir"])]
+    got[kv] = {"in_loop_waits": in_loop, "local": "ld.local" in asm["ptx"] or "st.local" in asm["ptx"]}
+json.dump(got, sys.stdout)
 """
 
 
@@ -593,6 +598,6 @@ def test_prefill_kernel_double_buffers_its_kv_tiles_on_sm90():
     for the tile before it to be done."""
     from tests.kernels.sm90 import compile_sm90
 
-    got = compile_sm90(_COMPILE_PREFILL_SM90)
-    assert len(got["in_loop_waits"]) == 2 and all(n > 0 for n in got["in_loop_waits"]), got
-    assert not got["local"]
+    for kv, got in compile_sm90(_COMPILE_PREFILL_SM90).items():  # bf16 and FP8 KV caches
+        assert len(got["in_loop_waits"]) == 2 and all(n > 0 for n in got["in_loop_waits"]), (kv, got)
+        assert not got["local"], kv
