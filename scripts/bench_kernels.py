@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tandem.kernels.reference import to_cache_dtype  # noqa: E402
 from tandem.kernels.triton_attention import (  # noqa: E402
     choose_num_splits,
     decode_block_n,
@@ -40,6 +41,7 @@ from tandem.kernels.triton_attention import (  # noqa: E402
     paged_decode_attention,
 )
 
+FP8_DTYPE = torch.float8_e4m3fn
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -133,17 +135,19 @@ def sdpa_decode(q, keys, values, scale):
 
 def bench_shape(args, batch, seq_len, copy_gbs, device) -> dict:
     dtype = DTYPES[args.dtype]
-    elem = dtype.itemsize
     q, k_cache, v_cache, block_tables, seq_lens = make_inputs(
         batch, seq_len, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size, dtype, device,
         layout=args.layout)
+    if args.kv_cache_dtype == "fp8":  # the same values in an e4m3 cache (SDPA reads them widened to q's dtype)
+        k_cache, v_cache = to_cache_dtype(k_cache, FP8_DTYPE), to_cache_dtype(v_cache, FP8_DTYPE)
+    elem = k_cache.dtype.itemsize
     scale = 1.0 / math.sqrt(args.head_dim)
     kv_bytes = 2 * batch * seq_len * args.num_kv_heads * args.head_dim * elem
-    io_bytes = 2 * q.numel() * elem + block_tables.numel() * 4 + seq_lens.numel() * 4
+    io_bytes = 2 * q.numel() * dtype.itemsize + block_tables.numel() * 4 + seq_lens.numel() * 4
     total_bytes = kv_bytes + io_bytes
     out = torch.empty_like(q)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    block_n = decode_block_n(args.head_dim, dtype, batch * args.num_kv_heads, num_sms)
+    block_n = decode_block_n(args.head_dim, k_cache.dtype, batch * args.num_kv_heads, num_sms)
     splits = choose_num_splits(batch, args.num_kv_heads, args.graph_max_len or seq_len, block_n, num_sms)
 
     def run_tandem(num_splits=splits, graph=True, **cfg):
@@ -168,8 +172,8 @@ def bench_shape(args, batch, seq_len, copy_gbs, device) -> dict:
             q, k_cache, v_cache, block_tables, seq_lens, scale, out=fp8, out_scale=out_scale, num_splits=splits,
             num_stages=args.num_stages))
 
-    keys = contiguous_kv(k_cache, block_tables, seq_len)
-    values = contiguous_kv(v_cache, block_tables, seq_len)
+    keys = contiguous_kv(k_cache, block_tables, seq_len).to(dtype)
+    values = contiguous_kv(v_cache, block_tables, seq_len).to(dtype)
     try:
         ref = sdpa_decode(q, keys, values, scale)
         row["max_abs_diff_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
@@ -242,6 +246,9 @@ def main() -> None:
                         help="cache memory order within a block: positions then heads (the engine's), or heads first")
     parser.add_argument("--fp8-out", action="store_true",
                         help="also time the kernel writing its output quantized for an FP8 o_proj")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="fp8: the cache in e4m3 (bytes counted at one per element; SDPA's peer KV stays in "
+                             "--dtype)")
     parser.add_argument("--sweep", action="store_true", help="also search tile/warp/stage/split settings")
     parser.add_argument("--sweep-block-n", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--sweep-warps", type=int, nargs="+", default=[4, 8])
@@ -283,7 +290,8 @@ def main() -> None:
         "triton": triton.__version__,
         "python": platform.python_version(),
         "layout": {"num_heads": args.num_heads, "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim,
-                   "block_size": args.block_size, "dtype": args.dtype, "memory_order": args.layout},
+                   "block_size": args.block_size, "dtype": args.dtype, "memory_order": args.layout,
+                   "kv_cache_dtype": args.kv_cache_dtype},
         "copy_bandwidth_gbs": copy_gbs,
         "timing": "CUDA-graph replay, L2 flushed before each call (GPU time); *_eager_ms: triton do_bench median",
         "graph_max_len": args.graph_max_len or None,

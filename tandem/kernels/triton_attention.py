@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.reference import compute_dtype
-from tandem.kernels.triton_kv import is_fp8_cache, to_cache
+from tandem.kernels.triton_kv import fp8_cache_dot_dtype, is_fp8_cache, to_cache
 from tandem.kernels.triton_launch import device_sms, pdl_wait, persistent_state, prefetch_l2, use_pdl
 from tandem.kernels.triton_rotary_kv import check_rotary_args
 from tandem.layers.attention_metadata import AttentionMetadata
@@ -85,7 +85,7 @@ def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexpr
                  KV_FP8: tl.constexpr):
     # One KV tile of online softmax: scores in the log2 domain, running max m_i, sum l_i, output acc.
     # q [BLOCK_G, BLOCK_D]: tensor-core operand (USE_DOT), or one head (BLOCK_G 1) against k in fp32.
-    # KV_FP8: the e4m3 tiles are widened to q's dtype (exactly), and the dots run in it.
+    # KV_FP8: the e4m3 tiles are widened to q's dtype (KV_DT, exactly), and the dots run in it.
     if KV_FP8:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
@@ -140,7 +140,7 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
     KV_HEADS: tl.constexpr, HAS_ORDER: tl.constexpr, ROTARY: tl.constexpr, HAS_NORM: tl.constexpr,
-    LINES: tl.constexpr, FP8_OUT: tl.constexpr, KV_FP8: tl.constexpr,
+    LINES: tl.constexpr, FP8_OUT: tl.constexpr, KV_FP8: tl.constexpr, KV_DT: tl.constexpr,
 ):
     # Program (slot i x kv head, split): all GROUP query heads of one kv head of sequence b over one contiguous
     # share of its KV tiles. The share is computed from seq_len on the device, so every split gets work
@@ -254,6 +254,8 @@ def _decode_split_kernel(
     else:
         q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=mask, other=0.0)  # [BLOCK_G, BLOCK_D]
 
+    if KV_FP8:  # the dots run in KV_DT (fp16 for 16-bit q: the e4m3 tiles widen to it in one step)
+        q = q.to(KV_DT)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -369,6 +371,19 @@ def _merge_tile(group: int, block_d: int, num_splits: int) -> tuple[int, int]:
 # decode_block_n fit them on an H200: 3 (one K and one V tile in shared memory, 74 KiB at head_dim 128) and 4
 # (registers).
 DECODE_PROGRAMS_PER_SM = (3, 4)
+
+
+def _decode_stages(use_dot: bool, kv_fp8: bool, num_splits: int) -> int:
+    """num_stages of the decode kernel. The block-table load of a tile takes pipeline stages of its own, so at 3
+    stages the K and V tiles get one buffer each and every tile's copies wait for the tile before them to be
+    done (the prefill kernel's lesson, see _prefill_config); 5 double-buffers them. With bf16 tiles (32 KiB)
+    that costs the programs per SM it buys; FP8 tiles (16 KiB) fit two buffers in the shared memory one bf16
+    buffer takes (74 KiB at head_dim 128, as the sm90 compile test checks). On an H200 (h200_s16_kernels_fp8_
+    stages{3,5}.json) batch 32 x 8 kv heads, unsplit, ran 7-12% faster at 5 stages over 512-2048 positions;
+    split contexts (batch 1: one tile a split) ran 3-8% slower, so they keep 3."""
+    if not use_dot:
+        return 2
+    return 5 if kv_fp8 and num_splits == 1 else 3
 
 
 def _last_wave_fill(programs: int, per_sm: int, num_sms: int) -> float:
@@ -568,8 +583,9 @@ def paged_decode_attention(
         DIRECT_OUT=num_splits == 1, USE_PDL=pdl, KV_HEADS=num_kv_heads, HAS_ORDER=order is not None,
         ROTARY=rot is not None, HAS_NORM=rot is not None and new_tokens.q_norm_weight is not None,  # type: ignore[union-attr]
         LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)), FP8_OUT=out_scale is not None,
-        KV_FP8=kv_fp8,
-        num_warps=num_warps or 4, num_stages=num_stages or (3 if use_dot else 2), launch_pdl=bool(pdl),
+        KV_FP8=kv_fp8, KV_DT=fp8_cache_dot_dtype(q.dtype),
+        num_warps=num_warps or 4, num_stages=num_stages or _decode_stages(use_dot, kv_fp8, num_splits),
+        launch_pdl=bool(pdl),
     )
     return out
 
@@ -610,7 +626,7 @@ def _prefill_tile(
     n_mask = offs_n < kv_end
     kv_rows = _kv_tile_rows(bt_row, offs_n, n_mask, stride_b, stride_s, PAGE, MASKED)
     k = _load_rows(k_base, kv_rows, offs_d, stride_d, n_mask, d_mask, MASKED, HEAD_DIM != BLOCK_D)
-    if KV_FP8:  # e4m3 widened to q's dtype exactly; the dots run in it
+    if KV_FP8:  # e4m3 widened to q's dtype (KV_DT) exactly; the dots run in it
         k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
@@ -639,7 +655,7 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, KV_DT: tl.constexpr,
 ):
     # Program (row tile, sequence, kv head). A sequence's query rows are its (token, group head) pairs,
     # row = token * GROUP + g, so the GQA heads sharing a kv head share every K/V tile load.
@@ -668,7 +684,9 @@ def _prefill_kernel(
     tok_idx = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + tok_idx[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=r_mask[:, None] & d_mask[None, :], other=0.0)
-    if not KV_FP8:  # the dots run in the cache's dtype (an FP8 cache's tiles are widened to q's instead)
+    if KV_FP8:  # the dots run in KV_DT, which an FP8 cache's tiles are widened to
+        q = q.to(KV_DT)
+    else:  # the dots run in the cache's dtype
         q = q.to(k_ptr.dtype.element_ty)
 
     first_pos = ctx_start + r0 // GROUP
@@ -760,7 +778,7 @@ def paged_prefill_attention(
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(compute_dtype(q, k_cache)), USE_PDL=pdl,
-        KV_FP8=is_fp8_cache(k_cache),
+        KV_FP8=is_fp8_cache(k_cache), KV_DT=fp8_cache_dot_dtype(q.dtype),
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages, launch_pdl=bool(pdl),
     )
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,16 @@ def to_cache(x, cache_ptr, KV_FP8: tl.constexpr):
 
 def is_fp8_cache(cache: torch.Tensor) -> bool:
     return cache.dtype == FP8_DTYPE
+
+
+def fp8_cache_dot_dtype(q_dtype: torch.dtype) -> tl.dtype:
+    """What the attention kernels widen an FP8 cache's tiles (and q) to for their dots: fp16 for 16-bit queries
+    (every e4m3 value is exact in fp16, and e4m3 -> fp16 is one instruction per pair of values on sm89+, where
+    bf16 takes a detour through fp16 and fp32), fp32 for fp32 queries. TANDEM_KV_FP8_DOT=bf16 (read per call)
+    keeps bf16 instead, for measuring the difference."""
+    if q_dtype == torch.float32:
+        return tl.float32
+    return tl.bfloat16 if os.environ.get("TANDEM_KV_FP8_DOT") == "bf16" else tl.float16
 
 
 @triton.jit

@@ -140,8 +140,9 @@ def test_gpu_fused_rotary_decode_bf16(group, num_kv_heads, batch):
 
 
 _COMPILE_SM90 = r"""
-import json, sys
+import json, re, sys
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tandem.kernels.triton_attention import _decode_split_kernel as kernel, _merge_tile
@@ -156,12 +157,12 @@ for group, block_n, stages, rotary, direct, fp8, kv8 in (
         (1, 64, 2, True, False, False, False), (4, 128, 3, True, True, False, False),
         (4, 128, 3, False, True, False, False), (2, 64, 3, False, False, False, False),
         (4, 128, 3, True, True, True, False), (2, 64, 3, False, False, True, False),
-        (4, 128, 3, True, True, True, True), (2, 64, 3, False, False, False, True), (1, 128, 2, True, True, False, True)):
+        (4, 128, 5, True, True, True, True), (2, 64, 3, False, False, False, True), (1, 128, 2, True, True, False, True)):
     merge_g, merge_s = _merge_tile(group, 128, 32)
     consts = dict(GROUP=group, BLOCK_G=1 if group == 1 else 16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=block_n,
                   MERGE_G=merge_g, MERGE_S=merge_s, USE_DOT=group > 1, DOT_PRECISION="tf32", DIRECT_OUT=direct,
                   USE_PDL=2, KV_HEADS=8, HAS_ORDER=True, ROTARY=rotary, HAS_NORM=rotary and group == 4, LINES=2,
-                  FP8_OUT=fp8, KV_FP8=kv8, **{u: 1 for u in unit})
+                  FP8_OUT=fp8, KV_FP8=kv8, KV_DT=tl.float16, **{u: 1 for u in unit})
     types = {**ptr_types, "out_ptr": "*fp8e4nv" if fp8 else "*bf16"}
     if kv8:
         types.update(k_ptr="*fp8e4nv", v_ptr="*fp8e4nv")
@@ -169,11 +170,14 @@ for group, block_n, stages, rotary, direct, fp8, kv8 in (
            for a in kernel.arg_names}
     div = [i for i, a in enumerate(kernel.arg_names) if a in ptr_types or (a.startswith("stride") and a not in unit)]
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in div})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages}).asm["ptx"]
+    asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages}).asm
+    ptx = asm["ptx"]
     # Every instruction word in program order (the L2 prefetch sits inside an inline-asm block).
     words = [w for l in ptx.splitlines() for w in l.split("//")[0].replace("{", " ").replace(";", "; ").split()]
     ops = [w for w in words if w.startswith(("ld.", "st.", "atom.", "red.", "griddepcontrol", "prefetch"))]
-    out[f"group{group}-fp8{fp8}-kvfp8{kv8}-rotary{rotary}-direct{direct}"] = ops
+    # The KV tile buffers in shared memory (how many tiles of K, of V the pipeline holds).
+    buffers = [int(n) for n in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x128x", asm["ttgir"])]
+    out[f"group{group}-fp8{fp8}-kvfp8{kv8}-rotary{rotary}-direct{direct}"] = {"ops": ops, "buffers": buffers}
 json.dump(out, sys.stdout)
 """
 
@@ -186,7 +190,10 @@ def test_decode_kernel_compiles_for_sm90_and_reads_its_first_tile_before_the_wai
     atomic), as the PDL contract requires; the split variants count in with an atomic after it."""
     from tests.kernels.sm90 import compile_sm90
 
-    for variant, ops in compile_sm90(_COMPILE_SM90).items():
+    for variant, got in compile_sm90(_COMPILE_SM90).items():
+        ops = got["ops"]
+        if variant.startswith("group4") and "kvfp8True" in variant:  # 5 stages (_decode_stages): two of each
+            assert got["buffers"] == [2, 2], (variant, got["buffers"])
         assert not any(op.startswith(("ld.local", "st.local")) for op in ops), variant
         wait = ops.index("griddepcontrol.wait;")
         before = ops[:wait]

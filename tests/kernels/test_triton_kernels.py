@@ -566,6 +566,7 @@ def test_num_splits_fill_the_gpu_at_batch_one_short_context():
 _COMPILE_PREFILL_SM90 = r"""
 import json, re, sys
 import torch, triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tandem.kernels.triton_attention import _prefill_config, _prefill_kernel as kernel
@@ -577,7 +578,7 @@ for kv in ("bf16", "fp8e4nv"):  # the KV cache's element type (an FP8 cache's ti
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*" + kv, "v_ptr": "*" + kv, "bt_ptr": "*i32", "qsl_ptr": "*i32",
             "seq_lens_ptr": "*i32", "out_ptr": "*bf16"}
     consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_M=block_m, BLOCK_N=block_n,
-                  DOT_PRECISION="tf32", USE_PDL=2, KV_FP8=kv != "bf16", **{u: 1 for u in unit})
+                  DOT_PRECISION="tf32", USE_PDL=2, KV_FP8=kv != "bf16", KV_DT=tl.float16, **{u: 1 for u in unit})
     sig = {a: ptrs.get(a, "constexpr" if a in consts else "fp32" if a == "qk_scale" else "i32")
            for a in kernel.arg_names}
     div = [i for i, a in enumerate(kernel.arg_names) if a in ptrs or (a.startswith("stride") and a not in unit)]
