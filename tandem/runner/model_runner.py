@@ -103,6 +103,9 @@ class ModelRunner:
             mc.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, mc.head_dim,
             dtype=self.kv_cache_dtype, device=self.device,
         )
+        logger.info("KV cache: %d blocks of %d tokens in %s (%.2f GiB)", self.num_blocks, self.block_size,
+                    str(self.kv_cache_dtype).removeprefix("torch."),
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if self.device.type == "cuda":

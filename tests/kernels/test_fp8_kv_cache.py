@@ -14,7 +14,17 @@ from tandem.kernels.triton_rotary_kv import rotary_write_kv_triton
 from tandem.layers.quantization import FP8_DTYPE
 
 from .test_decode_rotary import make_step, run_both
-from .test_triton_kernels import DEVICE, PREFILL_BATCH, TOL, dense_reference, make_case, poisoned_like
+from .test_triton_kernels import (
+    DEVICE,
+    LARGE_PREFILL,
+    PREFILL_BATCH,
+    TOL,
+    assert_prefill_close,
+    dense_reference,
+    make_case,
+    poisoned_like,
+    relative_error,
+)
 
 DTYPES = [torch.float32, torch.float16]
 
@@ -131,10 +141,6 @@ def test_fused_rotary_decode_on_fp8_cache(dtype, norm, group, num_splits):
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("group", [1, 4])
@@ -151,14 +157,9 @@ def test_gpu_decode_and_prefill_read_fp8_cache_bf16(group):
         out = paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
                                      out=poisoned_like(case.q), num_splits=num_splits)
         assert not torch.isnan(out).any() and relative_error(out, ref) < 1e-2
-    seq_lens, query_lens = [2048, 1500, 1024 + 64, 333, 1, 0], [2048, 700, 64, 333, 1, 0]
-    case = fp8_case(make_case(seq_lens, query_lens, group=group, head_dim=128, block_size=16, dtype=torch.bfloat16,
-                              num_kv_heads=8))
-    m = case.meta
-    out = paged_prefill_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
-                                  m.max_query_len, case.scale, out=poisoned_like(case.q))
-    assert not torch.isnan(out).any()
-    assert relative_error(out, dense_reference(case, dtype=torch.float32)) < 1e-2
+    seq_lens, query_lens = LARGE_PREFILL
+    assert_prefill_close(fp8_case(make_case(seq_lens, query_lens, group=group, head_dim=128, block_size=16,
+                                            dtype=torch.bfloat16, num_kv_heads=8)))
 
 
 @pytest.mark.gpu

@@ -464,8 +464,16 @@ def test_gpu_decode_large(dtype, block_size, group):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_prefill_large(dtype, head_dim):
-    seq_lens, query_lens = [2048, 1500, 1024 + 64, 333, 1, 0], [2048, 700, 64, 333, 1, 0]
+    seq_lens, query_lens = LARGE_PREFILL
     case = make_case(seq_lens, query_lens, group=4, head_dim=head_dim, block_size=16, dtype=dtype, num_kv_heads=8)
+    assert_prefill_close(case)
+
+
+LARGE_PREFILL = ([2048, 1500, 1024 + 64, 333, 1, 0], [2048, 700, 64, 333, 1, 0])  # (seq_lens, query_lens)
+
+
+def assert_prefill_close(case: Case) -> None:
+    """The prefill kernel on a (large) case: no NaN, within relative L2 1e-2 of the float32 oracle."""
     m = case.meta
     out = paged_prefill_attention(case.q, case.k_cache, case.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
                                   m.max_query_len, case.scale, out=poisoned_like(case.q))
