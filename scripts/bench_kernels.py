@@ -40,8 +40,8 @@ from tandem.kernels.triton_attention import (  # noqa: E402
     decode_workspace_numel,
     paged_decode_attention,
 )
+from tandem.layers.quantization import FP8_DTYPE  # noqa: E402
 
-FP8_DTYPE = torch.float8_e4m3fn
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

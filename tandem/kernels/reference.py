@@ -120,6 +120,7 @@ def _varlen_attention(
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     block_tables = meta.block_tables
+    dt = compute_dtype(q, k_cache)
     result = torch.zeros_like(q)
     for i, seq_len in enumerate(seq_lens):
         start, end = starts[i], min(starts[i + 1], num_tokens)
@@ -127,7 +128,6 @@ def _varlen_attention(
         if query_len <= 0 or seq_len <= 0:
             continue
         blocks = block_tables[i, : -(-seq_len // block_size)]
-        dt = compute_dtype(q, k_cache)
         keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1).to(dt)
         values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1).to(dt)
         queries = q[start:end].transpose(0, 1).to(keys.dtype)  # [num_heads, query_len, dim]

@@ -88,25 +88,15 @@ class PartialSums(NamedTuple):
 DEFER_REDUCE = os.environ.get("TANDEM_DEFER_REDUCE", "1") == "1"  # Linear(defer_reduce=True) may return PartialSums
 
 
-def check_fp8_device(device: torch.device) -> None:
-    """ValueError unless `device` is a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)."""
-    need = "fp8 needs a CUDA GPU with compute capability >= 8.9 (Ada/Hopper)"
+def check_fp8_device(device: torch.device, what: str = "fp8") -> None:
+    """ValueError unless `device` is a CUDA GPU with FP8 tensor cores (compute capability >= 8.9); `what` names
+    the setting in the message."""
+    need = f"{what} needs a CUDA GPU with compute capability >= 8.9 (Ada/Hopper)"
     if device.type != "cuda":
         raise ValueError(f"{need}; this run is on {device.type}")
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         raise ValueError(f"{need}; {torch.cuda.get_device_name(device)} has compute capability {major}.{minor}")
-
-
-def check_fp8_kv_device(device: torch.device) -> None:
-    """ValueError unless `device` can hold an FP8 KV cache: the CPU (the reference kernels convert with torch) or
-    a CUDA GPU whose Triton kernels convert e4m3 in hardware (compute capability >= 8.9)."""
-    if device.type != "cuda":
-        return
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        raise ValueError(f"kv_cache_dtype fp8 needs compute capability >= 8.9 (Ada/Hopper) on CUDA; "
-                         f"{torch.cuda.get_device_name(device)} has {major}.{minor} (use kv_cache_dtype auto)")
 
 
 def fp8_supported_shape(out_features: int, in_features: int) -> bool:

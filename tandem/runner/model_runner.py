@@ -16,7 +16,7 @@ import torch
 from tandem.config import EngineConfig, ModelConfig, ParallelConfig
 from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.layers.parallel import local_kv_heads
-from tandem.layers.quantization import FP8_DTYPE, check_fp8_device, check_fp8_kv_device
+from tandem.layers.quantization import FP8_DTYPE, check_fp8_device
 from tandem.models.loader import load_model_and_tokenizer, model_max_len
 from tandem.runner.cuda_graphs import (DecodeGraphs, PiecewiseGraphs, SamplerVariant, graph_batch_sizes,
                                        piecewise_sizes, sampler_variant)
@@ -71,8 +71,10 @@ class ModelRunner:
         if config.quantization == "fp8":
             check_fp8_device(self.device)
         self.kv_cache_dtype = config.resolved_kv_cache_dtype()
-        if self.kv_cache_dtype == FP8_DTYPE:
-            check_fp8_kv_device(self.device)
+        if self.kv_cache_dtype == FP8_DTYPE and self.device.type == "cuda":
+            # The CPU holds one too (the reference kernels convert with torch); the Triton kernels need e4m3
+            # conversions in hardware.
+            check_fp8_device(self.device, "kv_cache_dtype fp8")
         self.model, self.model_config, self.tokenizer = load_model_and_tokenizer(
             config, self.device, self.dtype, self.parallel, load_tokenizer=self.parallel.rank == 0)
         self.model.eval()
@@ -181,7 +183,7 @@ class ModelRunner:
     # ---------------------------------------------------------------- sizing
 
     def _kv_bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize
         mc = self.model_config
         return 2 * mc.num_layers * self.num_kv_heads * mc.head_dim * self.block_size * elem
 

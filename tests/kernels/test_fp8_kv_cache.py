@@ -24,6 +24,7 @@ from .test_triton_kernels import (
     make_case,
     poisoned_like,
     relative_error,
+    requires_cuda,
 )
 
 DTYPES = [torch.float32, torch.float16]
@@ -137,9 +138,6 @@ def test_fused_rotary_decode_on_fp8_cache(dtype, norm, group, num_splits):
 
 
 # ----------------------------------------------------------------------------- GPU: bf16 queries, real sizes
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
 
 @pytest.mark.gpu
 @requires_cuda
