@@ -22,9 +22,13 @@ LOG2E = 1.4426950408889634
 # at batch 1 with a short context every split is a chain of dependent loads (block table, K, V), so more,
 # shorter chains finish sooner. (It was 4: bs1 x 512 then ran 16 programs on 132 SMs.)
 MIN_TILES_PER_SPLIT = 1
-MAX_SPLITS = int(os.environ.get("TANDEM_DECODE_MAX_SPLITS", "64"))  # lower it for tuning runs
-# How many decode programs per SM we aim for (a few waves) before splitting a sequence's KV further.
+MAX_SPLITS = int(os.environ.get("TANDEM_DECODE_MAX_SPLITS", "32"))  # tuning runs may change it
+# How many decode programs per SM one wave of splits aims at before splitting a sequence's KV further.
 PROGRAMS_PER_SM = 4
+# fp32 partial values the split merge loads a round: ~4K (32 registers a thread at 4 warps), or up to ~16K (one
+# round for 32 splits of 4 heads of 128 dims) where the grid fits one wave even at the 3 programs an SM those
+# registers leave room for (168 registers against 120 at 4K for the plain bf16 kernel, from ptxas).
+MERGE_VALUES, MERGE_VALUES_ONE_WAVE = 4096, 16384
 
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -359,11 +363,16 @@ def _merge_splits(ws_o_ptr, ws_lse_ptr, out_ptr, oscale_ptr, b, kvh, seq_len, nu
                  stride_ob, stride_oh, stride_od, KV_HEADS, FP8_OUT, dt)
 
 
-def _merge_tile(group: int, block_d: int, num_splits: int) -> tuple[int, int]:
-    """(MERGE_G, MERGE_S): the merge's [heads, splits] tile, ~4K fp32 partial values (32 registers a thread
-    at 4 warps) a round."""
+def _merge_tile(group: int, block_d: int, num_splits: int, programs: int = 0, num_sms: int = 0) -> tuple[int, int]:
+    """(MERGE_G, MERGE_S): the merge's [heads, splits] tile, MERGE_VALUES fp32 partial values a round, or
+    MERGE_VALUES_ONE_WAVE where the grid's `programs` fit 3 to an SM. Every round is a dependent trip to L2 at
+    the end of the critical path: on an H200 (h200_s17_kernels_merge*.json, batch 1, 8 kv heads, 32 splits)
+    one round instead of four took 2,048 positions from 11.3 to 9.9 us and 8,192 from 20.1 to 18.4; at batch 2-4,
+    whose grids then no longer fit one wave, the larger tile was slower (8,192 positions at batch 4: 54.4
+    against 46.6 us)."""
     merge_g = triton.next_power_of_2(group)
-    merge_s = max(1, min(triton.next_power_of_2(num_splits), 4096 // (merge_g * block_d)))
+    values = MERGE_VALUES_ONE_WAVE if programs and programs <= 3 * num_sms else MERGE_VALUES
+    merge_s = max(1, min(triton.next_power_of_2(num_splits), values // (merge_g * block_d)))
     return merge_g, merge_s
 
 
@@ -418,19 +427,23 @@ def choose_num_splits(
 ) -> int:
     """Splits per sequence from shapes only (CUDA-graph safe); correctness never depends on the value.
 
-    One split once batch x kv heads fill the SMs; below that, batch x kv heads x splits aims at
-    programs_per_sm waves of the SMs, but no split gets fewer than min_tiles_per_split tiles of the static
+    One split once batch x kv heads fill the SMs; below that, batch x kv heads x splits aims at one wave of
+    programs_per_sm programs an SM, but no split gets fewer than min_tiles_per_split tiles of the static
     bound max_seq_len (the device spreads a sequence's actual tiles over the splits, so in a graph captured
-    for max_model_len short contexts leave the last splits empty). TANDEM_DECODE_MAX_SPLITS (read at import)
-    caps it for tuning runs: on an H200, bs1 (7 splits of one tile) ran 1.13x faster than unsplit with no
-    reduce kernel, 1.06x than 2 splits, 1.01x than 4 (benchmarks/results/README.md, eighth session).
+    for max_model_len short contexts leave the last splits empty). MAX_SPLITS caps it (TANDEM_DECODE_MAX_SPLITS,
+    read at import, changes the cap for tuning runs): on an H200, bs1 (7 splits of one tile) ran 1.13x faster
+    than unsplit with no reduce kernel, 1.06x than 2 splits, 1.01x than 4 (benchmarks/results/README.md, eighth
+    session); at batch 1 with 8 kv heads and a static bound of 8,192 positions, 32 splits ran 1,024-8,192
+    positions 0-17% faster than 64 (h200_s17_kernels_maxsplits{32,64}.json: fewer empty programs, a shorter merge).
     """
     programs = max(1, batch * num_kv_heads)
     if programs >= num_sms:
         # A wave of whole sequences already: on an H200 (h200_s5_kernels_sweep.json) batch 32 x 8 kv heads ran
         # fastest unsplit (25.9 us at 512 tokens, 30.6 with the 3 splits of the waves rule below).
         return 1
-    want = triton.cdiv(programs_per_sm * num_sms, programs)
+    # Whole waves only: at batch 8 x 8 kv heads, 9 splits (576 programs, 4 an SM fit 528) ran 8,192 positions in
+    # 89.6 us, 8 splits in 76.5 (h200_s17_kernels_splits_sweep.json).
+    want = max(1, programs_per_sm * num_sms // programs)
     worth = triton.cdiv(triton.cdiv(max(max_seq_len, 1), block_n), max(1, min_tiles_per_split))
     return max(1, min(want, worth, MAX_SPLITS))
 
@@ -549,7 +562,7 @@ def paged_decode_attention(
     use_dot = group > 1
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else 1
     block_d = triton.next_power_of_2(head_dim)
-    merge_g, merge_s = _merge_tile(group, block_d, num_splits)
+    merge_g, merge_s = _merge_tile(group, block_d, num_splits, batch * num_kv_heads * num_splits, num_sms)
 
     ws_o = ws_lse = counts = out  # placeholders, unused when the kernel writes out directly
     if num_splits > 1:

@@ -563,12 +563,29 @@ def test_decode_merge_in_several_rounds():
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+def test_decode_merge_in_one_round_where_the_grid_fits_one_wave():
+    # 4 heads of 128 dims: 32 splits merge in one round when the grid fits 3 programs an SM (batch 1 x 8 kv heads
+    # x 32 splits = 256 on 132 SMs), in rounds of 8 otherwise; 19 used splits of 300 tokens fill part of the round.
+    assert _merge_tile(4, 128, 32, 256, 132) == (4, 32)
+    assert _merge_tile(4, 128, 32, 512, 132) == (4, 8)
+    case = make_case([300, 17], [1, 1], group=4, head_dim=128, block_size=16, dtype=torch.float32, seed=5)
+    m = case.meta
+    assert choose_num_splits(2, NUM_KV_HEADS, 8192, 16, 132) == MAX_SPLITS == 32
+    out = paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
+                                 out=poisoned_like(case.q), num_splits=32, block_n=16)
+    assert_matches(out, dense_reference(case), torch.float32)
+
+
 def test_num_splits_fill_the_gpu_at_batch_one_short_context():
     # bs1 x 512 tokens x 8 kv heads, 64-token tiles: one tile per split, 8 x 8 = 64 programs (was 2 x 8).
     assert choose_num_splits(1, 8, 512, 64, 132) == 8
     # Enough programs already: no split.
     assert choose_num_splits(256, 8, 512, 64, 132) == 1
     assert choose_num_splits(1, 8, 512, 64, 132, min_tiles_per_split=4) == 2
+    # Whole waves of 4 programs an SM: batch 8 x 8 kv heads takes 8 splits (512 programs), not 9 (576).
+    assert choose_num_splits(8, 8, 8192, 64, 132) == 8
+    assert choose_num_splits(4, 8, 8192, 64, 132) == 16
+    assert choose_num_splits(1, 8, 8192, 64, 132) == MAX_SPLITS  # 66 would fit; the merge caps it
 
 
 _COMPILE_PREFILL_SM90 = r"""
