@@ -21,21 +21,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import cuda_setup, graph_us, l2_bytes, write_rows  # noqa: E402
+from bench_gemv import cuda_setup, graph_us, l2_bytes, make_weights, write_rows  # noqa: E402
 
 from tandem.kernels.triton_quant import fp8_w8a8_gated, fp8_w8a8_matmul_quantized, w8a8_tile  # noqa: E402
-from tandem.layers.quantization import quantize_activation_per_token, quantize_weight_fp8  # noqa: E402
+from tandem.layers.quantization import quantize_activation_per_token  # noqa: E402
 
 
-def fp8_copies(n: int, k: int, l2: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def fp8_copies(n: int, k: int, l2: int, device) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Enough FP8 weight copies [n, k] (with channel scales) to overflow L2 four times."""
-    copies = max(2, -(-4 * l2 // (n * k)))
-    out = []
-    for i in range(copies):
-        g = torch.Generator(device=device).manual_seed(i)
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g) * 0.02
-        out.append(quantize_weight_fp8(w))
-    return out
+    return make_weights(n, k, "fp8", max(2, -(-4 * l2 // (n * k))), device)
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from tandem.bench.workloads import WORKLOADS, Workload, make_requests
-from tandem.config import environment
+from tandem.config import KV_CACHE_DTYPES, environment
 
 
 def _device_name(device: str) -> str:
@@ -469,7 +469,7 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
                             "with M > 1 only hf and dp1 run")
     bench.add_argument("--quantization", default=None, choices=["fp8"],
                        help="run tandem with FP8 weights (roofline on FP8 bytes)")
-    bench.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+    bench.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                        help="run tandem with an FP8 KV cache (roofline on its FP8 bytes)")
     bench.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="shard tandem's model over this many GPUs (the tp1 peer runs unsharded)")
