@@ -45,7 +45,8 @@ from tandem.layers.quantization import quantize_activation_per_token, quantize_w
 
 # (name, N, K) of the fused projections.
 SHAPES = {
-    "llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+    "llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+                   ("lm_head", 128256, 4096)],  # lm_head: FP8 only with --quantize-lm-head
     "llama-2-7b": [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096), ("down", 4096, 11008)],
 }
 ROWS = [1, 8, 16, 32, 64, 128]
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--models", default=",".join(SHAPES))
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M to time")
+    parser.add_argument("--projs", default=None, help="comma list of projection names to time (default: all)")
     parser.add_argument("--sweep-rows", default=",".join(map(str, SWEEP_ROWS)), help="row counts M to sweep")
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {PATHS} (bf16 always runs)")
     args = parser.parse_args()
@@ -77,6 +79,8 @@ def main() -> None:
     rows_out = []
     for model in args.models.split(","):
         for name, n, k in SHAPES[model]:
+            if args.projs and name not in args.projs.split(","):
+                continue
             gen = torch.Generator(device=device).manual_seed(1)
             bf16 = bf16_weight_copies(n, k, l2, device)  # overflows L2 (the FP8 copies: half as many bytes)
             fp8 = [quantize_weight_fp8(w) for w in bf16]

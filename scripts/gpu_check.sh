@@ -14,6 +14,7 @@
 #   QUANTIZATION  --quantization for `tandem bench` (fp8; with PEERS=bf16 each workload reports fp8 / bf16)
 #   KV_CACHE_DTYPE  --kv-cache-dtype for `tandem bench` (fp8: an FP8 KV cache; with PEERS=bf16 the ratio is against
 #              bf16 weights and a bf16 cache)
+#   QUANTIZE_LM_HEAD  1: --quantize-lm-head for `tandem bench` (with QUANTIZATION=fp8: the lm_head in FP8 too)
 #   FP8_SWEEP  1: scripts/bench_fp8_linear.py also sweeps tiles and split-K (with QUANTIZATION=fp8)
 #   KERNELS    0: skip scripts/bench_kernels.py (the decode-attention kernel table), bench_gemv.py (the decode GEMV
 #              against cuBLAS / the FP8 tile GEMM at 1, 2, 4 rows) and bench_fp8_linear.py
@@ -146,6 +147,7 @@ bench_stage() {
   [ -n "${PEERS:-}" ] && peers=(--peers "$PEERS")
   [ -n "${QUANTIZATION:-}" ] && peers+=(--quantization "$QUANTIZATION")
   [ -n "${KV_CACHE_DTYPE:-}" ] && peers+=(--kv-cache-dtype "$KV_CACHE_DTYPE")
+  [ "${QUANTIZE_LM_HEAD:-0}" = 1 ] && peers+=(--quantize-lm-head)
   [ -n "${TP:-}" ] && peers+=(--tensor-parallel-size "$TP")
   local w
   for w in ${WORKLOADS//,/ }; do

@@ -38,6 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: FP8 weights with per-channel scales, FP8 matmuls (CUDA, compute capability >= 8.9)")
+    g.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantization fp8: the lm_head in FP8 too (per vocabulary row; off: the model dtype)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="fp8: K and V stored as float8_e4m3fn (scale 1): twice the tokens in the same memory, half "
                         "the bytes a decode step's attention reads; auto: the model dtype")
@@ -53,7 +55,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, overlap=not args.sync,
         cuda_graph=not args.no_cuda_graph, piecewise_max_tokens=args.piecewise_max_tokens, seed=args.seed,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization, quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=getattr(args, "data_parallel_size", 1),  # generate's and serve's own flag
     )

@@ -89,6 +89,9 @@ class EngineConfig:
     piecewise_max_tokens: int | None = None
     seed: int = 0
     quantization: str | None = None  # None | fp8 (weights in float8_e4m3fn, per-output-channel scales)
+    # With quantization fp8: the lm_head (logits projection) in FP8 too, per vocabulary row; off, it keeps the
+    # model dtype, as vLLM's fp8 does. A tied model gets an FP8 copy of its embedding table for the logits.
+    quantize_lm_head: bool = False
     # auto: the KV cache in the model dtype; fp8 (= fp8_e4m3): K and V stored as float8_e4m3fn (scale 1, saturated
     # at +-448), half the bytes of bf16 per token: twice the tokens fit, and decode attention reads half as much.
     kv_cache_dtype: str = "auto"
@@ -101,6 +104,9 @@ class EngineConfig:
         if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):
             # Rowwise-scaled FP8 GEMMs write bfloat16 (the only output type every torch/CUDA combination has).
             raise ValueError(f"quantization fp8 runs with dtype bfloat16 (or auto), got {self.dtype!r}")
+        if self.quantize_lm_head and self.quantization != "fp8":
+            raise ValueError("quantize_lm_head needs quantization fp8 (it puts the lm_head in FP8 beside the other "
+                             "linears)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -153,7 +153,8 @@ def load_hf_peer(w: Workload, dtype: str, device: str) -> Any:
 
 def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | None,
                    quantization: str | None = None, tensor_parallel_size: int = 1,
-                   data_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> dict[str, Any]:
+                   data_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+                   quantize_lm_head: bool = False) -> dict[str, Any]:
     import torch
 
     from tandem import LLM
@@ -163,6 +164,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     dtype = w.dtype if device.startswith("cuda") else "float32"
     result: dict[str, Any] = {"workload": w.name, "what": w.what, "device": _device_name(device), "dtype": dtype,
                               "scale": scale, "date": time.strftime("%Y-%m-%d"), "quantization": quantization,
+                              "quantize_lm_head": quantize_lm_head,
                               "kv_cache_dtype": kv_cache_dtype, "peers": {},
                               "tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size}
     peer_results: dict[str, Any] = {}
@@ -185,7 +187,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     llm_kwargs: dict[str, Any] = dict(dtype=dtype, device=device, max_num_seqs=max(min(w.num_requests, 256), 1),
-                                      quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                                      quantization=quantization, quantize_lm_head=quantize_lm_head,
+                                      kv_cache_dtype=kv_cache_dtype,
                                       tensor_parallel_size=tensor_parallel_size,
                                       data_parallel_size=data_parallel_size)
     if w.model is not None:
@@ -273,7 +276,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-        llm = LLM(**{**llm_kwargs, "quantization": None, "kv_cache_dtype": "auto"})
+        llm = LLM(**{**llm_kwargs, "quantization": None, "quantize_lm_head": False, "kv_cache_dtype": "auto"})
         run_tandem(llm, warm)
         llm.engine.scheduler.reset_prefix_cache()
         r = run_tandem(llm, requests)
@@ -442,7 +445,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             continue
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
         results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.quantization,
-                                      args.tensor_parallel_size, args.data_parallel_size, args.kv_cache_dtype))
+                                      args.tensor_parallel_size, args.data_parallel_size, args.kv_cache_dtype,
+                                      args.quantize_lm_head))
         _print_table(results[-1:])
     _print_table([r for r in results if r["workload"] != "serve"])
     if args.out:
@@ -469,6 +473,8 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
                             "with M > 1 only hf and dp1 run")
     bench.add_argument("--quantization", default=None, choices=["fp8"],
                        help="run tandem with FP8 weights (roofline on FP8 bytes)")
+    bench.add_argument("--quantize-lm-head", action="store_true",
+                       help="with --quantization fp8: the lm_head in FP8 too (the bf16 peer keeps bf16)")
     bench.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                        help="run tandem with an FP8 KV cache (roofline on its FP8 bytes)")
     bench.add_argument("--tensor-parallel-size", type=int, default=1,

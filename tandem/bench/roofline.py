@@ -86,13 +86,15 @@ def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,
     from tandem.layers.quantization import FP8_DTYPE
 
     tp = tensor_parallel_size
-    total, embed, total_bytes, embed_bytes, fp8 = 0, 0, 0, 0, 0
+    total, embed, total_bytes, embed_bytes, fp8, head = 0, 0, 0, 0, 0, 0
     for name, p in model.named_parameters():
         total += p.numel()
         total_bytes += p.numel() * p.element_size()
         if "embed" in name or name.endswith(("wte.weight", "wpe.weight")):
             embed += p.numel()
             embed_bytes += p.numel() * p.element_size()
+        elif name.startswith("lm_head."):
+            head += p.numel()  # its own weight (untied, or a tied model's FP8 copy: quantize_lm_head)
         elif p.dtype == FP8_DTYPE:
             fp8 += p.numel()
     # Per-output-channel scales of FP8 linears are read with their weights.
@@ -100,11 +102,12 @@ def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,
     elem = embed_bytes // max(embed, 1)  # the model dtype: embeddings are never FP8
     kv_elem = elem if kv_cache_dtype is None else kv_cache_dtype.itemsize
     lm_head = -(-mc.vocab_size // tp) * mc.hidden_size
-    indexed_only_bytes = embed_bytes - (lm_head * elem if mc.tie_word_embeddings else 0)
+    # A tied model without a head of its own reads its logits through the embedding table.
+    indexed_only_bytes = embed_bytes - (lm_head * elem if mc.tie_word_embeddings and not head else 0)
     kv_heads = max(mc.num_kv_heads // tp, 1)
     return ModelCost(
         weight_bytes=total_bytes - indexed_only_bytes,
-        body_params=total - embed - (0 if mc.tie_word_embeddings else lm_head),
+        body_params=total - embed - head,
         lm_head_params=lm_head,
         kv_bytes_per_token=2 * mc.num_layers * kv_heads * mc.head_dim * kv_elem,
         attn_flops_per_pair=4 * mc.num_layers * (mc.num_heads // tp) * mc.head_dim,

@@ -281,6 +281,7 @@ def fp8_weight_matmul_triton(
     weight_scale: torch.Tensor,  # [N, 1] fp32
     bias: torch.Tensor | None,  # [N]
     tile: dict[str, int] | None = None,  # overrides BLOCK_N / BLOCK_K / SPLIT_K / num_warps / num_stages
+    out: torch.Tensor | None = None,  # [M, N] in x's dtype, unit inner stride: written in place when given
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """x (W * scale)^T + b for a few rows: reads the FP8 weight once, split over K where N alone is too narrow
     to fill the GPU."""
@@ -288,7 +289,7 @@ def fp8_weight_matmul_triton(
     n = weight.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m == 0:
         return out
     sms = device_sms(x.device)
@@ -518,13 +519,14 @@ def fp8_w8a8_matmul_triton(
     bias: torch.Tensor | None,  # [N]
     tile: dict[str, int] | None = None,  # overrides BLOCK_N / BLOCK_K / SPLIT_K / num_warps / num_stages
     defer: bool = False,  # split over K: may return PartialSums instead of running the reduce
+    out: torch.Tensor | None = None,  # [M, N] in x's dtype, unit inner stride: written in place when given
 ) -> torch.Tensor | PartialSums:  # [M, N] in x's dtype
     """x (W * scale)^T + b for up to a few dozen rows with x quantized per token (as _scaled_mm's path does):
     FP8 x FP8 on the tensor cores, the weight read once, split over K where N alone is too narrow."""
     if x.shape[0] == 0:
-        return torch.empty(0, weight.shape[0], dtype=x.dtype, device=x.device)
+        return torch.empty(0, weight.shape[0], dtype=x.dtype, device=x.device) if out is None else out
     xq, xs = quantize_per_token_triton(x) if x.is_cuda else _quantize_ref(x)
-    return fp8_w8a8_matmul_quantized(xq, xs, weight, weight_scale, bias, x.dtype, tile, defer)
+    return fp8_w8a8_matmul_quantized(xq, xs, weight, weight_scale, bias, x.dtype, tile, defer, out)
 
 
 def fp8_w8a8_matmul_quantized(
@@ -536,12 +538,13 @@ def fp8_w8a8_matmul_quantized(
     out_dtype: torch.dtype,
     tile: dict[str, int] | None = None,
     defer: bool = False,  # split over K: may return PartialSums instead of running the reduce
+    out: torch.Tensor | None = None,  # [M, N] in out_dtype, unit inner stride: written in place when given
 ) -> torch.Tensor | PartialSums:  # [M, N] in out_dtype
     """The W8A8 swap-AB GEMM on rows already quantized per token (by quantize_per_token_triton or by the
     kernel that produced them), or in groups of columns (x_scale [M, G], contiguous: QuantizedRows)."""
     m, k = xq.shape
     n = weight.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device) if out is None else out
     if m == 0:
         return out
     sms = device_sms(xq.device)

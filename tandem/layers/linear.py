@@ -110,14 +110,23 @@ class Embedding(nn.Module):
 
 
 
-def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[n, hidden] x [vocab, hidden]^T -> [n, vocab] in the weight's dtype (bf16 on the GPU: the sampler reads
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                   weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, hidden] x [vocab, hidden]^T -> [n, vocab] in the model dtype (bf16 on the GPU: the sampler reads
     half the bytes, and greedy argmax needs no float32 copy; bf16 -> fp32 is exact where a path needs it).
 
     On the CPU a few rows against a vocabulary-sized weight run ~30% faster as W @ h^T (the long
     vocabulary dimension becomes the GEMM's M); on CUDA cuBLAS picks well either way. `out` ([n, vocab], the
-    weight's dtype) receives the result when given.
+    model dtype) receives the result when given. With weight_scale ([vocab, 1] fp32) the weight is FP8
+    (quantize_lm_head) and the logits come from fp8_linear, as any FP8 projection's output does.
     """
+    if weight_scale is not None:
+        if use_gemv(hidden, weight.shape[1], fp8=True):  # a few rows: the weight-streaming GEMV, as Linear runs
+            from tandem.kernels.triton_gemv import gemv_triton  # lazy: CPU runs never import Triton
+
+            logits = gemv_triton(hidden, weight, weight_scale)
+            return logits if out is None else out.copy_(logits)
+        return fp8_linear(hidden, weight, weight_scale, None, out=out)
     if hidden.device.type == "cpu" and hidden.shape[0] <= 64:
         logits = torch.mm(weight, hidden.t()).t()
         return logits if out is None else out.copy_(logits)

@@ -209,21 +209,35 @@ class VocabParallelEmbedding(Embedding):
 
 
 class ParallelLMHead(Linear):
-    """The untied output projection, vocabulary rows split like VocabParallelEmbedding."""
+    """The untied output projection, vocabulary rows split like VocabParallelEmbedding (in FP8 once
+    quantize_fp8_() ran: quantize_lm_head)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, tp: ParallelConfig) -> None:
         super().__init__(hidden_size, _vocab_rows(vocab_size, tp))
         self.tp = tp
         self.vocab_size = vocab_size
 
+    @classmethod
+    def tied_copy(cls, embedding: VocabParallelEmbedding, vocab_size: int, tp: ParallelConfig) -> ParallelLMHead:
+        """A head over the same rows as a tied embedding table (sharing its storage until quantize_fp8_()
+        replaces the weight by an FP8 copy; the embedding keeps its own for lookups)."""
+        with torch.device("meta"):
+            head = cls(embedding.weight.shape[1], vocab_size, tp)
+        head.weight = torch.nn.Parameter(embedding.weight.data, requires_grad=False)
+        return head
+
     def shard_for_load(self, tensor: torch.Tensor | LazyTensor) -> torch.Tensor:
         return _vocab_shard(tensor, self.vocab_size, self.tp)
 
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return parallel_logits(hidden, self.weight, self.vocab_size, self.tp, out, self.weight_scale)
+
 
 def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: ParallelConfig,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """[n, hidden] against this rank's vocabulary rows, all-gathered: [n, vocab] in the weight's dtype, the same on every rank."""
+                    out: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, hidden] against this rank's vocabulary rows (FP8 with weight_scale), all-gathered: [n, vocab] in the
+    model dtype, the same on every rank."""
     if tp.size == 1:
-        return lm_head_logits(hidden, weight, out)
-    logits = all_gather_last_dim(lm_head_logits(hidden, weight), tp.size)[:, :vocab_size]
+        return lm_head_logits(hidden, weight, out, weight_scale)
+    logits = all_gather_last_dim(lm_head_logits(hidden, weight, weight_scale=weight_scale), tp.size)[:, :vocab_size]
     return logits if out is None else out.copy_(logits)

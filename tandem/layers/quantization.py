@@ -161,6 +161,7 @@ def fp8_linear(
     weight_scale: torch.Tensor,  # [out, 1] fp32
     bias: torch.Tensor | None,  # [out] in x's dtype
     defer_reduce: bool = False,  # a split-K swap-AB GEMM may return PartialSums (2-D x only)
+    out: torch.Tensor | None = None,  # [n, out] in x's dtype (2-D x, unit inner stride): the result goes there
 ) -> torch.Tensor | PartialSums:  # [..., out] in x's dtype
     """x W^T + b with W in FP8. Up to W8A16_MAX_M rows a Triton kernel multiplies the bf16 rows by the widened
     FP8 weight (weight-only: x is not quantized); above, x is quantized per token and both scales (and the
@@ -168,9 +169,9 @@ def fp8_linear(
     scaled torch._scaled_mm above. No host sync and no data-dependent shape, so all capture in CUDA graphs.
     On the CPU it runs the reference (tests; the engine refuses fp8 there)."""
     if isinstance(x, QuantizedRows):
-        return _fp8_linear_quantized(x, weight, weight_scale, bias, defer_reduce)
+        return _given(out, _fp8_linear_quantized(x, weight, weight_scale, bias, defer_reduce))
     if not x.is_cuda:
-        return fp8_linear_reference(x, weight, weight_scale, bias)
+        return _given(out, fp8_linear_reference(x, weight, weight_scale, bias))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
@@ -178,18 +179,24 @@ def fp8_linear(
         from tandem.kernels.triton_quant import fp8_w8a8_matmul_triton, fp8_weight_matmul_triton
 
         if rows <= W8A16_MAX_M:
-            out = fp8_weight_matmul_triton(x2, weight, weight_scale, bias)
+            y = fp8_weight_matmul_triton(x2, weight, weight_scale, bias, out=out)
         else:
-            out = fp8_w8a8_matmul_triton(x2, weight, weight_scale, bias, defer=defer_reduce and x.dim() == 2)
-            if isinstance(out, PartialSums):
-                return out
-        return out.view(*lead, out.shape[-1])
+            y = fp8_w8a8_matmul_triton(x2, weight, weight_scale, bias, defer=defer_reduce and x.dim() == 2,
+                                       out=out)
+            if isinstance(y, PartialSums):
+                return y
+        return y.view(*lead, y.shape[-1])
     xq, x_scale = quantize_activation_per_token(x2)
     # Rowwise scaling: scale_a [M, 1], scale_b [1, N] (fp32, unit inner stride); mat2 column-major [K, N],
     # which W.t() of the row-major [N, K] weight is.
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias,
-                           out_dtype=x.dtype)
-    return out.view(*lead, out.shape[-1])
+    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias,
+                         out_dtype=x.dtype)
+    return _given(out, y.view(*lead, y.shape[-1]))
+
+
+def _given(out: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """y, copied into out when one is given."""
+    return y if out is None else out.copy_(y)
 
 
 def _fp8_linear_quantized(

@@ -149,7 +149,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.model = LlamaModel(config, tp)
-        # Tied models read logits through the embedding table; no separate lm_head parameter exists.
+        # Tied models read logits through the embedding table; no separate lm_head parameter exists (until
+        # quantize_lm_head_fp8_ gives them an FP8 copy).
         self.lm_head = (None if config.tie_word_embeddings
                         else ParallelLMHead(config.hidden_size, config.vocab_size, tp))
 
@@ -170,8 +171,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] in the model dtype (into `out` when given)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp, out)
+        if self.lm_head is not None:
+            return self.lm_head.logits(hidden, out)
+        return parallel_logits(hidden, self.model.embed_tokens.weight, self.config.vocab_size, self.tp, out)
+
+    def quantize_lm_head_fp8_(self) -> bool:
+        """The logits projection in FP8 (per-vocabulary-row scales); a tied model gets an FP8 copy of its
+        embedding table for it. False, and nothing changes, where the shape cannot be FP8."""
+        head = self.lm_head
+        if head is None:
+            head = ParallelLMHead.tied_copy(self.model.embed_tokens, self.config.vocab_size, self.tp)
+        if not head.quantize_fp8_():
+            return False
+        self.lm_head = head
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face (name, tensor or lazy slice) pairs; each rank keeps only its shard."""

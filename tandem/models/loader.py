@@ -122,6 +122,8 @@ def load_model_and_tokenizer(
         model.load_weights(weights)
     if config.quantization == "fp8":
         quantize_linears_fp8(model)
+    if config.quantize_lm_head:
+        quantize_lm_head_fp8(model, model_config)
     tokenizer = _load_tokenizer(config, source) if load_tokenizer else None
     return model.eval(), model_config, tokenizer
 
@@ -147,6 +149,16 @@ def quantize_linears_fp8(model: nn.Module) -> list[str]:
         if isinstance(module, Linear) and name.split(".")[-1] != "lm_head" and not module.quantize_fp8_():
             skipped.append(name)
     return skipped
+
+
+def quantize_lm_head_fp8(model: nn.Module, mc: ModelConfig) -> None:
+    """The logits projection in FP8 too (quantize_lm_head); ValueError where the model or its shape cannot."""
+    quantize = getattr(model, "quantize_lm_head_fp8_", None)
+    if quantize is None:
+        raise ValueError(f"quantize_lm_head is not supported for {mc.architecture} (Llama-family models only)")
+    if not quantize():
+        raise ValueError(f"quantize_lm_head: the lm_head of {mc.vocab_size} x {mc.hidden_size} cannot be FP8 "
+                         "(both dimensions must be multiples of 16)")
 
 
 def _read_config_json(folder: str) -> dict[str, Any]:

@@ -262,12 +262,15 @@ def test_decode_attention_quantizes_o_proj_rows_in_kv_head_groups(arch, checkpoi
 
 
 @pytest.mark.gpu
-def test_fp8_engine_graphs_equal_eager(checkpoint):
+@pytest.mark.parametrize("lm_head", [False, True], ids=["bf16_head", "fp8_head"])
+def test_fp8_engine_graphs_equal_eager(checkpoint, lm_head):
     """Decode graphs replay the eager fp8 step bit for bit when the batch needs no padding (8 equal requests
-    on the size-8 graph), and the engine's tokens track bf16 greedy mostly."""
-    llm = make_llm(checkpoint("llama"), quantization="fp8")
+    on the size-8 graph), and the engine's tokens track bf16 greedy mostly; with the lm_head in FP8 too
+    (quantize_lm_head), whose GEMM writes the graphs' static logits rows."""
+    llm = make_llm(checkpoint("llama"), quantization="fp8", quantize_lm_head=lm_head)
     runner = llm.engine.runner
     assert runner.graphs is not None
+    assert (runner.model.lm_head.weight.dtype == FP8_DTYPE) == lm_head
     rng = random.Random(5)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(4, 30))] for _ in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
@@ -295,15 +298,15 @@ def test_fp8_engine_graphs_equal_eager(checkpoint):
 
 @pytest.mark.gpu
 def test_smollm2_fp8_vs_bf16_report():
-    """FP8 weights, an FP8 KV cache, and both, each against bf16 weights and cache (the top-level figures are
-    FP8 weights'; "variants" holds all three)."""
+    """FP8 weights, an FP8 KV cache, both, and FP8 weights with the (tied) lm_head in FP8 too, each against
+    bf16 weights and cache (the top-level figures are FP8 weights'; "variants" holds all four)."""
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     convs = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
-    variants = {"bf16": (None, "auto"), "fp8": ("fp8", "auto"), "fp8 kv cache": (None, "fp8"),
-                "fp8 + fp8 kv cache": ("fp8", "fp8")}
+    variants = {"bf16": (None, "auto", False), "fp8": ("fp8", "auto", False), "fp8 kv cache": (None, "fp8", False),
+                "fp8 + fp8 kv cache": ("fp8", "fp8", False), "fp8 + fp8 lm_head": ("fp8", "auto", True)}
     runs, models = {}, {}
-    for name, (quant, kv) in variants.items():
-        llm = make_llm(None, quantization=quant, kv_cache_dtype=kv, max_num_seqs=16)
+    for name, (quant, kv, head) in variants.items():
+        llm = make_llm(None, quantization=quant, kv_cache_dtype=kv, quantize_lm_head=head, max_num_seqs=16)
         runs[name] = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in llm.chat(convs, params, use_tqdm=False)]
         models[name] = (llm.engine.runner.model, llm.engine.model_config, llm.engine.runner.kv_cache.dtype)
         del llm
@@ -339,6 +342,12 @@ def test_smollm2_fp8_vs_bf16_report():
         with open(os.environ["TANDEM_FP8_REPORT"], "w") as f:
             json.dump(report, f, indent=2)
     for name, s in stats.items():
+        if name == "fp8 + fp8 lm_head":
+            # The head's rounding adds to the body's (H200: agreement 0.22, mean |dlogprob| 0.146 against FP8
+            # weights' 0.256 and 0.105); a head with wrong rows or scales would be off by nats, not tenths.
+            assert s["greedy_token_agreement"] > 0.15, name
+            assert s["mean_abs_logprob_diff"] < 2 * stats["fp8"]["mean_abs_logprob_diff"], name
+            continue
         assert s["greedy_token_agreement"] > 0.25, name
         assert s["agreeing_prefix_fraction"] > 0.2, name
         assert s["mean_abs_logprob_diff"] < 0.5, name

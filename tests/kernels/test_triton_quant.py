@@ -82,6 +82,8 @@ def test_small_m_fp8_matmuls_match_reference(m, n, k, bias, split_k, w8a8):
         tile["BLOCK_K"] = 256 if k >= 512 else 128
     out = fn(x, q, scale, b, tile)
     assert torch.equal(out, fn(x, q, scale, b, tile))  # fixed summation order
+    given = torch.full_like(out, float("nan"))
+    assert fn(x, q, scale, b, tile, out=given) is given and torch.equal(given, out)  # written in place
     ref = fp8_linear_reference(x, q, scale, b, quantize_activations=w8a8)
     assert out.shape == (m, n) and out.dtype == dtype
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)

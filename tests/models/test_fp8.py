@@ -259,3 +259,57 @@ def test_roofline_counts_fp8_bytes(checkpoints):
     assert full.weight_bytes - fp8.weight_bytes == 3 * linear - 4 * rows
     assert fp8.kv_bytes_per_token == full.kv_bytes_per_token and fp8.body_params == full.body_params
     assert fp8.fp8_body_params == linear and full.fp8_body_params == 0
+
+
+@pytest.fixture(scope="module")
+def tied_checkpoint(tmp_path_factory) -> str:
+    """A tiny Llama whose logits read the embedding table (tie_word_embeddings), in fp32."""
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SMALL, "tie_word_embeddings": True}))
+    folder = tmp_path_factory.mktemp("tied")
+    model.float().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_quantize_lm_head(checkpoints, tied_checkpoint, tied):
+    """quantize_lm_head puts the logits projection in FP8 (per vocabulary row) beside the other linears; a tied
+    model gets an FP8 copy for its logits while its embedding lookups keep the model dtype. Logits stay within
+    the whole-model FP8 bound of full precision, and the roofline reads the head's FP8 bytes."""
+    folder = tied_checkpoint if tied else checkpoints["per_channel"][1]
+    full, mc, _ = load_model_and_tokenizer(EngineConfig(model=folder, device="cpu"), "cpu", torch.float32)
+    body = load(folder, quantization="fp8")
+    config = EngineConfig(model=folder, device="cpu", quantization="fp8", quantize_lm_head=True)
+    model = load_model_and_tokenizer(config, "cpu", torch.float32)[0]
+    assert mc.tie_word_embeddings == tied
+    assert model.lm_head.weight.dtype == FP8_DTYPE and model.lm_head.weight_scale.shape == (SMALL["vocab_size"], 1)
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(model.model.embed_tokens.weight, full.model.embed_tokens.weight)
+    head = full.lm_head.weight if not tied else full.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight.view(torch.uint8), quantize_weight_fp8(head)[0].view(torch.uint8))
+    prompt = list(range(3, 40))
+    ref, got = prefill_logits(full, mc, prompt), prefill_logits(model, mc, prompt)
+    assert not torch.equal(got, prefill_logits(body, mc, prompt))  # the head's rounding shows
+    assert rel_l2(got, ref) < LOGITS_REL_L2
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+    vocab, hidden = SMALL["vocab_size"], SMALL["hidden_size"]
+    with_head, without = model_cost(model, mc), model_cost(body, mc)
+    # fp32 head (4 bytes an element) -> FP8 (1 byte) + one fp32 scale a vocabulary row
+    assert without.weight_bytes - with_head.weight_bytes == 3 * vocab * hidden - 4 * vocab
+    assert with_head.body_params == without.body_params and with_head.fp8_body_params == without.fp8_body_params
+
+
+def test_quantize_lm_head_errors():
+    from tandem.cli import add_engine_args, engine_kwargs
+
+    with pytest.raises(ValueError, match="quantize_lm_head needs quantization fp8"):
+        EngineConfig(quantize_lm_head=True)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args(["--quantization", "fp8", "--quantize-lm-head"]))["quantize_lm_head"]
+    assert not engine_kwargs(parser.parse_args([]))["quantize_lm_head"]
+    with pytest.raises(ValueError, match="quantize_lm_head is not supported for gpt2"):
+        load_model_and_tokenizer(EngineConfig(model="gpt2", load_format="dummy", device="cpu", quantization="fp8",
+                                              quantize_lm_head=True), "cpu", torch.float32)
