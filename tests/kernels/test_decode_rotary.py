@@ -55,8 +55,9 @@ def split_qkv(qkv, st):
     return q, k, v
 
 
-def run_both(st, *, norm, num_splits, order=None):
-    """(fused output, fused cache, unfused output, unfused cache, raw qkv after the fused call)."""
+def run_both(st, *, norm, num_splits, order=None, one_tile_max=None):
+    """(fused output, fused cache, unfused output, unfused cache, raw qkv after the fused call); one_tile_max for
+    the fused call only."""
     weights = (st["q_w"], st["k_w"]) if norm else (None, None)
     scale = st["head_dim"] ** -0.5
     kv_ref = st["kv"].clone()
@@ -71,7 +72,7 @@ def run_both(st, *, norm, num_splits, order=None):
     new = NewTokens(k, v, st["cos"], st["sin"], st["slots"], *weights, eps=1e-6)
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, kv[0], kv[1], st["tables"], st["seq_lens"], scale, out, num_splits=num_splits,
-                           order=order, new_tokens=new)
+                           order=order, new_tokens=new, one_tile_max=one_tile_max)
     return out, kv, ref, kv_ref, qkv
 
 
@@ -91,6 +92,17 @@ def test_fused_rotary_decode_equals_rotary_then_decode(dtype, norm, group, head_
     torch.testing.assert_close(kv, kv_ref, **(TOL[dtype] if norm else dict(atol=0, rtol=0)))
     assert torch.equal(qkv, st["qkv"])  # the raw projections are left as they were
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[6], torch.zeros_like(out[6]))
+
+
+@pytest.mark.parametrize("one_tile_max", [0, 1])
+def test_fused_rotary_decode_with_two_tile_shares(one_tile_max):
+    # The new token lands in whichever share holds the last position, also when sequences past one_tile_max tiles
+    # take two tiles a share and leave the trailing splits empty (64-position fp32 tiles: 129 tokens, 2 shares).
+    st = make_step([17, 0, 1, 70, 33, 5, 129], group=4, head_dim=64, page=16, dtype=torch.float32)
+    out, kv, ref, kv_ref, _ = run_both(st, norm=True, num_splits=16, one_tile_max=one_tile_max)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    torch.testing.assert_close(kv, kv_ref, **TOL[torch.float32])
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
 def test_fused_rotary_decode_program_order_changes_no_result():
