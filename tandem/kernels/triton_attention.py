@@ -134,7 +134,7 @@ def _store_heads(out_ptr, oscale_ptr, b, kvh, heads, offs_d, o, mask, stride_ob,
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, order_ptr, out_ptr, oscale_ptr, ws_o_ptr, ws_lse_ptr, counts_ptr,
     new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, eps,
-    qk_scale, num_splits, one_tile_max,
+    qk_scale, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_b, stride_s, stride_h, stride_d,  # shared by k_cache and v_cache
     stride_btb,
@@ -145,6 +145,7 @@ def _decode_split_kernel(
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
     KV_HEADS: tl.constexpr, HAS_ORDER: tl.constexpr, ROTARY: tl.constexpr, HAS_NORM: tl.constexpr,
     LINES: tl.constexpr, FP8_OUT: tl.constexpr, KV_FP8: tl.constexpr, KV_DT: tl.constexpr,
+    ONE_TILE_PROGRAMS: tl.constexpr,
 ):
     # Program (slot i x kv head, split): all GROUP query heads of one kv head of sequence b over one contiguous
     # share of its KV tiles. The share is computed from seq_len on the device, so every split gets work
@@ -178,6 +179,9 @@ def _decode_split_kernel(
 
     seq_len = tl.load(seq_lens_ptr + b)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    # A constexpr budget over the grid's rows (batch x kv heads), not a per-batch argument: one compiled kernel
+    # serves every batch size (an int argument would be specialized on its value: new compiles mid-run).
+    one_tile_max = ONE_TILE_PROGRAMS // tl.num_programs(0)
     tiles_per_split = _split_tiles(num_tiles, num_splits, one_tile_max)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
@@ -313,15 +317,16 @@ def _decode_split_kernel(
         if arrived == _used_splits(seq_len, num_splits, one_tile_max, BLOCK_N) - 1:
             tl.store(count_ptr, 0)
             _merge_splits(ws_o_ptr, ws_lse_ptr, out_ptr, oscale_ptr, b, kvh, seq_len, num_splits, one_tile_max,
-                          num_heads, stride_ob, stride_oh, stride_od, GROUP, HEAD_DIM, BLOCK_D, MERGE_G, MERGE_S, BLOCK_N,
+                          num_heads, stride_ob, stride_oh, stride_od, GROUP, HEAD_DIM, BLOCK_D, MERGE_G, MERGE_S,
+                          BLOCK_N,
                           KV_HEADS, FP8_OUT, q_ptr.dtype.element_ty)
 
 
 @triton.jit
 def _split_tiles(num_tiles, num_splits, one_tile_max):
     """KV tiles in each split's share: the sequence's tiles spread evenly over the splits, but two or more once it
-    has more than one_tile_max tiles (decode_one_tile_max: past that, one-tile shares would be more programs
-    than the SMs run well at once), the last splits then left empty."""
+    has more than one_tile_max tiles (past that, one-tile shares would be more programs than the SMs run well at
+    once: decode_one_tile_programs), the last splits then left empty."""
     tiles = tl.maximum(tl.cdiv(num_tiles, num_splits), 1)
     return tl.where(num_tiles > one_tile_max, tl.maximum(tiles, 2), tiles)
 
@@ -388,7 +393,7 @@ def _merge_tile(group: int, block_d: int, num_splits: int, programs: int = 0, nu
 # decode_block_n fit them on an H200: 3 (one K and one V tile in shared memory, 74 KiB at head_dim 128) and 4
 # (registers).
 DECODE_PROGRAMS_PER_SM = (3, 4)
-# One-tile split programs an SM past which each split takes two tiles (decode_one_tile_max).
+# One-tile split programs an SM past which each split takes two tiles (decode_one_tile_programs).
 ONE_TILE_PROGRAMS_PER_SM = 2
 
 
@@ -458,16 +463,17 @@ def choose_num_splits(
     return max(1, min(want, worth, MAX_SPLITS))
 
 
-def decode_one_tile_max(batch: int, num_kv_heads: int, num_sms: int) -> int:
-    """The most KV tiles a sequence may have and still be split into one-tile shares; the device takes two tiles
-    a share past it. ONE_TILE_PROGRAMS_PER_SM one-tile programs an SM (TANDEM_DECODE_ONE_TILE_PER_SM=N, read per
-    call; a CUDA graph keeps what its capture chose). On an H200 (h200_s18_kernels_one_tile_*.json, 8 kv heads,
-    static bound 8,192) two-tile shares took batch 2 at 2,048 positions from 15.4 to 13.7 us (512 one-tile
-    programs against 256 of two), batch 4 at 1,024 from 14.2 to 13.2 and batch 8 at 512 from 13.6 to 13.1, but
-    slowed every point with at most 256 one-tile programs (batch 1 at 1,024 8.3 -> 9.6 us, bs1 284 -> 273 tok/s)."""
+def decode_one_tile_programs(num_sms: int) -> int:
+    """One-tile split programs the GPU takes at once: a sequence whose tiles times batch x kv heads exceed it is
+    split into shares of two tiles or more (decided on the device from seq_len). ONE_TILE_PROGRAMS_PER_SM an SM
+    (TANDEM_DECODE_ONE_TILE_PER_SM=N, read per call; a CUDA graph keeps what its capture chose). On an H200
+    (h200_s18_kernels_*.json, 8 kv heads, static bound 8,192) two-tile shares everywhere took batch 2 at 2,048
+    positions from 15.4 to 13.7 us (512 one-tile programs against 256 of two), batch 4 at 1,024 from 14.2 to 13.2
+    and batch 8 at 512 from 13.6 to 13.1, but slowed the points with at most 256 one-tile programs (batch 1 at
+    1,024 from 8.3 to 9.6 us, bs1 from 284 to 273 tok/s); this budget keeps those at one tile a share."""
     override = os.environ.get("TANDEM_DECODE_ONE_TILE_PER_SM")
     per_sm = int(override) if override else ONE_TILE_PROGRAMS_PER_SM
-    return per_sm * num_sms // max(1, batch * num_kv_heads)
+    return max(0, per_sm) * num_sms
 
 
 def decode_workspace_numel(batch: int, num_heads: int, head_dim: int, num_splits: int) -> int:
@@ -538,7 +544,7 @@ def paged_decode_attention(
     order: torch.Tensor | None = None,  # [B] int32: a permutation of the rows, the order programs start in
     new_tokens: NewTokens | None = None,
     out_scale: torch.Tensor | None = None,  # [B, num_kv_heads] fp32: out is float8_e4m3fn, quantized in groups
-    one_tile_max: int | None = None,  # one-tile shares up to this many tiles a sequence (decode_one_tile_max)
+    one_tile_programs: int | None = None,  # one-tile split programs at most (decode_one_tile_programs)
 ) -> torch.Tensor:
     """One query token per sequence attending to its whole context (split-KV flash decoding), in one kernel:
     with several splits per sequence the last split to finish merges the partials.
@@ -582,8 +588,8 @@ def paged_decode_attention(
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, block_n, num_sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if one_tile_max is None:
-        one_tile_max = decode_one_tile_max(batch, num_kv_heads, num_sms)
+    if one_tile_programs is None:
+        one_tile_programs = decode_one_tile_programs(num_sms)
     use_dot = group > 1
     block_g = max(16, triton.next_power_of_2(group)) if use_dot else 1
     block_d = triton.next_power_of_2(head_dim)
@@ -614,14 +620,14 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, order if order is not None else seq_lens, out,
         out_scale if out_scale is not None else seq_lens, ws_o, ws_lse,
         counts, nk, nv, cos, sin, qw, kw, slots, eps,
-        scale * LOG2E, num_splits, max(0, min(one_tile_max, 2**30)),
+        scale * LOG2E, num_splits,
         *q.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(), *rot_strides,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_N=block_n,
         MERGE_G=merge_g, MERGE_S=merge_s, USE_DOT=use_dot, DOT_PRECISION=_dot_precision(compute_dtype(q, k_cache)),
         DIRECT_OUT=num_splits == 1, USE_PDL=pdl, KV_HEADS=num_kv_heads, HAS_ORDER=order is not None,
         ROTARY=rot is not None, HAS_NORM=rot is not None and new_tokens.q_norm_weight is not None,  # type: ignore[union-attr]
         LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)), FP8_OUT=out_scale is not None,
-        KV_FP8=kv_fp8, KV_DT=fp8_cache_dot_dtype(q.dtype),
+        KV_FP8=kv_fp8, KV_DT=fp8_cache_dot_dtype(q.dtype), ONE_TILE_PROGRAMS=min(max(0, one_tile_programs), 2**30),
         num_warps=num_warps or 4, num_stages=num_stages or _decode_stages(use_dot, kv_fp8, num_splits),
         launch_pdl=bool(pdl),
     )

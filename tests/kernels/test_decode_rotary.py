@@ -55,9 +55,9 @@ def split_qkv(qkv, st):
     return q, k, v
 
 
-def run_both(st, *, norm, num_splits, order=None, one_tile_max=None):
-    """(fused output, fused cache, unfused output, unfused cache, raw qkv after the fused call); one_tile_max for
-    the fused call only."""
+def run_both(st, *, norm, num_splits, order=None, one_tile_programs=None):
+    """(fused output, fused cache, unfused output, unfused cache, raw qkv after the fused call); one_tile_programs
+    for the fused call only."""
     weights = (st["q_w"], st["k_w"]) if norm else (None, None)
     scale = st["head_dim"] ** -0.5
     kv_ref = st["kv"].clone()
@@ -72,7 +72,7 @@ def run_both(st, *, norm, num_splits, order=None, one_tile_max=None):
     new = NewTokens(k, v, st["cos"], st["sin"], st["slots"], *weights, eps=1e-6)
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, kv[0], kv[1], st["tables"], st["seq_lens"], scale, out, num_splits=num_splits,
-                           order=order, new_tokens=new, one_tile_max=one_tile_max)
+                           order=order, new_tokens=new, one_tile_programs=one_tile_programs)
     return out, kv, ref, kv_ref, qkv
 
 
@@ -94,12 +94,13 @@ def test_fused_rotary_decode_equals_rotary_then_decode(dtype, norm, group, head_
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[6], torch.zeros_like(out[6]))
 
 
-@pytest.mark.parametrize("one_tile_max", [0, 1])
-def test_fused_rotary_decode_with_two_tile_shares(one_tile_max):
-    # The new token lands in whichever share holds the last position, also when sequences past one_tile_max tiles
-    # take two tiles a share and leave the trailing splits empty (64-position fp32 tiles: 129 tokens, 2 shares).
+@pytest.mark.parametrize("one_tile_programs", [0, 28])
+def test_fused_rotary_decode_with_two_tile_shares(one_tile_programs):
+    # The new token lands in whichever share holds the last position, also when a sequence takes two tiles a share
+    # and leaves the trailing splits empty: every sequence at 0, at 28 (over 7 rows x 2 kv heads: more than 2
+    # tiles) the 129 tokens' 3 tiles of 64 (fp32), in 2 shares.
     st = make_step([17, 0, 1, 70, 33, 5, 129], group=4, head_dim=64, page=16, dtype=torch.float32)
-    out, kv, ref, kv_ref, _ = run_both(st, norm=True, num_splits=16, one_tile_max=one_tile_max)
+    out, kv, ref, kv_ref, _ = run_both(st, norm=True, num_splits=16, one_tile_programs=one_tile_programs)
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
     torch.testing.assert_close(kv, kv_ref, **TOL[torch.float32])
     assert torch.equal(out[1], torch.zeros_like(out[1]))
@@ -174,7 +175,7 @@ for group, block_n, stages, rotary, direct, fp8, kv8 in (
     consts = dict(GROUP=group, BLOCK_G=1 if group == 1 else 16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=block_n,
                   MERGE_G=merge_g, MERGE_S=merge_s, USE_DOT=group > 1, DOT_PRECISION="tf32", DIRECT_OUT=direct,
                   USE_PDL=2, KV_HEADS=8, HAS_ORDER=True, ROTARY=rotary, HAS_NORM=rotary and group == 4, LINES=2,
-                  FP8_OUT=fp8, KV_FP8=kv8, KV_DT=tl.float16, **{u: 1 for u in unit})
+                  FP8_OUT=fp8, KV_FP8=kv8, KV_DT=tl.float16, ONE_TILE_PROGRAMS=264, **{u: 1 for u in unit})
     types = {**ptr_types, "out_ptr": "*fp8e4nv" if fp8 else "*bf16"}
     if kv8:
         types.update(k_ptr="*fp8e4nv", v_ptr="*fp8e4nv")

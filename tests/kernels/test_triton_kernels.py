@@ -535,18 +535,18 @@ def test_gpu_decode_cuda_graph_replay_matches_eager():
 
 @pytest.mark.parametrize("num_splits", [2, 5, 16, 64])
 @pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("one_tile_max", [1 << 20, 2])
-def test_decode_many_splits_odd_lengths_and_padding_rows(num_splits, group, one_tile_max):
-    # More splits than tiles (most empty), odd context lengths, and seq_len 0 rows that must read exactly 0; with
-    # one_tile_max 2 a sequence of 3+ tiles takes at least 2 tiles a share (129 tokens: 9 tiles, 5 shares at 16
-    # splits), the trailing splits empty.
+@pytest.mark.parametrize("one_tile_programs", [1 << 20, 42, 0])
+def test_decode_many_splits_odd_lengths_and_padding_rows(num_splits, group, one_tile_programs):
+    # More splits than tiles (most empty), odd context lengths, and seq_len 0 rows that must read exactly 0. Past
+    # one_tile_programs (over 7 rows x 2 kv heads) a sequence takes two tiles a share or more, its trailing splits
+    # empty: at 42 the sequences of over 3 tiles (63 and 129 tokens: 4 and 9 tiles of 16), at 0 every one.
     seq_lens = [0, 1, 17, 63, 0, 129, 3]
     case = make_case(seq_lens, [1] * len(seq_lens), group=group, head_dim=32, block_size=16, dtype=torch.float32,
                      seed=num_splits + group)
     m = case.meta
     out = paged_decode_attention(case.q, case.k_cache, case.v_cache, m.block_tables, m.seq_lens, case.scale,
                                  out=poisoned_like(case.q), num_splits=num_splits, block_n=16,
-                                 one_tile_max=one_tile_max)
+                                 one_tile_programs=one_tile_programs)
     assert_matches(out, dense_reference(case), torch.float32)
     for i, n in enumerate(seq_lens):
         if n == 0:
