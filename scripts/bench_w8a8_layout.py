@@ -11,10 +11,13 @@ stream: e4m3 weight tile x e4m3 rows on the tensor cores, fp32 partial sums out)
   - `blocked`: pointer loads from a copy laid out tile by tile ([N / BLOCK_N, K / BLOCK_K, BLOCK_N, BLOCK_K]),
     so that every tile is one contiguous run of memory,
   - `tma`: a host-made tensor descriptor over the [N, K] weight (the Hopper tensor memory accelerator),
-and beside them a plain read of the same bytes (`read`: each program sums a contiguous share, no MMA) and the
-engine's own kernel (`engine`: fp8_w8a8_matmul_quantized at its default tile). Every figure is GPU time per call
-from CUDA-graph replays over enough weight copies to overflow L2 four times, and the fraction of a
-device-to-device copy's bandwidth that streaming the weight bytes in that time reaches.
+and beside them a plain read of the same bytes (`read`: each program xors a contiguous share, no MMA), the
+engine's own kernel (`engine`: fp8_w8a8_matmul_quantized at its default tile), with --bf16 the engine's 16-bit
+swap-AB GEMM on a bf16 copy (`engine_bf16`, twice the bytes), and with --persistent-per-sm a persistent
+variant (`persistent`: a fixed grid of programs an SM, each a contiguous run of N tiles over all of K, with
+and without Triton's flattened pipeline across the tiles). Every figure is GPU time per call from CUDA-graph
+replays over enough weight copies to overflow L2 four times, and the fraction of a device-to-device copy's
+bandwidth that streaming the weight bytes in that time reaches.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gemv import SHAPES, cuda_setup, graph_us, l2_bytes, make_weights, write_rows  # noqa: E402
 
-from tandem.kernels.triton_quant import fp8_w8a8_matmul_quantized  # noqa: E402
+from tandem.kernels.triton_quant import fp8_w8a8_matmul_quantized, skinny_matmul_triton  # noqa: E402
 from tandem.layers.quantization import quantize_activation_per_token  # noqa: E402
 
 LAYOUTS = {"rowmajor": 0, "blocked": 1, "tma": 2}
@@ -77,6 +80,35 @@ def _probe_kernel(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, ws_ptr, M, N, K, K_SPLIT,
 
 
 @triton.jit
+def _persistent_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_TILES: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
+                       STAGES: tl.constexpr):
+    # Program = a contiguous run of N tiles (tiles * pid / programs ..), each over all of K, in one pipelined
+    # loop nest (FLATTEN: the K loops of consecutive tiles pipelined as one, so no refill between tiles).
+    # The rows are the MMA's M (padded to BLOCK_M), the weight tile its N: out[m, n] = sum_k x[m, k] w[n, k].
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    tiles = N // BLOCK_N
+    t_lo = pid * tiles // programs
+    t_hi = (pid + 1) * tiles // programs
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+    for t in tl.range(t_lo, t_hi, flatten=FLATTEN, num_stages=STAGES):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in tl.range(0, K_TILES, num_stages=STAGES):
+            x = tl.load(x_ptr + offs_m[:, None] * K + (kk * BLOCK_K + offs_k)[None, :], mask=m_mask[:, None],
+                        other=0.0)
+            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + (kk * BLOCK_K + offs_k)[None, :])
+            acc = tl.dot(x, tl.trans(w), acc)
+        acc = acc * xs[:, None] * tl.load(s_ptr + offs_n)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None])
+
+
+@triton.jit
 def _read_kernel(w_ptr, out_ptr, chunk, total, BLOCK: tl.constexpr):
     # Program = one contiguous share of `chunk` int32 words: their xor, so no load is elided.
     begin = tl.program_id(0).to(tl.int64) * chunk
@@ -109,8 +141,20 @@ def probe_calls(layout: str, weights, xq, xs, tile: dict, ws: torch.Tensor) -> l
         def call(src=src, desc=desc, s=s, n=n, k_split=k_split, grid=grid):
             _probe_kernel[grid](xq, xs, src, desc, s, ws, m, n, k, k_split, LAYOUT=LAYOUTS[layout],
                                 BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk,
-                                num_warps=4, num_stages=tile["num_stages"])
+                                num_warps=tile.get("num_warps", 4), num_stages=tile["num_stages"])
         calls.append(call)
+    return calls
+
+
+def persistent_calls(weights, xq, xs, tile: dict, out: torch.Tensor, programs: int) -> list:
+    m, k = xq.shape
+    calls = []
+    for w, s in weights:
+        n = w.shape[0]
+        calls.append(lambda w=w, s=s, n=n: _persistent_kernel[(programs,)](
+            xq, xs, w, s, out, m, n, k, K_TILES=k // tile["BLOCK_K"], BLOCK_M=64, BLOCK_N=tile["BLOCK_N"],
+            BLOCK_K=tile["BLOCK_K"], FLATTEN=bool(tile["flatten"]), STAGES=tile["num_stages"],
+            num_warps=tile.get("num_warps", 4)))
     return calls
 
 
@@ -134,6 +178,13 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[4, 6])
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--block-n", type=int, nargs="+", default=[64])
+    parser.add_argument("--warps", type=int, nargs="+", default=[4])
+    parser.add_argument("--projs", default="", help="comma list of projections (default: all)")
+    parser.add_argument("--bf16", action="store_true", help="also time the engine's bf16 swap-AB GEMM")
+    parser.add_argument("--persistent-per-sm", type=int, nargs="*", default=[],
+                        help="also time a persistent kernel with this many programs an SM (each a run of N tiles)")
+    parser.add_argument("--read-per-sm", type=int, nargs="+", default=[1, 2, 4, 8])
     args = parser.parse_args()
     device, props, copy_gbs = cuda_setup()
     sms, l2 = props.multi_processor_count, l2_bytes(props)
@@ -141,6 +192,8 @@ def main() -> None:
     rows = []
     for model in args.models.split(","):
         for name, n, k, _gated in SHAPES[model]:
+            if args.projs and name not in args.projs.split(","):
+                continue
             weights = make_weights(n, k, "fp8", max(2, -(-4 * l2 // (n * k))), device)
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             xq, xs = quantize_activation_per_token(x)
@@ -156,19 +209,39 @@ def main() -> None:
             xs2 = xs.view(-1, 1)
             record("engine", graph_us([lambda w=w, s=s: fp8_w8a8_matmul_quantized(xq, xs2, w, s, None, torch.bfloat16)
                                        for w, s in weights]))
-            out = torch.empty(8 * sms, dtype=torch.int32, device=device)
-            for per_sm in (1, 2, 4, 8):
+            if args.bf16:  # the engine's 16-bit decode GEMM on the same shape (twice the bytes)
+                w16 = make_weights(n, k, "bf16", max(2, -(-4 * l2 // (2 * n * k))), device)
+                us = graph_us([lambda w=w: skinny_matmul_triton(x, w, None) for w, _ in w16])
+                rows.append({"model": model, "proj": name, "n": n, "k": k, "rows": m, "kind": "engine_bf16",
+                             "us": round(us, 2), "copy_fraction": round(2 * n * k / (us * 1e-6) / 1e9 / copy_gbs, 4)})
+                print(rows[-1], flush=True)
+                del w16
+            out = torch.empty(max(args.read_per_sm) * sms, dtype=torch.int32, device=device)
+            for per_sm in args.read_per_sm:
                 record("read", graph_us(read_calls(weights, per_sm * sms, out)), programs=per_sm * sms)
-            for layout, bk, stages, split in itertools.product(args.layouts, args.block_k, args.stages, args.splits):
-                if k % bk or (k // bk) % split:
+            for layout, bn, bk, warps, stages, split in itertools.product(
+                    args.layouts, args.block_n, args.block_k, args.warps, args.stages, args.splits):
+                if k % bk or (k // bk) % split or n % bn:
                     continue
-                tile = {"BLOCK_N": 64, "BLOCK_K": bk, "num_stages": stages, "SPLIT_K": split}
+                tile = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "SPLIT_K": split}
                 try:
                     us = graph_us(probe_calls(layout, weights, xq, xs, tile, ws))
                 except Exception as exc:  # noqa: BLE001  out of shared memory etc.
                     print(f"{name} {layout} {tile}: {exc!r}"[:300], flush=True)
                     continue
-                record(layout, us, programs=(n // 64) * split, **tile)
+                record(layout, us, programs=(n // bn) * split, **tile)
+            out16 = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+            for per_sm, bn, bk, stages, flatten in itertools.product(args.persistent_per_sm, args.block_n,
+                                                                     args.block_k, args.stages, (0, 1)):
+                if k % bk or n % bn:
+                    continue
+                tile = {"BLOCK_N": bn, "BLOCK_K": bk, "num_stages": stages, "flatten": flatten}
+                try:
+                    us = graph_us(persistent_calls(weights, xq, xs, tile, out16, per_sm * sms))
+                except Exception as exc:  # noqa: BLE001  out of shared memory etc.
+                    print(f"{name} persistent {tile}: {exc!r}"[:300], flush=True)
+                    continue
+                record("persistent", us, programs=per_sm * sms, **tile)
             del weights
             torch.cuda.empty_cache()
     if args.out:
