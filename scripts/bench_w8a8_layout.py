@@ -34,7 +34,8 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import SHAPES, cuda_setup, graph_us, l2_bytes, make_weights, write_rows  # noqa: E402
+from bench_fp8_waves import fp8_copies  # noqa: E402
+from bench_gemv import SHAPES, bf16_weight_copies, cuda_setup, graph_us, l2_bytes, write_rows  # noqa: E402
 
 from tandem.kernels.triton_quant import fp8_w8a8_matmul_quantized, skinny_matmul_triton  # noqa: E402
 from tandem.layers.quantization import quantize_activation_per_token  # noqa: E402
@@ -169,6 +170,16 @@ def read_calls(weights, programs: int, out: torch.Tensor) -> list:
     return calls
 
 
+def time_or_none(what: str, make_calls) -> float | None:
+    """GPU us per call of the calls make_calls() returns; None (and a line saying why) for a configuration that
+    does not compile (out of shared memory etc.)."""
+    try:
+        return graph_us(make_calls())
+    except Exception as exc:  # noqa: BLE001
+        print(f"{what}: {exc!r}"[:300], flush=True)
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
@@ -194,27 +205,27 @@ def main() -> None:
         for name, n, k, _gated in SHAPES[model]:
             if args.projs and name not in args.projs.split(","):
                 continue
-            weights = make_weights(n, k, "fp8", max(2, -(-4 * l2 // (n * k))), device)
+            weights = fp8_copies(n, k, l2, device)
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             xq, xs = quantize_activation_per_token(x)
             xs = xs.reshape(-1).contiguous()
             ws = torch.empty(max(args.splits) * m * n, dtype=torch.float32, device=device)
-            frac = lambda us, n=n, k=k: round(n * k / (us * 1e-6) / 1e9 / copy_gbs, 4)  # noqa: E731
 
-            def record(kind: str, us: float, **cfg) -> None:
+            def record(kind: str, us: float | None, weight_bytes: int = n * k, **cfg) -> None:
+                if us is None:  # the configuration did not compile
+                    return
                 rows.append({"model": model, "proj": name, "n": n, "k": k, "rows": m, "kind": kind, **cfg,
-                             "us": round(us, 2), "copy_fraction": frac(us)})
+                             "us": round(us, 2),
+                             "copy_fraction": round(weight_bytes / (us * 1e-6) / 1e9 / copy_gbs, 4)})
                 print(rows[-1], flush=True)
 
             xs2 = xs.view(-1, 1)
             record("engine", graph_us([lambda w=w, s=s: fp8_w8a8_matmul_quantized(xq, xs2, w, s, None, torch.bfloat16)
                                        for w, s in weights]))
             if args.bf16:  # the engine's 16-bit decode GEMM on the same shape (twice the bytes)
-                w16 = make_weights(n, k, "bf16", max(2, -(-4 * l2 // (2 * n * k))), device)
-                us = graph_us([lambda w=w: skinny_matmul_triton(x, w, None) for w, _ in w16])
-                rows.append({"model": model, "proj": name, "n": n, "k": k, "rows": m, "kind": "engine_bf16",
-                             "us": round(us, 2), "copy_fraction": round(2 * n * k / (us * 1e-6) / 1e9 / copy_gbs, 4)})
-                print(rows[-1], flush=True)
+                w16 = bf16_weight_copies(n, k, l2, device)
+                record("engine_bf16", graph_us([lambda w=w: skinny_matmul_triton(x, w, None) for w in w16]),
+                       weight_bytes=2 * n * k)
                 del w16
             out = torch.empty(max(args.read_per_sm) * sms, dtype=torch.int32, device=device)
             for per_sm in args.read_per_sm:
@@ -224,11 +235,7 @@ def main() -> None:
                 if k % bk or (k // bk) % split or n % bn:
                     continue
                 tile = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "SPLIT_K": split}
-                try:
-                    us = graph_us(probe_calls(layout, weights, xq, xs, tile, ws))
-                except Exception as exc:  # noqa: BLE001  out of shared memory etc.
-                    print(f"{name} {layout} {tile}: {exc!r}"[:300], flush=True)
-                    continue
+                us = time_or_none(f"{name} {layout} {tile}", lambda: probe_calls(layout, weights, xq, xs, tile, ws))
                 record(layout, us, programs=(n // bn) * split, **tile)
             out16 = torch.empty(m, n, dtype=torch.bfloat16, device=device)
             for per_sm, bn, bk, stages, flatten in itertools.product(args.persistent_per_sm, args.block_n,
@@ -236,11 +243,8 @@ def main() -> None:
                 if k % bk or n % bn:
                     continue
                 tile = {"BLOCK_N": bn, "BLOCK_K": bk, "num_stages": stages, "flatten": flatten}
-                try:
-                    us = graph_us(persistent_calls(weights, xq, xs, tile, out16, per_sm * sms))
-                except Exception as exc:  # noqa: BLE001  out of shared memory etc.
-                    print(f"{name} persistent {tile}: {exc!r}"[:300], flush=True)
-                    continue
+                us = time_or_none(f"{name} persistent {tile}",
+                                  lambda: persistent_calls(weights, xq, xs, tile, out16, per_sm * sms))
                 record("persistent", us, programs=per_sm * sms, **tile)
             del weights
             torch.cuda.empty_cache()
