@@ -22,7 +22,7 @@ import statistics
 import time
 
 from tandem.config import EngineConfig
-from tandem.engine import EngineCore
+from tandem.engine.core import EngineCore
 from tandem.sampling_params import SamplingParams
 
 

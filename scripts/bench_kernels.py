@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tandem.kernels.fp8 import FP8_DTYPE  # noqa: E402
 from tandem.kernels.reference import to_cache_dtype  # noqa: E402
 from tandem.kernels.triton_attention import (  # noqa: E402
     choose_num_splits,
@@ -40,7 +41,6 @@ from tandem.kernels.triton_attention import (  # noqa: E402
     decode_workspace_numel,
     paged_decode_attention,
 )
-from tandem.layers.quantization import FP8_DTYPE  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

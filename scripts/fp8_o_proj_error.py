@@ -20,11 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tandem.layers.quantization import (  # noqa: E402
-    QuantizedRows,
-    quantize_activation_groups_ref,
-    quantize_activation_per_token_ref,
-)
+from tandem.kernels.fp8 import QuantizedRows, quantize_activation_groups_ref, quantize_activation_per_token_ref  # noqa: E402
 from tests.chat_prompts import QUESTIONS, chat_messages  # noqa: E402
 from tests.conftest import SMOL_GGUF, smol_model_folder  # noqa: E402
 

@@ -13,7 +13,7 @@ def __getattr__(name: str):  # heavy modules (torch, transformers) load on first
 
         return LLM
     if name == "EngineCore":
-        from tandem.engine import EngineCore
+        from tandem.engine.core import EngineCore
 
         return EngineCore
     if name == "EngineConfig":

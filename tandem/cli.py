@@ -6,59 +6,14 @@ import argparse
 import sys
 import time
 
+from tandem.engine_args import add_engine_args, engine_kwargs
+
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
     "Explain in one sentence why the sky is blue.",
     "Name three prime numbers.",
 ]
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF folder, .gguf file, Hugging Face Hub id (org/name) or named shape (default: embedded SmolLM2-135M)")
-    g.add_argument("--revision", default=None, help="branch, tag or commit of a Hub model id (default: main)")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--sync", action="store_true", help="overlap off: finish each step before scheduling the next")
-    g.add_argument("--no-cuda-graph", action="store_true", help="every step eager (no decode or piecewise CUDA graphs)")
-    g.add_argument("--piecewise-max-tokens", type=int, default=None,
-                   help="steps with prefills (alone or mixed into the decodes), up to this many tokens, run as "
-                        "piecewise CUDA graphs (attention launched between the captured pieces); default: all of "
-                        "them (max-num-batched-tokens); 0: eager")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: FP8 weights with per-channel scales, FP8 matmuls (CUDA, compute capability >= 8.9)")
-    g.add_argument("--quantize-lm-head", action="store_true",
-                   help="with --quantization fp8: the lm_head in FP8 too (per vocabulary row; off: the model dtype)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
-                   help="fp8: K and V stored as float8_e4m3fn (scale 1): twice the tokens in the same memory, half "
-                        "the bytes a decode step's attention reads; auto: the model dtype")
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="shard the model over N GPUs (one process each; or launch N processes with torchrun)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        model=args.model, revision=args.revision, load_format=args.load_format, dtype=args.dtype, device=args.device,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=not args.no_prefix_caching, overlap=not args.sync,
-        cuda_graph=not args.no_cuda_graph, piecewise_max_tokens=args.piecewise_max_tokens, seed=args.seed,
-        quantization=args.quantization, quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=getattr(args, "data_parallel_size", 1),  # generate's and serve's own flag
-    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from tandem.config import EngineConfig, relaxed_gc
 from tandem.detokenizer import IncrementalDetokenizer
-from tandem.engine import EngineCore, EngineOutput, all_plain_ints
+from tandem.engine.core import EngineCore, EngineOutput, all_plain_ints
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
@@ -49,7 +49,7 @@ class LLM:
         self.config = EngineConfig(model=model, **kwargs)
         self.engine: Any
         if self.config.data_parallel_size > 1:
-            from tandem.data_parallel import DataParallelEngine  # ZeroMQ only when there are replicas
+            from tandem.engine.data_parallel import DataParallelEngine  # ZeroMQ only when there are replicas
 
             self.engine = DataParallelEngine(self.config)
         else:

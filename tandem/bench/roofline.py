@@ -37,7 +37,7 @@ def measure_ceilings(device: torch.device, fp8: bool = False) -> Ceilings:
     mm_s = _median_seconds(lambda: torch.mm(a, b), device)
     fp8_tflops = None
     if fp8:
-        from tandem.layers.quantization import FP8_DTYPE
+        from tandem.kernels.fp8 import FP8_DTYPE
 
         a8, b8 = a.to(FP8_DTYPE), b.to(FP8_DTYPE)
         sa = torch.ones(dim, 1, device=device)
@@ -83,7 +83,7 @@ def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,
     """Per-GPU cost: with tensor parallelism `model` is one rank's shard, and every term is that rank's share
     (the ranks run in parallel; the all-reduces are not counted). FP8 weights count one byte each, and so does
     each K and V element of an FP8 KV cache (kv_cache_dtype; None: the model dtype)."""
-    from tandem.layers.quantization import FP8_DTYPE
+    from tandem.kernels.fp8 import FP8_DTYPE
 
     tp = tensor_parallel_size
     total, embed, total_bytes, embed_bytes, fp8, head = 0, 0, 0, 0, 0, 0

@@ -104,7 +104,7 @@ def _offline(engine_args: list[str], prompt_ids: list[int], num: int, out_len: i
     import torch
 
     from tandem import LLM, SamplingParams
-    from tandem.cli import add_engine_args, engine_kwargs
+    from tandem.engine_args import add_engine_args, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -138,7 +138,7 @@ def _offline(engine_args: list[str], prompt_ids: list[int], num: int, out_len: i
 def _through_server(args: argparse.Namespace, engine_args: list[str], prompt_ids: list[int], num: int,
                     out_len: int, poisson: bool) -> dict[str, Any]:
     from tandem.bench.serve import add_bench_serve_args, run_benchmark
-    from tandem.server.engine_core import TIMELINE_ENV
+    from tandem.engine.process import TIMELINE_ENV
 
     port = _free_port()
     profile_dir = tempfile.mkdtemp(prefix="tandem-api-profile-") if args.serve_profile else None

@@ -7,15 +7,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.kernels.fp8 import FP8_DTYPE, W8A8_MAX_M, QuantizedRows, fp8_quantizes_activations, group_block_k
 from tandem.kernels.reference import paged_attention_ref, write_kv_ref
-from tandem.layers.attention_metadata import AttentionMetadata
-from tandem.layers.quantization import (
-    FP8_DTYPE,
-    W8A8_MAX_M,
-    QuantizedRows,
-    fp8_quantizes_activations,
-    group_block_k,
-)
 
 if TYPE_CHECKING:
     from tandem.kernels.triton_attention import NewTokens
@@ -30,7 +24,7 @@ GEMV_ROWS_LIMIT = 64  # TANDEM_GEMV_MAX_ROWS above this is ignored
 # Above the GEMV's rows and up to this many, 16-bit linears run the swap-AB tile GEMM (triton_quant.
 # skinny_matmul_triton): on an H200 over the Llama-3-8B projections at 8-32 rows it streamed the weight
 # 1.01-1.23x faster than cuBLAS (o_proj most: cuBLAS leaves its 32 N tiles short of the SMs), 0.8-0.96x at 64
-# rows (scripts/bench_skinny.py; benchmarks/results/README.md). TANDEM_SKINNY_MAX_ROWS=N overrides (0: off).
+# rows (scripts/bench_skinny.py; benchmarks/results/ at bd15627). TANDEM_SKINNY_MAX_ROWS=N overrides (0: off).
 SKINNY_MAX_ROWS = 32
 
 
@@ -77,7 +71,7 @@ def fuses_decode_rotary(
     (read per call: a CUDA graph keeps what its capture chose; 1 fuses at any batch). On an H200 it saved the
     rotary kernel's ~2 us a layer at batch 1 (split contexts), and since each program loads its first KV tile
     before the PDL wait, seed-async's batch 32 x 8 kv heads (256 programs on 132 SMs) ran 2.4% faster in bf16
-    (benchmarks/results/README.md, thirteenth session); past one wave it was not measured, so it stays off."""
+    (2026-11-25; benchmarks/results/ at bd15627); past one wave it was not measured, so it stays off."""
     if not use_triton(q) or os.environ.get("TANDEM_DECODE_ROTARY") == "0":
         return False
     if (q_norm is None) != (k_norm is None) or (q_norm is not None and q_norm.eps != k_norm.eps):  # type: ignore[union-attr]

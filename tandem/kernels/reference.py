@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.layers.attention_metadata import AttentionMetadata
-from tandem.layers.quantization import FP8_DTYPE, FP8_MAX
+from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.kernels.fp8 import FP8_DTYPE, FP8_MAX
 
 
 def write_kv_ref(

@@ -9,12 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from tandem.kernels.reference import compute_dtype
 from tandem.kernels.triton_kv import fp8_cache_dot_dtype, is_fp8_cache, to_cache
 from tandem.kernels.triton_launch import device_sms, pdl_wait, persistent_state, prefetch_l2, use_pdl
 from tandem.kernels.triton_rotary_kv import check_rotary_args
-from tandem.layers.attention_metadata import AttentionMetadata
-from tandem.layers.quantization import FP8_DTYPE, FP8_MAX, MIN_AMAX
 
 LOG2E = 1.4426950408889634
 # Each decode split reads at least this many KV tiles. A split's partial costs D + 1 fp32 written and read
@@ -419,12 +419,11 @@ def _last_wave_fill(programs: int, per_sm: int, num_sms: int) -> float:
 def decode_block_n(head_dim: int, dtype: torch.dtype, programs: int = 0, num_sms: int = 0) -> int:
     """KV positions per decode tile: ~16 KiB of K (and of V) per tile while batch x kv heads programs leave SMs
     to splits; once they fill the SMs, ~32 KiB unless 16 KiB tiles fill the last wave of programs better.
-    Swept on an H200 (h200_s5_kernels_sweep.json): at batch 32 x 512-2048 tokens 128-position tiles (3 stages)
+    Swept on an H200 (2026-11-24; benchmarks/results/ at bd15627): at batch 32 x 512-2048 tokens 128-position tiles (3 stages)
     ran 0.98x SDPA where 64 ran 0.83-0.92x; at batch 1 the smaller tiles keep more splits busy over a short
-    context. Past a wave the time follows how full the last wave is (h200_s11_kernels_sweep_nano_waves{,2}
-    .json, head_dim 128, 512 tokens: 64 positions 17-21% faster at 448 and 512 programs, 2-5% at 832-1,024,
+    context. Past a wave the time follows how full the last wave is (2026-11-25, head_dim 128, 512 tokens: 64 positions 17-21% faster at 448 and 512 programs, 2-5% at 832-1,024,
     128 positions 14% faster at 576 and 640, 1-3% at 1,216 and 1,280; the estimate below picks the faster at
-    16 of the 18 points swept this session, and at 384 programs, the two others, costs 2%)."""
+    16 of the 18 points swept, and at 384 programs, the two others, costs 2%)."""
     per_tile = triton.next_power_of_2(head_dim) * dtype.itemsize
     big, small = (max(16, min(128, tile_bytes // per_tile)) for tile_bytes in (32768, 16384))
     if not num_sms or programs < num_sms:
@@ -447,9 +446,9 @@ def choose_num_splits(
     bound max_seq_len (the device spreads a sequence's actual tiles over the splits, so in a graph captured
     for max_model_len short contexts leave the last splits empty). MAX_SPLITS caps it (TANDEM_DECODE_MAX_SPLITS,
     read at import, changes the cap for tuning runs): on an H200, bs1 (7 splits of one tile) ran 1.13x faster
-    than unsplit with no reduce kernel, 1.06x than 2 splits, 1.01x than 4 (benchmarks/results/README.md, eighth
-    session); at batch 1 with 8 kv heads and a static bound of 8,192 positions, 32 splits ran 1,024-8,192
-    positions 0-17% faster than 64 (h200_s17_kernels_maxsplits{32,64}.json: fewer empty programs, a shorter merge).
+    than unsplit with no reduce kernel, 1.06x than 2 splits, 1.01x than 4 (2026-11-25;
+    benchmarks/results/ at bd15627); at batch 1 with 8 kv heads and a static bound of 8,192 positions, 32 splits ran 1,024-8,192
+    positions 0-17% faster than 64 (2026-11-25: fewer empty programs, a shorter merge).
     """
     programs = max(1, batch * num_kv_heads)
     if programs >= num_sms:

@@ -6,10 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, PartialSums, QuantizedRows
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
 from tandem.kernels.triton_quant import store_quantized_row
 from tandem.kernels.triton_rotary_kv import token_rows
-from tandem.layers.quantization import FP8_DTYPE, FP8_MAX, MIN_AMAX, PartialSums, QuantizedRows
 
 # Math is fp32; values are rounded to the storage dtype exactly where the eager PyTorch layers round
 # (norm before the weight multiply, each rotary product), so GPU results track the eager path and HF.

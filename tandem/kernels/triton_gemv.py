@@ -3,7 +3,6 @@ FP8 e4m3, and optionally silu(gate) * up of a merged gate/up weight in the same 
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -112,7 +111,7 @@ def _gemv_kernel(
 
 def gemv_config(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int) -> dict[str, int]:
     """Tile from the shape alone (graph-safe), as measured on an H100 over the Llama-2-7B / Llama-3-8B
-    projections (scripts/bench_gemv.py --sweep; benchmarks/results/README.md): at one row, 16-bit weights
+    projections (scripts/bench_gemv.py --sweep; benchmarks/results/ at bd15627): at one row, 16-bit weights
     stream 4 KiB of one weight row per K step (BLOCK_N 1, 4 warps) and FP8 weights 2 KiB of each of 4 rows
     (gate/up: 1 KiB of one pair with 2 warps, on an H200 1.02-1.04x two pairs with 4, h200_s7_gemv_fp8_sweep.json);
     at 2-4 rows (16-bit only: FP8 runs the tile GEMMs there) 2 KiB of 4 rows (1 pair) per K step with 2 warps,

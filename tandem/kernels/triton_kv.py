@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
-from tandem.layers.quantization import FP8_DTYPE, FP8_MAX
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 

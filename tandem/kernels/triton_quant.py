@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.fp8 import DEFER_REDUCE, FP8_DTYPE, FP8_MAX, MIN_AMAX, PartialSums, group_block_k
 from tandem.kernels.triton_launch import device_sms, pdl_wait, persistent_state, prefetch_l2, use_pdl
-from tandem.layers.quantization import DEFER_REDUCE, FP8_DTYPE, FP8_MAX, MIN_AMAX, PartialSums, group_block_k
 
 MAX_QUANT_DIM = 65536  # one program holds a whole row in registers
 
@@ -255,7 +255,7 @@ def fp8_matmul_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
     same split for a row whatever batch it is in). At small M the weight stream is the whole cost, so the
     grid must keep enough loads in flight on every SM, keeping at least four K tiles per program."""
     block_k = 256 if k % 256 == 0 else 128
-    # Chosen from H100 runs (benchmarks/results/README.md): up to 16 rows, 32-wide N tiles unless N alone fills
+    # Chosen from H100 runs (2026-11-23; benchmarks/results/ at bd15627): up to 16 rows, 32-wide N tiles unless N alone fills
     # the SMs, split until ~4 programs per SM (bs1 fp8/bf16 1.57x, against 1.51x with ~2); above 16 rows,
     # 64-wide tiles (32-wide ones ran twice as slow at 32 rows) and ~2 programs per SM (seed-async 1.25x).
     if m <= 16:
@@ -354,7 +354,7 @@ def _swap_ab_kernel(
     # Program = BLOCK_N weight rows x BLOCK_M rows over K range [pid_k * K_SPLIT, +K_SPLIT). Both operands
     # go to the tensor cores in one dtype: e4m3 x e4m3 for W8A8, or both in the model dtype. (Widening FP8
     # weight tiles to bf16/f16 in registers for a W8A16 variant ran at 0.3-0.5 of copy bandwidth on an H200,
-    # conversion-bound: benchmarks/results/README.md, eighth session.) The weight tile [BLOCK_N, BLOCK_K] is
+    # conversion-bound, 2026-11-25; files in benchmarks/results/ at bd15627.) The weight tile [BLOCK_N, BLOCK_K] is
     # the MMA's A operand and the few token rows its narrow B operand ("swap AB": the MMA's M of 64 is filled
     # by channels, not by the 1-32 tokens). acc[n, m] holds sum_k w[n, k] x[m, k]; the token scale
     # (X_SCALED: e4m3 rows, their scales at xs_ptr) multiplies here, the channel scale (HAS_SCALE) and bias
@@ -472,13 +472,13 @@ def w8a8_tile(m: int, n: int, k: int, sms: int) -> dict[str, int]:
     """Tile of the W8A8 small-M GEMM from the shape alone (graph-safe): 64 channels per program (one
     warpgroup's MMA height), K tiles of 256, 4 pipeline stages, and K split in two where N gives fewer than
     2/3 of the SMs a 64-channel tile (and each half keeps >= 4 K tiles). Measured on an H200 over Llama-3-8B's
-    projections at 16 and 32 pre-quantized rows (scripts/bench_fp8_linear.py --sweep; benchmarks/results/
-    README.md, eighth session): o and down (64 N tiles) run best split 2-4, qkv (96) and gate_up (448) unsplit
+    projections at 16 and 32 pre-quantized rows (scripts/bench_fp8_linear.py --sweep, 2026-11-25;
+    benchmarks/results/ at bd15627): o and down (64 N tiles) run best split 2-4, qkv (96) and gate_up (448) unsplit
     (gate_up 33.9 against 38.9 us split, which also writes and re-reads its fp32 partial sums).
     Where the grid has no more programs than the GPU has SMs, each program streams alone on its SM and
     nothing else hides its load latency, so it gets as many stages as LONE_STAGE_BYTES of shared memory hold
-    (up to LONE_MAX_STAGES): in the seed-async decode step on an H200 (scripts/profile_decode.py, eleventh-
-    twelfth sessions) 6 stages took qkv (96 programs) from 10.6 to 8.5 us a layer, down (128) from 17.6 to
+    (up to LONE_MAX_STAGES): in the seed-async decode step on an H200 (scripts/profile_decode.py,
+    2026-11-25) 6 stages took qkv (96 programs) from 10.6 to 8.5 us a layer, down (128) from 17.6 to
     15.9 and o (128) from 6.6 to 6.1; gate_up (448 programs, two an SM) ran slower at 6. Grids of more
     programs than SMs at up to 32 rows take K tiles of 128, so that four programs fit an SM and up to 4 x sms
     run at once, with no second wave on part of the GPU: gate_up 32.6 -> 31.7 us a layer (same step, H200).
@@ -639,7 +639,7 @@ def _prefetch(weight: torch.Tensor, cfg: dict[str, int]) -> dict[str, int]:
 
 
 def _quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from tandem.layers.quantization import quantize_activation_per_token_ref  # the interpreter's path
+    from tandem.kernels.fp8 import quantize_activation_per_token_ref  # the interpreter's path
 
     return quantize_activation_per_token_ref(x)
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from tandem.kernels import ops
-from tandem.layers.attention_metadata import AttentionMetadata
-from tandem.layers.quantization import QuantizedRows
+from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.kernels.fp8 import QuantizedRows
 from tandem.layers.rotary import rotary_write_kv
 
 

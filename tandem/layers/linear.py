@@ -7,18 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.fp8 import FP8_DTYPE, W8A8_MAX_M, PartialSums, QuantizedRows, fp8_quantizes_activations
 from tandem.kernels.ops import use_gemv, use_skinny, use_triton
 from tandem.layers.activation import silu_and_mul
-from tandem.layers.quantization import (
-    FP8_DTYPE,
-    PartialSums,
-    QuantizedRows,
-    W8A8_MAX_M,
-    fp8_linear,
-    fp8_quantizes_activations,
-    fp8_supported_shape,
-    quantize_weight_fp8,
-)
+from tandem.layers.quantization import fp8_linear, fp8_supported_shape, quantize_weight_fp8
 
 
 class Linear(nn.Module):

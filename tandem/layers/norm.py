@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.fp8 import PartialSums, QuantizedRows, fp8_quantizes_activations
 from tandem.kernels.ops import use_triton
-from tandem.layers.quantization import PartialSums, QuantizedRows, fp8_quantizes_activations
 
 
 class RMSNorm(nn.Module):

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from tandem.config import ModelConfig, ParallelConfig
+from tandem.kernels.fp8 import PartialSums, QuantizedRows
 from tandem.layers.linear import Embedding, Linear, lm_head_logits
-from tandem.layers.quantization import PartialSums, QuantizedRows
 
 _GROUP: Any = None  # the tensor-parallel process group (None: the default group)
 

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from tandem.config import ModelConfig, ParallelConfig
+from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.layers.activation import activation_fn
 from tandem.layers.attention import Attention
-from tandem.layers.attention_metadata import AttentionMetadata
 from tandem.layers.linear import Embedding
 from tandem.layers.norm import LayerNorm
 from tandem.layers.parallel import (

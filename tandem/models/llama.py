@@ -8,8 +8,10 @@ import torch
 from torch import nn
 
 from tandem.config import ModelConfig, ParallelConfig
+from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.kernels.fp8 import QuantizedRows
 from tandem.layers.attention import Attention
-from tandem.layers.attention_metadata import AttentionMetadata
+from tandem.layers.norm import RMSNorm
 from tandem.layers.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -22,8 +24,6 @@ from tandem.layers.parallel import (
     materialize,
     parallel_logits,
 )
-from tandem.layers.norm import RMSNorm
-from tandem.layers.quantization import QuantizedRows
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.weights import WeightLoader
 

@@ -11,8 +11,8 @@ from typing import NamedTuple
 import torch
 
 from tandem.kernels import ops
+from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.layers.attention import Attention, split_at_attention
-from tandem.layers.attention_metadata import AttentionMetadata
 
 
 class SamplerVariant(NamedTuple):

@@ -14,12 +14,19 @@ from dataclasses import dataclass, replace
 import torch
 
 from tandem.config import EngineConfig, ModelConfig, ParallelConfig
-from tandem.layers.attention_metadata import AttentionMetadata
+from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.kernels.fp8 import FP8_DTYPE
 from tandem.layers.parallel import local_kv_heads
-from tandem.layers.quantization import FP8_DTYPE, check_fp8_device
+from tandem.layers.quantization import check_fp8_device
 from tandem.models.loader import load_model_and_tokenizer, model_max_len
-from tandem.runner.cuda_graphs import (DecodeGraphs, PiecewiseGraphs, SamplerVariant, graph_batch_sizes,
-                                       piecewise_sizes, sampler_variant)
+from tandem.runner.cuda_graphs import (
+    DecodeGraphs,
+    PiecewiseGraphs,
+    SamplerVariant,
+    graph_batch_sizes,
+    piecewise_sizes,
+    sampler_variant,
+)
 from tandem.runner.input_buffers import StepBuffers, StepShape, write_step
 from tandem.runner.sampler import sample
 from tandem.runner.streams import DeviceStreams, StepEvents

@@ -12,11 +12,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.engine.client import AsyncEngine
 from tandem.server import protocol as p
-from tandem.server.async_engine import AsyncEngine
-from tandem.server.protocol import ApiError
 from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
 from tandem.server.playground import add_playground_routes
+from tandem.server.protocol import ApiError
 from tandem.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.detokenizer import IncrementalDetokenizer
+from tandem.engine.client import Accepted, AsyncEngine, Failed, Rejected, is_terminal
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
-from tandem.server.async_engine import Accepted, AsyncEngine, Failed, Rejected, is_terminal
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import ApiError, PromptTokensDetails, Usage
 

@@ -13,9 +13,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from tandem.engine.client import AsyncEngine, EngineUnavailableError, QueueFullError
 from tandem.sampling_params import SamplingParams
 from tandem.server import protocol as p
-from tandem.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
 from tandem.server.generation import Delta, Generation, Prompt, _param_of
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import ApiError, parse_body

@@ -150,7 +150,7 @@ def _calls(fn) -> list[tuple[str, str]]:
 
 
 def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
-    from tandem.engine import EngineCore
+    from tandem.engine.core import EngineCore
     from tandem.runner.cuda_graphs import DecodeGraphs
     from tandem.runner.input_buffers import StepBuffers, write_step
     from tandem.runner.model_runner import ModelRunner
@@ -172,7 +172,7 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
 def test_check_new_request_names_a_bad_token_id_anywhere_in_a_long_prompt(bad):
     import enum
 
-    from tandem.engine import check_new_request
+    from tandem.engine.core import check_new_request
     from tandem.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=4)

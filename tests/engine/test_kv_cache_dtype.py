@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.cli import add_engine_args, engine_kwargs
 from tandem.config import EngineConfig
+from tandem.engine_args import add_engine_args, engine_kwargs
 from tests.chat_prompts import QUESTIONS, chat_messages
 
 NEW_TOKENS = 24

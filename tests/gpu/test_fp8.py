@@ -32,15 +32,10 @@ transformers = pytest.importorskip("transformers")
 
 from tandem import LLM, SamplingParams  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
+from tandem.kernels.fp8 import FP8_DTYPE, fp8_quantizes_activations, quantize_activation_per_token_ref  # noqa: E402
 from tandem.kernels.triton_quant import quantize_per_token_triton  # noqa: E402
 from tandem.layers import quantization  # noqa: E402
-from tandem.layers.quantization import (  # noqa: E402
-    FP8_DTYPE,
-    fp8_linear,
-    fp8_linear_reference,
-    quantize_activation_per_token_ref,
-    quantize_weight_fp8,
-)
+from tandem.layers.quantization import fp8_linear, fp8_linear_reference, quantize_weight_fp8  # noqa: E402
 from tandem.models.loader import load_model_and_tokenizer  # noqa: E402
 from tests.models.paged_kv import PagedKV, Seq  # noqa: E402
 
@@ -147,7 +142,7 @@ def test_fp8_linear_matches_reference_and_bf16(m, bias):
     out = fp8_linear(x, q, scale, b)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     # Same quantized operands: only the accumulation order and the bf16 output rounding differ.
-    ref8 = fp8_linear_reference(x, q, scale, b, quantize_activations=quantization.fp8_quantizes_activations(m))
+    ref8 = fp8_linear_reference(x, q, scale, b, quantize_activations=fp8_quantizes_activations(m))
     assert rel_l2(out, ref8) < 1e-2
     ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     assert rel_l2(out, ref) < LINEAR_REL_L2

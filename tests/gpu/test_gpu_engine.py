@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
 transformers = pytest.importorskip("transformers")
 
 from tandem import LLM, SamplingParams  # noqa: E402
-from tandem.layers.attention_metadata import AttentionMetadata  # noqa: E402
+from tandem.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from tandem.request import FinishReason  # noqa: E402
 
 DEVICE = "cuda"  # without an index, as users pass it

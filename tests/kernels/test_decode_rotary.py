@@ -248,7 +248,7 @@ def test_decode_fp8_groups_where_o_proj_runs_the_w8a8_gemm(monkeypatch):
     """The decode attention writes FP8 rows for o_proj only where o_proj would quantize rows for its W8A8 GEMM
     (2 to W8A8_MAX_M rows on Triton) and a kv head's group of columns fills whole FP8 K tiles."""
     from tandem.kernels import ops
-    from tandem.layers.quantization import W8A8_MAX_M
+    from tandem.kernels.fp8 import W8A8_MAX_M
 
     monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
     assert ops.decode_fp8_groups(torch.zeros(8, 32, 128), 8)  # groups of 4 heads x 128

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.kernels.fp8 import FP8_DTYPE
 from tandem.kernels.reference import paged_attention_ref, to_cache_dtype, write_kv_ref
 from tandem.kernels.triton_attention import paged_decode_attention, paged_prefill_attention
 from tandem.kernels.triton_kv import write_kv_triton
 from tandem.kernels.triton_rotary_kv import rotary_write_kv_triton
-from tandem.layers.quantization import FP8_DTYPE
 
 from .test_decode_rotary import make_step, run_both
 from .test_triton_kernels import (

@@ -78,7 +78,7 @@ def test_fused_add_rms_norm_matches_layer(dim, dtype):
 def test_fused_add_rms_norm_takes_partial_sums(splits, scaled, bias, dtype):
     """A split-K GEMM's partial sums (PartialSums) go straight into add + RMSNorm: the same outputs, bit
     for bit, as the reduce then the norm (plain and quantized for FP8), and the RMSNorm layer takes them too."""
-    from tandem.layers.quantization import PartialSums
+    from tandem.kernels.fp8 import PartialSums
 
     if CUDA and dtype == torch.float32:
         pytest.skip("fp32 on a GPU: the compiler may contract the channel scale and the residual add into one "
@@ -132,9 +132,10 @@ def test_split_k_linears_defer_their_reduce(monkeypatch):
     W8A8 GEMM) whose reduce equals its usual output bit for bit; TANDEM_DEFER_REDUCE=0 and unsplit GEMMs
     return tensors."""
     from tandem.kernels import triton_quant
+    from tandem.kernels.fp8 import PartialSums, quantize_activation_per_token_ref
     from tandem.kernels.triton_quant import fp8_w8a8_matmul_quantized, skinny_matmul_triton
     from tandem.layers.linear import Linear
-    from tandem.layers.quantization import PartialSums, quantize_activation_per_token_ref, quantize_weight_fp8
+    from tandem.layers.quantization import quantize_weight_fp8
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(6, 1024, generator=gen).to(DEVICE)
@@ -338,8 +339,9 @@ def test_gpu_deferred_reduce_into_add_rms_norm(n, k, fp8):
     """Llama-3-8B's o_proj and down_proj at 32 rows on the GPU: the split-K GEMM's partial sums handed to
     add + RMSNorm give bit for bit what the reduce kernel then the norm give (bf16 skinny GEMM; FP8 W8A8
     GEMM with the norm quantizing its output for the next FP8 linear)."""
+    from tandem.kernels.fp8 import PartialSums
     from tandem.kernels.triton_quant import fp8_w8a8_matmul_quantized, quantize_per_token_triton, skinny_matmul_triton
-    from tandem.layers.quantization import PartialSums, quantize_weight_fp8
+    from tandem.layers.quantization import quantize_weight_fp8
 
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     x = torch.randn(32, k, generator=gen, device="cuda").to(torch.bfloat16)

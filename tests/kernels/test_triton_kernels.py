@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tandem.kernels import ops
+from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.triton_attention import (
     MAX_SPLITS,
     _merge_tile,
@@ -20,7 +21,6 @@ from tandem.kernels.triton_attention import (
     paged_prefill_attention,
 )
 from tandem.kernels.triton_kv import write_kv_triton
-from tandem.layers.attention_metadata import AttentionMetadata
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -215,8 +215,9 @@ def test_decode_fp8_out_is_its_output_quantized_in_kv_head_groups(num_splits, gr
     """With out_scale the decode kernel writes, bit for bit, its own output (in q's dtype) quantized in one
     group per (sequence, kv head): quantize_activation_groups_ref's e4m3 bytes and scales; padding rows get
     zeros and the smallest scale. The fused rotary variant too."""
+    from tandem.kernels.fp8 import FP8_DTYPE
+    from tandem.kernels.fp8 import quantize_activation_groups_ref as quantize_groups
     from tandem.kernels.triton_attention import NewTokens
-    from tandem.layers.quantization import FP8_DTYPE, quantize_activation_groups_ref as quantize_groups
 
     case = make_case(DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS), group=group, head_dim=64, block_size=16,
                      dtype=dtype, seed=40 + group)

@@ -8,7 +8,6 @@ triton = pytest.importorskip("triton")
 
 from tests.kernels.sm90 import compile_sm90  # noqa: E402
 
-
 _COMPILE_SM90 = r"""
 import json, sys
 import triton
@@ -98,14 +97,9 @@ def test_w8a8_on_rows_quantized_in_groups(m, n, k, bias, split_k, group):
     shrunk to fit a group where the default is wider, with split-K; and the same through fp8_linear."""
     import torch
 
+    from tandem.kernels.fp8 import QuantizedRows, quantize_activation_groups_ref
     from tandem.kernels.triton_quant import fp8_w8a8_matmul_quantized
-    from tandem.layers.quantization import (
-        QuantizedRows,
-        fp8_linear,
-        fp8_linear_reference,
-        quantize_activation_groups_ref,
-        quantize_weight_fp8,
-    )
+    from tandem.layers.quantization import fp8_linear, fp8_linear_reference, quantize_weight_fp8
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -215,9 +209,9 @@ def test_rms_norm_fp8_out_equals_norm_then_quantize(rows, dim, residual):
     followed by the quantization kernel gives: the same e4m3 bytes, scales and new residual."""
     import torch
 
+    from tandem.kernels.fp8 import FP8_DTYPE, QuantizedRows
     from tandem.kernels.triton_fused import fused_add_rms_norm_triton, rms_norm_triton
     from tandem.kernels.triton_quant import quantize_per_token_triton
-    from tandem.layers.quantization import FP8_DTYPE, QuantizedRows
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -304,10 +298,10 @@ def test_linear_takes_quantized_rows(rows, monkeypatch):
     on the large-M path; gate/up with fp8_out hands down_proj quantized rows."""
     import torch
 
+    from tandem.kernels.fp8 import QuantizedRows, quantize_activation_per_token_ref
     from tandem.kernels.triton_quant import quantize_per_token_triton
     from tandem.layers import quantization
     from tandem.layers.linear import Linear
-    from tandem.layers.quantization import QuantizedRows, quantize_activation_per_token_ref
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import ModelConfig
-from tandem.layers.attention_metadata import AttentionMetadata
+from tandem.kernels.attention_metadata import AttentionMetadata
 
 
 @dataclass(slots=True)

@@ -10,10 +10,9 @@ import torch
 
 from tandem.bench.roofline import model_cost
 from tandem.config import EngineConfig
+from tandem.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from tandem.layers.linear import Linear
 from tandem.layers.quantization import (
-    FP8_DTYPE,
-    FP8_MAX,
     checkpoint_fp8_config,
     dequantize_fp8,
     dequantize_fp8_checkpoint,
@@ -231,7 +230,7 @@ def test_checkpoint_errors():
 
 def test_config_and_cpu_error():
     from tandem import LLM
-    from tandem.cli import add_engine_args, engine_kwargs
+    from tandem.engine_args import add_engine_args, engine_kwargs
 
     with pytest.raises(ValueError, match="quantization must be"):
         EngineConfig(quantization="int8")
@@ -300,7 +299,7 @@ def test_quantize_lm_head(checkpoints, tied_checkpoint, tied):
 
 
 def test_quantize_lm_head_errors():
-    from tandem.cli import add_engine_args, engine_kwargs
+    from tandem.engine_args import add_engine_args, engine_kwargs
 
     with pytest.raises(ValueError, match="quantize_lm_head needs quantization fp8"):
         EngineConfig(quantize_lm_head=True)

@@ -99,7 +99,7 @@ def test_revision_with_a_local_path_or_a_bad_value_raises(tmp_path, hub_cache):
 def test_cli_revision_flag_reaches_the_engine_config():
     import argparse
 
-    from tandem.cli import add_engine_args, engine_kwargs
+    from tandem.engine_args import add_engine_args, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.reference import paged_attention_ref, write_kv_ref
-from tandem.layers.attention_metadata import AttentionMetadata
 
 HEAD_DIM = 16
 NUM_KV_HEADS = 2

@@ -59,7 +59,7 @@ def _cuda_count() -> int:
 
 
 def test_replica_env(monkeypatch):
-    from tandem.server import launcher
+    from tandem.engine import launch as launcher
 
     for key in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                 "NVSHMEM_DISABLE_NVLS"):

@@ -35,7 +35,7 @@ class LiveServer:
     server: Any
     thread: threading.Thread
     api_key: str | None
-    engines: Any  # tandem.server.launcher.Engines
+    engines: Any  # tandem.engine.launch.Engines
     tokenizer: Any
     fault_dir: str
 
@@ -89,7 +89,8 @@ class LiveServer:
 def start_server(api_key: str | None = None, max_queue: int = 128, **engine_kwargs: Any) -> LiveServer:
     """The engine core in its own process (as `tandem serve` runs it) and the API app in a uvicorn thread here."""
     from tandem.config import EngineConfig
-    from tandem.server.launcher import ApiSettings, EngineEndpoints, build_api_server, start_engines
+    from tandem.engine.launch import start_engines
+    from tandem.server.launcher import ApiSettings, EngineEndpoints, build_api_server
 
     fault_dir = tempfile.mkdtemp(prefix="tandem-faults-")
     os.environ[FAULT_DIR_ENV] = fault_dir  # inherited by the engine-core process

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tandem.engine import EngineCore
+from tandem.engine.core import EngineCore
 
 FAULT_DIR_ENV = "TANDEM_TEST_FAULT_DIR"
 

@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tandem.bench.serve import build_report, percentile, send_offsets, RequestResult
+from tandem.bench.serve import RequestResult, build_report, percentile, send_offsets
+from tandem.engine.client import Accepted, AsyncEngine, Failed, QueueFullError, Rejected
+from tandem.engine.process import EngineCoreLoop, timeline_path, write_timeline
+from tandem.outputs import EngineOutput
+from tandem.profiling.timeline import Timeline
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
 from tandem.server import protocol as p
-from tandem.server.async_engine import Accepted, AsyncEngine, Failed, QueueFullError, Rejected
-from tandem.profiling.timeline import Timeline
-from tandem.server.engine_core import EngineCoreLoop, timeline_path, write_timeline
-from tandem.outputs import EngineOutput
 from tandem.server.protocol import ApiError, loc_to_param, parse_body
 
 
@@ -103,7 +103,7 @@ def _send_shutdown(addr: str) -> None:
     import msgspec
     import zmq
 
-    from tandem.server.messages import Shutdown
+    from tandem.engine.messages import Shutdown
 
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.connect(addr)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.server.router import ReplicaRouter
+from tandem.engine.router import ReplicaRouter
 
 PREFIX = list(range(100, 164))  # 4 full blocks of 16
 

@@ -20,17 +20,26 @@ import msgspec
 import zmq
 
 from tandem.config import EngineConfig
+from tandem.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    ClientCommand,
+    EngineBatch,
+    EngineFailed,
+    EngineInfo,
+    Rejection,
+    Shutdown,
+    stats_to_wire,
+)
 from tandem.outputs import EngineOutput
+from tandem.process_utils import freeze_gc, set_process_name
 from tandem.request import FinishReason
-from tandem.server.messages import (
-    AbortRequest, AddRequest, ClientCommand, EngineBatch, EngineFailed, EngineInfo, Rejection, Shutdown,
-    stats_to_wire)
 
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.05  # how stale the stats in the API processes may get while the engine is busy
 PARENT_CHECK_S = 1.0  # how often an idle or busy engine checks that its launcher is still alive
-DEFAULT_CORE = "tandem.engine:EngineCore"
+DEFAULT_CORE = "tandem.engine.core:EngineCore"
 TIMELINE_ENV = "TANDEM_ENGINE_TIMELINE"  # a Chrome-trace path: the engine core records its timeline into it
 
 
@@ -242,8 +251,6 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addrs: list[st
     """Body of the engine-core process: load the engine, report EngineInfo (or EngineFailed), serve."""
     # Ctrl-C reaches the whole process group; the launcher decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from tandem.server.launcher import freeze_gc, set_process_name
-
     set_process_name(f"tandem-engine-{engine_index}" if engine_index else "tandem-engine")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s engine-core: %(message)s")
     encoder = msgspec.msgpack.Encoder()

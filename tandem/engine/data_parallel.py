@@ -21,13 +21,12 @@ import msgspec
 import zmq
 
 from tandem.config import EngineConfig, ModelConfig
-from tandem.engine import check_new_request
+from tandem.engine.core import check_new_request
+from tandem.engine.messages import AbortRequest, AddRequest, ClientCommand, EngineBatch, WireStats, merge_reported
+from tandem.engine.router import ReplicaRouter
 from tandem.outputs import EngineOutput
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
-from tandem.server.messages import (
-    AbortRequest, AddRequest, ClientCommand, EngineBatch, WireStats, merge_reported)
-from tandem.server.router import ReplicaRouter
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +38,9 @@ class DataParallelEngine:
     """M engine-core replicas seen as one engine: add_request / abort_request / step / stats / shutdown."""
 
     def __init__(self, config: EngineConfig) -> None:
+        from tandem.engine.launch import start_engines
         from tandem.models.loader import resolve_source
         from tandem.runner.tensor_parallel import torchrun_rank
-        from tandem.server.launcher import start_engines
 
         if torchrun_rank() is not None:
             raise ValueError("data_parallel_size > 1 starts its own engine processes; it cannot run under "

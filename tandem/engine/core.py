@@ -18,7 +18,7 @@ from tandem.outputs import EngineOutput
 from tandem.profiling.timeline import Timeline
 from tandem.request import FinishReason, Request, RequestStatus
 from tandem.runner.model_runner import Logprobs, ModelRunner, StepHandle
-from tandem.runner.tensor_parallel import exit_worker, run_worker, start_tensor_parallel
+from tandem.runner.tp_worker import exit_worker, run_worker, start_tensor_parallel
 from tandem.sampling_params import SamplingParams
 from tandem.scheduler.output import SchedulerOutput
 from tandem.scheduler.scheduler import Scheduler, SchedulerConfig

@@ -13,10 +13,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from tandem.engine.messages import AbortRequest, AddRequest, ClientCommand, EngineBatch, WireStats, merge_reported
+from tandem.engine.router import ReplicaRouter
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
-from tandem.server.messages import AbortRequest, AddRequest, ClientCommand, EngineBatch, WireStats, merge_reported
-from tandem.server.router import ReplicaRouter
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,6 @@ import msgspec
 from tandem.outputs import EngineOutput
 from tandem.sampling_params import SamplingParams
 
-
 # ---- API process -> engine core (one message holds every command a client had ready) ---------
 
 
