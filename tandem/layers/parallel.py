@@ -15,18 +15,25 @@ import torch.distributed as dist
 
 from tandem.config import ModelConfig, ParallelConfig
 from tandem.kernels.fp8 import PartialSums, QuantizedRows
+from tandem.layers.all_reduce import SymmetricAllReduce
 from tandem.layers.linear import Embedding, Linear, lm_head_logits
 
 _GROUP: Any = None  # the tensor-parallel process group (None: the default group)
+_P2P: SymmetricAllReduce | None = None  # the group's peer-to-peer all-reduce for small messages, if any
 
 
-def set_tp_group(group: Any) -> None:
-    global _GROUP
-    _GROUP = group
+def set_tp_group(group: Any, p2p: SymmetricAllReduce | None = None) -> None:
+    global _GROUP, _P2P
+    _GROUP, _P2P = group, p2p
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sums x over the ranks in place (captured into CUDA graphs as an NCCL kernel)."""
+    """The sum of x over the ranks: decode-sized messages through the peer-to-peer kernels (a new tensor),
+    others through NCCL, in place. Either captures into CUDA graphs."""
+    if _P2P is not None:
+        out = _P2P(x)
+        if out is not None:
+            return out
     dist.all_reduce(x, group=_GROUP)
     return x
 

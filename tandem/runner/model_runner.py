@@ -12,11 +12,13 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from tandem.config import EngineConfig, ModelConfig, ParallelConfig
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.fp8 import FP8_DTYPE
-from tandem.layers.parallel import local_kv_heads
+from tandem.layers.all_reduce import create_symmetric_all_reduce
+from tandem.layers.parallel import local_kv_heads, set_tp_group
 from tandem.layers.quantization import check_fp8_device
 from tandem.models.loader import load_model_and_tokenizer, model_max_len
 from tandem.runner.cuda_graphs import (
@@ -117,6 +119,14 @@ class ModelRunner:
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        if group is not None:
+            # Before any capture: decode steps' all-reduces ([batch, hidden]) go peer to peer, larger ones to NCCL.
+            p2p = create_symmetric_all_reduce(dist.group.WORLD, self.device, self.dtype,
+                                              self.max_num_seqs * mc.hidden_size * self.dtype.itemsize)
+            set_tp_group(None, p2p)
+            if p2p is not None:
+                logger.info("peer-to-peer all-reduce up to %d KiB (one-shot up to %d KiB), NCCL above",
+                            p2p.max_bytes >> 10, p2p.one_shot_max >> 10)
         if self.device.type == "cuda":
             with torch.inference_mode():
                 self._warm_mixed_attention()
@@ -511,4 +521,5 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers (no-op with one rank)."""
         if self.group is not None:
+            set_tp_group(None)  # drops the symmetric-memory buffer's last reference outside the graphs
             self.group.close()

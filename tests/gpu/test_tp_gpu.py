@@ -130,3 +130,23 @@ def test_tp2_llama70b_shape_layer_subset_runs():
         assert len({tuple(o.outputs[0].token_ids) for o in out}) == 1  # same prompt, same greedy tokens
     finally:
         llm.shutdown()
+
+
+def test_peer_to_peer_all_reduce_equals_nccl_and_is_deterministic(tmp_path):
+    """scripts/bench_all_reduce.py on two GPUs: every peer-to-peer path's sum within bf16 rounding of NCCL's (fp32
+    reference), the same bits on a second run, and tandem's dispatch taking a peer-to-peer path at decode sizes."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "all_reduce.json"
+    subprocess.run([sys.executable, "scripts/bench_all_reduce.py", "--world-size", "2",
+                    "--sizes", "8192,262144,2097152,8388608", "--out", str(out)], check=True, timeout=300)
+    rows = {r["bytes"]: r for r in json.loads(out.read_text())["sizes"]}
+    for row in rows.values():
+        for key, check in row.items():
+            if key.endswith("_check"):
+                assert check["max_rel_err"] < 2e-2, (row["bytes"], key, check)
+                assert check["deterministic"], (row["bytes"], key)
+    assert rows[8192]["tandem_path"] == "one_shot"
+    assert rows[8388608]["tandem_path"] == "nccl"

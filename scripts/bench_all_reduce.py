@@ -1,0 +1,150 @@
+"""All-reduce latency per message size on every local GPU: NCCL, the symmetric-memory one-shot and two-shot
+kernels, and tandem's dispatch (tandem.layers.parallel.all_reduce), each as 64 calls captured in one CUDA graph.
+
+    python3 scripts/bench_all_reduce.py [--world-size N] [--sizes 8192,65536,...] [--out all_reduce.json]
+
+Also checks, for each peer-to-peer path and size, that the sum equals NCCL's within bf16 tolerance and that two
+runs on the same input give the same bits. NVLink multicast stays off (tandem's NCCL_ENV).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tandem.layers import parallel  # noqa: E402
+from tandem.layers.all_reduce import SymmetricAllReduce  # noqa: E402
+from tandem.runner.tensor_parallel import NCCL_ENV  # noqa: E402
+
+CALLS = 64  # all-reduces in one captured graph: a decode step of a 32-layer model makes 64 (+1)
+DEFAULT_SIZES = [8 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20]
+DTYPE = torch.bfloat16
+
+
+def _paths(comm: SymmetricAllReduce) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    name = comm.group_name
+
+    def one_shot(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        staging = comm.buffer[:x.numel()].view_as(x)
+        return torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, x, "sum", name, out)
+
+    def two_shot(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        staging = comm.buffer[:x.numel()].view_as(x)
+        staging.copy_(x)
+        return torch.ops.symm_mem.two_shot_all_reduce_out(staging, "sum", name, out)
+
+    def nccl(x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+    return {"nccl": nccl, "one_shot": one_shot, "two_shot": two_shot, "tandem": parallel.all_reduce}
+
+
+def _graph_us(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, replays: int = 20) -> float:
+    """Microseconds a call, CALLS calls captured in one graph, the median of `replays` timed replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn(x)
+    times = []
+    for _ in range(replays + 3):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS)
+    times = sorted(times[3:])
+    return times[len(times) // 2]
+
+
+def _check(fn: Callable[[torch.Tensor], torch.Tensor], numel: int, rank: int) -> dict[str, Any]:
+    """The path's sum against NCCL's (max relative error) and two runs bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    x = torch.randn(numel, device="cuda", dtype=DTYPE, generator=gen)
+    ref = x.float().clone()
+    dist.all_reduce(ref)
+    first = fn(x.clone()).float()
+    second = fn(x.clone()).float()
+    err = ((first - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+    return {"max_rel_err": err, "deterministic": bool(torch.equal(first, second))}
+
+
+def _worker(rank: int, world: int, port: int, sizes: list[int], out: str | None) -> None:
+    os.environ.update(NCCL_ENV)
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=device)
+    comm = SymmetricAllReduce(dist.group.WORLD, device, DTYPE, max(sizes))
+    parallel.set_tp_group(None, comm)
+    rows = []
+    for size in sizes:
+        numel = size // DTYPE.itemsize
+        x = torch.zeros(numel, device=device, dtype=DTYPE)
+        row: dict[str, Any] = {"bytes": size, "tandem_path": comm.path(x)}
+        for name, fn in _paths(comm).items():
+            if name in ("one_shot", "two_shot") and size > comm.max_bytes:
+                continue
+            row[f"{name}_us"] = round(_graph_us(fn, x), 2)
+            if name != "nccl":
+                row[f"{name}_check"] = _check(fn, numel, rank)
+        rows.append(row)
+        if rank == 0:
+            print(f"{size >> 10:>6} KiB  " + "  ".join(f"{k[:-3]} {v:6.2f} us" for k, v in row.items()
+                                                      if k.endswith("_us")) + f"  (tandem: {row['tandem_path']})",
+                  flush=True)
+    if rank == 0:
+        result = {"world_size": world, "dtype": str(DTYPE), "calls_per_graph": CALLS,
+                  "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                  "one_shot_max_bytes": comm.one_shot_max, "two_shot_max_bytes": comm.two_shot_max, "sizes": rows}
+        print(json.dumps(result, indent=1))
+        if out:
+            with open(out, "w") as f:
+                json.dump(result, f, indent=2)
+    parallel.set_tp_group(None)
+    del comm
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=torch.cuda.device_count())
+    parser.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES), help="message bytes, comma list")
+    parser.add_argument("--out", default=None, help="JSON file for the table")
+    args = parser.parse_args()
+    if args.world_size < 2:
+        raise SystemExit(f"needs at least 2 GPUs, {torch.cuda.device_count()} visible")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(NCCL_ENV)  # the spawned ranks inherit it too
+    sizes = [int(s) for s in args.sizes.split(",")]
+    mp.spawn(_worker, args=(args.world_size, port, sizes, args.out), nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()

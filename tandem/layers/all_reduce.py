@@ -1,0 +1,111 @@
+"""Low-latency all-reduce for decode-sized messages: one kernel of peer-to-peer loads over torch symmetric memory.
+
+NCCL's ring all-reduce costs ~16-19 us a call inside a CUDA graph on two NVLink GPUs, whatever the message
+size up to a few hundred KiB; a decode step of a 7B model makes 64 of them. Here every rank keeps one buffer
+in symmetric memory (mapped into every peer's address space, no NVLink multicast), and an all-reduce is
+torch's `symm_mem` one-shot kernel (copy the local input in, barrier, each rank sums all peers' buffers in
+rank order: deterministic) for small messages, or its two-shot kernel (reduce-scatter + all-gather over the
+same buffer) for medium ones. Larger messages (prefill chunks) and anything the buffer cannot take go to NCCL.
+Both kernels capture into CUDA graphs. The thresholds are per world size and can be tuned by environment
+variables; scripts/bench_all_reduce.py measures every path beside NCCL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Literal
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Path = Literal["one_shot", "two_shot", "nccl"]
+
+# Bytes up to which each path is taken, by world size (beyond: the next path; beyond two-shot: NCCL).
+# One-shot moves (world - 1) x the message per rank over NVLink, two-shot 2 x (world - 1) / world x it in two
+# rounds: one-shot wins while the message is small enough that its single round's latency dominates.
+ONE_SHOT_MAX_BYTES = {2: 256 << 10, 4: 128 << 10, 8: 64 << 10}
+TWO_SHOT_MAX_BYTES = {2: 4 << 20, 4: 4 << 20, 8: 4 << 20}
+_ALIGN = 16  # the symm_mem kernels load 16 bytes at a time: input and buffer must agree on it
+
+
+def choose_path(num_bytes: int, world_size: int, one_shot_max: int | None = None,
+                two_shot_max: int | None = None) -> Path:
+    """The all-reduce path for a message of num_bytes over world_size ranks (thresholds above unless given)."""
+    one = ONE_SHOT_MAX_BYTES.get(world_size, 0) if one_shot_max is None else one_shot_max
+    two = TWO_SHOT_MAX_BYTES.get(world_size, 0) if two_shot_max is None else two_shot_max
+    if num_bytes <= one:
+        return "one_shot"
+    if num_bytes <= two:
+        return "two_shot"
+    return "nccl"
+
+
+def _env_bytes(name: str) -> int | None:
+    value = os.environ.get(name)
+    return None if value is None else int(value)
+
+
+class SymmetricAllReduce:
+    """The peer-to-peer all-reduce of one tensor-parallel group (CUDA, 2-8 ranks), with one buffer of max_bytes.
+
+    Calling it returns the sum in a new tensor, or None where the caller must use NCCL (too large, another
+    dtype, not contiguous or not 16-byte aligned). Created collectively: every rank must construct it at the
+    same point (rendezvous).
+    """
+
+    def __init__(self, group: Any, device: torch.device, dtype: torch.dtype, max_bytes: int) -> None:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.world_size = dist.get_world_size(group)
+        self.group_name: str = group.group_name
+        self.dtype = dtype
+        self.one_shot_max = _env_bytes("TANDEM_ONE_SHOT_MAX_BYTES") or ONE_SHOT_MAX_BYTES.get(self.world_size, 0)
+        self.two_shot_max = _env_bytes("TANDEM_TWO_SHOT_MAX_BYTES") or TWO_SHOT_MAX_BYTES.get(self.world_size, 0)
+        self.max_bytes = min(max_bytes, max(self.one_shot_max, self.two_shot_max))
+        numel = -(-self.max_bytes // dtype.itemsize)
+        self.buffer = symm_mem.empty(numel, dtype=dtype, device=device)  # [numel] this rank's share of the mapping
+        symm_mem.rendezvous(self.buffer, self.group_name)
+
+    def path(self, x: torch.Tensor) -> Path:
+        num_bytes = x.numel() * x.element_size()
+        if (x.dtype != self.dtype or num_bytes > self.max_bytes or not x.is_contiguous()
+                or x.data_ptr() % _ALIGN):
+            return "nccl"
+        return choose_path(num_bytes, self.world_size, self.one_shot_max, self.two_shot_max)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        path = self.path(x)
+        if path == "nccl":
+            return None
+        staging = self.buffer[:x.numel()].view_as(x)
+        out = torch.empty_like(x)
+        if path == "one_shot":
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, x, "sum", self.group_name, out)
+        else:
+            staging.copy_(x)
+            torch.ops.symm_mem.two_shot_all_reduce_out(staging, "sum", self.group_name, out)
+        return out
+
+
+def create_symmetric_all_reduce(group: Any, device: torch.device, dtype: torch.dtype,
+                                max_bytes: int) -> SymmetricAllReduce | None:
+    """The peer-to-peer all-reduce for this group, or None (NCCL everywhere) where it cannot run: not CUDA,
+    TANDEM_ALL_REDUCE=nccl, a world size the kernels do not take, or no symmetric memory (no P2P access, an
+    older torch). Collective: every rank calls it at the same point and gets the same answer."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if (device.type != "cuda" or os.environ.get("TANDEM_ALL_REDUCE", "auto") == "nccl"
+            or world not in ONE_SHOT_MAX_BYTES or dtype not in (torch.bfloat16, torch.float16, torch.float32)):
+        return None
+    try:
+        comm = SymmetricAllReduce(group, device, dtype, max_bytes)
+        ok = torch.ones(1, device=device)
+    except Exception as exc:  # every rank must agree: a rank that failed tells the others below
+        logger.warning("peer-to-peer all-reduce unavailable (%s): NCCL for every message", exc)
+        comm, ok = None, torch.zeros(1, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return comm if bool(ok.item()) else None  # start-up only: one host read
