@@ -8,7 +8,7 @@ GEMV (`gemv`, up to 4 rows), the Triton FP8-weight GEMM (`triton`: x not quantiz
 the GEMM alone on rows quantized beforehand, as the engine runs it after an RMSNorm or SiLU-and-mul kernel that
 writes quantized rows; `quant`: the quantization kernel alone, its fraction counting the bf16 read and the e4m3
 write) and the per-token-quantized `torch._scaled_mm` path, and reports each as weight GB/s and as a fraction of a
-device-to-device copy bandwidth measured in the same run (BENCHMARKS.md's roofline convention), plus the fp8 /
+device-to-device copy bandwidth measured in the same run (the roofline convention of docs/benchmarks.md), plus the fp8 /
 bf16 speedup. Times are GPU times from CUDA graphs that call each path on enough weight copies (>= 4x L2) that
 every call streams its weight from HBM, as a decode step does (bench_gemv.graph_us). --sweep also times a grid
 of tiles and split-K counts of the W8A8 GEMM (on pre-quantized rows) per shape at M in SWEEP_ROWS and reports the

@@ -8,7 +8,7 @@ silu(gate) * up fused) against the path it replaces: bf16 `F.linear` (cuBLAS) an
 a CUDA graph that calls the kernel on enough copies of the weight (>= 4x the L2 size in all) that each call
 streams its weight from HBM, as a decode step does layer after layer; no L2 flush kernel is needed (a flush by
 writes would leave dirty lines for the timed kernel to write back). Weight bytes over the time, as a fraction
-of a device-to-device copy bandwidth measured in the same run, is BENCHMARKS.md's roofline convention.
+of a device-to-device copy bandwidth measured in the same run, is the roofline convention of docs/benchmarks.md.
 
 --sweep times a grid of tiles (BLOCK_N, BLOCK_K, num_warps) at --sweep-rows (1 and 4) per shape and reports the best
 beside `gemv_config`'s choice. The grid's kernels are compiled first by --workers processes in parallel (into

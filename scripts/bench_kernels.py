@@ -8,7 +8,7 @@ decode graph never pays), with the L2 cache flushed before every call; the peer 
 on a contiguous KV of the same contents, timed the same way. The eager (triton.testing.do_bench) times are
 kept beside them (`*_eager_ms`). It counts the bytes the step must read/write (all K/V of every context +
 q + out) and reports GB/s and the fraction of a device-to-device copy bandwidth measured in the same run
-(read + write bytes, the roofline convention of BENCHMARKS.md).
+(read + write bytes, the roofline convention of docs/benchmarks.md).
 
 --sweep also times a grid of (block_n, num_warps, num_stages, num_splits) per shape, keeps the whole table
 in the JSON (`sweep`), prints the best config per shape, and a summary of the best split count per

@@ -4,7 +4,7 @@
 
 For the Llama-3-8B projection shapes at decode batch sizes it times bf16 `F.linear` and `skinny_matmul_triton`
 (the tile `skinny_tile` picks), and with --sweep a grid of tiles and split-K counts, reporting each as a
-fraction of a device-to-device copy bandwidth measured in the same run (BENCHMARKS.md's roofline convention).
+fraction of a device-to-device copy bandwidth measured in the same run (the roofline convention of docs/benchmarks.md).
 Times are GPU times from CUDA graphs over enough weight copies (>= 4x L2) that each call streams its weight
 from HBM, as a decode step does (bench_gemv.graph_us). Both paths are timed with the launch mode the engine
 uses (the Triton GEMM with programmatic dependent launch on Hopper; cuBLAS as torch launches it).
