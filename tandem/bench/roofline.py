@@ -20,7 +20,7 @@ class Ceilings:
 
 
 def measure_ceilings(device: torch.device, fp8: bool = False) -> Ceilings:
-    """The ceilings measured in this process (BENCHMARKS.md: never from a datasheet)."""
+    """The ceilings measured in this process (docs/benchmarks.md: never from a datasheet)."""
     if device.type == "cuda":
         n_bytes = 4 << 30
         src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device).normal_()

@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Any
 
-DEFAULT_PROMPT_IDS = "15496,11,995,318,257"  # 5 tokens; the ids used by BENCHMARKS.md's serving rows
+DEFAULT_PROMPT_IDS = "15496,11,995,318,257"  # 5 tokens; the ids of docs/benchmarks.md's serving rows
 
 
 def add_serve_workload_args(parser: argparse.ArgumentParser) -> None:

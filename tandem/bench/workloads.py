@@ -1,4 +1,4 @@
-"""The named benchmark workloads of BENCHMARKS.md and their request generators."""
+"""The named benchmark workloads (docs/benchmarks.md) and their request generators."""
 
 from __future__ import annotations
 

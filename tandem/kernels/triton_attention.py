@@ -379,7 +379,7 @@ def _merge_splits(ws_o_ptr, ws_lse_ptr, out_ptr, oscale_ptr, b, kvh, seq_len, nu
 def _merge_tile(group: int, block_d: int, num_splits: int, programs: int = 0, num_sms: int = 0) -> tuple[int, int]:
     """(MERGE_G, MERGE_S): the merge's [heads, splits] tile, MERGE_VALUES fp32 partial values a round, or
     MERGE_VALUES_ONE_WAVE where the grid's `programs` fit 3 to an SM. Every round is a dependent trip to L2 at
-    the end of the critical path: on an H200 (h200_s17_kernels_merge*.json, batch 1, 8 kv heads, 32 splits)
+    the end of the critical path: on an H200 (h200_s17_kernels_merge*.json at bd15627, batch 1, 8 kv heads, 32 splits)
     one round instead of four took 2,048 positions from 11.3 to 9.9 us and 8,192 from 20.1 to 18.4; at batch 2-4,
     whose grids then no longer fit one wave, the larger tile was slower (8,192 positions at batch 4: 54.4
     against 46.6 us)."""
@@ -452,11 +452,11 @@ def choose_num_splits(
     """
     programs = max(1, batch * num_kv_heads)
     if programs >= num_sms:
-        # A wave of whole sequences already: on an H200 (h200_s5_kernels_sweep.json) batch 32 x 8 kv heads ran
+        # A wave of whole sequences already: on an H200 (h200_s5_kernels_sweep.json at bd15627) batch 32 x 8 kv heads ran
         # fastest unsplit (25.9 us at 512 tokens, 30.6 with the 3 splits of the waves rule below).
         return 1
     # Whole waves only: at batch 8 x 8 kv heads, 9 splits (576 programs, 4 an SM fit 528) ran 8,192 positions in
-    # 89.6 us, 8 splits in 76.5 (h200_s17_kernels_splits_sweep.json).
+    # 89.6 us, 8 splits in 76.5 (h200_s17_kernels_splits_sweep.json at bd15627).
     want = max(1, programs_per_sm * num_sms // programs)
     worth = triton.cdiv(triton.cdiv(max(max_seq_len, 1), block_n), max(1, min_tiles_per_split))
     return max(1, min(want, worth, MAX_SPLITS))
@@ -466,7 +466,7 @@ def decode_one_tile_programs(num_sms: int) -> int:
     """One-tile split programs the GPU takes at once: a sequence whose tiles times batch x kv heads exceed it is
     split into shares of two tiles or more (decided on the device from seq_len). ONE_TILE_PROGRAMS_PER_SM an SM
     (TANDEM_DECODE_ONE_TILE_PER_SM=N, read per call; a CUDA graph keeps what its capture chose). On an H200
-    (h200_s18_kernels_*.json, 8 kv heads, static bound 8,192) two-tile shares everywhere took batch 2 at 2,048
+    (h200_s18_kernels_*.json at bd15627, 8 kv heads, static bound 8,192) two-tile shares everywhere took batch 2 at 2,048
     positions from 15.4 to 13.7 us (512 one-tile programs against 256 of two), batch 4 at 1,024 from 14.2 to 13.2
     and batch 8 at 512 from 13.6 to 13.1, but slowed the points with at most 256 one-tile programs (batch 1 at
     1,024 from 8.3 to 9.6 us, bs1 from 284 to 273 tok/s); this budget keeps those at one tile a share."""
@@ -767,7 +767,7 @@ def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, i
         return 128, 64, 4, 3
     # 5 stages: the block-table load takes pipeline stages of its own, so at 3 the K/V tiles had one buffer and
     # each tile's loads waited for the tile before it to be done; 5 double-buffers them (scripts/
-    # bench_prefill.py, h200_s11_bench_prefill.json: 7-12% faster at 512-2048 tokens with 8 warps; 4 warps at
+    # bench_prefill.py, h200_s11_bench_prefill.json at bd15627: 7-12% faster at 512-2048 tokens with 8 warps; 4 warps at
     # 5 stages ran at half the speed).
     return 128, 64, 8, 5
 

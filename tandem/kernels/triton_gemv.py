@@ -113,7 +113,7 @@ def gemv_config(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int
     """Tile from the shape alone (graph-safe), as measured on an H100 over the Llama-2-7B / Llama-3-8B
     projections (scripts/bench_gemv.py --sweep; benchmarks/results/ at bd15627): at one row, 16-bit weights
     stream 4 KiB of one weight row per K step (BLOCK_N 1, 4 warps) and FP8 weights 2 KiB of each of 4 rows
-    (gate/up: 1 KiB of one pair with 2 warps, on an H200 1.02-1.04x two pairs with 4, h200_s7_gemv_fp8_sweep.json);
+    (gate/up: 1 KiB of one pair with 2 warps, on an H200 1.02-1.04x two pairs with 4, h200_s7_gemv_fp8_sweep.json at bd15627);
     at 2-4 rows (16-bit only: FP8 runs the tile GEMMs there) 2 KiB of 4 rows (1 pair) per K step with 2 warps,
     as the products of every row are live at once. Narrower row blocks where N would leave SMs idle. A K that the tile does not divide runs masked (EVEN_K false)."""
     if weight_bytes == 1:

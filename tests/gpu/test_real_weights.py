@@ -95,7 +95,7 @@ def test_fp32_greedy_text_equals_the_cpu_run(stops, monkeypatch):
     CPU run, which tests/engine/test_generate.py holds equal to transformers (the pinned version) on these
     prompts. transformers' own fp32 runs here are reported: on the GPU machine's image (transformers 5.17,
     torch 2.11) its CPU and GPU runs agreed with each other but with tandem on only 4 of 16 prompts, while
-    transformers 5.17 and 5.23 on torch 2.13 agree with tandem on all 16 (benchmarks/results/README.md)."""
+    transformers 5.17 and 5.23 on torch 2.13 agree with tandem on all 16 (2026-11-25; git show bd15627:benchmarks/results/README.md)."""
     prompts, ours = _tandem("float32")
     # The same engine with the PyTorch reference kernels: tells a Triton kernel's error from anything else's.
     monkeypatch.setenv("TANDEM_REFERENCE_KERNELS", "1")
