@@ -1,11 +1,154 @@
-"""Fused mixture-of-experts on the GPU (placeholder until the grouped GEMMs land: the reference on device tensors)."""
+"""Fused mixture-of-experts on the GPU: two grouped GEMMs over every expert a step's tokens route to.
+
+The token-expert pairs come sorted by expert and padded per expert to BLOCK_M (`moe_align.align_by_expert`, device
+ops only); program (m, n) multiplies block m's rows, all of one expert, by that expert's weight tile n:
+- gate_up: rows are tokens (pair // top_k), w13 [E, 2I, H]; gate and up tiles in one pass, silu(gate) * up in the
+  epilogue, written to pair rows of an [pairs, I] buffer;
+- down: rows are those pairs, w2 [E, H, I]; the routing weight scales each row in the epilogue, written to pair rows
+  of [pairs, H], then summed over top_k.
+Grids depend on the token count only (a bound on the blocks any routing needs; programs past the used blocks
+return at once), so a decode step captures into a CUDA graph. FP8 weights (per output channel) are widened to the
+activation dtype tile by tile and their scales applied to the accumulator. Small batches (decode: a few pairs per
+expert) take BLOCK_M 16 and long K tiles, large ones (prefill) BLOCK_M 64 and wider N tiles.
+"""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
+import triton
+import triton.language as tl
 
-from tandem.kernels.moe_align import fused_moe_ref
+from tandem.kernels.moe_align import AlignedTokens, align_by_expert
+from tandem.kernels.triton_launch import pdl_wait, use_pdl
 
 
-def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_map=None, w13_scale=None, w2_scale=None) -> torch.Tensor:
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
+@dataclass(frozen=True, slots=True)
+class MoETile:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Pairs per expert (num_tokens * top_k / experts) up to this run the small-batch tile.
+SMALL_BATCH_PAIRS_PER_EXPERT = 16
+
+
+def moe_tile(num_tokens: int, top_k: int, num_experts: int) -> MoETile:
+    """Shape-only tile choice (graph-safe): decode-sized batches stream the weights with short row blocks."""
+    override = os.environ.get("TANDEM_MOE_TILE")  # "bm,bn,bk,warps,stages" for tuning
+    if override:
+        return MoETile(*(int(v) for v in override.split(",")))
+    if num_tokens * top_k <= SMALL_BATCH_PAIRS_PER_EXPERT * num_experts:
+        return MoETile(16, 64, 128, 4, 4)
+    return MoETile(64, 128, 64, 8, 3)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, scale_ptr, topk_w_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    N, K, num_pairs, top_k, up_offset,
+    stride_am, stride_we, stride_wn, stride_om, stride_se,
+    GATED: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pdl_wait(USE_PDL)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    valid = pair < num_pairs
+    row = (pair // top_k) if ROWS_ARE_TOKENS else pair
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + row.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.dot(a, w.to(a.dtype))
+        if GATED:
+            w_up = tl.load(w_ptrs + up_offset * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc_up += tl.dot(a, w_up.to(a.dtype))
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(scale_ptr + expert * stride_se + up_offset + offs_n, mask=n_mask, other=0.0)[None, :]
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc *= tl.load(topk_w_ptr + pair, mask=valid, other=0.0)[:, None]
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def moe_gemm(
+    a: torch.Tensor,  # [rows, K]: tokens (gated) or pairs
+    w: torch.Tensor,  # [E, N or 2N, K]
+    out: torch.Tensor,  # [pairs, N]
+    aligned: AlignedTokens,
+    tile: MoETile,
+    top_k: int,
+    gated: bool,
+    topk_weights: torch.Tensor | None = None,  # [pairs] fp32: scales each output row
+    scale: torch.Tensor | None = None,  # [E, N or 2N] fp32 with FP8 weights
+) -> None:
+    n = out.shape[1]
+    k = a.shape[1]
+    assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1
+    grid = (aligned.expert_ids.shape[0], triton.cdiv(n, tile.block_n))
+    pdl = use_pdl(a.device)
+    _moe_gemm_kernel[grid](
+        a, w, out, scale if scale is not None else w, topk_weights if topk_weights is not None else out,
+        aligned.sorted_pair_ids, aligned.expert_ids, aligned.num_padded,
+        n, k, out.shape[0], top_k, n,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), scale.stride(0) if scale is not None else 0,
+        GATED=gated, ROWS_ARE_TOKENS=gated, MUL_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_PDL=pdl,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=bool(pdl),
+    )
+
+
+def fused_moe_triton(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_local_experts, 2 * inter, hidden]
+    w2: torch.Tensor,  # [num_local_experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int32
+    expert_map: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    tile: MoETile | None = None,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    tile = tile or moe_tile(num_tokens, top_k, num_experts)
+    aligned = align_by_expert(topk_ids, num_experts, tile.block_m, expert_map)
+    num_pairs = num_tokens * top_k
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [pairs, inter]
+    moe_gemm(x, w13, act, aligned, tile, top_k, gated=True, scale=w13_scale)
+    # Pairs routed to another rank's experts are never written: zeros make them add nothing.
+    alloc = torch.zeros if expert_map is not None else torch.empty
+    down = alloc(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [pairs, hidden]
+    moe_gemm(act, w2, down, aligned, tile, top_k, gated=False, topk_weights=topk_weights.reshape(-1).float(),
+             scale=w2_scale)
+    return down.view(num_tokens, top_k, hidden).sum(dim=1)
