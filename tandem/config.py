@@ -112,6 +112,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1  # GPUs (or CPU processes) one model is sharded over, Megatron-style
     data_parallel_size: int = 1  # whole-engine replicas, each on its own tensor_parallel_size GPUs
+    # MoE models over tensor_parallel_size ranks: whole experts per rank (expert e on rank e mod N) instead of
+    # every expert sharded along its intermediate dimension; attention and dense layers stay tensor-parallel.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "fp8"):

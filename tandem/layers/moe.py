@@ -30,22 +30,6 @@ class RouterLinear(Linear):
         return True  # nothing to do: counted as handled, not as a shape FP8 cannot take
 
 
-def check_moe_shape(config: ModelConfig, tp: ParallelConfig) -> None:
-    """ValueError when the experts cannot be split over the ranks."""
-    n = tp.size
-    if n == 1 or config.num_experts == 0:
-        return
-    if tp.expert_parallel and config.num_experts % n:
-        raise ValueError(f"{config.architecture}: {config.num_experts} experts cannot be spread evenly over "
-                         f"{n} ranks with expert parallelism")
-    if not tp.expert_parallel and config.moe_intermediate_size % n:
-        raise ValueError(f"{config.architecture}: expert intermediate size {config.moe_intermediate_size} is not "
-                         f"divisible by tensor_parallel_size={n}")
-    if config.shared_expert_intermediate_size % n:
-        raise ValueError(f"{config.architecture}: shared expert intermediate size "
-                         f"{config.shared_expert_intermediate_size} is not divisible by tensor_parallel_size={n}")
-
-
 class FusedMoE(nn.Module):
     """Routed experts: w13 [local experts, 2 * local inter, hidden] (gate rows, then up rows) and
     w2 [local experts, hidden, local inter]; FP8 after quantize_fp8_() with per-output-channel scales."""

@@ -11,7 +11,7 @@ from torch import nn
 from tandem.config import ModelConfig, ParallelConfig
 from tandem.layers.linear import Linear
 from tandem.layers.moe import FusedMoE, RouterLinear
-from tandem.layers.parallel import all_reduce
+from tandem.layers.parallel import all_reduce, materialize
 from tandem.models.llama import LlamaForCausalLM, LlamaMLP
 from tandem.models.weights import WeightLoader
 
@@ -54,7 +54,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     def load_special(self, name: str, tensor, loader: WeightLoader, modules: dict[str, nn.Module]) -> bool:
         name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
         if name.endswith(".mlp.gate.weight"):  # Mixtral's router lives under block_sparse_moe
-            loader.copy(name, tensor)
+            loader.copy(name, materialize(tensor))
             return True
         match = _EXPERT.match(name)
         stacked = None if match else _STACKED.match(name)
