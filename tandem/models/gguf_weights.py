@@ -11,7 +11,7 @@ from tandem.config import ModelConfig
 
 # llama.cpp architectures whose converter permutes q/k rows for its interleaved rotary layout.
 _PERMUTED_ARCHS = ("llama",)
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
@@ -30,6 +30,15 @@ _PER_BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixtures of experts: the router, every expert stacked [experts, out, in], Qwen2-MoE's shared expert.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 
 
@@ -71,6 +80,8 @@ def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, tor
         if not array.flags.writeable:  # unquantized tensors are views of the read-only mmap
             array = np.array(array, copy=True)
         weight = torch.from_numpy(array)
+        if name.endswith("mlp.shared_expert_gate.weight") and weight.dim() == 1:
+            weight = weight[None]  # [hidden] -> Hugging Face's [1, hidden]
         if arch in _PERMUTED_ARCHS:
             if name.endswith("self_attn.q_proj.weight"):
                 weight = unpermute_rotary(weight, config.num_heads)
