@@ -154,7 +154,7 @@ def load_hf_peer(w: Workload, dtype: str, device: str) -> Any:
 def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | None,
                    quantization: str | None = None, tensor_parallel_size: int = 1,
                    data_parallel_size: int = 1, kv_cache_dtype: str = "auto",
-                   quantize_lm_head: bool = False) -> dict[str, Any]:
+                   quantize_lm_head: bool = False, expert_parallel: bool = False) -> dict[str, Any]:
     import torch
 
     from tandem import LLM
@@ -166,7 +166,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
                               "scale": scale, "date": time.strftime("%Y-%m-%d"), "quantization": quantization,
                               "quantize_lm_head": quantize_lm_head,
                               "kv_cache_dtype": kv_cache_dtype, "peers": {},
-                              "tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size}
+                              "tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size,
+                              "enable_expert_parallel": expert_parallel}
     peer_results: dict[str, Any] = {}
     vocab = None
     # transformers first, then free it, so tandem can size its KV cache from what is left.
@@ -190,6 +191,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
                                       quantization=quantization, quantize_lm_head=quantize_lm_head,
                                       kv_cache_dtype=kv_cache_dtype,
                                       tensor_parallel_size=tensor_parallel_size,
+                                      enable_expert_parallel=expert_parallel,
                                       data_parallel_size=data_parallel_size)
     if w.model is not None:
         llm_kwargs.update(model=w.model, load_format="dummy")
@@ -229,9 +231,22 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         peer_results[name] = r
     if w.shared_prefix_len and "noprefix" in peers:
         result["prefix_cache"] = prefix_ablation(llm, requests, main["_outputs"])
+    moe = llm.engine.model_config.num_experts > 0
+    if tensor_parallel_size > 1 and moe and "ep" in peers:
+        # The other way of spreading the experts (whole experts per rank <-> every expert sharded), in a fresh
+        # engine; same floor (per-rank expert bytes are the same on average). Dummy weights differ per layout.
+        llm.shutdown()
+        llm = None
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        r = run_fresh_tandem({**llm_kwargs, "enable_expert_parallel": not expert_parallel}, requests, warm)
+        r["roofline_fraction"] = floor / r["seconds"]
+        peer_results["tandem TP experts" if expert_parallel else "tandem EP experts"] = r
     if tensor_parallel_size > 1 and "tp1" in peers:
         # The same requests on one GPU in a fresh engine, after the sharded one has freed every GPU.
-        llm.shutdown()
+        if llm is not None:
+            llm.shutdown()
         del llm
         gc.collect()
         if device.startswith("cuda"):
@@ -267,6 +282,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         "ceilings": {"copy_gbps": ceilings.copy_gbps, "matmul_tflops": ceilings.matmul_tflops,
                      "fp8_matmul_tflops": ceilings.fp8_matmul_tflops},
         "weight_bytes": cost.weight_bytes,
+        "expert_bytes": cost.expert_bytes,  # MoE: a step reads the share its tokens route to (roofline.py)
     })
     if (quantization is not None or kv_cache_dtype != "auto") and "bf16" in peers:
         # The same workload unquantized (bf16 weights and KV cache), in a fresh engine once this one's memory is
@@ -446,7 +462,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
         results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.quantization,
                                       args.tensor_parallel_size, args.data_parallel_size, args.kv_cache_dtype,
-                                      args.quantize_lm_head))
+                                      args.quantize_lm_head, args.enable_expert_parallel))
         _print_table(results[-1:])
     _print_table([r for r in results if r["workload"] != "serve"])
     if args.out:
@@ -466,6 +482,7 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
                             "bf16 (with --quantization or --kv-cache-dtype fp8: the engine with bf16 weights and "
                             "KV cache, for the fp8 / bf16 ratio), "
                             "tp1 (with --tensor-parallel-size N > 1: the same run on one GPU, in a fresh engine), "
+                            "ep (MoE with --tensor-parallel-size N > 1: the other expert layout, TP or EP), "
                             "dp1 (with --data-parallel-size M > 1: the same run on one engine, in a fresh LLM), "
                             "nogemv (CUDA: a fresh engine without the decode GEMV kernel, TANDEM_GEMV_MAX_ROWS=0), "
                             "nopdl (CUDA: a fresh engine whose Triton kernels launch without programmatic "
@@ -479,6 +496,9 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
                        help="run tandem with an FP8 KV cache (roofline on its FP8 bytes)")
     bench.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="shard tandem's model over this many GPUs (the tp1 peer runs unsharded)")
+    bench.add_argument("--enable-expert-parallel", action="store_true",
+                       help="with --tensor-parallel-size N > 1 and a MoE model: whole experts per rank (the ep peer "
+                            "runs the other layout)")
     bench.add_argument("--data-parallel-size", type=int, default=1,
                        help="run tandem as this many engine replicas, each on its own GPU(s) (the dp1 peer: one)")
     bench.add_argument("--no-peers", action="store_true")
