@@ -10,6 +10,10 @@ Grids depend on the token count only (a bound on the blocks any routing needs; p
 return at once), so a decode step captures into a CUDA graph. FP8 weights (per output channel) are widened to the
 activation dtype tile by tile and their scales applied to the accumulator. Small batches (decode: a few pairs per
 expert) take BLOCK_M 16 and long K tiles, large ones (prefill) BLOCK_M 64 and wider N tiles.
+
+The fewest tokens (decode at batch 1 to a few: `use_pair_path`) skip the sort altogether: one weight-streaming GEMV
+program per (token-expert pair, N tile) reads that pair's expert rows once; pairs of one token choose distinct
+experts, so at batch 1 every touched weight is read exactly once, with no align kernels before the GEMMs.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.moe_align import AlignedTokens, align_by_expert
+from tandem.kernels.triton_gemv import _fma_tile
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
 
 
@@ -46,6 +51,90 @@ def moe_tile(num_tokens: int, top_k: int, num_experts: int) -> MoETile:
     if num_tokens * top_k <= SMALL_BATCH_PAIRS_PER_EXPERT * num_experts:
         return MoETile(16, 64, 128, 4, 4)
     return MoETile(64, 128, 64, 8, 3)
+
+
+def use_pair_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Pairs few enough next to the experts that two of them rarely share one (shape-only: graph-safe)."""
+    limit = os.environ.get("TANDEM_MOE_PAIR_MAX_PAIRS")
+    max_pairs = int(limit) if limit is not None else max(top_k, num_experts // 4)
+    return num_tokens * top_k <= max_pairs
+
+
+@triton.jit
+def _moe_pair_gemv_kernel(
+    a_ptr, w_ptr, out_ptr, scale_ptr, topk_w_ptr, ids_ptr, map_ptr,
+    N, K, top_k, up_offset, stride_am, stride_we, stride_wn, stride_om, stride_se,
+    GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_MAP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # Program (pair, n): BLOCK_N output channels of the pair's expert over all of K, fp32 partial sums per VEC
+    # group reduced once after the loop. GATED: rows are tokens (pair // top_k), gate and up rows read together
+    # and silu(gate) * up written; else rows are pairs, scaled by the pair's routing weight. A pair whose expert
+    # lives on another rank is skipped (its down row written as zeros).
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pdl_wait(USE_PDL)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    out_ptrs = out_ptr + pair.to(tl.int64) * stride_om + offs_n
+    if expert < 0:
+        if not GATED:
+            tl.store(out_ptrs, tl.zeros((BLOCK_N,), dtype=tl.float32).to(out_ptr.dtype.element_ty), mask=n_mask)
+        return
+    row = (pair // top_k) if GATED else pair
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = a_ptr + row.to(tl.int64) * stride_am + offs_k[None, None, :]  # [1, 1, BLOCK_K]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :]
+    acc = tl.zeros([1, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    acc_up = tl.zeros([1, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (offs_k < K - k0)[None, None, :]
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[None, :, None] & k_mask, other=0.0)
+        acc = _fma_tile(acc, x, w, 1, BLOCK_N, BLOCK_K, VEC)
+        if GATED:
+            u = tl.load(w_ptrs + up_offset * stride_wn, mask=n_mask[None, :, None] & k_mask, other=0.0)
+            acc_up = _fma_tile(acc_up, x, u, 1, BLOCK_N, BLOCK_K, VEC)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = tl.sum(tl.sum(acc, axis=2), axis=0)  # [BLOCK_N]
+    if HAS_SCALE:
+        y *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_mask, other=0.0)
+    if GATED:
+        up = tl.sum(tl.sum(acc_up, axis=2), axis=0)
+        if HAS_SCALE:
+            up *= tl.load(scale_ptr + expert * stride_se + up_offset + offs_n, mask=n_mask, other=0.0)
+        y = y / (1.0 + tl.exp(-y)) * up
+    if MUL_WEIGHT:
+        y *= tl.load(topk_w_ptr + pair)
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+PAIR_BLOCK_N, PAIR_BLOCK_K = 32, 256
+
+
+def moe_pair_gemv(
+    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor, top_k: int, gated: bool,
+    expert_map: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> None:
+    """out[pair] = (silu(gate) * up of) a's row against the pair's expert in w; one program per pair and N tile."""
+    n, k = out.shape[1], a.shape[1]
+    assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1
+    block_k = min(PAIR_BLOCK_K, triton.next_power_of_2(k))
+    vec = max(1, min(16 // w.element_size(), block_k))
+    pdl = use_pdl(a.device)
+    _moe_pair_gemv_kernel[(out.shape[0], triton.cdiv(n, PAIR_BLOCK_N))](
+        a, w, out, scale if scale is not None else w, topk_weights if topk_weights is not None else out,
+        topk_ids, expert_map if expert_map is not None else topk_ids,
+        n, k, top_k, n, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        scale.stride(0) if scale is not None else 0,
+        GATED=gated, MUL_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, HAS_MAP=expert_map is not None,
+        BLOCK_N=PAIR_BLOCK_N, BLOCK_K=block_k, VEC=vec, USE_PDL=pdl, num_warps=4, launch_pdl=bool(pdl),
+    )
 
 
 @triton.jit
@@ -135,12 +224,26 @@ def fused_moe_triton(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     tile: MoETile | None = None,
+    pair_path: bool | None = None,  # None: by token count (use_pair_path)
 ) -> torch.Tensor:  # [num_tokens, hidden]
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
     if x.stride(1) != 1:
         x = x.contiguous()
+    num_global = expert_map.shape[0] if expert_map is not None else num_experts
+    if pair_path is None:
+        pair_path = tile is None and use_pair_path(num_tokens, top_k, num_global)
+    if pair_path:
+        ids = topk_ids.reshape(-1)
+        if ids.dtype != torch.int32 or not ids.is_contiguous():
+            ids = ids.to(torch.int32).contiguous()
+        act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+        moe_pair_gemv(x, w13, act, ids, top_k, gated=True, expert_map=expert_map, scale=w13_scale)
+        down = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+        moe_pair_gemv(act, w2, down, ids, top_k, gated=False, expert_map=expert_map,
+                      topk_weights=topk_weights.reshape(-1).float().contiguous(), scale=w2_scale)
+        return down.view(num_tokens, top_k, hidden).sum(dim=1)
     tile = tile or moe_tile(num_tokens, top_k, num_experts)
     aligned = align_by_expert(topk_ids, num_experts, tile.block_m, expert_map)
     num_pairs = num_tokens * top_k

@@ -62,7 +62,8 @@ def make_moe(num_experts, hidden, inter, dtype, seed=0):
     return w13, w2
 
 
-def run_case(num_tokens, mode, dtype, tile, expert_map=None, num_experts=8, top_k=2, hidden=64, inter=48):
+def run_case(num_tokens, mode, dtype, tile, expert_map=None, num_experts=8, top_k=2, hidden=64, inter=48,
+             pair_path=False):
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
     ids = routing(num_tokens, num_experts, top_k, mode, seed=1)
@@ -71,7 +72,8 @@ def run_case(num_tokens, mode, dtype, tile, expert_map=None, num_experts=8, top_
     w13, w2 = make_moe(local, hidden, inter, dtype)
     expected = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids, expert_map)
     args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
-    got = fused_moe_triton(*args, expert_map.to(DEVICE) if expert_map is not None else None, tile=tile)
+    got = fused_moe_triton(*args, expert_map.to(DEVICE) if expert_map is not None else None, tile=tile,
+                           pair_path=pair_path)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float().cpu(), expected, atol=tol, rtol=tol)
 
@@ -81,6 +83,19 @@ def run_case(num_tokens, mode, dtype, tile, expert_map=None, num_experts=8, top_
 @pytest.mark.parametrize("tile", [SMALL, LARGE], ids=["small", "large"])
 def test_fused_moe_matches_per_expert_loop(num_tokens, mode, tile):
     run_case(num_tokens, mode, torch.float32, tile)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 6])
+@pytest.mark.parametrize("mode", ["random", "all_one"])
+def test_pair_path_matches_per_expert_loop(num_tokens, mode):
+    run_case(num_tokens, mode, torch.float32, None, pair_path=True, hidden=200, inter=40)  # K tails, N tails
+
+
+def test_pair_path_expert_parallel_and_fp16():
+    glob = torch.arange(8)
+    expert_map = torch.where(glob % 2 == 0, glob // 2, -1).to(torch.int32)
+    run_case(5, "random", torch.float32, None, expert_map=expert_map, pair_path=True)
+    run_case(4, "random", torch.float16, None, pair_path=True, num_experts=6, top_k=3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16])
@@ -109,11 +124,17 @@ def test_fused_moe_fp8_weights():
     weights = torch.rand(num_tokens, top_k, generator=gen)
     expected = fused_moe_ref(x, q13, q2, weights, ids, None, s13, s2)
     dev = [t.to(DEVICE) for t in (x, q13, q2, weights, ids)]
-    got = fused_moe_triton(*dev, None, s13.to(DEVICE), s2.to(DEVICE), tile=SMALL)
-    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
+    for pair_path in (False, True):
+        got = fused_moe_triton(*dev, None, s13.to(DEVICE), s2.to(DEVICE), tile=None if pair_path else SMALL,
+                               pair_path=pair_path)
+        torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_tile_choice_by_token_count():
+    from tandem.kernels.triton_moe import use_pair_path
+
+    assert use_pair_path(1, 8, 128) and use_pair_path(4, 8, 128) and not use_pair_path(5, 8, 128)
+    assert use_pair_path(1, 2, 8) and not use_pair_path(2, 2, 8)  # Mixtral: batch 1 only
     assert moe_tile(1, 8, 128).block_m == 16 and moe_tile(64, 8, 128).block_m == 16
     assert moe_tile(4096, 8, 128).block_m == 64
 
