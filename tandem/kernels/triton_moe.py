@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.moe_align import AlignedTokens, align_by_expert
+from tandem.kernels.moe_align import AlignedTokens, align_by_expert, max_aligned_blocks
 from tandem.kernels.triton_gemv import _fma_tile
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
 
@@ -51,6 +51,88 @@ def moe_tile(num_tokens: int, top_k: int, num_experts: int) -> MoETile:
     if num_tokens * top_k <= SMALL_BATCH_PAIRS_PER_EXPERT * num_experts:
         return MoETile(16, 64, 128, 4, 4)
     return MoETile(64, 128, 64, 8, 3)
+
+
+# Up to this many token-expert pairs the sort/align is one Triton program (_align_kernel) instead of ~20 device ops.
+ALIGN_KERNEL_MAX_PAIRS = 4096
+ALIGN_CHUNK = 64
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, map_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
+    num_pairs, num_experts, max_blocks,
+    HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # One program: counts per local expert (pairs of another rank's experts go to no bin), each expert's run
+    # padded to BLOCK_M, the block -> expert table, then every pair written at its expert's start plus its rank
+    # among that expert's earlier pairs (stable), all as [CHUNK, NUM_BINS] one-hot sums: no atomics, no gather.
+    bins = tl.arange(0, NUM_BINS)
+    offs = tl.arange(0, CHUNK)
+    pdl_wait(USE_PDL)
+    counts = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        pair = c0 + offs
+        expert = _local_expert(ids_ptr, map_ptr, pair, num_pairs, num_experts, HAS_MAP)
+        counts += tl.sum((expert[:, None] == bins[None, :]).to(tl.int32), axis=0)
+    # Bin num_experts collects padding lanes and other ranks' pairs: it gets no space.
+    padded = tl.where(bins < num_experts, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    total = tl.sum(padded)
+    tl.store(num_padded_ptr, total)
+    for b0 in range(0, max_blocks, CHUNK):
+        block = b0 + offs
+        first = block * BLOCK_M
+        owner = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)  # runs that end before it
+        tl.store(expert_ids_ptr + block, tl.where(first < total, owner, -1), mask=block < max_blocks)
+        for j in range(BLOCK_M):
+            tl.store(sorted_ptr + first + j, num_pairs + 0 * block, mask=block < max_blocks)
+    tl.debug_barrier()  # the padding is written before any pair lands on top of it
+    running = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        pair = c0 + offs
+        expert = _local_expert(ids_ptr, map_ptr, pair, num_pairs, num_experts, HAS_MAP)
+        onehot = (expert[:, None] == bins[None, :]).to(tl.int32)
+        earlier = tl.cumsum(onehot, 0) - onehot  # this chunk's earlier pairs of the same expert
+        dest = tl.sum(onehot * (earlier + (starts + running)[None, :]), axis=1)
+        tl.store(sorted_ptr + dest, pair, mask=expert < num_experts)
+        running += tl.sum(onehot, axis=0)
+
+
+@triton.jit
+def _local_expert(ids_ptr, map_ptr, pair, num_pairs, num_experts, HAS_MAP: tl.constexpr):
+    # The pair's local expert, or num_experts (no bin that counts) for padding lanes and other ranks' experts.
+    valid = pair < num_pairs
+    expert = tl.load(ids_ptr + pair, mask=valid, other=0)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert, mask=valid, other=-1)
+        expert = tl.where(expert < 0, num_experts, expert)
+    return tl.where(valid, expert, num_experts)
+
+
+def align_by_expert_triton(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None,
+) -> AlignedTokens:
+    """align_by_expert's used part in one Triton program (num pairs <= ALIGN_KERNEL_MAX_PAIRS)."""
+    ids = topk_ids.reshape(-1)
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        ids = ids.to(torch.int32).contiguous()
+    num_pairs = ids.shape[0]
+    max_blocks = max_aligned_blocks(num_pairs, num_experts + 1, block_m)
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    num_bins = triton.next_power_of_2(num_experts + 1)
+    pdl = use_pdl(ids.device)
+    _align_kernel[(1,)](
+        ids, expert_map if expert_map is not None else ids, sorted_ids, expert_ids, num_padded,
+        num_pairs, num_experts, max_blocks,
+        HAS_MAP=expert_map is not None, BLOCK_M=block_m, NUM_BINS=num_bins, CHUNK=ALIGN_CHUNK, USE_PDL=pdl,
+        num_warps=8 if num_bins >= 256 else 4, launch_pdl=bool(pdl),
+    )
+    return AlignedTokens(sorted_ids, expert_ids, num_padded, block_m)
 
 
 def use_pair_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -245,7 +327,10 @@ def fused_moe_triton(
                       topk_weights=topk_weights.reshape(-1).float().contiguous(), scale=w2_scale)
         return down.view(num_tokens, top_k, hidden).sum(dim=1)
     tile = tile or moe_tile(num_tokens, top_k, num_experts)
-    aligned = align_by_expert(topk_ids, num_experts, tile.block_m, expert_map)
+    if num_tokens * top_k <= ALIGN_KERNEL_MAX_PAIRS:
+        aligned = align_by_expert_triton(topk_ids, num_experts, tile.block_m, expert_map)
+    else:
+        aligned = align_by_expert(topk_ids, num_experts, tile.block_m, expert_map)
     num_pairs = num_tokens * top_k
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [pairs, inter]
     moe_gemm(x, w13, act, aligned, tile, top_k, gated=True, scale=w13_scale)

@@ -42,6 +42,35 @@ def test_align_matches_python_reference(num_tokens, mode, block_m):
     assert aligned.expert_ids.shape[0] == max_aligned_blocks(num_tokens * top_k, num_experts + 1, block_m)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 3, 40])
+@pytest.mark.parametrize("mode", ["random", "all_one", "even_only"])
+def test_align_kernel_matches_python_reference(num_tokens, mode):
+    from tandem.kernels.triton_moe import align_by_expert_triton
+
+    num_experts, top_k, block_m = 8, 2, 4
+    ids = routing(num_tokens, num_experts, top_k, mode)
+    aligned = align_by_expert_triton(ids.to(DEVICE), num_experts, block_m)
+    pairs, experts = align_by_expert_ref(ids, num_experts, block_m)
+    used = int(aligned.num_padded)
+    assert used == len(pairs)
+    assert aligned.sorted_pair_ids[:used].tolist() == pairs
+    assert aligned.expert_ids[: used // block_m].tolist() == experts
+    assert (aligned.expert_ids[used // block_m:] == -1).all()
+
+
+def test_align_kernel_with_expert_map():
+    from tandem.kernels.triton_moe import align_by_expert_triton
+
+    glob = torch.arange(8)
+    expert_map = torch.where(glob % 2 == 1, glob // 2, -1).to(torch.int32)
+    ids = routing(70, 8, 3, "random", seed=5)  # 210 pairs: several chunks
+    aligned = align_by_expert_triton(ids.to(DEVICE), 4, 16, expert_map.to(DEVICE))
+    pairs, experts = align_by_expert_ref(ids, 4, 16, expert_map)
+    used = int(aligned.num_padded)
+    assert aligned.sorted_pair_ids[:used].tolist() == pairs
+    assert aligned.expert_ids[: used // 16].tolist() == experts
+
+
 def test_align_with_expert_map_keeps_only_local_experts():
     num_experts, top_k, ranks = 8, 3, 2
     ids = routing(40, num_experts, top_k, "random", seed=3)
