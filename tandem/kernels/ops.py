@@ -9,7 +9,7 @@ import torch
 
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.fp8 import FP8_DTYPE, W8A8_MAX_M, QuantizedRows, fp8_quantizes_activations, group_block_k
-from tandem.kernels.moe_align import fused_moe_ref
+from tandem.kernels.moe_align import fused_moe_ref, route_topk
 from tandem.kernels.reference import paged_attention_ref, write_kv_ref
 
 if TYPE_CHECKING:
@@ -181,6 +181,16 @@ def use_triton(x: torch.Tensor) -> bool:
 def force_triton() -> bool:
     """TANDEM_FORCE_TRITON=1 sends CPU tensors to the Triton kernels (tests under TRITON_INTERPRET=1)."""
     return os.environ.get("TANDEM_FORCE_TRITON") == "1"
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax then top-k of [num_tokens, num_experts] router logits: (weights fp32, expert ids int32), each
+    [num_tokens, top_k]; one Triton launch on CUDA, PyTorch elsewhere."""
+    if use_triton(router_logits):
+        from tandem.kernels.triton_moe import route_topk_triton  # lazy: CPU runs never import Triton
+
+        return route_topk_triton(router_logits, top_k, renormalize)
+    return route_topk(router_logits, top_k, renormalize)
 
 
 def fused_moe(

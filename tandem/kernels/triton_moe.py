@@ -53,6 +53,54 @@ def moe_tile(num_tokens: int, top_k: int, num_experts: int) -> MoETile:
     return MoETile(64, 128, 64, 8, 3)
 
 
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_BINS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # One token: softmax over its experts in fp32, the TOP_K largest in descending order (first index on ties),
+    # optionally divided by their sum.
+    row = tl.program_id(0)
+    bins = tl.arange(0, NUM_BINS)
+    pdl_wait(USE_PDL)
+    x = tl.load(logits_ptr + row * stride_l + bins, mask=bins < num_experts, other=-float("inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    p = e / tl.sum(e, axis=0)
+    total = 1.0
+    if RENORMALIZE:  # a first pass for the sum of the chosen ones (no store is read back)
+        total = 0.0
+        q = p
+        for k in range(TOP_K):
+            best = tl.max(q, axis=0)
+            idx = tl.min(tl.where(q == best, bins, NUM_BINS), axis=0)
+            total += best
+            q = tl.where(bins == idx, -1.0, q)
+    for k in range(TOP_K):
+        best = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == best, bins, NUM_BINS), axis=0)
+        tl.store(ids_ptr + row * TOP_K + k, idx)
+        tl.store(weights_ptr + row * TOP_K + k, best / total)
+        p = tl.where(bins == idx, -1.0, p)
+
+
+def route_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align.route_topk in one launch: (weights [n, top_k] fp32, ids [n, top_k] int32)."""
+    n, num_experts = router_logits.shape
+    weights = torch.empty(n, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(n, top_k, dtype=torch.int32, device=router_logits.device)
+    if n == 0:
+        return weights, ids
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
+    pdl = use_pdl(router_logits.device)
+    _route_kernel[(n,)](
+        router_logits, weights, ids, num_experts, router_logits.stride(0),
+        TOP_K=top_k, RENORMALIZE=renormalize, NUM_BINS=triton.next_power_of_2(num_experts), USE_PDL=pdl,
+        num_warps=4, launch_pdl=bool(pdl),
+    )
+    return weights, ids
+
+
 # Up to this many token-expert pairs the sort/align is one Triton program (_align_kernel) instead of ~20 device ops.
 ALIGN_KERNEL_MAX_PAIRS = 4096
 ALIGN_CHUNK = 64

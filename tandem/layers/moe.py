@@ -15,8 +15,7 @@ from torch import nn
 
 from tandem.config import ModelConfig, ParallelConfig
 from tandem.kernels.fp8 import FP8_DTYPE
-from tandem.kernels.moe_align import route_topk
-from tandem.kernels.ops import fused_moe
+from tandem.kernels.ops import fused_moe, moe_route
 from tandem.layers.linear import Linear
 from tandem.layers.parallel import LazyTensor, all_reduce, materialize, take
 from tandem.layers.quantization import quantize_weight_fp8
@@ -65,7 +64,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # [num_tokens, hidden]
         """reduce=False leaves the cross-rank sum to the caller (who adds more partial sums first)."""
-        weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
         out = fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map, self.w13_scale, self.w2_scale)
         return all_reduce(out) if reduce and self.tp.size > 1 else out
 

@@ -84,6 +84,19 @@ def test_align_with_expert_map_keeps_only_local_experts():
         assert aligned.expert_ids[: used // 8].tolist() == experts
 
 
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (60, 4), (128, 8), (5, 1)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_kernel_matches_softmax_topk(num_experts, top_k, renormalize):
+    from tandem.kernels.moe_align import route_topk
+    from tandem.kernels.triton_moe import route_topk_triton
+
+    logits = torch.randn(6, num_experts, generator=torch.Generator().manual_seed(num_experts)) * 2
+    weights, ids = route_topk_triton(logits.to(DEVICE), top_k, renormalize)
+    ref_weights, ref_ids = route_topk(logits, top_k, renormalize)
+    assert torch.equal(ids.cpu(), ref_ids)
+    torch.testing.assert_close(weights.cpu(), ref_weights, atol=1e-6, rtol=1e-5)
+
+
 def make_moe(num_experts, hidden, inter, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
