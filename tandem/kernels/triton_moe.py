@@ -274,7 +274,8 @@ def _moe_gemm_kernel(
     N, K, num_pairs, top_k, up_offset,
     stride_am, stride_we, stride_wn, stride_om, stride_se,
     GATED: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -299,10 +300,10 @@ def _moe_gemm_kernel(
         k_mask = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.dot(a, w.to(a.dtype))
+        acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
         if GATED:
             w_up = tl.load(w_ptrs + up_offset * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc_up += tl.dot(a, w_up.to(a.dtype))
+            acc_up += tl.dot(a, w_up.to(a.dtype), input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if HAS_SCALE:
@@ -339,7 +340,8 @@ def moe_gemm(
         n, k, out.shape[0], top_k, n,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), scale.stride(0) if scale is not None else 0,
         GATED=gated, ROWS_ARE_TOKENS=gated, MUL_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, USE_PDL=pdl,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", USE_PDL=pdl,  # fp32 models: no TF32 rounding
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=bool(pdl),
     )
 
