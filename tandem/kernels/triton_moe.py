@@ -12,8 +12,9 @@ activation dtype tile by tile and their scales applied to the accumulator. Small
 expert) take BLOCK_M 16 and long K tiles, large ones (prefill) BLOCK_M 64 and wider N tiles.
 
 The fewest tokens (decode at batch 1 to a few: `use_pair_path`) skip the sort altogether: one weight-streaming GEMV
-program per (token-expert pair, N tile) reads that pair's expert rows once; pairs of one token choose distinct
-experts, so at batch 1 every touched weight is read exactly once, with no align kernels before the GEMMs.
+program per (token-expert pair, N tile) reads that pair's expert rows once (gate_up), then one per (token, N tile)
+runs the down projection of the token's top_k pairs and sums them in registers; pairs of one token choose distinct
+experts, so at batch 1 every touched weight is read exactly once, with no align or reduction kernel.
 """
 
 from __future__ import annotations
@@ -243,7 +244,67 @@ def _moe_pair_gemv_kernel(
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _moe_pair_down_sum_kernel(
+    a_ptr, w_ptr, out_ptr, scale_ptr, topk_w_ptr, ids_ptr, map_ptr,
+    N, K, stride_am, stride_we, stride_wn, stride_om, stride_se,
+    TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_MAP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # Program (token, n): the down projection of each of the token's TOP_K pairs, scaled by its routing weight
+    # and summed in registers (in k order), written once: no [pairs, hidden] buffer and no reduction kernel.
+    # Another rank's expert: its loads are masked off (no bytes read) and it adds nothing.
+    token = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pdl_wait(USE_PDL)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(TOP_K):
+        pair = token * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        if HAS_MAP:
+            expert = tl.load(map_ptr + expert).to(tl.int64)
+        here = expert >= 0
+        expert = tl.maximum(expert, 0)
+        x_ptrs = a_ptr + pair.to(tl.int64) * stride_am + offs_k[None, None, :]
+        w_ptrs = w_ptr + expert * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :]
+        acc = tl.zeros([1, BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = (offs_k < K - k0)[None, None, :] & here
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[None, :, None] & k_mask, other=0.0)
+            acc = _fma_tile(acc, x, w, 1, BLOCK_N, BLOCK_K, VEC)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        y = tl.sum(tl.sum(acc, axis=2), axis=0)
+        if HAS_SCALE:
+            y *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_mask & here, other=0.0)
+        total += tl.where(here, y * tl.load(topk_w_ptr + pair), 0.0)
+    tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 PAIR_BLOCK_N, PAIR_BLOCK_K = 32, 256
+
+
+def moe_pair_down_sum(
+    act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    top_k: int, expert_map: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+) -> None:
+    """out[token] = sum over its top_k pairs of weight x act[pair] @ w2[expert]^T; one program per token, N tile."""
+    n, k = out.shape[1], act.shape[1]
+    assert act.stride(1) == 1 and w2.stride(2) == 1 and out.stride(1) == 1
+    block_k = min(PAIR_BLOCK_K, triton.next_power_of_2(k))
+    vec = max(1, min(16 // w2.element_size(), block_k))
+    pdl = use_pdl(act.device)
+    _moe_pair_down_sum_kernel[(out.shape[0], triton.cdiv(n, PAIR_BLOCK_N))](
+        act, w2, out, scale if scale is not None else w2, topk_weights, topk_ids,
+        expert_map if expert_map is not None else topk_ids,
+        n, k, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), scale.stride(0) if scale is not None else 0,
+        TOP_K=top_k, HAS_SCALE=scale is not None, HAS_MAP=expert_map is not None,
+        BLOCK_N=PAIR_BLOCK_N, BLOCK_K=block_k, VEC=vec, USE_PDL=pdl, num_warps=4, launch_pdl=bool(pdl),
+    )
 
 
 def moe_pair_gemv(
@@ -372,10 +433,10 @@ def fused_moe_triton(
             ids = ids.to(torch.int32).contiguous()
         act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
         moe_pair_gemv(x, w13, act, ids, top_k, gated=True, expert_map=expert_map, scale=w13_scale)
-        down = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-        moe_pair_gemv(act, w2, down, ids, top_k, gated=False, expert_map=expert_map,
-                      topk_weights=topk_weights.reshape(-1).float().contiguous(), scale=w2_scale)
-        return down.view(num_tokens, top_k, hidden).sum(dim=1)
+        out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+        moe_pair_down_sum(act, w2, out, ids, topk_weights.reshape(-1).float().contiguous(), top_k, expert_map,
+                          w2_scale)
+        return out
     tile = tile or moe_tile(num_tokens, top_k, num_experts)
     if num_tokens * top_k <= ALIGN_KERNEL_MAX_PAIRS:
         aligned = align_by_expert_triton(topk_ids, num_experts, tile.block_m, expert_map)
