@@ -158,7 +158,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     import torch
 
     from tandem import LLM
-    from tandem.bench.roofline import floor_seconds, measure_ceilings, model_cost, step_classes
+    from tandem.bench.roofline import floor_seconds, measure_ceilings, model_cost, moe_routing_scale, step_classes
 
     device = w.device if (w.device != "cuda" or torch.cuda.is_available()) else "cpu"
     dtype = w.dtype if device.startswith("cuda") else "float32"
@@ -199,16 +199,26 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     llm_kwargs["max_model_len"] = max(int(max_len * scale) + 16, 64)
     if data_parallel_size > 1:
         return bench_data_parallel(result, peer_results, w, peers, scale, llm_kwargs)
-    llm = LLM(**llm_kwargs)
+    with environment({"TANDEM_MOE_ROUTE_STATS": "1"}):  # MoE layers count the experts they route to
+        llm = LLM(**llm_kwargs)
     vocab = llm.engine.model_config.vocab_size
     requests = make_requests(w, vocab, scale=scale)
     warm = [(p, min(n, 4)) for p, n in requests[: min(8, len(requests))]]
     run_tandem(llm, warm)  # compile kernels, fill allocator caches
     llm.engine.scheduler.reset_prefix_cache()
+    counters = [b for n, b in llm.engine.runner.model.named_buffers() if n.endswith("routed_experts")]
+    for counter in counters:
+        counter.zero_()
     main = run_tandem(llm, requests, record=True)
+    routed = sum(int(c) for c in counters)  # after the timed run: the host reads them once
     ceilings = measure_ceilings(torch.device(device), fp8=quantization == "fp8")
     cost = model_cost(llm.engine.runner.model, llm.engine.model_config, tensor_parallel_size,
                       llm.engine.runner.kv_cache.dtype)
+    if counters:
+        scale_ = moe_routing_scale(routed, main["_step_log"], cost, len(counters))
+        result["moe_routing"] = {"distinct_experts_routed": routed, "moe_layers": len(counters),
+                                 "over_uniform_estimate": scale_}
+        cost = replace(cost, routing_scale=scale_)
     floor = floor_seconds(main["_step_log"], cost, ceilings)
     group = llm.engine.runner.group
     if group is not None:

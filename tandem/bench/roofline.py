@@ -83,6 +83,9 @@ class ModelCost:
     num_experts: int = 0  # experts per MoE layer over all ranks (0: a dense model)
     top_k: int = 0
     fp8_experts: bool = False
+    # Measured distinct experts per layer-forward over the uniform-routing expectation (moe_routing_scale), 1.0
+    # where no routing was counted.
+    routing_scale: float = 1.0
 
     def expected_experts(self, num_tokens: int) -> float:
         """Distinct experts per layer that num_tokens tokens route to, expected under uniform routing (the
@@ -96,7 +99,17 @@ class ModelCost:
         (TP: 1/N of every expert; EP: the whole experts that live here, 1/N of them on average)."""
         if self.num_experts == 0:
             return 0.0
-        return self.expected_experts(num_tokens) / self.num_experts * self.expert_bytes
+        touched = min(self.expected_experts(num_tokens) * self.routing_scale, float(self.num_experts))
+        return touched / self.num_experts * self.expert_bytes
+
+
+def moe_routing_scale(routed: int, step_log: list[tuple[int, int, int]], cost: ModelCost,
+                      num_moe_layers: int) -> float:
+    """routed (distinct experts summed over every MoE layer's forwards of a run, as the layers' counters hold
+    them) over what uniform routing would give for the run's steps: how much more (or less) a step reads than
+    the uniform estimate says."""
+    expected = num_moe_layers * sum(cost.expected_experts(tokens) for _, tokens, _ in step_log)
+    return routed / expected if expected > 0 else 1.0
 
 
 def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,

@@ -10,6 +10,8 @@ Either way the partial outputs are summed by one all-reduce, which the decode gr
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -49,6 +51,11 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden, self.local_inter), requires_grad=False)
         self.register_buffer("w13_scale", None)  # [local experts, 2 * local inter] fp32 with FP8 weights
         self.register_buffer("w2_scale", None)  # [local experts, hidden] fp32
+        # TANDEM_MOE_ROUTE_STATS=1 (set by `tandem bench` before the engine captures its graphs): a device counter of
+        # the distinct experts each forward routes to, summed over forwards, for the roofline's expert bytes.
+        stats = os.environ.get("TANDEM_MOE_ROUTE_STATS") == "1"
+        self.register_buffer("routed_experts", torch.zeros((), dtype=torch.int64) if stats else None,
+                             persistent=False)
         if self.expert_parallel:  # global id -> local index, -1 where another rank holds it
             ids = torch.arange(config.num_experts)
             local = torch.where(ids % tp.size == tp.rank, ids // tp.size, -1).to(torch.int32)
@@ -65,6 +72,9 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # [num_tokens, hidden]
         """reduce=False leaves the cross-rank sum to the caller (who adds more partial sums first)."""
         weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
+        if self.routed_experts is not None:
+            hit = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+            self.routed_experts += hit.index_fill_(0, ids.reshape(-1).long(), 1).sum()
         out = fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map, self.w13_scale, self.w2_scale)
         return all_reduce(out) if reduce and self.tp.size > 1 else out
 

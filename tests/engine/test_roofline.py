@@ -86,3 +86,23 @@ def test_model_cost_counts_expert_stacks_apart():
     assert cost.expert_bytes == 4 * cost.expert_params
     total = sum(p.numel() for p in model.parameters())
     assert cost.body_params + cost.expert_params == total - 2 * 256 * 64  # minus embedding and lm_head
+
+
+def test_moe_bench_counts_the_experts_its_steps_route_to(tmp_path):
+    import torch
+    import transformers
+
+    from tandem.bench.offline import bench_workload
+    from tandem.bench.workloads import Workload
+    from tests.models.test_moe_parity import tiny_moe_config
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(tiny_moe_config("qwen3_moe")).float().save_pretrained(tmp_path)
+    w = Workload("tiny-moe", str(tmp_path), 4, (8, 16), (4, 8), dtype="float32", device="cpu")
+    r = bench_workload(w, [], 1.0, None)
+    routing = r["moe_routing"]
+    assert routing["moe_layers"] == 1  # decoder_sparse_step 2 of 3 layers
+    # Every step's tokens route somewhere: at least top_k distinct experts per step, at most all of them.
+    assert 3 * r["num_steps"] <= routing["distinct_experts_routed"] <= 8 * r["num_steps"]
+    assert 0.3 < routing["over_uniform_estimate"] < 3.0
+    assert r["expert_bytes"] > 0
