@@ -49,6 +49,10 @@ def hf_tensor_name(gguf_name: str) -> str:
         return f"{_TOP_LEVEL[parts[0]]}.{parts[1]}"
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _PER_BLOCK:
         return f"model.layers.{parts[1]}.{_PER_BLOCK[parts[2]]}.{parts[3]}"
+    if len(parts) == 5 and parts[0] == "blk" and parts[2] in ("ffn_gate", "ffn_up", "ffn_down"):
+        # Older Mixtral files: one tensor per expert, blk.N.ffn_gate.E.weight.
+        proj = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}[parts[2]]
+        return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{proj}.{parts[4]}"
     raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
 
 
@@ -64,6 +68,22 @@ def gguf_architecture(reader) -> str:
     if field is None:
         raise ValueError("GGUF file has no general.architecture")
     return str(field.contents())
+
+
+def gguf_moe_config(path: str) -> dict[str, object]:
+    """Config fields a GGUF's metadata adds for a mixture of experts transformers' GGUF reader leaves out: llama.cpp
+    stores Mixtral as architecture llama with llama.expert_count (-> model_type mixtral); {} otherwise."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    if gguf_architecture(reader) != "llama":
+        return {}
+    count = reader.fields.get("llama.expert_count")
+    used = reader.fields.get("llama.expert_used_count")
+    if count is None or int(count.contents()) == 0:
+        return {}
+    return {"model_type": "mixtral", "num_local_experts": int(count.contents()),
+            "num_experts_per_tok": int(used.contents()) if used is not None else 2}
 
 
 def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -19,7 +19,7 @@ from tandem.config import EngineConfig, ModelConfig, ParallelConfig
 from tandem.layers.linear import Embedding, Linear
 from tandem.layers.moe import FusedMoE
 from tandem.layers.quantization import checkpoint_fp8_config, dequantize_fp8_checkpoint
-from tandem.models.gguf_weights import iter_gguf_weights
+from tandem.models.gguf_weights import gguf_moe_config, iter_gguf_weights
 from tandem.models.registry import MODEL_REGISTRY, model_config_from_hf
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -296,7 +296,7 @@ def _hf_config(source: ModelSource, overrides: dict[str, Any]):
         values = dict(NAMED_SHAPES[source.shape_name])
     elif source.path.endswith(".gguf"):
         folder, name = os.path.split(source.path)
-        values = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
+        values = {**AutoConfig.from_pretrained(folder, gguf_file=name).to_dict(), **gguf_moe_config(source.path)}
     else:
         values = _read_config_json(source.path)
     values = apply_overrides(values, overrides)

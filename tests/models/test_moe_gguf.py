@@ -32,6 +32,22 @@ def test_moe_tensor_names():
     assert hf_tensor_name("blk.1.ffn_up_shexp.weight") == "model.layers.1.mlp.shared_expert.up_proj.weight"
 
 
+def test_older_per_expert_names_and_mixtral_metadata(tmp_path):
+    from tandem.models.gguf_weights import gguf_moe_config
+
+    assert hf_tensor_name("blk.3.ffn_down.7.weight") == "model.layers.3.mlp.experts.7.down_proj.weight"
+    path = str(tmp_path / "mixtral.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_uint32("llama.expert_count", 8)
+    writer.add_uint32("llama.expert_used_count", 2)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_moe_config(path) == {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}
+
+
 def _gguf_tensors(state: dict[str, torch.Tensor], num_layers: int, num_experts: int) -> dict[str, torch.Tensor]:
     out = {"token_embd.weight": state["model.embed_tokens.weight"], "output_norm.weight": state["model.norm.weight"],
            "output.weight": state["lm_head.weight"]}
