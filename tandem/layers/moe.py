@@ -1,5 +1,5 @@
-"""Mixture-of-experts block: the router, every expert's gate/up and down weights stacked, tensor- or
-expert-parallel sharding, and Qwen2-MoE's gated shared expert.
+"""Mixture-of-experts block: the router and every expert's gate/up and down weights stacked, sharded tensor- or
+expert-parallel (Qwen2-MoE's gated shared expert is added in models/moe.py).
 
 Sharding over the tensor-parallel group (tokens are replicated on every rank there):
 - tensor parallel (default): every rank holds every expert's 1/N of the intermediate dimension, as the dense MLP;
@@ -40,7 +40,7 @@ class FusedMoE(nn.Module):
         self.tp = tp
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
-        self.renormalize = config.norm_topk_prob or config.architecture == "mixtral"
+        self.renormalize = config.norm_topk_prob  # Mixtral's config sets it (registry.py)
         self.expert_parallel = tp.expert_parallel and tp.size > 1
         inter = config.moe_intermediate_size
         self.num_local_experts = config.num_experts // tp.size if self.expert_parallel else config.num_experts
