@@ -80,11 +80,11 @@ class MixtralForCausalLM(MoEForCausalLM):
 
 
 class Qwen2MoeForCausalLM(MoEForCausalLM):
-    block_cls = Qwen2MoeSparseBlock
-
     def __init__(self, config: ModelConfig, tp: ParallelConfig | None = None) -> None:
         if not config.attention_bias:
             raise ValueError("qwen2_moe requires attention_bias=True (q/k/v projections carry a bias)")
+        # Without a shared expert (shared_expert_intermediate_size 0) the block is the routed experts alone.
+        self.block_cls = Qwen2MoeSparseBlock if config.shared_expert_intermediate_size else FusedMoE
         super().__init__(config, tp)
 
 
