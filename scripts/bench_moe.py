@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import copy_bandwidth_gbs, replay_ms  # noqa: E402
 
 from tandem.kernels.moe_align import route_topk  # noqa: E402
-from tandem.kernels.triton_moe import MoETile, fused_moe_triton, moe_tile  # noqa: E402
+from tandem.kernels.triton_moe import MoETile, fused_moe_triton, moe_tile, use_pair_path  # noqa: E402
 from tandem.layers.quantization import quantize_weight_fp8  # noqa: E402
 
 SHAPES = {  # (experts, top_k, hidden, expert intermediate)
@@ -104,7 +104,8 @@ def bench(shape: str, tokens: list[int], fp8: bool, sweep: bool, calls: int) -> 
         moved = touched * expert_bytes + 2 * t * hidden * 2
         ms = time_fused(stacks, xs, routings, None)
         chosen = moe_tile(t, top_k, num_experts)
-        row = {"tokens": t, "tile": [getattr(chosen, f) for f in MoETile.__slots__],
+        row = {"tokens": t, "pair_path": use_pair_path(t, top_k, num_experts),
+               "tile": [getattr(chosen, f) for f in MoETile.__slots__],
                "fused_us": ms * 1e3, "experts_touched": touched, "bytes_mb": moved / 1e6,
                "roofline_fraction": moved / (ms * 1e-3) / (bw * 1e9)}
         if not fp8:
