@@ -69,13 +69,14 @@ def _route_kernel(
     p = e / tl.sum(e, axis=0)
     total = 1.0
     if RENORMALIZE:  # a first pass for the sum of the chosen ones (no store is read back)
-        total = 0.0
         q = p
+        chosen = tl.zeros([NUM_BINS], dtype=tl.float32)  # loop-carried as a vector, summed once after
         for k in range(TOP_K):
             best = tl.max(q, axis=0)
             idx = tl.min(tl.where(q == best, bins, NUM_BINS), axis=0)
-            total += best
+            chosen = tl.where(bins == idx, best, chosen)
             q = tl.where(bins == idx, -1.0, q)
+        total = tl.sum(chosen, axis=0)
     for k in range(TOP_K):
         best = tl.max(p, axis=0)
         idx = tl.min(tl.where(p == best, bins, NUM_BINS), axis=0)
