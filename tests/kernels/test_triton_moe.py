@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels.moe_align import align_by_expert, align_by_expert_ref, fused_moe_ref, max_aligned_blocks
+from tandem.kernels.moe_align import (
+    align_by_expert,
+    align_by_expert_ref,
+    fused_moe_ref,
+    max_aligned_blocks,
+)
 from tandem.kernels.triton_moe import MoETile, fused_moe_triton, moe_tile
 
 CUDA = torch.cuda.is_available()
