@@ -209,7 +209,7 @@ def test_fused_moe_bf16_on_gpu(num_tokens, mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("num_tokens", [1, 64, 512])
+@pytest.mark.parametrize("num_tokens", [1, 64, 512, 2048])  # 2048 x top 4: the device-op align
 def test_fused_moe_captures_into_a_cuda_graph(num_tokens):
     """Routing, align and both GEMMs replay from a graph with new routings (no host sync inside)."""
     num_experts, top_k, hidden, inter = 64, 4, 512, 256
