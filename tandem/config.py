@@ -27,7 +27,7 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    architecture: str  # key of tandem.models.registry.MODEL_REGISTRY: llama, qwen2, qwen3, gpt2
+    architecture: str  # key of tandem.models.registry.MODEL_REGISTRY: llama, qwen2, qwen3, gpt2, mixtral, qwen*_moe
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -45,6 +45,20 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (0 experts: a dense model). Each token runs num_experts_per_tok of num_experts MLPs of
+    # moe_intermediate_size, weighted by its router's softmax (renormalized over the chosen ones with
+    # norm_topk_prob); a shared expert (Qwen2-MoE) runs for every token behind a sigmoid gate.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1  # layer i is a MoE layer when (i + 1) % step == 0 and i not in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -58,6 +72,7 @@ class ParallelConfig:
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False  # MoE experts whole on ranks (expert e on rank e mod size), not sharded
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -97,6 +112,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1  # GPUs (or CPU processes) one model is sharded over, Megatron-style
     data_parallel_size: int = 1  # whole-engine replicas, each on its own tensor_parallel_size GPUs
+    # MoE models over tensor_parallel_size ranks: whole experts per rank (expert e on rank e mod N) instead of
+    # every expert sharded along its intermediate dimension; attention and dense layers stay tensor-parallel.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "fp8"):

@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the bytes a decode step's attention reads; auto: the model dtype")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N GPUs (one process each; or launch N processes with torchrun)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models over the tensor-parallel ranks: whole experts per rank (expert e on rank "
+                        "e mod N) instead of every expert sharded; attention stays tensor-parallel")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -50,6 +53,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=not args.no_prefix_caching, overlap=not args.sync,
         cuda_graph=not args.no_cuda_graph, piecewise_max_tokens=args.piecewise_max_tokens, seed=args.seed,
         quantization=args.quantization, quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         data_parallel_size=getattr(args, "data_parallel_size", 1),  # generate's and serve's own flag
     )

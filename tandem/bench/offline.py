@@ -154,11 +154,11 @@ def load_hf_peer(w: Workload, dtype: str, device: str) -> Any:
 def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | None,
                    quantization: str | None = None, tensor_parallel_size: int = 1,
                    data_parallel_size: int = 1, kv_cache_dtype: str = "auto",
-                   quantize_lm_head: bool = False) -> dict[str, Any]:
+                   quantize_lm_head: bool = False, expert_parallel: bool = False) -> dict[str, Any]:
     import torch
 
     from tandem import LLM
-    from tandem.bench.roofline import floor_seconds, measure_ceilings, model_cost, step_classes
+    from tandem.bench.roofline import floor_seconds, measure_ceilings, model_cost, moe_routing_scale, step_classes
 
     device = w.device if (w.device != "cuda" or torch.cuda.is_available()) else "cpu"
     dtype = w.dtype if device.startswith("cuda") else "float32"
@@ -166,7 +166,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
                               "scale": scale, "date": time.strftime("%Y-%m-%d"), "quantization": quantization,
                               "quantize_lm_head": quantize_lm_head,
                               "kv_cache_dtype": kv_cache_dtype, "peers": {},
-                              "tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size}
+                              "tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size,
+                              "enable_expert_parallel": expert_parallel}
     peer_results: dict[str, Any] = {}
     vocab = None
     # transformers first, then free it, so tandem can size its KV cache from what is left.
@@ -190,6 +191,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
                                       quantization=quantization, quantize_lm_head=quantize_lm_head,
                                       kv_cache_dtype=kv_cache_dtype,
                                       tensor_parallel_size=tensor_parallel_size,
+                                      enable_expert_parallel=expert_parallel,
                                       data_parallel_size=data_parallel_size)
     if w.model is not None:
         llm_kwargs.update(model=w.model, load_format="dummy")
@@ -197,16 +199,26 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
     llm_kwargs["max_model_len"] = max(int(max_len * scale) + 16, 64)
     if data_parallel_size > 1:
         return bench_data_parallel(result, peer_results, w, peers, scale, llm_kwargs)
-    llm = LLM(**llm_kwargs)
+    with environment({"TANDEM_MOE_ROUTE_STATS": "1"}):  # MoE layers count the experts they route to
+        llm = LLM(**llm_kwargs)
     vocab = llm.engine.model_config.vocab_size
     requests = make_requests(w, vocab, scale=scale)
     warm = [(p, min(n, 4)) for p, n in requests[: min(8, len(requests))]]
     run_tandem(llm, warm)  # compile kernels, fill allocator caches
     llm.engine.scheduler.reset_prefix_cache()
+    counters = [b for n, b in llm.engine.runner.model.named_buffers() if n.endswith("routed_experts")]
+    for counter in counters:
+        counter.zero_()
     main = run_tandem(llm, requests, record=True)
+    routed = sum(int(c) for c in counters)  # after the timed run: the host reads them once
     ceilings = measure_ceilings(torch.device(device), fp8=quantization == "fp8")
     cost = model_cost(llm.engine.runner.model, llm.engine.model_config, tensor_parallel_size,
                       llm.engine.runner.kv_cache.dtype)
+    if counters:
+        scale_ = moe_routing_scale(routed, main["_step_log"], cost, len(counters))
+        result["moe_routing"] = {"distinct_experts_routed": routed, "moe_layers": len(counters),
+                                 "over_uniform_estimate": scale_}
+        cost = replace(cost, routing_scale=scale_)
     floor = floor_seconds(main["_step_log"], cost, ceilings)
     group = llm.engine.runner.group
     if group is not None:
@@ -229,9 +241,22 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         peer_results[name] = r
     if w.shared_prefix_len and "noprefix" in peers:
         result["prefix_cache"] = prefix_ablation(llm, requests, main["_outputs"])
+    moe = llm.engine.model_config.num_experts > 0
+    if tensor_parallel_size > 1 and moe and "ep" in peers:
+        # The other way of spreading the experts (whole experts per rank <-> every expert sharded), in a fresh
+        # engine; same floor (per-rank expert bytes are the same on average). Dummy weights differ per layout.
+        llm.shutdown()
+        llm = None
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        r = run_fresh_tandem({**llm_kwargs, "enable_expert_parallel": not expert_parallel}, requests, warm)
+        r["roofline_fraction"] = floor / r["seconds"]
+        peer_results["tandem TP experts" if expert_parallel else "tandem EP experts"] = r
     if tensor_parallel_size > 1 and "tp1" in peers:
         # The same requests on one GPU in a fresh engine, after the sharded one has freed every GPU.
-        llm.shutdown()
+        if llm is not None:
+            llm.shutdown()
         del llm
         gc.collect()
         if device.startswith("cuda"):
@@ -267,6 +292,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         "ceilings": {"copy_gbps": ceilings.copy_gbps, "matmul_tflops": ceilings.matmul_tflops,
                      "fp8_matmul_tflops": ceilings.fp8_matmul_tflops},
         "weight_bytes": cost.weight_bytes,
+        "expert_bytes": cost.expert_bytes,  # MoE: a step reads the share its tokens route to (roofline.py)
     })
     if (quantization is not None or kv_cache_dtype != "auto") and "bf16" in peers:
         # The same workload unquantized (bf16 weights and KV cache), in a fresh engine once this one's memory is
@@ -446,7 +472,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
         results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.quantization,
                                       args.tensor_parallel_size, args.data_parallel_size, args.kv_cache_dtype,
-                                      args.quantize_lm_head))
+                                      args.quantize_lm_head, args.enable_expert_parallel))
         _print_table(results[-1:])
     _print_table([r for r in results if r["workload"] != "serve"])
     if args.out:
@@ -466,6 +492,7 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
                             "bf16 (with --quantization or --kv-cache-dtype fp8: the engine with bf16 weights and "
                             "KV cache, for the fp8 / bf16 ratio), "
                             "tp1 (with --tensor-parallel-size N > 1: the same run on one GPU, in a fresh engine), "
+                            "ep (MoE with --tensor-parallel-size N > 1: the other expert layout, TP or EP), "
                             "dp1 (with --data-parallel-size M > 1: the same run on one engine, in a fresh LLM), "
                             "nogemv (CUDA: a fresh engine without the decode GEMV kernel, TANDEM_GEMV_MAX_ROWS=0), "
                             "nopdl (CUDA: a fresh engine whose Triton kernels launch without programmatic "
@@ -479,6 +506,9 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
                        help="run tandem with an FP8 KV cache (roofline on its FP8 bytes)")
     bench.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="shard tandem's model over this many GPUs (the tp1 peer runs unsharded)")
+    bench.add_argument("--enable-expert-parallel", action="store_true",
+                       help="with --tensor-parallel-size N > 1 and a MoE model: whole experts per rank (the ep peer "
+                            "runs the other layout)")
     bench.add_argument("--data-parallel-size", type=int, default=1,
                        help="run tandem as this many engine replicas, each on its own GPU(s) (the dp1 peer: one)")
     bench.add_argument("--no-peers", action="store_true")

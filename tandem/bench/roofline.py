@@ -76,6 +76,40 @@ class ModelCost:
     kv_bytes_per_token: int  # K and V of all layers for one token
     attn_flops_per_pair: int  # FLOPs of one (query token, context token) pair over all layers
     fp8_body_params: int = 0  # the body parameters stored (and multiplied) in FP8
+    # Mixture of experts: the routed experts' stacks are not in weight_bytes / body_params; a step reads the
+    # experts its tokens route to and multiplies each token by top_k of them.
+    expert_bytes: int = 0  # this rank's expert stacks over all MoE layers (FP8 scales included)
+    expert_params: int = 0  # their parameters
+    num_experts: int = 0  # experts per MoE layer over all ranks (0: a dense model)
+    top_k: int = 0
+    fp8_experts: bool = False
+    # Measured distinct experts per layer-forward over the uniform-routing expectation (moe_routing_scale), 1.0
+    # where no routing was counted.
+    routing_scale: float = 1.0
+
+    def expected_experts(self, num_tokens: int) -> float:
+        """Distinct experts per layer that num_tokens tokens route to, expected under uniform routing (the
+        dummy weights' router is close to it; trained routers concentrate, so real steps read fewer)."""
+        if self.num_experts == 0:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** num_tokens)
+
+    def step_expert_bytes(self, num_tokens: int) -> float:
+        """Bytes of the experts a step of num_tokens tokens reads on this rank: each touched expert's share
+        (TP: 1/N of every expert; EP: the whole experts that live here, 1/N of them on average)."""
+        if self.num_experts == 0:
+            return 0.0
+        touched = min(self.expected_experts(num_tokens) * self.routing_scale, float(self.num_experts))
+        return touched / self.num_experts * self.expert_bytes
+
+
+def moe_routing_scale(routed: int, step_log: list[tuple[int, int, int]], cost: ModelCost,
+                      num_moe_layers: int) -> float:
+    """routed (distinct experts summed over every MoE layer's forwards of a run, as the layers' counters hold
+    them) over what uniform routing would give for the run's steps: how much more (or less) a step reads than
+    the uniform estimate says."""
+    expected = num_moe_layers * sum(cost.expected_experts(tokens) for _, tokens, _ in step_log)
+    return routed / expected if expected > 0 else 1.0
 
 
 def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,
@@ -87,7 +121,13 @@ def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,
 
     tp = tensor_parallel_size
     total, embed, total_bytes, embed_bytes, fp8, head = 0, 0, 0, 0, 0, 0
+    expert_params, expert_bytes, fp8_experts = 0, 0, False
     for name, p in model.named_parameters():
+        if name.endswith((".mlp.w13", ".mlp.w2")):  # routed experts (layers.moe.FusedMoE): counted per step
+            expert_params += p.numel()
+            expert_bytes += p.numel() * p.element_size()
+            fp8_experts = p.dtype == FP8_DTYPE
+            continue
         total += p.numel()
         total_bytes += p.numel() * p.element_size()
         if "embed" in name or name.endswith(("wte.weight", "wpe.weight")):
@@ -99,6 +139,8 @@ def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,
             fp8 += p.numel()
     # Per-output-channel scales of FP8 linears are read with their weights.
     total_bytes += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith("weight_scale"))
+    expert_bytes += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                        if n.endswith(("w13_scale", "w2_scale")))
     elem = embed_bytes // max(embed, 1)  # the model dtype: embeddings are never FP8
     kv_elem = elem if kv_cache_dtype is None else kv_cache_dtype.itemsize
     lm_head = -(-mc.vocab_size // tp) * mc.hidden_size
@@ -112,6 +154,11 @@ def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,
         kv_bytes_per_token=2 * mc.num_layers * kv_heads * mc.head_dim * kv_elem,
         attn_flops_per_pair=4 * mc.num_layers * (mc.num_heads // tp) * mc.head_dim,
         fp8_body_params=fp8,
+        expert_bytes=expert_bytes,
+        expert_params=expert_params,
+        num_experts=mc.num_experts,
+        top_k=mc.num_experts_per_tok,
+        fp8_experts=fp8_experts,
     )
 
 
@@ -125,12 +172,15 @@ def step_floor_seconds(num_seqs: int, num_tokens: int, num_context: int, cost: M
     bw, rate = ceil.copy_gbps * 1e9, ceil.matmul_tflops * 1e12
     # FP8 linears run at the FP8 matmul rate (the bf16 one when it was not measured).
     fp8_rate = (ceil.fp8_matmul_tflops or ceil.matmul_tflops) * 1e12
-    bytes_ = cost.weight_bytes + num_context * cost.kv_bytes_per_token
+    bytes_ = cost.weight_bytes + num_context * cost.kv_bytes_per_token + cost.step_expert_bytes(num_tokens)
     # Attention pairs: decode rows read their whole context; prefill tokens ~half on average.
     pairs = num_context if num_tokens == num_seqs else num_context * max(num_tokens // max(num_seqs, 1), 1) // 2
     flops = 2 * (cost.body_params - cost.fp8_body_params) * num_tokens + 2 * cost.lm_head_params * num_seqs
     flops += cost.attn_flops_per_pair * pairs
     compute_s = flops / rate + 2 * cost.fp8_body_params * num_tokens / fp8_rate
+    if cost.num_experts:  # each token through top_k experts (this rank's share of them)
+        expert_flops = 2 * cost.expert_params * cost.top_k / cost.num_experts * num_tokens
+        compute_s += expert_flops / (fp8_rate if cost.fp8_experts else rate)
     return max(bytes_ / bw, compute_s)
 
 

@@ -36,6 +36,14 @@ WORKLOADS: dict[str, Workload] = {
                  what="Llama-3-70B shape at batch 1 (needs --tensor-parallel-size >= 2 in bf16)"),
         Workload("70b-batch", "llama-3-70b", 32, (256, 256), (512, 512),
                  what="Llama-3-70B shape, 32 requests (needs --tensor-parallel-size >= 2 in bf16)"),
+        # Mixtures of experts: a decode step reads the experts its tokens route to, so its floor moves with the batch.
+        Workload("moe-bs1", "qwen3-30b-a3b", 1, (256, 256), (512, 512),
+                 what="Qwen3-30B-A3B shape (128 experts, top 8) at batch 1"),
+        Workload("moe-batch", "qwen3-30b-a3b", 64, (256, 256), (512, 512),
+                 what="Qwen3-30B-A3B shape, 64 requests (most experts touched per step)"),
+        Workload("mixtral-tp2", "mixtral-8x7b", 32, (256, 256), (512, 512),
+                 what="Mixtral-8x7B shape, 32 requests (needs --tensor-parallel-size 2; peer ep: the other of "
+                      "TP and EP experts)"),
     ]
 }
 

@@ -9,6 +9,7 @@ import torch
 
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.fp8 import FP8_DTYPE, W8A8_MAX_M, QuantizedRows, fp8_quantizes_activations, group_block_k
+from tandem.kernels.moe_align import fused_moe_ref, route_topk
 from tandem.kernels.reference import paged_attention_ref, write_kv_ref
 
 if TYPE_CHECKING:
@@ -180,3 +181,31 @@ def use_triton(x: torch.Tensor) -> bool:
 def force_triton() -> bool:
     """TANDEM_FORCE_TRITON=1 sends CPU tensors to the Triton kernels (tests under TRITON_INTERPRET=1)."""
     return os.environ.get("TANDEM_FORCE_TRITON") == "1"
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax then top-k of [num_tokens, num_experts] router logits: (weights fp32, expert ids int32), each
+    [num_tokens, top_k]; one Triton launch on CUDA, PyTorch elsewhere."""
+    if use_triton(router_logits):
+        from tandem.kernels.triton_moe import route_topk_triton  # lazy: CPU runs never import Triton
+
+        return route_topk_triton(router_logits, top_k, renormalize)
+    return route_topk(router_logits, top_k, renormalize)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_local_experts, 2 * inter, hidden]
+    w2: torch.Tensor,  # [num_local_experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int32, global expert ids
+    expert_map: torch.Tensor | None = None,  # [num_global_experts] int32: local index or -1 (expert parallel)
+    w13_scale: torch.Tensor | None = None,  # FP8 weights: [num_local_experts, 2 * inter] fp32
+    w2_scale: torch.Tensor | None = None,  # [num_local_experts, hidden] fp32
+) -> torch.Tensor:  # [num_tokens, hidden]: this rank's sum over k of weight_k * expert_k(x)
+    """Routed experts: the token sort/align and two grouped GEMMs (Triton) on CUDA, a masked per-expert loop on CPU."""
+    if use_triton(x):
+        from tandem.kernels.triton_moe import fused_moe_triton  # lazy: CPU runs never import Triton
+
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)

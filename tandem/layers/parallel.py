@@ -67,6 +67,17 @@ def check_tp_shape(config: ModelConfig, tp: ParallelConfig) -> None:
     if config.intermediate_size % n:
         raise ValueError(f"{name}: intermediate size {config.intermediate_size} is not divisible by "
                          f"tensor_parallel_size={n}")
+    if config.num_experts == 0:
+        return
+    if tp.expert_parallel and config.num_experts % n:
+        raise ValueError(f"{name}: {config.num_experts} experts cannot be spread evenly over {n} ranks "
+                         "(enable_expert_parallel)")
+    if not tp.expert_parallel and config.moe_intermediate_size % n:
+        raise ValueError(f"{name}: expert intermediate size {config.moe_intermediate_size} is not divisible by "
+                         f"tensor_parallel_size={n}")
+    if config.shared_expert_intermediate_size % n:
+        raise ValueError(f"{name}: shared expert intermediate size {config.shared_expert_intermediate_size} is "
+                         f"not divisible by tensor_parallel_size={n}")
 
 
 def local_kv_heads(config: ModelConfig, tp: ParallelConfig) -> int:

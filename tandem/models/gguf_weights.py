@@ -11,7 +11,7 @@ from tandem.config import ModelConfig
 
 # llama.cpp architectures whose converter permutes q/k rows for its interleaved rotary layout.
 _PERMUTED_ARCHS = ("llama",)
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",
@@ -30,6 +30,15 @@ _PER_BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixtures of experts: the router, every expert stacked [experts, out, in], Qwen2-MoE's shared expert.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 
 
@@ -40,6 +49,10 @@ def hf_tensor_name(gguf_name: str) -> str:
         return f"{_TOP_LEVEL[parts[0]]}.{parts[1]}"
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _PER_BLOCK:
         return f"model.layers.{parts[1]}.{_PER_BLOCK[parts[2]]}.{parts[3]}"
+    if len(parts) == 5 and parts[0] == "blk" and parts[2] in ("ffn_gate", "ffn_up", "ffn_down"):
+        # Older Mixtral files: one tensor per expert, blk.N.ffn_gate.E.weight.
+        proj = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}[parts[2]]
+        return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{proj}.{parts[4]}"
     raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
 
 
@@ -57,6 +70,22 @@ def gguf_architecture(reader) -> str:
     return str(field.contents())
 
 
+def gguf_moe_config(path: str) -> dict[str, object]:
+    """Config fields a GGUF's metadata adds for a mixture of experts transformers' GGUF reader leaves out: llama.cpp
+    stores Mixtral as architecture llama with llama.expert_count (-> model_type mixtral); {} otherwise."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    if gguf_architecture(reader) != "llama":
+        return {}
+    count = reader.fields.get("llama.expert_count")
+    used = reader.fields.get("llama.expert_used_count")
+    if count is None or int(count.contents()) == 0:
+        return {}
+    return {"model_type": "mixtral", "num_local_experts": int(count.contents()),
+            "num_experts_per_tok": int(used.contents()) if used is not None else 2}
+
+
 def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (Hugging Face name, float tensor in Hugging Face layout) for every tensor of the file."""
     import gguf
@@ -71,6 +100,8 @@ def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, tor
         if not array.flags.writeable:  # unquantized tensors are views of the read-only mmap
             array = np.array(array, copy=True)
         weight = torch.from_numpy(array)
+        if name.endswith("mlp.shared_expert_gate.weight") and weight.dim() == 1:
+            weight = weight[None]  # [hidden] -> Hugging Face's [1, hidden]
         if arch in _PERMUTED_ARCHS:
             if name.endswith("self_attn.q_proj.weight"):
                 weight = unpermute_rotary(weight, config.num_heads)

@@ -51,8 +51,8 @@ class LlamaAttention(nn.Module):
         kv_start = kv_head_start(config, tp) * self.head_dim
         parts = [(tp.rank * q_size, q_size), (kv_start, kv_size), (kv_start, kv_size)]
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, parts, bias=config.attention_bias)
-        # Qwen2 has a bias on q/k/v only; Llama's attention_bias covers o_proj too.
-        o_bias = config.attention_bias and config.architecture != "qwen2"
+        # Qwen2 (and Qwen2-MoE) has a bias on q/k/v only; Llama's attention_bias covers o_proj too.
+        o_bias = config.attention_bias and config.architecture not in ("qwen2", "qwen2_moe")
         self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, tp, bias=o_bias)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
@@ -83,11 +83,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"{config.architecture}: unsupported hidden_act {config.hidden_act!r} (expected silu)")
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         gate_up = column_parts([inter, inter], tp, fused_source=False)  # gate_proj and up_proj split on their own
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, gate_up)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
@@ -99,10 +99,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelConfig, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, tp)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, tp)  # a MoE block in the MoE families
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
 
@@ -124,16 +124,18 @@ class LlamaDecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm(hidden, residual, fp8_out=fp8_qkv)
         hidden = self.self_attn(rotary, normed, k_cache, v_cache, meta)
-        fp8_mlp = self.mlp.gate_up_proj.weight_scale is not None
+        # A MoE block takes the normed rows as a tensor (its router reads them too).
+        fp8_mlp = isinstance(self.mlp, LlamaMLP) and self.mlp.gate_up_proj.weight_scale is not None
         normed, residual = self.post_attention_layernorm(hidden, residual, fp8_out=fp8_mlp)
         return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: ParallelConfig, make_mlp=lambda config, tp, layer: None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, make_mlp(config, tp, i))
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         # One cos/sin table shared by all layers (no parameters: not in checkpoints).
         self.rotary_emb = RotaryEmbedding(
@@ -148,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         check_tp_shape(config, tp)
         self.config = config
         self.tp = tp
-        self.model = LlamaModel(config, tp)
+        self.model = LlamaModel(config, tp, self.make_mlp)
         # Tied models read logits through the embedding table; no separate lm_head parameter exists (until
         # quantize_lm_head_fp8_ gives them an FP8 copy).
         self.lm_head = (None if config.tie_word_embeddings
@@ -168,6 +170,14 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(rotary, hidden, residual, kv_cache[i, 0], kv_cache[i, 1], meta)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
+
+    def make_mlp(self, config: ModelConfig, tp: ParallelConfig, layer: int) -> nn.Module | None:
+        """Layer `layer`'s MLP; None: the dense LlamaMLP (the MoE families override this)."""
+        return None
+
+    def load_special(self, name: str, tensor, loader: WeightLoader, modules: dict[str, nn.Module]) -> bool:
+        """Loads a checkpoint tensor the generic mapping cannot (MoE experts); False: not one of those."""
+        return False
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] in the model dtype (into `out` when given)."""
@@ -192,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES) or (self.lm_head is None and name == "lm_head.weight"):
+                continue
+            if self.load_special(name, tensor, loader, modules):
                 continue
             parts = name.split(".")
             fused = _FUSED.get(parts[-2]) if len(parts) >= 2 else None

@@ -17,8 +17,9 @@ from torch import nn
 
 from tandem.config import EngineConfig, ModelConfig, ParallelConfig
 from tandem.layers.linear import Embedding, Linear
+from tandem.layers.moe import FusedMoE
 from tandem.layers.quantization import checkpoint_fp8_config, dequantize_fp8_checkpoint
-from tandem.models.gguf_weights import iter_gguf_weights
+from tandem.models.gguf_weights import gguf_moe_config, iter_gguf_weights
 from tandem.models.registry import MODEL_REGISTRY, model_config_from_hf
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -54,6 +55,27 @@ NAMED_SHAPES: dict[str, dict[str, Any]] = {
             rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=8192,
         ),
+    ),
+    # Mixtures of experts (routed experts only; Qwen1.5-MoE adds a gated shared expert).
+    "mixtral-8x7b": dict(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope_theta=1000000.0, num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645,
+    ),
+    "qwen1.5-moe-a2.7b": dict(
+        model_type="qwen2_moe", vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=8192, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643,
     ),
     "gpt2": dict(
         model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
@@ -146,7 +168,8 @@ def quantize_linears_fp8(model: nn.Module) -> list[str]:
     lm_head keep the model dtype."""
     skipped = []
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and name.split(".")[-1] != "lm_head" and not module.quantize_fp8_():
+        quantizable = isinstance(module, (Linear, FusedMoE)) and name.split(".")[-1] != "lm_head"
+        if quantizable and not module.quantize_fp8_():
             skipped.append(name)
     return skipped
 
@@ -273,7 +296,7 @@ def _hf_config(source: ModelSource, overrides: dict[str, Any]):
         values = dict(NAMED_SHAPES[source.shape_name])
     elif source.path.endswith(".gguf"):
         folder, name = os.path.split(source.path)
-        values = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
+        values = {**AutoConfig.from_pretrained(folder, gguf_file=name).to_dict(), **gguf_moe_config(source.path)}
     else:
         values = _read_config_json(source.path)
     values = apply_overrides(values, overrides)
@@ -365,11 +388,12 @@ def _load_tokenizer(config: EngineConfig, source: ModelSource):
 def init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> None:
     """Fills linear and embedding parameters in place with N(0, 0.02) from a seeded generator on device.
 
-    Norm weights keep their construction values (ones, zero bias) so activations stay in a sane range.
+    Norm weights keep their construction values (ones, zero bias) so activations stay in a sane range; MoE
+    expert stacks are drawn like linears.
     """
     generator = torch.Generator(device=device).manual_seed(seed)
     for module in model.modules():
-        if isinstance(module, (Linear, Embedding)):
+        if isinstance(module, (Linear, Embedding, FusedMoE)):
             for param in module.parameters(recurse=False):
                 param.data.normal_(0.0, 0.02, generator=generator)
 

@@ -11,6 +11,7 @@ from tandem.config import ModelConfig
 from tandem.layers.rotary import SUPPORTED_ROPE_TYPES, rope_type_of
 from tandem.models.gpt2 import GPT2LMHeadModel
 from tandem.models.llama import LlamaForCausalLM
+from tandem.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from tandem.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -18,6 +19,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "gpt2": GPT2LMHeadModel,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 # Hugging Face model_type -> ModelConfig.architecture.
@@ -27,7 +31,13 @@ ARCHITECTURE_OF_MODEL_TYPE: dict[str, str] = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gpt2": "gpt2",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
 }
+
+_QWEN2 = ("qwen2", "qwen2_moe")  # q/k/v bias always
+_QWEN3 = ("qwen3", "qwen3_moe")  # per-head q/k RMSNorm
 
 
 def model_config_from_hf(hf_config: Any, extra_eos_token_ids: Iterable[int | None] = ()) -> ModelConfig:
@@ -45,7 +55,7 @@ def model_config_from_hf(hf_config: Any, extra_eos_token_ids: Iterable[int | Non
 def _llama_family_config(cfg: Any, architecture: str, eos: tuple[int, ...]) -> ModelConfig:
     if getattr(cfg, "mlp_bias", False):
         raise ValueError(f"{cfg.model_type}: mlp_bias=True is not supported")
-    if architecture in ("qwen2", "qwen3") and getattr(cfg, "use_sliding_window", False):
+    if architecture in _QWEN2 + _QWEN3 and getattr(cfg, "use_sliding_window", False):
         raise ValueError(f"{cfg.model_type}: use_sliding_window=True is not supported")
     theta, scaling = _rope(cfg)
     num_heads = cfg.num_attention_heads
@@ -66,12 +76,30 @@ def _llama_family_config(cfg: Any, architecture: str, eos: tuple[int, ...]) -> M
         rope_scaling=scaling,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         # Qwen2's q/k/v projections always carry a bias; Llama and Qwen3 read attention_bias.
-        attention_bias=architecture == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-        qk_norm=architecture == "qwen3",
+        attention_bias=architecture in _QWEN2 or bool(getattr(cfg, "attention_bias", False)),
+        qk_norm=architecture in _QWEN3,
         hidden_act=getattr(cfg, "hidden_act", "silu"),
         bos_token_id=getattr(cfg, "bos_token_id", None),
         eos_token_ids=eos,
+        **_moe_fields(cfg, architecture),
     )
+
+
+def _moe_fields(cfg: Any, architecture: str) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields (none for a dense model)."""
+    if architecture == "mixtral":
+        # router_jitter_noise is training-only: inference routes on the clean logits, as transformers does.
+        return dict(num_experts=cfg.num_local_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                    moe_intermediate_size=cfg.intermediate_size, norm_topk_prob=True)
+    if architecture in ("qwen2_moe", "qwen3_moe"):
+        return dict(
+            num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=bool(cfg.norm_topk_prob),
+            shared_expert_intermediate_size=getattr(cfg, "shared_expert_intermediate_size", 0) or 0,
+            decoder_sparse_step=getattr(cfg, "decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(getattr(cfg, "mlp_only_layers", None) or ()),
+        )
+    return {}
 
 
 def _gpt2_config(cfg: Any, eos: tuple[int, ...]) -> ModelConfig:

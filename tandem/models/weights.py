@@ -28,6 +28,12 @@ class WeightLoader:
         target.copy_(tensor)
         self.loaded[param_name] = self.loaded.get(param_name, 0) + tensor.numel()
 
+    def count(self, param_name: str, num_elements: int) -> None:
+        """Records elements a module copied itself (a MoE expert's slice of a stacked parameter)."""
+        if param_name not in self.params:
+            raise ValueError(f"unexpected weight for {param_name!r}")
+        self.loaded[param_name] = self.loaded.get(param_name, 0) + num_elements
+
     def finish(self) -> None:
         """Raises ValueError naming the parameters the checkpoint did not (fully) provide."""
         missing = [name for name, p in self.params.items() if self.loaded.get(name, 0) != p.numel()]

@@ -82,8 +82,9 @@ def torchrun_rank() -> tuple[int, int, int] | None:
 class TensorParallelGroup:
     """This process's rank, the gloo group that carries step messages, and (on rank 0) the spawned workers."""
 
-    def __init__(self, rank: int, size: int, device: torch.device, procs: list[Any], saved_num_threads: int) -> None:
-        self.parallel = ParallelConfig(rank, size)
+    def __init__(self, rank: int, size: int, device: torch.device, procs: list[Any], saved_num_threads: int,
+                 expert_parallel: bool = False) -> None:
+        self.parallel = ParallelConfig(rank, size, expert_parallel)
         self.device = device
         self.procs = procs  # rank 0 of a spawned group: the workers; else empty
         # Workers block on this group between steps: an idle server must not time them out.

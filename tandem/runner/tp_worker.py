@@ -55,7 +55,7 @@ def start_tensor_parallel(config: EngineConfig) -> TensorParallelGroup | None:
     for key, value in NCCL_ENV.items():
         os.environ.setdefault(key, value)  # inherited by the spawned workers too
     # Before any process starts: a model that cannot be split is a ValueError here, not in N processes.
-    check_tp_shape(load_model_config(config), ParallelConfig(0, size))
+    check_tp_shape(load_model_config(config), ParallelConfig(0, size, config.enable_expert_parallel))
     procs: list[Any] = []
     if launched is not None:
         rank, world, local_rank = launched
@@ -80,14 +80,14 @@ def start_tensor_parallel(config: EngineConfig) -> TensorParallelGroup | None:
             proc.start()
             procs.append(proc)
     device = _rank_device(config, local_rank)
-    group = _init_group(device, rank, size, init_method, procs)
+    group = _init_group(device, rank, size, init_method, procs, config.enable_expert_parallel)
     if rank == 0:
         atexit.register(group.close)
     return group
 
 
-def _init_group(device: torch.device, rank: int, size: int, init_method: str, procs: list[Any]
-                ) -> TensorParallelGroup:
+def _init_group(device: torch.device, rank: int, size: int, init_method: str, procs: list[Any],
+                expert_parallel: bool = False) -> TensorParallelGroup:
     backend = "nccl" if device.type == "cuda" else "gloo"
     threads = torch.get_num_threads()
     if device.type == "cpu":
@@ -106,7 +106,7 @@ def _init_group(device: torch.device, rank: int, size: int, init_method: str, pr
         torch.set_num_threads(threads)
         raise
     set_tp_group(None)  # the default group is the tensor-parallel group
-    return TensorParallelGroup(rank, size, device, procs, threads)
+    return TensorParallelGroup(rank, size, device, procs, threads, expert_parallel)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -124,7 +124,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 def _spawned_worker_main(config: EngineConfig, rank: int, size: int, init_method: str, parent_pid: int) -> None:
     _exit_with_parent(parent_pid)
     device = _rank_device(config, rank)
-    group = _init_group(device, rank, size, init_method, [])
+    group = _init_group(device, rank, size, init_method, [], config.enable_expert_parallel)
     run_worker(config, group)
     exit_worker()
 

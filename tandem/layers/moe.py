@@ -1,0 +1,119 @@
+"""Mixture-of-experts block: the router and every expert's gate/up and down weights stacked, sharded tensor- or
+expert-parallel (Qwen2-MoE's gated shared expert is added in models/moe.py).
+
+Sharding over the tensor-parallel group (tokens are replicated on every rank there):
+- tensor parallel (default): every rank holds every expert's 1/N of the intermediate dimension, as the dense MLP;
+- expert parallel (`ParallelConfig.expert_parallel`): expert e lives whole on rank e mod N (local index e // N);
+  each rank runs its experts on the tokens routed to them and writes zeros for the others' pairs.
+Either way the partial outputs are summed by one all-reduce, which the decode graphs capture.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from tandem.config import ModelConfig, ParallelConfig
+from tandem.kernels.fp8 import FP8_DTYPE
+from tandem.kernels.ops import fused_moe, moe_route
+from tandem.layers.linear import Linear
+from tandem.layers.parallel import LazyTensor, all_reduce, materialize, take
+from tandem.layers.quantization import quantize_weight_fp8
+
+
+class RouterLinear(Linear):
+    """The router's [num_experts, hidden] projection, replicated; it stays in the model dtype under FP8
+    (its logits choose the experts: tiny, and precision-sensitive)."""
+
+    def quantize_fp8_(self) -> bool:
+        return True  # nothing to do: counted as handled, not as a shape FP8 cannot take
+
+
+class FusedMoE(nn.Module):
+    """Routed experts: w13 [local experts, 2 * local inter, hidden] (gate rows, then up rows) and
+    w2 [local experts, hidden, local inter]; FP8 after quantize_fp8_() with per-output-channel scales."""
+
+    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob  # Mixtral's config sets it (registry.py)
+        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        inter = config.moe_intermediate_size
+        self.num_local_experts = config.num_experts // tp.size if self.expert_parallel else config.num_experts
+        self.local_inter = inter if self.expert_parallel else inter // tp.size
+        hidden = config.hidden_size
+        self.gate = RouterLinear(hidden, config.num_experts)
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.local_inter, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden, self.local_inter), requires_grad=False)
+        self.register_buffer("w13_scale", None)  # [local experts, 2 * local inter] fp32 with FP8 weights
+        self.register_buffer("w2_scale", None)  # [local experts, hidden] fp32
+        # TANDEM_MOE_ROUTE_STATS=1 (set by `tandem bench` before the engine captures its graphs): a device counter of
+        # the distinct experts each forward routes to, summed over forwards, for the roofline's expert bytes.
+        stats = os.environ.get("TANDEM_MOE_ROUTE_STATS") == "1"
+        self.register_buffer("routed_experts", torch.zeros((), dtype=torch.int64) if stats else None,
+                             persistent=False)
+        if self.expert_parallel:  # global id -> local index, -1 where another rank holds it
+            ids = torch.arange(config.num_experts)
+            local = torch.where(ids % tp.size == tp.rank, ids // tp.size, -1).to(torch.int32)
+            self.register_buffer("expert_map", local, persistent=False)
+        else:
+            self.expert_map = None
+
+    def local_expert(self, expert: int) -> int | None:
+        """Index of global expert `expert` in this rank's stack; None where another rank holds it."""
+        if not self.expert_parallel:
+            return expert
+        return expert // self.tp.size if expert % self.tp.size == self.tp.rank else None
+
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:  # [num_tokens, hidden]
+        """reduce=False leaves the cross-rank sum to the caller (who adds more partial sums first)."""
+        weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
+        if self.routed_experts is not None:
+            hit = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+            self.routed_experts += hit.index_fill_(0, ids.reshape(-1).long(), 1).sum()
+        out = fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map, self.w13_scale, self.w2_scale)
+        return all_reduce(out) if reduce and self.tp.size > 1 else out
+
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor | LazyTensor) -> tuple[str, int]:
+        """Copies one checkpoint expert matrix (proj: gate, up or down; Hugging Face [out, in]) into this rank's
+        stack; returns (parameter name, elements copied: 0 where another rank holds the expert)."""
+        param = "w2" if proj == "down" else "w13"
+        local = self.local_expert(expert)
+        if local is None:
+            return param, 0
+        n = self.local_inter
+        start = 0 if self.expert_parallel else self.tp.rank * n
+        if proj == "down":
+            self.w2.data[local].copy_(take(tensor, 1, start, n))
+        else:
+            rows = slice(0, n) if proj == "gate" else slice(n, 2 * n)
+            self.w13.data[local, rows].copy_(take(tensor, 0, start, n))
+        return param, n * self.w2.shape[1]
+
+    def load_stacked(self, proj: str, tensor: torch.Tensor | LazyTensor) -> tuple[str, int]:
+        """A tensor of every expert ([experts, out, in]: GGUF's ffn_*_exps; proj gate_up: gate rows then up rows,
+        transformers 5's fused layout); returns (parameter name, elements copied)."""
+        full = materialize(tensor)
+        copied = 0
+        for e in range(self.num_experts):
+            if proj == "gate_up":
+                half = full.shape[1] // 2
+                copied += self.load_expert(e, "gate", full[e, :half])[1] + self.load_expert(e, "up", full[e, half:])[1]
+            else:
+                copied += self.load_expert(e, proj, full[e])[1]
+        return ("w2" if proj == "down" else "w13"), copied
+
+    def quantize_fp8_(self) -> bool:
+        """Expert weights to FP8 with a scale per expert output channel (the router stays in the model dtype)."""
+        if self.w13.dtype == FP8_DTYPE:
+            return True
+        for name in ("w13", "w2"):
+            w = getattr(self, name).data
+            q, scale = quantize_weight_fp8(w.reshape(-1, w.shape[-1]))
+            setattr(self, name, nn.Parameter(q.view(w.shape), requires_grad=False))
+            setattr(self, f"{name}_scale", scale.view(w.shape[0], w.shape[1]))
+        return True
