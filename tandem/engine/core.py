@@ -227,6 +227,10 @@ class EngineCore:
     def _fail(self, scheduled: list, exc: Exception) -> list[EngineOutput]:
         # Blocks published for the failed step may hold garbage KV: forget every cached prefix.
         self.scheduler.reset_prefix_cache()
+        if _is_out_of_memory(exc):
+            # The step's activations did not fit: its requests fail, their blocks go back to the pool, and
+            # the allocator's cached segments are returned so the next (smaller) step finds the memory.
+            _release_cached_device_memory()
         outputs = []
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         for s in scheduled:
@@ -297,3 +301,19 @@ class EngineCore:
             num_generation_tokens=self.num_generation_tokens,
             num_preemptions=s.num_preemptions,
         )
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError)
+
+
+def _release_cached_device_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        try:
+            torch.cuda.empty_cache()
+        except Exception:  # the device itself failed: nothing to release
+            logger.exception("could not release the cached device memory after an out-of-memory step")

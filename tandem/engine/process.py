@@ -2,6 +2,11 @@
 
 The loop never waits for an API process: commands are drained without blocking while there is work, and
 outputs go out on PUSH sockets with no high-water mark, one message per API process per step.
+
+Heartbeat: every API process hears from the loop itself at least every HEARTBEAT_S: the stats of a busy
+engine go out every STATS_INTERVAL_S, and an idle one sends an empty batch each time its wait for commands
+times out. The loop, not a thread, sends it, so silence means the loop is not turning: the process is
+stopped, deadlocked, or one step has run for longer than the API processes' --engine-timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import zmq
 
 from tandem.config import EngineConfig
 from tandem.engine.messages import (
+    AbortClient,
     AbortRequest,
     AddRequest,
     ClientCommand,
@@ -39,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.05  # how stale the stats in the API processes may get while the engine is busy
 PARENT_CHECK_S = 1.0  # how often an idle or busy engine checks that its launcher is still alive
+HEARTBEAT_S = 1.0  # an API process hears from this engine at least this often, busy or idle
 DEFAULT_CORE = "tandem.engine.core:EngineCore"
 TIMELINE_ENV = "TANDEM_ENGINE_TIMELINE"  # a Chrome-trace path: the engine core records its timeline into it
 
@@ -108,8 +115,9 @@ class EngineCoreLoop:
     def _receive(self, block: bool) -> list[ClientCommand]:
         commands: list[ClientCommand] = []
         if block:
-            while not self._input.poll(int(PARENT_CHECK_S * 1000)):
+            while not self._input.poll(int(HEARTBEAT_S * 1000)):
                 self._check_parent()
+                self._heartbeat()
         else:
             now = time.monotonic()
             if now - self._last_parent_check >= PARENT_CHECK_S:
@@ -142,9 +150,25 @@ class EngineCoreLoop:
                                                 command.stop_reason)
                     except Exception:
                         logger.exception("abort_request(%s) failed", command.request_id)
+            elif isinstance(command, AbortClient):
+                self._abort_client(command.client_index)
             elif isinstance(command, Shutdown):
                 return True
         return False
+
+    def _abort_client(self, client: int) -> None:
+        """API process `client` died: its requests have no reader left; free them (a new process starts clean)."""
+        owned = sorted(rid for rid, c in self._client_of.items() if c == client)
+        for rid in owned:
+            del self._client_of[rid]
+            try:
+                self.core.abort_request(rid, FinishReason.ABORT)
+            except Exception:
+                logger.exception("abort_request(%s) failed", rid)
+        if 0 <= client < len(self._batches):
+            self._batches[client] = self._new_batch()
+        if owned:
+            logger.warning("API process %d is gone: aborted its %d open requests", client, len(owned))
 
     def _add(self, command: AddRequest) -> None:
         rid, client = command.request_id, command.client_index
@@ -213,6 +237,14 @@ class EngineCoreLoop:
                              len(batch.outputs))
             self._batches[client] = self._new_batch()
 
+    def _heartbeat(self) -> None:
+        """An idle engine's sign of life: an empty batch to every API process."""
+        beat = self._encoder.encode(self._new_batch())
+        for sock in self._outputs:
+            try:
+                sock.send(beat, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
     def _new_batch(self) -> EngineBatch:
         return EngineBatch([], [], [], None, self.engine_index)
