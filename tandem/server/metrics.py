@@ -52,11 +52,12 @@ class ServerMetrics:
                               buckets=TPOT_BUCKETS_S, registry=r)
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Request arrival to last output token.",
                              buckets=LATENCY_BUCKETS_S, registry=r)
-        # Each API process sees every replica itself: across processes, report the worst view (min live,
-        # max failures), not a sum. The restart count comes from the launcher at an API process's start.
+        # Each API process sees every replica itself: across processes, report the answering process's view of
+        # the live replicas and the most failures any process saw, not sums. The restart count comes from the
+        # launcher at an API process's start.
         self.replicas_live = Gauge(
             "tandem_engine_replicas_live", "Engine replicas taking requests (not dead, not hung).", registry=r,
-            multiprocess_mode="livemin")
+            multiprocess_mode="livemostrecent")
         self.replica_failures = Gauge(
             "tandem_engine_replica_failures", "Engine replicas taken out so far: deaths and hangs (silent past "
             "--engine-timeout).", registry=r, multiprocess_mode="max")
