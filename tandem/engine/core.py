@@ -258,6 +258,13 @@ class EngineCore:
         with self.timeline.span(name):
             return fn()
 
+    @property
+    def fatal_error(self) -> str | None:
+        """Why no step can succeed any more (a tensor-parallel rank died), else None. The server's engine-core
+        process exits on it, so that its replica is taken out rather than failing every request it gets."""
+        group = getattr(self.runner, "group", None)
+        return getattr(group, "failure", None) if group is not None else None
+
     def shutdown(self) -> None:
         """Releases the tensor-parallel workers; the engine cannot step afterwards."""
         self.runner.shutdown()

@@ -91,6 +91,9 @@ class EngineCoreLoop:
                     break
                 if self.core.has_unfinished_requests():
                     self._step()
+                    fatal = getattr(self.core, "fatal_error", None)
+                    if fatal:  # e.g. a dead tensor-parallel rank: every later step would fail too
+                        raise SystemExit(f"the engine cannot step any more: {fatal}")
                 with self._phase("send"):
                     self._flush()
             self._fail_live("the server is shutting down")

@@ -246,3 +246,27 @@ def test_abort_client_frees_that_api_process_requests_only():
         await h.close()
 
     asyncio.run(main())
+
+
+class RankLostCore(PacedCore):
+    """A core whose tensor-parallel rank died at step 3: every later step would fail."""
+
+    @property
+    def fatal_error(self):  # type: ignore[no-untyped-def]
+        return "tensor-parallel worker rank 1 exited (exit code -9)" if self.num_steps >= 3 else None
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop's SystemExit
+def test_an_engine_that_cannot_step_any_more_fails_its_requests_and_exits():
+    async def main():
+        h = start_loop(RankLostCore())
+        engine = h.client()
+        stream: asyncio.Queue = asyncio.Queue()
+        engine.add([("a", [1], LONG)], stream)
+        items = (await _collect(stream, {"a"}, 2.0))["a"]
+        assert items[-1].finished and "rank 1 exited" in items[-1].error
+        await asyncio.to_thread(h.thread.join, 10)
+        assert not h.thread.is_alive()  # the loop ended: its process exits and the replica is taken out
+        await engine.shutdown()
+
+    asyncio.run(main())
