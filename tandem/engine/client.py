@@ -331,11 +331,18 @@ class AsyncEngine:
         tick = min(1.0, timeout / 4)
         while True:
             await asyncio.sleep(tick)
-            if self._pull.closed or self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                continue  # messages wait here unread (this loop was busy): nobody is silent yet
+            if self._pull.closed:
+                return
+            # Unread messages mean this process is behind, not that a replica is silent: each may be in
+            # there. Then a replica counts as silent only against the newest news of the others, which
+            # the reader's progress keeps fresh while a hung replica's stays old.
+            behind = bool(self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN)
             now = time.monotonic()
+            newest = max((t for t, s in zip(self._last_heard, self.replica_state) if s != DEAD), default=now)
             for replica, state in enumerate(self.replica_state):
                 silent = now - self._last_heard[replica]
+                if behind and newest - self._last_heard[replica] <= timeout:
+                    continue
                 if state == LIVE and silent > timeout:
                     self._replica_hung(replica, f"{self._who(replica)} sent nothing for {silent:.1f} s "
                                                 f"(--engine-timeout {timeout:g} s): it is stopped, deadlocked "
