@@ -326,9 +326,10 @@ class AsyncEngine:
         self._replica_died(replica, message)
 
     async def _watch_silence(self, timeout: float) -> None:
-        """Takes out a replica this process has not heard from for `timeout` seconds."""
+        """Takes out a replica this process has not heard from for `timeout` seconds (checked every `tick`, so
+        that it is out by then, not a tick later)."""
         assert self._pull is not None
-        tick = min(1.0, timeout / 4)
+        tick = min(0.25, timeout / 4)
         while True:
             await asyncio.sleep(tick)
             if self._pull.closed:
@@ -343,7 +344,7 @@ class AsyncEngine:
                 silent = now - self._last_heard[replica]
                 if behind and newest - self._last_heard[replica] <= timeout:
                     continue
-                if state == LIVE and silent > timeout:
+                if state == LIVE and silent + tick > timeout:
                     self._replica_hung(replica, f"{self._who(replica)} sent nothing for {silent:.1f} s "
                                                 f"(--engine-timeout {timeout:g} s): it is stopped, deadlocked "
                                                 "or stuck in a step")

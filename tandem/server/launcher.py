@@ -34,7 +34,7 @@ from tandem.config import EngineConfig
 from tandem.engine.client import DEFAULT_ENGINE_TIMEOUT_S
 from tandem.engine.launch import DEFAULT_MAX_QUEUE, Engines, EngineStartError, start_engines
 from tandem.engine.messages import EngineInfo
-from tandem.engine.process import DEFAULT_CORE
+from tandem.engine.process import DEFAULT_CORE, HEARTBEAT_S
 from tandem.engine_args import add_engine_args, engine_kwargs
 from tandem.process_utils import freeze_gc, set_process_name
 
@@ -154,8 +154,9 @@ def serve(settings: ApiSettings, num_api_servers: int = 1, data_parallel_size: i
         raise ValueError(f"--api-server-count must be >= 1, got {num_api_servers}")
     if settings.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {settings.max_queue}")
-    if settings.engine_timeout is not None and not settings.engine_timeout > 0:
-        raise ValueError(f"--engine-timeout must be > 0 seconds, got {settings.engine_timeout}")
+    if settings.engine_timeout is not None and not settings.engine_timeout >= 2 * HEARTBEAT_S:
+        raise ValueError(f"--engine-timeout must be at least {2 * HEARTBEAT_S:g} seconds (an idle engine sends a "
+                         f"heartbeat every {HEARTBEAT_S:g} s), got {settings.engine_timeout}")
     metrics_dir = None
     if num_api_servers > 1:
         metrics_dir = tempfile.mkdtemp(prefix="tandem-metrics-")

@@ -51,3 +51,11 @@ def test_a_crash_looping_api_process_is_restarted_then_the_server_gives_up(monke
     finally:
         engines.process.kill()
         engines.process.join(10)
+
+
+def test_engine_timeout_must_cover_two_heartbeats():
+    import pytest
+
+    settings = launcher.ApiSettings(EngineConfig(device="cpu"), ["m"], port=free_port(), engine_timeout=1.0)
+    with pytest.raises(ValueError, match="--engine-timeout must be at least 2 seconds"):
+        launcher.serve(settings)
