@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 PID_POLL_S = 0.25  # liveness poll of the engine process where pidfd_open is not available
 DEFAULT_ENGINE_TIMEOUT_S = 10.0  # a replica silent this long is hung (it sends at least every HEARTBEAT_S)
+DEFAULT_STEP_TIMEOUT_S = 120.0  # a replica whose loop has not gone round for this long is hung (see process.py)
 LIVE, HUNG, DEAD = "live", "hung", "dead"  # a replica's state as this API process sees it
 
 
@@ -82,9 +83,10 @@ class AsyncEngine:
     send to this process's one output socket.
 
     Failure, per replica: every replica's pid is watched (pidfd), and so is the time it was last heard
-    from (it sends at least every second, busy or idle). A replica whose process died, or that was silent
-    for `engine_timeout` seconds (stopped, deadlocked, stuck in a step), is taken out: its open requests
-    end with a Failed item at once and new requests go to the others. A hung replica that speaks again
+    from (its heartbeat thread sends every second). A replica whose process died, that was silent for
+    `engine_timeout` seconds (stopped, frozen), or whose heartbeat says its loop has not gone round for
+    `step_timeout` seconds (a step deadlocked or stuck in a kernel) is taken out: its open requests end
+    with a Failed item at once and new requests go to the others. A hung replica that speaks again
     rejoins (the aborts of its failed requests reach it first); a dead one stays out. Once no replica is
     live, `add` raises EngineUnavailableError and `is_alive` is False; once every replica is dead,
     `on_engine_death` is called.
@@ -93,11 +95,13 @@ class AsyncEngine:
     def __init__(self, input_addrs: str | list[str], output_addr: str, *, client_index: int = 0, max_queue: int,
                  engine_pids: list[int] | None = None, on_engine_death: Callable[[str], None] | None = None,
                  block_size: int = 16, engine_timeout: float | None = DEFAULT_ENGINE_TIMEOUT_S,
-                 dead_replicas: list[int] | None = None) -> None:
+                 step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S, dead_replicas: list[int] | None = None) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if engine_timeout is not None and not engine_timeout > 0:
             raise ValueError(f"engine_timeout must be > 0 seconds, got {engine_timeout}")
+        if step_timeout is not None and not step_timeout > 0:
+            raise ValueError(f"step_timeout must be > 0 seconds, got {step_timeout}")
         self.input_addrs = [input_addrs] if isinstance(input_addrs, str) else list(input_addrs)
         self.output_addr = output_addr
         self.client_index = client_index
@@ -106,6 +110,7 @@ class AsyncEngine:
         self.on_engine_death = on_engine_death
         self.router = ReplicaRouter(len(self.input_addrs), block_size)
         self.engine_timeout = engine_timeout
+        self.step_timeout = step_timeout if step_timeout is not None else float("inf")
         self.replica_state = [LIVE] * len(self.input_addrs)
         self.replica_error: list[str | None] = [None] * len(self.input_addrs)
         self.num_replica_failures = 0  # replicas taken out (deaths and hangs) since this process started
@@ -271,7 +276,12 @@ class AsyncEngine:
     def _dispatch(self, batch: EngineBatch) -> None:
         replica = batch.engine_index
         self._last_heard[replica] = time.monotonic()
-        if self.replica_state[replica] == HUNG:
+        if batch.stalled_s > self.step_timeout:
+            if self.replica_state[replica] == LIVE:
+                self._replica_hung(replica, f"{self._who(replica)} has not finished a step for "
+                                            f"{batch.stalled_s:.0f} s (--engine-step-timeout {self.step_timeout:g} s): "
+                                            "it is deadlocked or stuck in a kernel")
+        elif self.replica_state[replica] == HUNG:
             self._replica_back(replica)
         if batch.stats is not None:
             self._replica_stats[replica] = batch.stats
@@ -346,8 +356,8 @@ class AsyncEngine:
                     continue
                 if state == LIVE and silent + tick > timeout:
                     self._replica_hung(replica, f"{self._who(replica)} sent nothing for {silent:.1f} s "
-                                                f"(--engine-timeout {timeout:g} s): it is stopped, deadlocked "
-                                                "or stuck in a step")
+                                                f"(--engine-timeout {timeout:g} s): its process is stopped or "
+                                                "frozen")
 
     def _replica_died(self, replica: int, message: str) -> None:
         if self.replica_state[replica] == DEAD:

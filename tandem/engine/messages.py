@@ -68,6 +68,7 @@ class EngineBatch(msgspec.Struct, tag="batch", array_like=True):
     rejected: list[Rejection] = []
     stats: WireStats | None = None
     engine_index: int = 0  # which data-parallel replica sent it
+    stalled_s: float = 0.0  # heartbeats: seconds since the engine loop last went round (0 from the loop itself)
 
 
 class EngineInfo(msgspec.Struct, tag="info"):

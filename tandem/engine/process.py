@@ -3,10 +3,13 @@
 The loop never waits for an API process: commands are drained without blocking while there is work, and
 outputs go out on PUSH sockets with no high-water mark, one message per API process per step.
 
-Heartbeat: every API process hears from the loop itself at least every HEARTBEAT_S: the stats of a busy
-engine go out every STATS_INTERVAL_S, and an idle one sends an empty batch each time its wait for commands
-times out. The loop, not a thread, sends it, so silence means the loop is not turning: the process is
-stopped, deadlocked, or one step has run for longer than the API processes' --engine-timeout.
+Heartbeat: every API process hears from this process at least every HEARTBEAT_S, from a thread of its own
+(an empty batch carrying `stalled_s`, how long ago the loop last went round), besides the loop's own
+messages (stats every STATS_INTERVAL_S while busy, an empty batch each second while idle). Two signs, two
+limits in the API processes: silence (the whole process stopped or frozen) past --engine-timeout, and a
+loop stalled (a step deadlocked or stuck in a kernel, or merely very long) past --engine-step-timeout. A
+thread cannot tell a stuck step from a long one, so the second limit is the longer one: the first steps
+after start compile kernels and can take tens of seconds.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
 from multiprocessing.connection import Connection
@@ -54,7 +58,7 @@ class EngineCoreLoop:
     """Serves one EngineCore over ZeroMQ: a bound PULL for every API process's commands, one PUSH per API process."""
 
     def __init__(self, core: Any, input_addr: str, output_addrs: list[str], max_queue: int,
-                 ctx: zmq.Context | None = None, engine_index: int = 0) -> None:
+                 ctx: zmq.Context | None = None, engine_index: int = 0, heartbeat: bool = True) -> None:
         self.core = core
         self.engine_index = engine_index
         self.max_queue = max_queue
@@ -71,11 +75,19 @@ class EngineCoreLoop:
             self._outputs.append(sock)
         self._decoder = msgspec.msgpack.Decoder(list[ClientCommand])
         self._encoder = msgspec.msgpack.Encoder()
+        self._encoder_for_beats = msgspec.msgpack.Encoder()  # the heartbeat thread's own
         self._client_of: dict[str, int] = {}  # live request id -> the API process that owns it
         self._batches = [self._new_batch() for _ in output_addrs]
         self._changed = True  # something happened since the last stats went out
         self._last_stats = 0.0
         self._parent_pid = os.getppid()
+        self._turned_at = time.monotonic()  # when the loop last went round (read by the heartbeat thread)
+        self._stop_beating = threading.Event()
+        self._beater: threading.Thread | None = None
+        if heartbeat:
+            self._beater = threading.Thread(target=self._beat, args=(list(output_addrs),), daemon=True,
+                                            name=f"tandem-heartbeat-{engine_index}")
+            self._beater.start()
         self._last_parent_check = time.monotonic()
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -83,6 +95,7 @@ class EngineCoreLoop:
     def run(self) -> None:
         try:
             while True:
+                self._turned_at = time.monotonic()
                 busy = self.core.has_unfinished_requests()
                 with self._phase("receive" if busy else None):  # an idle wait is no phase of a step
                     commands = self._receive(block=not busy)
@@ -112,6 +125,9 @@ class EngineCoreLoop:
         return timeline.span(name) if timeline is not None and name is not None else nullcontext()
 
     def close(self) -> None:
+        self._stop_beating.set()
+        if self._beater is not None:
+            self._beater.join(5)
         for sock in (self._input, *self._outputs):
             sock.close(linger=1000)
 
@@ -119,6 +135,7 @@ class EngineCoreLoop:
         commands: list[ClientCommand] = []
         if block:
             while not self._input.poll(int(HEARTBEAT_S * 1000)):
+                self._turned_at = time.monotonic()  # an idle wait is no stall
                 self._check_parent()
                 self._heartbeat()
         else:
@@ -239,6 +256,28 @@ class EngineCoreLoop:
                 logger.error("API process %d is not reachable: dropping a batch of %d outputs", client,
                              len(batch.outputs))
             self._batches[client] = self._new_batch()
+
+    def _beat(self, output_addrs: list[str]) -> None:
+        """The heartbeat thread: every HEARTBEAT_S, an empty batch with the loop's stall time to every API
+        process, on sockets of its own (a ZeroMQ socket belongs to one thread)."""
+        socks = []
+        for addr in output_addrs:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(addr)
+            socks.append(sock)
+        try:
+            while not self._stop_beating.wait(HEARTBEAT_S):
+                beat = self._encoder_for_beats.encode(
+                    EngineBatch([], [], [], None, self.engine_index, max(0.0, time.monotonic() - self._turned_at)))
+                for sock in socks:
+                    try:
+                        sock.send(beat, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+        finally:
+            for sock in socks:
+                sock.close(linger=0)
 
     def _heartbeat(self) -> None:
         """An idle engine's sign of life: an empty batch to every API process."""

@@ -31,7 +31,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from tandem.config import EngineConfig
-from tandem.engine.client import DEFAULT_ENGINE_TIMEOUT_S
+from tandem.engine.client import DEFAULT_ENGINE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S
 from tandem.engine.launch import DEFAULT_MAX_QUEUE, Engines, EngineStartError, start_engines
 from tandem.engine.messages import EngineInfo
 from tandem.engine.process import DEFAULT_CORE, HEARTBEAT_S
@@ -62,6 +62,7 @@ class ApiSettings:
     graceful_timeout: float = 30.0
     log_level: str = "info"
     engine_timeout: float | None = DEFAULT_ENGINE_TIMEOUT_S  # a replica silent this long is taken out
+    engine_step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S  # ... and one whose loop is stuck this long
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -102,7 +103,8 @@ def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
     async_engine = AsyncEngine(endpoints.input_addrs, endpoints.output_addr, client_index=client_index,
                                max_queue=settings.max_queue, engine_pids=endpoints.pids,
                                on_engine_death=on_engine_death, block_size=settings.engine_config.block_size,
-                               engine_timeout=settings.engine_timeout, dead_replicas=endpoints.dead_replicas)
+                               engine_timeout=settings.engine_timeout, step_timeout=settings.engine_step_timeout,
+                               dead_replicas=endpoints.dead_replicas)
     app = build_app(async_engine, load_tokenizer(settings.engine_config), model_names=settings.model_names,
                     max_model_len=info.max_model_len, vocab_size=info.vocab_size, api_key=settings.api_key,
                     api_restarts=api_restarts)
@@ -157,6 +159,9 @@ def serve(settings: ApiSettings, num_api_servers: int = 1, data_parallel_size: i
     if settings.engine_timeout is not None and not settings.engine_timeout >= 2 * HEARTBEAT_S:
         raise ValueError(f"--engine-timeout must be at least {2 * HEARTBEAT_S:g} seconds (an idle engine sends a "
                          f"heartbeat every {HEARTBEAT_S:g} s), got {settings.engine_timeout}")
+    if settings.engine_step_timeout is not None and not settings.engine_step_timeout >= 2 * HEARTBEAT_S:
+        raise ValueError(f"--engine-step-timeout must be at least {2 * HEARTBEAT_S:g} seconds, got "
+                         f"{settings.engine_step_timeout}")
     metrics_dir = None
     if num_api_servers > 1:
         metrics_dir = tempfile.mkdtemp(prefix="tandem-metrics-")
@@ -330,8 +335,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are cut")
     g.add_argument("--engine-timeout", type=float, default=DEFAULT_ENGINE_TIMEOUT_S,
-                   help="seconds an engine replica may stay silent (stopped, deadlocked, or one step running that "
-                        "long) before its open requests fail and it is taken out; it rejoins when it speaks again")
+                   help="seconds an engine replica's process may stay silent (stopped, frozen) before its open "
+                        "requests fail and it is taken out; it rejoins when it speaks again")
+    g.add_argument("--engine-step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
+                   help="seconds one engine step may run (deadlocked, stuck in a kernel, or just long: the first "
+                        "steps compile kernels) before the replica's open requests fail and it is taken out")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(parser)
     parser.add_argument("--no-overlap", dest="sync", action="store_true", help="the same as --sync")
@@ -355,7 +363,7 @@ def serve_main(args: argparse.Namespace) -> int:
         settings = ApiSettings(EngineConfig(**engine_kwargs(args)), model_names_from_args(args), host=args.host,
                                port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                                graceful_timeout=args.graceful_timeout, log_level=args.log_level,
-                               engine_timeout=args.engine_timeout)
+                               engine_timeout=args.engine_timeout, engine_step_timeout=args.engine_step_timeout)
         code = serve(settings, num_api_servers=args.api_server_count, data_parallel_size=args.data_parallel_size)
     except ValueError as exc:
         raise SystemExit(f"tandem serve: {exc}") from exc

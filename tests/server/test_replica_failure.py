@@ -58,14 +58,16 @@ def _send(addr: str, command) -> None:  # type: ignore[no-untyped-def]
 class Replicas:
     """Two engine-core loops (replicas 0 and 1) sending to one API process's output address."""
 
-    def __init__(self, cores: list[FakeCore]) -> None:
+    def __init__(self, cores: list[FakeCore], heartbeat: tuple[bool, ...] = (True, True)) -> None:
         self.harnesses: list[Harness] = []
         import tempfile
 
         self.out = f"ipc://{tempfile.mkdtemp(prefix='tandem-test-out-')}/out"
         for index, core in enumerate(cores):
             ipc_dir = tempfile.mkdtemp(prefix="tandem-test-ipc-")
-            loop = engine_process.EngineCoreLoop(core, f"ipc://{ipc_dir}/in", [self.out], 64, engine_index=index)
+            # Without its heartbeat thread, a stalled loop is a silent replica (as a stopped process is).
+            loop = engine_process.EngineCoreLoop(core, f"ipc://{ipc_dir}/in", [self.out], 64, engine_index=index,
+                                                 heartbeat=heartbeat[index])
             thread = threading.Thread(target=loop.run, name=f"tandem-engine-{index}", daemon=True)
             thread.start()
             self.harnesses.append(Harness(core, loop, thread, ipc_dir))
@@ -159,7 +161,7 @@ def test_a_silent_replica_is_taken_out_within_the_timeout_and_rejoins_when_it_sp
 
     async def main():
         stalling = StallingCore()
-        replicas = Replicas([PacedCore(), stalling])
+        replicas = Replicas([PacedCore(), stalling], heartbeat=(True, False))
         engine = replicas.client(engine_timeout=1.0)
         await asyncio.sleep(1.6)  # idle past the timeout: the heartbeats keep both replicas in
         assert engine.replica_state == [LIVE, LIVE]
@@ -195,21 +197,24 @@ def test_a_silent_replica_is_taken_out_within_the_timeout_and_rejoins_when_it_sp
     asyncio.run(main())
 
 
-def test_one_silent_engine_makes_the_client_unavailable_until_it_speaks(monkeypatch):
+def test_one_stuck_step_makes_the_client_unavailable_until_the_engine_goes_round_again(monkeypatch):
     monkeypatch.setattr(engine_process, "HEARTBEAT_S", 0.2)
 
     async def main():
         stalling = StallingCore()
         replicas = Replicas([stalling])
-        engine = replicas.client(engine_timeout=0.8)
+        engine = replicas.client(engine_timeout=10.0, step_timeout=1.0)
+        await asyncio.sleep(1.5)  # idle is no stall
+        assert engine.is_alive
         stream: asyncio.Queue = asyncio.Queue()
         engine.add([("a", [1], LONG)], stream)
         await _accepted(stream, 1)
-        stalling.stall.set()
+        stalling.stall.set()  # the heartbeat thread goes on, saying how long the loop has been stuck
         items = await _collect(stream, {"a"}, 2.0)
         assert isinstance(items["a"][-1], Failed) and "the engine core process" in items["a"][-1].message
-        assert not engine.is_alive and "sent nothing" in engine.error
-        with pytest.raises(EngineUnavailableError, match="sent nothing"):
+        assert not engine.is_alive and "has not finished a step" in engine.error
+        assert "--engine-step-timeout 1 s" in engine.error
+        with pytest.raises(EngineUnavailableError, match="has not finished a step"):
             engine.add([("b", [1], LONG)], stream)
         stalling.resume.set()
         for _ in range(100):
