@@ -100,7 +100,7 @@ async def _collect(stream: asyncio.Queue, ids: set[str], seconds: float) -> dict
     while time.monotonic() < deadline:
         try:
             item = await asyncio.wait_for(stream.get(), max(0.01, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             break
         got[item.request_id].append(item)
     return got
