@@ -11,6 +11,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import dataclass
@@ -89,6 +90,12 @@ class Engines:
     def stop(self, timeout_s: float = ENGINE_STOP_TIMEOUT_S) -> int | None:
         """Asks every replica to fail what is left and exit; kills any that does not. Returns the worst exit code."""
         self.send_all(Shutdown())
+        for replica in self.replicas:  # a stopped (SIGSTOP) replica resumes to take its Shutdown
+            if replica.process.exitcode is None and replica.process.pid is not None:
+                try:
+                    os.kill(replica.process.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
         deadline = time.monotonic() + timeout_s
         codes = []
         for replica in self.replicas:
