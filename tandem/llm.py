@@ -32,6 +32,18 @@ class _Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
+
+
+class GenerationError(RuntimeError):
+    """Some requests of a generate() / chat() call failed in the engine (a failed step, a dead data-parallel
+    replica or tensor-parallel rank); the others ran to their end. `outputs` holds every request's result in
+    prompt order, as generate() would have returned them: a failed completion has finish_reason "error", the
+    message in `error`, and the tokens it had before it failed."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
 
 
 class LLM:
@@ -189,16 +201,23 @@ class LLM:
             text = seq.detok.text if seq.detok is not None else ""
             results[i].outputs.append(
                 CompletionOutput(seq.index, text, seq.token_ids, seq.finish_reason, seq.stop_reason, seq.logprobs,
-                                 seq.cumulative_logprob if seq.logprobs is not None else None)
+                                 seq.cumulative_logprob if seq.logprobs is not None else None, seq.error)
             )
         for r in results:
             r.finished = True
+        errors = [seq.error for _, seq in seqs.values() if seq.error is not None]
+        if errors:
+            raise GenerationError(f"{len(errors)} of {len(seqs)} requests failed (the others finished; "
+                                  f"their outputs are in this error's .outputs): {errors[0]}", results)
         return results
 
     def _apply(self, out: EngineOutput, seq: _Sequence) -> bool:
         """Adds a step's tokens to a sequence; returns True once it is finished."""
-        if out.error is not None:
-            raise RuntimeError(out.error)
+        if out.error is not None:  # the request ends here; generate() raises once the others are done
+            if seq.detok is not None:
+                seq.detok.flush()
+            seq.finish_reason, seq.error = "error", out.error
+            return True
         new_tokens = out.new_token_ids
         if seq.logprobs is not None and out.new_logprobs is not None:
             for tok, (chosen, top) in zip(new_tokens, out.new_logprobs):

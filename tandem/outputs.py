@@ -39,10 +39,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    error: str | None = None  # why the engine ended it (finish_reason "error")
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +14,15 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from tandem.engine.messages import AbortRequest, AddRequest, ClientCommand, EngineBatch, WireStats, merge_reported
+from tandem.engine.messages import (
+    AbortClient,
+    AbortRequest,
+    AddRequest,
+    ClientCommand,
+    EngineBatch,
+    WireStats,
+    merge_reported,
+)
 from tandem.engine.router import ReplicaRouter
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
@@ -21,6 +30,9 @@ from tandem.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 PID_POLL_S = 0.25  # liveness poll of the engine process where pidfd_open is not available
+DEFAULT_ENGINE_TIMEOUT_S = 10.0  # a replica silent this long is hung (it sends at least every HEARTBEAT_S)
+DEFAULT_STEP_TIMEOUT_S = 120.0  # a replica whose loop has not gone round for this long is hung (see process.py)
+LIVE, HUNG, DEAD = "live", "hung", "dead"  # a replica's state as this API process sees it
 
 
 class QueueFullError(Exception):
@@ -49,10 +61,11 @@ class Rejected:
 
 @dataclass(slots=True)
 class Failed:
-    """This process ended the request without the engine: its process died, or the server shuts down."""
+    """This process ended the request without the engine: its replica died or hung, or the server shuts down."""
 
     request_id: str
     message: str
+    status: int = 503
 
 
 def is_terminal(item: Any) -> bool:
@@ -67,15 +80,28 @@ class AsyncEngine:
     reader task takes each engine's one message per step and routes each request's items to the
     asyncio.Queue its caller registered. With data parallelism there is one engine-core process per
     replica: a ReplicaRouter picks each request's replica (prefix affinity, then load), and all of them
-    send to this process's one output socket. Every engine's pid is watched (pidfd): the death of any
-    fails every open request at once.
+    send to this process's one output socket.
+
+    Failure, per replica: every replica's pid is watched (pidfd), and so is the time it was last heard
+    from (its heartbeat thread sends every second). A replica whose process died, that was silent for
+    `engine_timeout` seconds (stopped, frozen), or whose heartbeat says its loop has not gone round for
+    `step_timeout` seconds (a step deadlocked or stuck in a kernel) is taken out: its open requests end
+    with a Failed item at once and new requests go to the others. A hung replica that speaks again
+    rejoins (the aborts of its failed requests reach it first); a dead one stays out. Once no replica is
+    live, `add` raises EngineUnavailableError and `is_alive` is False; once every replica is dead,
+    `on_engine_death` is called.
     """
 
     def __init__(self, input_addrs: str | list[str], output_addr: str, *, client_index: int = 0, max_queue: int,
                  engine_pids: list[int] | None = None, on_engine_death: Callable[[str], None] | None = None,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, engine_timeout: float | None = DEFAULT_ENGINE_TIMEOUT_S,
+                 step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S, dead_replicas: list[int] | None = None) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if engine_timeout is not None and not engine_timeout > 0:
+            raise ValueError(f"engine_timeout must be > 0 seconds, got {engine_timeout}")
+        if step_timeout is not None and not step_timeout > 0:
+            raise ValueError(f"step_timeout must be > 0 seconds, got {step_timeout}")
         self.input_addrs = [input_addrs] if isinstance(input_addrs, str) else list(input_addrs)
         self.output_addr = output_addr
         self.client_index = client_index
@@ -83,7 +109,17 @@ class AsyncEngine:
         self.engine_pids = list(engine_pids or [])
         self.on_engine_death = on_engine_death
         self.router = ReplicaRouter(len(self.input_addrs), block_size)
-        self.error: str | None = None  # set once an engine process is gone
+        self.engine_timeout = engine_timeout
+        self.step_timeout = step_timeout if step_timeout is not None else float("inf")
+        self.replica_state = [LIVE] * len(self.input_addrs)
+        self.replica_error: list[str | None] = [None] * len(self.input_addrs)
+        self.num_replica_failures = 0  # replicas taken out (deaths and hangs) since this process started
+        self._fatal: str | None = None  # this process cannot reach any engine (its reader died)
+        self._last_heard = [0.0] * len(self.input_addrs)
+        for r in dead_replicas or []:
+            self.replica_state[r] = DEAD
+            self.replica_error[r] = f"engine replica {r} died before this API process started"
+            self.router.set_up(r, False)
         self._replica_stats: list[WireStats | None] = [None] * len(self.input_addrs)
         self._streams: dict[str, asyncio.Queue] = {}  # accepted or pending, not yet terminal
         self._replica_of: dict[str, int] = {}  # same keys as _streams: the replica serving the request
@@ -96,7 +132,7 @@ class AsyncEngine:
         self._pushes: list[zmq.Socket] = []
         self._pull: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
-        self._pidfds: list[int] = []
+        self._pidfds: dict[int, int] = {}  # replica -> pidfd
         self._watchers: list[asyncio.Task] = []
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineBatch)
@@ -110,6 +146,23 @@ class AsyncEngine:
     def num_requests(self) -> int:
         """Requests this process submitted that have not finished (waiting + running)."""
         return len(self._streams)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.input_addrs)
+
+    @property
+    def num_live_replicas(self) -> int:
+        return self.replica_state.count(LIVE) if self._fatal is None else 0
+
+    @property
+    def error(self) -> str | None:
+        """Why no replica can take requests (None while one can)."""
+        if self._fatal is not None:
+            return self._fatal
+        if LIVE in self.replica_state:
+            return None
+        return "; ".join(e for e in self.replica_error if e) or None
 
     @property
     def is_alive(self) -> bool:
@@ -127,9 +180,17 @@ class AsyncEngine:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.bind(self.output_addr)  # the engine core connects to it
+        for replica, state in enumerate(self.replica_state):
+            if state != DEAD:  # a process that replaces a dead one starts clean: its predecessor's requests go
+                self._send(replica, AbortClient(self.client_index))
         self._reader = asyncio.ensure_future(self._read())
-        for pid in self.engine_pids:
-            self._watch_engine(pid)
+        now = time.monotonic()
+        self._last_heard = [now] * self.num_replicas
+        for replica, pid in enumerate(self.engine_pids):
+            if self.replica_state[replica] != DEAD:
+                self._watch_engine(replica, pid)
+        if self.engine_timeout is not None:
+            self._watchers.append(asyncio.ensure_future(self._watch_silence(self.engine_timeout)))
         self._started = True
 
     def add(self, requests: list[tuple[str, list[int], SamplingParams]], stream: asyncio.Queue) -> None:
@@ -158,7 +219,7 @@ class AsyncEngine:
             return
         replica = self._replica_of.pop(request_id)
         self.router.release(replica)
-        if self.error is None:
+        if self.replica_state[replica] != DEAD:
             self._send(replica, AbortRequest(request_id, reason.value, stop_reason))
 
     async def shutdown(self) -> None:
@@ -171,11 +232,8 @@ class AsyncEngine:
             self._reader.cancel()
         for watcher in self._watchers:
             watcher.cancel()
-        for pidfd in self._pidfds:
-            if self._loop is not None:
-                self._loop.remove_reader(pidfd)
-            os.close(pidfd)
-        self._pidfds = []
+        for replica in list(self._pidfds):
+            self._unwatch(replica)
         for sock in (*self._pushes, self._pull):
             if sock is not None:
                 sock.close(linger=500)
@@ -216,8 +274,17 @@ class AsyncEngine:
             self._engine_gone("the engine output reader died in this API process")
 
     def _dispatch(self, batch: EngineBatch) -> None:
+        replica = batch.engine_index
+        self._last_heard[replica] = time.monotonic()
+        if batch.stalled_s > self.step_timeout:
+            if self.replica_state[replica] == LIVE:
+                self._replica_hung(replica, f"{self._who(replica)} has not finished a step for "
+                                            f"{batch.stalled_s:.0f} s (--engine-step-timeout {self.step_timeout:g} s): "
+                                            "it is deadlocked or stuck in a kernel")
+        elif self.replica_state[replica] == HUNG:
+            self._replica_back(replica)
         if batch.stats is not None:
-            self._replica_stats[batch.engine_index] = batch.stats
+            self._replica_stats[replica] = batch.stats
         streams = self._streams
         for request_id in batch.accepted:
             stream = streams.get(request_id)
@@ -239,29 +306,107 @@ class AsyncEngine:
 
     # ---- engine liveness ---------------------------------------------------------------------
 
-    def _watch_engine(self, pid: int) -> None:
+    def _watch_engine(self, replica: int, pid: int) -> None:
         assert self._loop is not None
+        message = self._who(replica, pid) + " died"
         try:
             pidfd = os.pidfd_open(pid)
         except (AttributeError, OSError):  # no pidfd here: poll instead
-            self._watchers.append(asyncio.ensure_future(self._poll_pid(pid)))
+            self._watchers.append(asyncio.ensure_future(self._poll_pid(replica, pid, message)))
             return
-        self._pidfds.append(pidfd)
-        self._loop.add_reader(pidfd, self._engine_gone, f"the engine core process (pid {pid}) died")
+        self._pidfds[replica] = pidfd
+        self._loop.add_reader(pidfd, self._replica_died, replica, message)
 
-    async def _poll_pid(self, pid: int) -> None:
+    def _unwatch(self, replica: int) -> None:
+        pidfd = self._pidfds.pop(replica, None)
+        if pidfd is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(pidfd)
+            os.close(pidfd)
+
+    def _who(self, replica: int, pid: int | None = None) -> str:
+        if pid is None and replica < len(self.engine_pids):
+            pid = self.engine_pids[replica]
+        what = "the engine core process" if self.num_replicas == 1 else f"engine replica {replica}"
+        return f"{what} (pid {pid})" if pid is not None else what
+
+    async def _poll_pid(self, replica: int, pid: int, message: str) -> None:
         while _pid_alive(pid):
             await asyncio.sleep(PID_POLL_S)
-        self._engine_gone(f"the engine core process (pid {pid}) died")
+        self._replica_died(replica, message)
+
+    async def _watch_silence(self, timeout: float) -> None:
+        """Takes out a replica this process has not heard from for `timeout` seconds (checked every `tick`, so
+        that it is out by then, not a tick later)."""
+        assert self._pull is not None
+        tick = min(0.25, timeout / 4)
+        while True:
+            await asyncio.sleep(tick)
+            if self._pull.closed:
+                return
+            # Unread messages mean this process is behind, not that a replica is silent: each may be in
+            # there. Then a replica counts as silent only against the newest news of the others, which
+            # the reader's progress keeps fresh while a hung replica's stays old.
+            behind = bool(self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            now = time.monotonic()
+            newest = max((t for t, s in zip(self._last_heard, self.replica_state) if s != DEAD), default=now)
+            for replica, state in enumerate(self.replica_state):
+                silent = now - self._last_heard[replica]
+                if behind and newest - self._last_heard[replica] <= timeout:
+                    continue
+                if state == LIVE and silent + tick > timeout:
+                    self._replica_hung(replica, f"{self._who(replica)} sent nothing for {silent:.1f} s "
+                                                f"(--engine-timeout {timeout:g} s): its process is stopped or "
+                                                "frozen")
+
+    def _replica_died(self, replica: int, message: str) -> None:
+        if self.replica_state[replica] == DEAD:
+            return
+        self._unwatch(replica)
+        was_live = self.replica_state[replica] == LIVE
+        self.replica_state[replica] = DEAD
+        self.replica_error[replica] = message
+        self.router.set_up(replica, False)
+        if was_live:
+            self.num_replica_failures += 1
+        self._fail_replica(replica, message)
+        if all(state == DEAD for state in self.replica_state) and self.on_engine_death is not None \
+                and not self._stopping:
+            self.on_engine_death(message)
+
+    def _replica_hung(self, replica: int, message: str) -> None:
+        self.replica_state[replica] = HUNG
+        self.replica_error[replica] = message
+        self.router.set_up(replica, False)
+        self.num_replica_failures += 1
+        # Its requests end here now; the aborts wait in the socket and free their KV blocks if it resumes.
+        for request_id in self._fail_replica(replica, message):
+            self._send(replica, AbortRequest(request_id, FinishReason.ABORT.value))
+
+    def _replica_back(self, replica: int) -> None:
+        logger.warning("%s is heard from again: it takes requests again", self._who(replica))
+        self.replica_state[replica] = LIVE
+        self.replica_error[replica] = None
+        self.router.set_up(replica, True)
+
+    def _fail_replica(self, replica: int, message: str) -> list[str]:
+        """Ends every open request of one replica with Failed(message); returns their ids."""
+        ids = [rid for rid, r in self._replica_of.items() if r == replica]
+        logger.error("%s: failing %d open requests", message, len(ids))
+        for request_id in ids:
+            del self._replica_of[request_id]
+            self.router.release(replica)
+            self._streams.pop(request_id).put_nowait(Failed(request_id, message))
+        return ids
 
     def _engine_gone(self, message: str) -> None:
-        if self.error is not None:
+        """This process cannot go on with any replica (its output reader died): fail everything."""
+        if self._fatal is not None:
             return
-        if self._loop is not None:
-            for pidfd in self._pidfds:
-                self._loop.remove_reader(pidfd)
+        for replica in list(self._pidfds):
+            self._unwatch(replica)
         logger.error("%s: failing %d open requests", message, len(self._streams))
-        self.error = message
+        self._fatal = message
         self._fail_all(message)
         if self.on_engine_death is not None and not self._stopping:
             self.on_engine_death(message)

@@ -227,6 +227,10 @@ class EngineCore:
     def _fail(self, scheduled: list, exc: Exception) -> list[EngineOutput]:
         # Blocks published for the failed step may hold garbage KV: forget every cached prefix.
         self.scheduler.reset_prefix_cache()
+        if _is_out_of_memory(exc):
+            # The step's activations did not fit: its requests fail, their blocks go back to the pool, and
+            # the allocator's cached segments are returned so the next (smaller) step finds the memory.
+            _release_cached_device_memory()
         outputs = []
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         for s in scheduled:
@@ -253,6 +257,13 @@ class EngineCore:
             return fn()
         with self.timeline.span(name):
             return fn()
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why no step can succeed any more (a tensor-parallel rank died), else None. The server's engine-core
+        process exits on it, so that its replica is taken out rather than failing every request it gets."""
+        group = getattr(self.runner, "group", None)
+        return getattr(group, "failure", None) if group is not None else None
 
     def shutdown(self) -> None:
         """Releases the tensor-parallel workers; the engine cannot step afterwards."""
@@ -297,3 +308,19 @@ class EngineCore:
             num_generation_tokens=self.num_generation_tokens,
             num_preemptions=s.num_preemptions,
         )
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError)
+
+
+def _release_cached_device_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        try:
+            torch.cuda.empty_cache()
+        except Exception:  # the device itself failed: nothing to release
+            logger.exception("could not release the cached device memory after an out-of-memory step")

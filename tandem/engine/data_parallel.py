@@ -5,8 +5,10 @@ runs (`start_engines`: each a whole engine on its own GPU(s), or all on the CPU)
 ZeroMQ with the server's msgspec messages. `add_request` validates the prompt here, so a bad one is a
 ValueError at once, and routes it (prefix affinity, then load); `step` sends the queued commands and
 returns the outputs every replica has produced since. The replicas step on their own, never waiting for
-this process, which only routes, collects and detokenizes. A replica that dies ends the whole engine
-with a RuntimeError naming it; shutdown (or exit) stops and reaps every replica.
+this process, which only routes, collects and detokenizes. A replica that dies fails only its own
+requests (each gets a finished output with `error` naming the replica) and is left out of routing from
+then on; the others go on. Once every replica has died, `step` raises RuntimeError and the engine is shut
+down. Shutdown (or exit) stops and reaps every replica.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class DataParallelEngine:
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
         self._sentinels = {r.process.sentinel: i for i, r in enumerate(self.engines.replicas)}
+        self._dead: dict[int, str] = {}  # replica -> why it is out
         for fd in self._sentinels:
             self._poller.register(fd, zmq.POLLIN)
         self._encoder = msgspec.msgpack.Encoder()
@@ -117,8 +120,9 @@ class DataParallelEngine:
         if replica is None or self._closed:
             return
         self.router.release(replica)
-        self._outboxes[replica].append(AbortRequest(request_id, reason.value, stop_reason))
-        self._flush()
+        if replica not in self._dead:
+            self._outboxes[replica].append(AbortRequest(request_id, reason.value, stop_reason))
+            self._flush()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._replica_of)
@@ -131,7 +135,8 @@ class DataParallelEngine:
 
     def step(self) -> list[EngineOutput]:
         """Sends the queued commands, then returns every output that has arrived (waiting for some while
-        requests are unfinished). Raises RuntimeError naming the replica if one has died."""
+        requests are unfinished). A replica found dead fails its requests (outputs with `error`); raises
+        RuntimeError once no replica is left."""
         self._check_open()
         self._flush()
         outputs: list[EngineOutput] = []
@@ -139,10 +144,10 @@ class DataParallelEngine:
             return outputs
         while True:
             ready = dict(self._poller.poll(POLL_MS))
-            dead = [self._sentinels[fd] for fd in ready if fd in self._sentinels]
-            if dead:
-                self._die(dead[0])
-            if self._pull in ready:
+            for fd in ready:
+                if fd in self._sentinels:
+                    self._replica_died(self._sentinels[fd], outputs)
+            if self._pull in ready or outputs:
                 break
         while True:
             try:
@@ -173,17 +178,32 @@ class DataParallelEngine:
     def _flush(self) -> None:
         for replica, commands in enumerate(self._outboxes):
             if commands:
-                self._pushes[replica].send(self._encoder.encode(commands), copy=False)
+                if replica not in self._dead:
+                    self._pushes[replica].send(self._encoder.encode(commands), copy=False)
                 self._outboxes[replica] = []
 
-    def _die(self, r: int) -> None:
+    def _replica_died(self, r: int, outputs: list[EngineOutput]) -> None:
+        """Fails replica r's requests into `outputs` and routes around it; shuts down if it was the last one."""
         replica = self.engines.replicas[r]
         replica.process.join(1)  # the exit code is there once the sentinel fired
-        self._failure = (f"data-parallel replica {r} (pid {replica.info.pid}) died with exit code "
-                         f"{replica.process.exitcode}; the engine is shut down")
-        logger.error("%s", self._failure)
-        self.shutdown()
-        raise RuntimeError(self._failure)
+        self._poller.unregister(replica.process.sentinel)
+        del self._sentinels[replica.process.sentinel]
+        message = f"data-parallel replica {r} (pid {replica.info.pid}) died with exit code {replica.process.exitcode}"
+        self._dead[r] = message
+        self.router.set_up(r, False)
+        self._replica_stats[r] = None
+        lost = sorted(rid for rid, owner in self._replica_of.items() if owner == r)
+        for rid in lost:
+            del self._replica_of[rid]
+            self.router.release(r)
+            outputs.append(EngineOutput(rid, [], None, True, FinishReason.ABORT, None, 0, 0, error=message))
+        if len(self._dead) == self.data_parallel_size:
+            self._failure = f"every data-parallel replica has died (the last: {message}); the engine is shut down"
+            logger.error("%s", self._failure)
+            self.shutdown()
+            raise RuntimeError(self._failure)
+        logger.error("%s: its %d requests fail; %d replicas go on", message, len(lost),
+                     self.data_parallel_size - len(self._dead))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -201,8 +221,12 @@ class DataParallelEngine:
         return self._model_config
 
     def stats(self) -> WireStats | None:
-        """The replicas' latest figures merged (None until each has reported)."""
-        return merge_reported(self._replica_stats)
+        """The live replicas' latest figures merged (None until each has reported)."""
+        return merge_reported([s for r, s in enumerate(self._replica_stats) if r not in self._dead])
+
+    @property
+    def live_replicas(self) -> list[int]:
+        return [r for r in range(self.data_parallel_size) if r not in self._dead]
 
     def start_timeline(self) -> None:
         raise ValueError("timeline profiling needs data_parallel_size=1: the replicas' GPUs are in other processes")

@@ -11,6 +11,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import msgspec
 import zmq
 
 from tandem.config import EngineConfig, environment
-from tandem.engine.messages import EngineFailed, EngineInfo, Shutdown, StartupReply
+from tandem.engine.messages import AbortClient, ClientCommand, EngineFailed, EngineInfo, Shutdown, StartupReply
 from tandem.engine.process import DEFAULT_CORE, run_engine_core
 
 logger = logging.getLogger(__name__)
@@ -71,16 +72,30 @@ class Engines:
     def processes(self) -> list[BaseProcess]:
         return [r.process for r in self.replicas]
 
-    def stop(self, timeout_s: float = ENGINE_STOP_TIMEOUT_S) -> int | None:
-        """Asks every replica to fail what is left and exit; kills any that does not. Returns the worst exit code."""
+    def send_all(self, command: ClientCommand, skip: set[int] | frozenset[int] = frozenset()) -> None:
+        """Sends one command to every replica but those in `skip` (dead ones)."""
         ctx = zmq.Context()
-        for replica in self.replicas:
-            if replica.process.is_alive():
+        for r, replica in enumerate(self.replicas):
+            if r not in skip and replica.process.exitcode is None:
                 sock = ctx.socket(zmq.PUSH)
                 sock.connect(replica.input_addr)
-                sock.send(msgspec.msgpack.encode([Shutdown()]))
+                sock.send(msgspec.msgpack.encode([command]))
                 sock.close(linger=1000)
         ctx.term()
+
+    def abort_client(self, client_index: int, skip: set[int] | frozenset[int] = frozenset()) -> None:
+        """API process `client_index` died: every replica frees the requests it owned."""
+        self.send_all(AbortClient(client_index), skip)
+
+    def stop(self, timeout_s: float = ENGINE_STOP_TIMEOUT_S) -> int | None:
+        """Asks every replica to fail what is left and exit; kills any that does not. Returns the worst exit code."""
+        self.send_all(Shutdown())
+        for replica in self.replicas:  # a stopped (SIGSTOP) replica resumes to take its Shutdown
+            if replica.process.exitcode is None and replica.process.pid is not None:
+                try:
+                    os.kill(replica.process.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
         deadline = time.monotonic() + timeout_s
         codes = []
         for replica in self.replicas:

@@ -27,7 +27,13 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Fail whatever is left and exit (sent by the launcher after the API processes have drained)."""
 
 
-ClientCommand = AddRequest | AbortRequest | Shutdown
+class AbortClient(msgspec.Struct, tag="abort_client", array_like=True):
+    """Abort every request API process `client_index` owns (sent by the launcher when that process died)."""
+
+    client_index: int
+
+
+ClientCommand = AddRequest | AbortRequest | Shutdown | AbortClient
 
 
 # ---- engine core -> one API process (one message per engine step) ------------------------
@@ -55,11 +61,14 @@ class WireStats(msgspec.Struct, array_like=True):
 
 
 class EngineBatch(msgspec.Struct, tag="batch", array_like=True):
+    """One engine step's news for one API process; an empty one is the heartbeat of an idle engine."""
+
     outputs: list[EngineOutput] = []  # the engine's own outputs go on the wire as they are
     accepted: list[str] = []
     rejected: list[Rejection] = []
     stats: WireStats | None = None
     engine_index: int = 0  # which data-parallel replica sent it
+    stalled_s: float = 0.0  # heartbeats: seconds since the engine loop last went round (0 from the loop itself)
 
 
 class EngineInfo(msgspec.Struct, tag="info"):

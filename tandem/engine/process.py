@@ -2,6 +2,14 @@
 
 The loop never waits for an API process: commands are drained without blocking while there is work, and
 outputs go out on PUSH sockets with no high-water mark, one message per API process per step.
+
+Heartbeat: every API process hears from this process at least every HEARTBEAT_S, from a thread of its own
+(an empty batch carrying `stalled_s`, how long ago the loop last went round), besides the loop's own
+messages (stats every STATS_INTERVAL_S while busy, an empty batch each second while idle). Two signs, two
+limits in the API processes: silence (the whole process stopped or frozen) past --engine-timeout, and a
+loop stalled (a step deadlocked or stuck in a kernel, or merely very long) past --engine-step-timeout. A
+thread cannot tell a stuck step from a long one, so the second limit is the longer one: the first steps
+after start compile kernels and can take tens of seconds.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
 from multiprocessing.connection import Connection
@@ -21,6 +30,7 @@ import zmq
 
 from tandem.config import EngineConfig
 from tandem.engine.messages import (
+    AbortClient,
     AbortRequest,
     AddRequest,
     ClientCommand,
@@ -39,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.05  # how stale the stats in the API processes may get while the engine is busy
 PARENT_CHECK_S = 1.0  # how often an idle or busy engine checks that its launcher is still alive
+HEARTBEAT_S = 1.0  # an API process hears from this engine at least this often, busy or idle
 DEFAULT_CORE = "tandem.engine.core:EngineCore"
 TIMELINE_ENV = "TANDEM_ENGINE_TIMELINE"  # a Chrome-trace path: the engine core records its timeline into it
 
@@ -47,7 +58,7 @@ class EngineCoreLoop:
     """Serves one EngineCore over ZeroMQ: a bound PULL for every API process's commands, one PUSH per API process."""
 
     def __init__(self, core: Any, input_addr: str, output_addrs: list[str], max_queue: int,
-                 ctx: zmq.Context | None = None, engine_index: int = 0) -> None:
+                 ctx: zmq.Context | None = None, engine_index: int = 0, heartbeat: bool = True) -> None:
         self.core = core
         self.engine_index = engine_index
         self.max_queue = max_queue
@@ -64,11 +75,19 @@ class EngineCoreLoop:
             self._outputs.append(sock)
         self._decoder = msgspec.msgpack.Decoder(list[ClientCommand])
         self._encoder = msgspec.msgpack.Encoder()
+        self._encoder_for_beats = msgspec.msgpack.Encoder()  # the heartbeat thread's own
         self._client_of: dict[str, int] = {}  # live request id -> the API process that owns it
         self._batches = [self._new_batch() for _ in output_addrs]
         self._changed = True  # something happened since the last stats went out
         self._last_stats = 0.0
         self._parent_pid = os.getppid()
+        self._turned_at = time.monotonic()  # when the loop last went round (read by the heartbeat thread)
+        self._stop_beating = threading.Event()
+        self._beater: threading.Thread | None = None
+        if heartbeat:
+            self._beater = threading.Thread(target=self._beat, args=(list(output_addrs),), daemon=True,
+                                            name=f"tandem-heartbeat-{engine_index}")
+            self._beater.start()
         self._last_parent_check = time.monotonic()
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -76,6 +95,7 @@ class EngineCoreLoop:
     def run(self) -> None:
         try:
             while True:
+                self._turned_at = time.monotonic()
                 busy = self.core.has_unfinished_requests()
                 with self._phase("receive" if busy else None):  # an idle wait is no phase of a step
                     commands = self._receive(block=not busy)
@@ -84,6 +104,9 @@ class EngineCoreLoop:
                     break
                 if self.core.has_unfinished_requests():
                     self._step()
+                    fatal = getattr(self.core, "fatal_error", None)
+                    if fatal:  # e.g. a dead tensor-parallel rank: every later step would fail too
+                        raise SystemExit(f"the engine cannot step any more: {fatal}")
                 with self._phase("send"):
                     self._flush()
             self._fail_live("the server is shutting down")
@@ -102,14 +125,19 @@ class EngineCoreLoop:
         return timeline.span(name) if timeline is not None and name is not None else nullcontext()
 
     def close(self) -> None:
+        self._stop_beating.set()
+        if self._beater is not None:
+            self._beater.join(5)
         for sock in (self._input, *self._outputs):
             sock.close(linger=1000)
 
     def _receive(self, block: bool) -> list[ClientCommand]:
         commands: list[ClientCommand] = []
         if block:
-            while not self._input.poll(int(PARENT_CHECK_S * 1000)):
+            while not self._input.poll(int(HEARTBEAT_S * 1000)):
+                self._turned_at = time.monotonic()  # an idle wait is no stall
                 self._check_parent()
+                self._heartbeat()
         else:
             now = time.monotonic()
             if now - self._last_parent_check >= PARENT_CHECK_S:
@@ -142,9 +170,25 @@ class EngineCoreLoop:
                                                 command.stop_reason)
                     except Exception:
                         logger.exception("abort_request(%s) failed", command.request_id)
+            elif isinstance(command, AbortClient):
+                self._abort_client(command.client_index)
             elif isinstance(command, Shutdown):
                 return True
         return False
+
+    def _abort_client(self, client: int) -> None:
+        """API process `client` died: its requests have no reader left; free them (a new process starts clean)."""
+        owned = sorted(rid for rid, c in self._client_of.items() if c == client)
+        for rid in owned:
+            del self._client_of[rid]
+            try:
+                self.core.abort_request(rid, FinishReason.ABORT)
+            except Exception:
+                logger.exception("abort_request(%s) failed", rid)
+        if 0 <= client < len(self._batches):
+            self._batches[client] = self._new_batch()
+        if owned:
+            logger.warning("API process %d is gone: aborted its %d open requests", client, len(owned))
 
     def _add(self, command: AddRequest) -> None:
         rid, client = command.request_id, command.client_index
@@ -213,6 +257,36 @@ class EngineCoreLoop:
                              len(batch.outputs))
             self._batches[client] = self._new_batch()
 
+    def _beat(self, output_addrs: list[str]) -> None:
+        """The heartbeat thread: every HEARTBEAT_S, an empty batch with the loop's stall time to every API
+        process, on sockets of its own (a ZeroMQ socket belongs to one thread)."""
+        socks = []
+        for addr in output_addrs:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(addr)
+            socks.append(sock)
+        try:
+            while not self._stop_beating.wait(HEARTBEAT_S):
+                beat = self._encoder_for_beats.encode(
+                    EngineBatch([], [], [], None, self.engine_index, max(0.0, time.monotonic() - self._turned_at)))
+                for sock in socks:
+                    try:
+                        sock.send(beat, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+        finally:
+            for sock in socks:
+                sock.close(linger=0)
+
+    def _heartbeat(self) -> None:
+        """An idle engine's sign of life: an empty batch to every API process."""
+        beat = self._encoder.encode(self._new_batch())
+        for sock in self._outputs:
+            try:
+                sock.send(beat, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
     def _new_batch(self) -> EngineBatch:
         return EngineBatch([], [], [], None, self.engine_index)

@@ -15,7 +15,8 @@ class ReplicaRouter:
     A prompt whose leading full blocks this router has sent before goes to the same replica, where its
     prefix is likely cached, unless that replica holds clearly more requests than the least-loaded one
     (more than `slack` above it); every other request goes to the least-loaded replica. Load is the
-    number of requests this API process has in flight on each replica.
+    number of requests this API process has in flight on each replica. A replica marked down (dead or hung)
+    gets nothing until it is marked up again.
     """
 
     def __init__(self, num_replicas: int, block_size: int, slack: int = 8) -> None:
@@ -25,6 +26,7 @@ class ReplicaRouter:
         self.block_size = block_size
         self.slack = slack
         self.load = [0] * num_replicas
+        self.up = [True] * num_replicas
         self._owner: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica, least recently used first
         self.num_affinity_hits = 0
 
@@ -34,6 +36,13 @@ class ReplicaRouter:
         self.load[replica] += 1
         return replica
 
+    @property
+    def num_up(self) -> int:
+        return sum(self.up)
+
+    def set_up(self, replica: int, up: bool) -> None:
+        self.up[replica] = up
+
     def release(self, replica: int) -> None:
         self.load[replica] -= 1
         assert self.load[replica] >= 0, "a request was released twice"
@@ -41,12 +50,13 @@ class ReplicaRouter:
     def _choose(self, prompt_token_ids: Sequence[int]) -> int:
         if self.num_replicas == 1:
             return 0
-        least = min(range(self.num_replicas), key=self.load.__getitem__)
+        up = [r for r in range(self.num_replicas) if self.up[r]] or list(range(self.num_replicas))
+        least = min(up, key=self.load.__getitem__)
         key = self._prefix_key(prompt_token_ids)
         if key is None:
             return least
         owner = self._owner.get(key)
-        if owner is not None and self.load[owner] <= self.load[least] + self.slack:
+        if owner is not None and self.up[owner] and self.load[owner] <= self.load[least] + self.slack:
             self._owner.move_to_end(key)
             self.num_affinity_hits += 1
             return owner

@@ -23,9 +23,12 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncEngine, tokenizer: Any, *, model_names: list[str], max_model_len: int,
-              vocab_size: int, api_key: str | None = None) -> FastAPI:
-    """An app in front of the engine core that `engine` talks to; it connects and disconnects with the app's lifespan."""
+              vocab_size: int, api_key: str | None = None, api_restarts: int = 0) -> FastAPI:
+    """An app in front of the engine core that `engine` talks to; it connects and disconnects with the app's lifespan.
+
+    api_restarts: how many API processes the launcher has replaced so far (shown in /metrics)."""
     metrics = ServerMetrics()
+    metrics.api_server_restarts.set(api_restarts)
     serving = OpenAIServing(engine, tokenizer, metrics, model_names, max_model_len, vocab_size)
 
     @contextlib.asynccontextmanager
@@ -69,14 +72,22 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_names: list[str], ma
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.is_alive:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse(p.error_body(engine.error or "engine not running", type="server_error", code=503),
-                            status_code=503)
+        replicas = {"live": engine.num_live_replicas, "total": engine.num_replicas}
+        down = [{"replica": r, "state": state, "reason": engine.replica_error[r]}
+                for r, state in enumerate(engine.replica_state) if state != "live"]
+        if engine.is_alive:  # 200 while one replica takes requests; "degraded" when some are out
+            body: dict[str, Any] = {"status": "degraded" if down else "ok", "replicas": replicas}
+            if down:
+                body["down"] = down
+            return JSONResponse(body)
+        body = p.error_body(engine.error or "engine not running", type="server_error", code=503)
+        body.update(replicas=replicas, down=down)
+        return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(engine.stats, engine.num_requests), media_type=CONTENT_TYPE)
+        return Response(metrics.render(engine.stats, engine.num_requests, engine.num_live_replicas,
+                                       engine.num_replica_failures), media_type=CONTENT_TYPE)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:

@@ -74,6 +74,7 @@ class Generation:
         self.prompts = prompts
         self.arrival = arrival
         self.error: str | None = None
+        self.error_status = 500
         self.created = int(time.time())
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pending: list[Any] = []  # items that arrived while waiting for acknowledgements
@@ -170,6 +171,8 @@ class Generation:
         now = time.monotonic()
         if isinstance(item, Failed) or getattr(item, "error", None):
             self.error = item.message if isinstance(item, Failed) else item.error
+            # 503: the request's engine replica died or hung, or the server shuts down; 500: its step failed.
+            self.error_status = item.status if isinstance(item, Failed) else 500
             choice.finish_reason = "error"
             self.metrics.request_failure.inc()
             return

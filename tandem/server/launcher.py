@@ -1,10 +1,15 @@
 """`tandem serve`: starts the engine-core process and the API process(es), and takes them all down together.
 
-Processes: the launcher (this one) starts one engine-core process, waits for its EngineInfo, then runs the
-API server itself (`--api-server-count 1`) or starts N API processes that share the port through
-SO_REUSEPORT. Engine and API processes talk over ZeroMQ IPC sockets in a private temporary folder that
-the launcher removes at exit. Any process dying takes the server down with a non-zero exit status;
-SIGTERM drains the API processes, then stops the engine, and exits 0.
+Processes: the launcher (this one) starts the engine-core process(es), one per data-parallel replica, waits
+for their EngineInfo, then runs the API server itself (`--api-server-count 1`) or starts N API processes that
+share the port through SO_REUSEPORT. Engine and API processes talk over ZeroMQ IPC sockets in a private
+temporary folder that the launcher removes at exit.
+
+Failure: a replica that dies (or hangs) is taken out by every API process while the others serve; the server
+exits 1 once every replica has died. An API process that dies is replaced on its own listening socket (the
+launcher keeps it open, so its connections wait in the backlog meanwhile) after every replica has freed its
+requests; more than MAX_API_RESTARTS restarts within API_RESTART_WINDOW_S end the server with exit status 1.
+SIGTERM drains the API processes, then stops the engines, and exits 0.
 """
 
 from __future__ import annotations
@@ -26,16 +31,19 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from tandem.config import EngineConfig
+from tandem.engine.client import DEFAULT_ENGINE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S
 from tandem.engine.launch import DEFAULT_MAX_QUEUE, Engines, EngineStartError, start_engines
 from tandem.engine.messages import EngineInfo
-from tandem.engine.process import DEFAULT_CORE
+from tandem.engine.process import DEFAULT_CORE, HEARTBEAT_S
 from tandem.engine_args import add_engine_args, engine_kwargs
 from tandem.process_utils import freeze_gc, set_process_name
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-ENGINE_DEATH_EXIT_DELAY_S = 2.0  # /health answers 503 this long after the engine died, then the server exits 1
+ENGINE_DEATH_EXIT_DELAY_S = 2.0  # /health answers 503 this long after the last replica died, then the server exits 1
+MAX_API_RESTARTS = 5  # API process restarts allowed within API_RESTART_WINDOW_S; one more ends the server
+API_RESTART_WINDOW_S = 60.0
 
 
 # ---- one API server ----------------------------------------------------------------------------
@@ -53,6 +61,8 @@ class ApiSettings:
     max_queue: int = DEFAULT_MAX_QUEUE
     graceful_timeout: float = 30.0
     log_level: str = "info"
+    engine_timeout: float | None = DEFAULT_ENGINE_TIMEOUT_S  # a replica silent this long is taken out
+    engine_step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S  # ... and one whose loop is stuck this long
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -64,14 +74,16 @@ class EngineEndpoints:
     input_addrs: list[str]
     pids: list[int]
     output_addr: str
+    dead_replicas: list[int] = field(default_factory=list)  # replicas that died before this API process started
 
     @classmethod
-    def of(cls, engines: Engines, client_index: int) -> EngineEndpoints:
-        return cls(engines.info, engines.input_addrs, engines.pids, engines.output_addrs[client_index])
+    def of(cls, engines: Engines, client_index: int, dead_replicas: set[int] | None = None) -> EngineEndpoints:
+        return cls(engines.info, engines.input_addrs, engines.pids, engines.output_addrs[client_index],
+                   sorted(dead_replicas or ()))
 
 
 def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
-                     client_index: int = 0) -> tuple[Any, Any, list[str]]:
+                     client_index: int = 0, api_restarts: int = 0) -> tuple[Any, Any, list[str]]:
     """(uvicorn.Server, app, death messages) of one API process."""
     import uvicorn
 
@@ -83,16 +95,19 @@ def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
     died: list[str] = []
     server: uvicorn.Server | None = None
 
-    def on_engine_death(message: str) -> None:
+    def on_engine_death(message: str) -> None:  # every replica is dead
         died.append(message)
         # Keep answering /health with 503 for a moment (monitors see why), then exit non-zero.
         asyncio.get_running_loop().call_later(ENGINE_DEATH_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True))
 
     async_engine = AsyncEngine(endpoints.input_addrs, endpoints.output_addr, client_index=client_index,
                                max_queue=settings.max_queue, engine_pids=endpoints.pids,
-                               on_engine_death=on_engine_death, block_size=settings.engine_config.block_size)
+                               on_engine_death=on_engine_death, block_size=settings.engine_config.block_size,
+                               engine_timeout=settings.engine_timeout, step_timeout=settings.engine_step_timeout,
+                               dead_replicas=endpoints.dead_replicas)
     app = build_app(async_engine, load_tokenizer(settings.engine_config), model_names=settings.model_names,
-                    max_model_len=info.max_model_len, vocab_size=info.vocab_size, api_key=settings.api_key)
+                    max_model_len=info.max_model_len, vocab_size=info.vocab_size, api_key=settings.api_key,
+                    api_restarts=api_restarts)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=False, timeout_graceful_shutdown=settings.graceful_timeout, lifespan="on",
                             loop=_available("uvloop", "auto"), http=_available("httptools", "auto"))
@@ -121,12 +136,12 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 
 
 def _api_process_main(settings: ApiSettings, endpoints: EngineEndpoints, client_index: int,
-                      sock: socket.socket) -> None:
+                      sock: socket.socket, api_restarts: int = 0) -> None:
     """Body of API process i of N (N > 1), serving on its own SO_REUSEPORT socket (bound by the launcher)."""
     set_process_name(f"tandem-api-{client_index}")
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s api-{client_index}: %(message)s")
-    server, _, died = build_api_server(settings, endpoints, client_index)
+    server, _, died = build_api_server(settings, endpoints, client_index, api_restarts)
     _run_quietly_on_signal(server, sockets=[sock])
     raise SystemExit(1 if died or not server.started else 0)
 
@@ -141,6 +156,12 @@ def serve(settings: ApiSettings, num_api_servers: int = 1, data_parallel_size: i
         raise ValueError(f"--api-server-count must be >= 1, got {num_api_servers}")
     if settings.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {settings.max_queue}")
+    if settings.engine_timeout is not None and not settings.engine_timeout >= 2 * HEARTBEAT_S:
+        raise ValueError(f"--engine-timeout must be at least {2 * HEARTBEAT_S:g} seconds (an idle engine sends a "
+                         f"heartbeat every {HEARTBEAT_S:g} s), got {settings.engine_timeout}")
+    if settings.engine_step_timeout is not None and not settings.engine_step_timeout >= 2 * HEARTBEAT_S:
+        raise ValueError(f"--engine-step-timeout must be at least {2 * HEARTBEAT_S:g} seconds, got "
+                         f"{settings.engine_step_timeout}")
     metrics_dir = None
     if num_api_servers > 1:
         metrics_dir = tempfile.mkdtemp(prefix="tandem-metrics-")
@@ -202,44 +223,86 @@ def _serve_with_api_processes(settings: ApiSettings, engines: Engines, count: in
     # Every API process's socket is bound and listening before any of them starts: the kernel spreads
     # connections over all N from the first one (a socket's backlog waits for its process). Were each process
     # to bind its own when ready, the first ones up would take every early connection, and kept-alive
-    # connections would keep that skew for the whole run.
+    # connections would keep that skew for the whole run. The launcher keeps its descriptors until shutdown:
+    # a replacement API process serves the same socket, and the connections the kernel hashed to it wait in
+    # its backlog while it starts instead of being refused.
     try:
         socks = [reuse_port_socket(settings.host, settings.port) for _ in range(count)]
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         return 1
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_api_process_main, name=f"tandem-api-{i}",
-                         args=(settings, EngineEndpoints.of(engines, i), i, socks[i]))
-             for i in range(count)]
-    try:
-        for proc in procs:
-            proc.start()  # the child gets its own descriptor of socks[i] at spawn
-    finally:
-        for sock in socks:
-            sock.close()
+    dead_engines: set[int] = set()
+    num_restarts = 0
+
+    def start_api(i: int) -> BaseProcess:
+        proc = ctx.Process(target=_api_process_main, name=f"tandem-api-{i}",
+                           args=(settings, EngineEndpoints.of(engines, i, dead_engines), i, socks[i], num_restarts))
+        proc.start()  # the child gets its own descriptor of socks[i] at spawn
+        return proc
+
+    procs: list[BaseProcess] = []
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     failed = False
+    restart_times: list[float] = []
     try:
-        while not stop.is_set():
-            engine_sentinels = [p.sentinel for p in engines.processes]
-            gone = wait_any([*engine_sentinels, *(p.sentinel for p in procs)], timeout=0.2)
-            if gone:
+        procs = [start_api(i) for i in range(count)]
+        while not stop.is_set() and not failed:
+            engine_of = {p.sentinel: r for r, p in enumerate(engines.processes) if r not in dead_engines}
+            api_of = {p.sentinel: i for i, p in enumerate(procs)}
+            gone = wait_any([*engine_of, *api_of], timeout=0.2)
+            for sentinel in gone:
+                if sentinel in engine_of:
+                    r = engine_of[sentinel]
+                    dead_engines.add(r)
+                    logger.error("tandem serve: engine replica %d (pid %d) exited; %d of %d replicas left", r,
+                                 engines.replicas[r].info.pid, len(engines.replicas) - len(dead_engines),
+                                 len(engines.replicas))
+            if len(dead_engines) == len(engines.replicas):
+                logger.error("tandem serve: every engine replica has exited; shutting down")
                 failed = True
-                who = "an engine core" if set(gone) & set(engine_sentinels) else "an API process"
-                logger.error("tandem serve: %s exited; shutting down", who)
                 break
+            for sentinel in gone:
+                if sentinel not in api_of or stop.is_set():
+                    continue
+                i = api_of[sentinel]
+                dead = procs[i]
+                dead.join(5)
+                now = time.monotonic()
+                restart_times = [t for t in restart_times if now - t < API_RESTART_WINDOW_S]
+                if len(restart_times) >= MAX_API_RESTARTS:
+                    logger.error("tandem serve: API process %d exited (code %s) after %d restarts within %.0f s; "
+                                 "shutting down", i, dead.exitcode, len(restart_times), API_RESTART_WINDOW_S)
+                    failed = True
+                    break
+                logger.error("tandem serve: API process %d (pid %s) exited with code %s; replacing it", i, dead.pid,
+                             dead.exitcode)
+                engines.abort_client(i, skip=dead_engines)  # its open requests have no reader left
+                _mark_metrics_dead(dead)
+                restart_times.append(now)
+                num_restarts += 1
+                procs[i] = start_api(i)
+                logger.info("tandem serve: API process %d replaced (pid %s; %d restarts so far)", i, procs[i].pid,
+                            num_restarts)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for sock in socks:  # new connections are refused from here on, once the API processes close theirs
+            sock.close()
         _stop_api_processes(procs, settings.graceful_timeout)
     return 1 if failed or any(p.exitcode not in (0, None) for p in procs) else 0
 
 
-def _stop_api_processes(procs: list[BaseProcess], graceful_timeout: float) -> None:
+def _mark_metrics_dead(proc: BaseProcess) -> None:
+    """Drops a gone API process's live gauges from the multiprocess metrics (its counters stay counted)."""
     from prometheus_client import multiprocess
 
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and proc.pid is not None:
+        multiprocess.mark_process_dead(proc.pid)
+
+
+def _stop_api_processes(procs: list[BaseProcess], graceful_timeout: float) -> None:
     for proc in procs:
         if proc.is_alive():
             proc.terminate()  # SIGTERM: uvicorn stops accepting and lets open requests finish
@@ -249,8 +312,7 @@ def _stop_api_processes(procs: list[BaseProcess], graceful_timeout: float) -> No
         if proc.is_alive():
             proc.kill()
             proc.join(5)
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and proc.pid is not None:
-            multiprocess.mark_process_dead(proc.pid)
+        _mark_metrics_dead(proc)
 
 
 # ---- command line -------------------------------------------------------------------------------------
@@ -272,6 +334,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="waiting + running requests at most; more get HTTP 429")
     g.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are cut")
+    g.add_argument("--engine-timeout", type=float, default=DEFAULT_ENGINE_TIMEOUT_S,
+                   help="seconds an engine replica's process may stay silent (stopped, frozen) before its open "
+                        "requests fail and it is taken out; it rejoins when it speaks again")
+    g.add_argument("--engine-step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S,
+                   help="seconds one engine step may run (deadlocked, stuck in a kernel, or just long: the first "
+                        "steps compile kernels) before the replica's open requests fail and it is taken out")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_args(parser)
     parser.add_argument("--no-overlap", dest="sync", action="store_true", help="the same as --sync")
@@ -294,7 +362,8 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         settings = ApiSettings(EngineConfig(**engine_kwargs(args)), model_names_from_args(args), host=args.host,
                                port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-                               graceful_timeout=args.graceful_timeout, log_level=args.log_level)
+                               graceful_timeout=args.graceful_timeout, log_level=args.log_level,
+                               engine_timeout=args.engine_timeout, engine_step_timeout=args.engine_step_timeout)
         code = serve(settings, num_api_servers=args.api_server_count, data_parallel_size=args.data_parallel_size)
     except ValueError as exc:
         raise SystemExit(f"tandem serve: {exc}") from exc

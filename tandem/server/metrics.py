@@ -52,6 +52,18 @@ class ServerMetrics:
                               buckets=TPOT_BUCKETS_S, registry=r)
         self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Request arrival to last output token.",
                              buckets=LATENCY_BUCKETS_S, registry=r)
+        # Each API process sees every replica itself: across processes, report the answering process's view of
+        # the live replicas and the most failures any process saw, not sums. The restart count comes from the
+        # launcher at an API process's start.
+        self.replicas_live = Gauge(
+            "tandem_engine_replicas_live", "Engine replicas taking requests (not dead, not hung).", registry=r,
+            multiprocess_mode="livemostrecent")
+        self.replica_failures = Gauge(
+            "tandem_engine_replica_failures", "Engine replicas taken out so far: deaths and hangs (silent past "
+            "--engine-timeout).", registry=r, multiprocess_mode="max")
+        self.api_server_restarts = Gauge(
+            "tandem_api_server_restarts", "API processes the launcher replaced after they died.", registry=r,
+            multiprocess_mode="max")
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(finished_reason=reason)
 
@@ -66,7 +78,12 @@ class ServerMetrics:
         if num_output_tokens > 1:
             self.tpot.observe((finish - first_token) / (num_output_tokens - 1))
 
-    def render(self, stats: Any, num_requests_in_server: int) -> bytes:
+    def render(self, stats: Any, num_requests_in_server: int, replicas_live: int | None = None,
+               replica_failures: int | None = None) -> bytes:
+        if replicas_live is not None:
+            self.replicas_live.set(replicas_live)
+        if replica_failures is not None:
+            self.replica_failures.set(replica_failures)
         for attr, gauge in self.stats_gauges.items():
             value = getattr(stats, attr, None) if stats is not None else None
             gauge.set(float(value) if value is not None else 0.0)

@@ -232,7 +232,7 @@ class OpenAIServing:
 
     async def _stream_end(self, gen: Generation, include_usage: bool, chunk_type: type[BaseModel]) -> AsyncIterator[str]:
         if gen.error is not None:
-            yield f"data: {json.dumps(p.error_body(gen.error, type='server_error', code=500))}\n\n"
+            yield f"data: {json.dumps(p.error_body(gen.error, type='server_error', code=gen.error_status))}\n\n"
         elif include_usage:
             yield sse(chunk_type(id=gen.request_id, created=gen.created, model=self.model_names[0], choices=[],
                                  usage=gen.usage(), metrics=gen.server_metrics()))
@@ -288,7 +288,7 @@ async def collect(gen: Generation, http_request: Request) -> None:
         raise ApiError(499, "client disconnected", type="client_closed")
     runner.result()
     if gen.error is not None:
-        raise ApiError(500, gen.error, type="server_error", code=500)
+        raise ApiError(gen.error_status, gen.error, type="server_error", code=gen.error_status)
 
 
 async def _wait_disconnect(http_request: Request) -> None:

@@ -93,16 +93,20 @@ def test_dp2_times_tp2_gives_one_engines_tokens(tiny_llama):
     assert not _alive(pids + workers), "a replica or its tensor-parallel worker outlived shutdown"
 
 
-def test_killed_replica_fails_generate_promptly_and_leaves_no_process(tiny_llama):
+def test_killed_replica_fails_only_its_requests_and_the_others_finish(tiny_llama):
     import multiprocessing
+
+    from tandem.llm import GenerationError
 
     llm = LLM(tiny_llama, data_parallel_size=2, **ENGINE)
     engine = llm.engine
     pids = engine.replica_pids
     step = engine.step
     killed_at: list[float] = []
+    on_replica: dict[str, int] = {}
 
     def step_then_kill():  # kills replica 1 once the first tokens are back: generate() is mid-run
+        on_replica.update({rid: r for rid, r in engine._replica_of.items()})
         outputs = step()
         if outputs and not killed_at:
             os.kill(pids[1], signal.SIGKILL)
@@ -110,13 +114,35 @@ def test_killed_replica_fails_generate_promptly_and_leaves_no_process(tiny_llama
         return outputs
 
     engine.step = step_then_kill
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    with pytest.raises(RuntimeError, match=rf"replica 1 \(pid {pids[1]}\) died"):
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    with pytest.raises(GenerationError, match=rf"3 of 6 requests failed .* replica 1 \(pid {pids[1]}\) died") as info:
         llm.generate(PROMPTS, params, use_tqdm=False)
-    assert killed_at and time.monotonic() - killed_at[0] < 5
-    assert not _alive(pids), "a replica outlived the failure"
-    assert not [p for p in multiprocessing.active_children() if p.pid in pids]
-    with pytest.raises(RuntimeError, match="replica 1"):  # the engine stays failed, it does not hang
+    assert killed_at
+    outputs = info.value.outputs
+    assert [o.prompt_token_ids for o in outputs] == PROMPTS  # every result, in prompt order
+    for out in outputs:
+        c = out.outputs[0]
+        if on_replica[out.request_id] == 1:
+            assert c.finish_reason == "error" and "replica 1" in c.error and len(c.token_ids) < 64
+        else:  # replica 0's requests ran to their end
+            assert c.finish_reason == "length" and c.error is None and len(c.token_ids) == 64
+    assert _alive([pids[0]]) and not _alive([pids[1]])
+    assert engine.live_replicas == [0]
+    engine.step = step
+    # The engine goes on with the replica left: every new request goes there.
+    again = llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                         use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in again)
+    # The last replica dying ends the engine: RuntimeError at once, every process reaped.
+    engine.step = step_then_kill
+    killed_at.clear()
+    pids[1] = pids[0]
+    with pytest.raises(RuntimeError, match="every data-parallel replica has died"):
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    assert time.monotonic() - killed_at[0] < 5
+    assert not _alive(engine.replica_pids), "a replica outlived the failure"
+    assert not [p for p in multiprocessing.active_children() if p.pid in engine.replica_pids]
+    with pytest.raises(RuntimeError, match="replica 0"):  # the engine stays failed, it does not hang
         llm.generate(PROMPTS[:1], params, use_tqdm=False)
     llm.shutdown()  # idempotent
 
