@@ -1,4 +1,4 @@
-"""ReplicaRouter: which data-parallel engine replica gets a request (prefix-cache affinity, then load)."""
+"""ReplicaRouter: which data-parallel engine replica gets a request (prefix-cache affinity, then outstanding tokens)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ class ReplicaRouter:
 
     A prompt whose leading full blocks this router has sent before goes to the same replica, where its
     prefix is likely cached, unless that replica holds clearly more requests than the least-loaded one
-    (more than `slack` above it); every other request goes to the least-loaded replica. Load is the
-    number of requests this API process has in flight on each replica.
+    (more than `slack` above it); every other request goes to the least-loaded replica. Load is the work
+    this API process has in flight on each replica: its tokens (prompt plus the most it may generate, as
+    the caller tells `pick`), then its number of requests. Tokens, not requests: with output lengths drawn
+    from 100 to 1024, an equal number of requests leaves one replica with far more decode steps to run.
     """
 
     def __init__(self, num_replicas: int, block_size: int, slack: int = 8) -> None:
@@ -24,24 +26,32 @@ class ReplicaRouter:
         self.num_replicas = num_replicas
         self.block_size = block_size
         self.slack = slack
-        self.load = [0] * num_replicas
+        self.load = [0] * num_replicas  # requests in flight
+        self.tokens = [0] * num_replicas  # their work in tokens (0 for callers that give none)
         self._owner: OrderedDict[int, int] = OrderedDict()  # prefix hash -> replica, least recently used first
         self.num_affinity_hits = 0
 
-    def pick(self, prompt_token_ids: Sequence[int]) -> int:
-        """The replica for one request; counts it in that replica's load until release()."""
+    def pick(self, prompt_token_ids: Sequence[int], max_new_tokens: int | None = None) -> int:
+        """The replica for one request; counts it (and, given max_new_tokens, its prompt plus that many
+        tokens: `work(...)`) in that replica's load until release()."""
         replica = self._choose(prompt_token_ids)
         self.load[replica] += 1
+        self.tokens[replica] += work(prompt_token_ids, max_new_tokens)
         return replica
 
-    def release(self, replica: int) -> None:
+    def release(self, replica: int, tokens: int = 0) -> None:
+        """The request is done; `tokens` is the work pick() counted for it."""
         self.load[replica] -= 1
-        assert self.load[replica] >= 0, "a request was released twice"
+        self.tokens[replica] -= tokens
+        assert self.load[replica] >= 0 and self.tokens[replica] >= 0, "a request was released twice"
+
+    def _least_loaded(self) -> int:
+        return min(range(self.num_replicas), key=lambda r: (self.tokens[r], self.load[r]))
 
     def _choose(self, prompt_token_ids: Sequence[int]) -> int:
         if self.num_replicas == 1:
             return 0
-        least = min(range(self.num_replicas), key=self.load.__getitem__)
+        least = self._least_loaded()
         key = self._prefix_key(prompt_token_ids)
         if key is None:
             return least
@@ -62,3 +72,8 @@ class ReplicaRouter:
         if num_blocks < 1:
             return None
         return hash(tuple(prompt_token_ids[: num_blocks * self.block_size]))
+
+
+def work(prompt_token_ids: Sequence[int], max_new_tokens: int | None) -> int:
+    """A request's work in tokens for routing: prompt plus the most it may generate; 0 when not given."""
+    return 0 if max_new_tokens is None else len(prompt_token_ids) + max_new_tokens
