@@ -31,7 +31,7 @@ from tandem.runner.cuda_graphs import (
 from tandem.runner.input_buffers import StepBuffers, StepShape, write_step
 from tandem.runner.sampler import sample
 from tandem.runner.streams import DeviceStreams, StepEvents
-from tandem.runner.tensor_parallel import StepPlan, TensorParallelGroup
+from tandem.runner.tensor_parallel import StepPlan, TensorParallelGroup, WorkerDiedError
 from tandem.sampling_params import MAX_LOGPROBS
 from tandem.scheduler.output import SchedulerOutput
 
@@ -525,7 +525,11 @@ class ModelRunner:
         if group is not None and group.failure is not None:
             self._release_after_failure(group)
             return
-        self._synchronize()
+        try:
+            self._synchronize()
+        except WorkerDiedError:  # a worker died just now: abort instead
+            self._release_after_failure(group)  # type: ignore[arg-type]
+            return
         if group is not None:
             group.stop_workers()
         self.release()
@@ -554,9 +558,18 @@ class ModelRunner:
             self._graph_logits = torch.empty(0, device=self.device)
 
     def _synchronize(self) -> None:
-        """Waits for every kernel this rank launched: no graph may be destroyed under a running replay."""
-        if self.device.type == "cuda":
+        """Waits for every kernel this rank launched: no graph may be destroyed under a running replay. Rank 0
+        polls an event per stream while it watches its workers, since a collective with a dead peer never ends."""
+        if self.device.type != "cuda":
+            return
+        if self.group is None or not self.group.procs:
             torch.cuda.synchronize(self.device)
+            return
+        for stream in (self.streams.h2d, self.streams.compute, self.streams.d2h):
+            event = torch.cuda.Event()
+            event.record(stream)
+            self.group.wait_event(event)
+        torch.cuda.synchronize(self.device)  # anything else (no collective is left running now)
 
     def _release_after_failure(self, group: TensorParallelGroup) -> None:
         """A peer is gone and this GPU may be spinning in a collective that never completes: abort the

@@ -277,9 +277,8 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
+        self.check_alive_quietly()
         self.stop_workers()
-        if self.failure is None:
-            self.check_alive_quietly()
         leave_process_group(self.cpu_group, healthy=self.failure is None, timeout_s=timeout_s)
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
@@ -291,11 +290,12 @@ class TensorParallelGroup:
         torch.set_num_threads(self.saved_num_threads)
 
     def check_alive_quietly(self) -> None:
-        """Records a dead worker as this group's failure without raising."""
-        try:
-            self.check_alive()
-        except WorkerDiedError:
-            pass
+        """Records a dead worker as this group's failure without raising. Once told to stop, a worker that
+        exited with code 0 has left the group cleanly: that is no failure."""
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.exitcode
+            if self.failure is None and code is not None and not (self._stop_sent and code == 0):
+                self.failure = f"tensor-parallel worker rank {rank} exited (exit code {code})"
 
 
 def leave_process_group(cpu_group: Any, healthy: bool, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:

@@ -129,6 +129,19 @@ def test_tp2_process_exits_0(folders, tmp_path):
     assert "was not destroyed" not in done.stderr, done.stderr[-3000:]
 
 
+def test_dp2_shutdown_within_2s(folders):
+    import time
+
+    llm = LLM(folders["llama"], dtype="float32", data_parallel_size=2, **ENGINE)
+    pids = llm.engine.replica_pids
+    llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    start = time.monotonic()
+    llm.shutdown()
+    took = time.monotonic() - start
+    assert took < 2.0, f"data-parallel shutdown took {took:.2f} s"
+    assert all(not os.path.exists(f"/proc/{pid}") for pid in pids), "a replica outlived shutdown"
+
+
 def test_tp2_eager_equals_graphs(folders):
     graphs = _run(folders["llama"], 2, "float32")
     eager = _run(folders["llama"], 2, "float32", cuda_graph=False)
