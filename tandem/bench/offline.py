@@ -272,6 +272,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         # The same workload unquantized (bf16 weights and KV cache), in a fresh engine once this one's memory is
         # back (each sizes its KV cache from what is free): the ratio fp8 / bf16 lands in
         # result["ratios"]["tandem bf16"].
+        if llm is not None:
+            llm.shutdown()  # frees its GPU memory now and, with tensor parallelism, its process group
         del llm
         gc.collect()
         if device.startswith("cuda"):

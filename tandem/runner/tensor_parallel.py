@@ -4,7 +4,8 @@ Rank 0 is the engine's own process: it schedules, prepares each step into its pi
 broadcasts those buffers (a fixed int64 header, then the int32/int64/float32 regions packed) on a CPU gloo
 group before launching the step on its own GPU. Ranks 1..N-1 (spawned by tp_worker.py, or started by torchrun)
 receive the same bytes into their own slot buffers and launch the same H2D/compute sequence; the model's all-reduces tie the GPUs together, so rank 0 never waits on another rank's GPU, only on its own
-d2h_done. A dead worker is seen through its process sentinel; a worker exits when rank 0 goes away.
+d2h_done. A dead worker is seen through its process sentinel; a worker exits when rank 0 goes away. Shutdown
+(stop_workers, then close once the CUDA graphs are gone) destroys the groups on every rank, or aborts them.
 """
 
 from __future__ import annotations

@@ -64,10 +64,9 @@ if __name__ == "__main__":
     kwargs = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=2, num_kv_blocks=32,
                   tensor_parallel_size=2)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    for _ in range(2):
-        llm = LLM(sys.argv[1], **kwargs)
-        llm.generate([[5, 6, 7]], params, use_tqdm=False)
-        llm.shutdown()
+    llm = LLM(sys.argv[1], **kwargs)
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    llm.shutdown()
     last = LLM(sys.argv[1], **kwargs)  # left for interpreter exit to stop
     last.generate([[5, 6, 7]], params, use_tqdm=False)
     print("WORKER", last.engine.runner.group.procs[0].pid, flush=True)
