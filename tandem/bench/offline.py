@@ -298,6 +298,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         # The same workload unquantized (bf16 weights and KV cache), in a fresh engine once this one's memory is
         # back (each sizes its KV cache from what is free): the ratio fp8 / bf16 lands in
         # result["ratios"]["tandem bf16"].
+        if llm is not None:
+            llm.shutdown()  # frees its GPU memory now and, with tensor parallelism, its process group
         del llm
         gc.collect()
         if device.startswith("cuda"):
@@ -346,11 +348,15 @@ def bench_data_parallel(result: dict[str, Any], peer_results: dict[str, Any], w:
         requests = make_requests(w, vocab, scale=scale)
         warm = _replica_warmup(w, vocab, scale, llm_kwargs["data_parallel_size"])
         run_tandem(llm, warm)
+        # Timed from the first add_request to the last output: the replicas are started and warm by now.
+        routed_before = list(llm.engine.routed_tokens)
         main = run_tandem(llm, requests)
+        result["routed_tokens_per_replica"] = [a - b for a, b in zip(llm.engine.routed_tokens, routed_before)]
     finally:
         llm.shutdown()
     if "dp1" in peers:
-        r = run_fresh_tandem({**llm_kwargs, "data_parallel_size": 1}, requests, warm)
+        # No timeline in this peer either: the ratio compares like with like.
+        r = run_fresh_tandem({**llm_kwargs, "data_parallel_size": 1}, requests, warm, record=False)
         # Dummy weights are drawn from the seed in every replica, so the tokens compare (bf16 may round apart).
         r["same_tokens_as_main"] = r["_outputs"] == main["_outputs"]
         r.update(token_agreement(r["_outputs"], main["_outputs"]))
@@ -366,6 +372,10 @@ def bench_data_parallel(result: dict[str, Any], peer_results: dict[str, Any], w:
         "gpu_busy_pct": None, "gpu_busy_pct_per_rank": None, "roofline_floor_s": None, "roofline_fraction": None,
     })
     _add_peers(result, main, peer_results)
+    if "tandem DP=1" in peer_results:
+        # DP=M tok/s over M x one engine's: 1.0 is perfect scaling.
+        m = llm_kwargs["data_parallel_size"]
+        result["dp_efficiency"] = main["tokens_per_s"] / (m * peer_results["tandem DP=1"]["tokens_per_s"])
     return result
 
 
@@ -386,7 +396,7 @@ def _add_peers(result: dict[str, Any], main: dict[str, Any], peer_results: dict[
 
 
 def run_fresh_tandem(llm_kwargs: dict[str, Any], requests: list[tuple[list[int], int]],
-                     warm: list[tuple[list[int], int]]) -> dict[str, Any]:
+                     warm: list[tuple[list[int], int]], record: bool = True) -> dict[str, Any]:
     """A peer engine built for one measured pass (warmed up first), then released."""
     from tandem import LLM
 
@@ -394,7 +404,7 @@ def run_fresh_tandem(llm_kwargs: dict[str, Any], requests: list[tuple[list[int],
     try:
         run_tandem(peer, warm)
         peer.engine.scheduler.reset_prefix_cache()
-        return run_tandem(peer, requests, record=True)
+        return run_tandem(peer, requests, record=record)
     finally:
         peer.shutdown()
 
@@ -444,6 +454,8 @@ def _print_table(results: list[dict[str, Any]]) -> None:
             pc = r["prefix_cache"]
             peers += (f"; prefill {pc['prefill_speedup']:.2f}x faster with prefix cache, "
                       f"same tokens: {pc['same_tokens_without_cache']}")
+        if r.get("dp_efficiency") is not None:
+            peers += f"; DP efficiency {r['dp_efficiency']:.3f}, routed tokens per replica {r['routed_tokens_per_replica']}"
         if r.get("all_reduce_ms_per_step"):
             peers += "; all-reduce ms/step (tokens: ms) " + ", ".join(
                 f"{t}: {ms:.2f}" for t, ms in r["all_reduce_ms_per_step"].items())

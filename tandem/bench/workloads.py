@@ -30,6 +30,9 @@ WORKLOADS: dict[str, Workload] = {
         Workload("bs1-8b", "llama-3-8b", 1, (128, 128), (256, 256),
                  what="bs1 at the Llama-3-8B shape (the FP8 target's shape: GQA, 128K vocabulary)"),
         Workload("nano", "qwen3-0.6b", 256, (100, 1024), (100, 1024), what="many short requests"),
+        Workload("nano-2k", "qwen3-0.6b", 2048, (100, 1024), (100, 1024),
+                 what="nano's distribution, 2,048 requests: keeps 256 sequences running on each of several "
+                      "data-parallel replicas"),
         Workload("prefix", "llama-3.2-1b", 256, (64, 64), (128, 128), shared_prefix_len=1024,
                  what="prefix sharing"),
         Workload("70b-bs1", "llama-3-70b", 1, (128, 128), (256, 256),

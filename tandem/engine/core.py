@@ -7,6 +7,7 @@ scheduling the next. Both produce identical tokens under greedy sampling.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import random
 import time
@@ -85,6 +86,10 @@ class EngineCore:
             if group is not None:
                 group.abort()
             raise
+        if group is not None:
+            # Before interpreter teardown, which would otherwise destroy the communicators after (or while)
+            # the CUDA graphs holding them are freed; registered after multiprocessing's hook, so it runs first.
+            atexit.register(self.shutdown)
         self.tokenizer = self.runner.tokenizer
         self.model_config = self.runner.model_config
         # A request can never grow past what the whole KV pool holds (block 0 is reserved).
@@ -119,6 +124,7 @@ class EngineCore:
     # ---------------------------------------------------------------- requests
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._check_open()
         check_new_request(request_id, prompt_token_ids, params, self._requests, self.model_config.vocab_size,
                           self.max_model_len)
         num_prompt = len(prompt_token_ids)
@@ -146,12 +152,17 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or self._inflight is not None
 
+    def _check_open(self) -> None:
+        if self.runner.released:
+            raise RuntimeError("the engine is shut down")
+
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
     # ---------------------------------------------------------------- the loop
 
     def step(self) -> list[EngineOutput]:
+        self._check_open()
         if not self.overlap and self._inflight is not None:
             # Overlap was switched off with a step in flight: finish that one first.
             previous, self._inflight = self._inflight, None
@@ -266,7 +277,11 @@ class EngineCore:
         return getattr(group, "failure", None) if group is not None else None
 
     def shutdown(self) -> None:
-        """Releases the tensor-parallel workers; the engine cannot step afterwards."""
+        """Frees the GPU state and stops the tensor-parallel workers; the engine cannot step afterwards.
+        Idempotent."""
+        atexit.unregister(self.shutdown)
+        self._inflight = None  # the runner finishes (or, after a failure, aborts) what is still on the device
+        self._requests.clear()
         self.runner.shutdown()
 
     # ---------------------------------------------------------------- profiling and stats

@@ -25,7 +25,7 @@ import zmq
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.core import check_new_request
 from tandem.engine.messages import AbortRequest, AddRequest, ClientCommand, EngineBatch, WireStats, merge_reported
-from tandem.engine.router import ReplicaRouter
+from tandem.engine.router import ReplicaRouter, work
 from tandem.outputs import EngineOutput
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
@@ -97,6 +97,8 @@ class DataParallelEngine:
         self._decoder = msgspec.msgpack.Decoder(EngineBatch)
         self._outboxes: list[list[ClientCommand]] = [[] for _ in self._pushes]
         self._replica_of: dict[str, int] = {}  # unfinished request id -> its replica
+        self._work_of: dict[str, int] = {}  # unfinished request id -> its tokens in the router's load
+        self.routed_tokens = [0] * config.data_parallel_size  # work sent to each replica so far (the bench's balance)
         self._replica_stats: list[WireStats | None] = [None] * config.data_parallel_size
         atexit.register(self.shutdown)  # before multiprocessing's own exit hook joins the replicas
 
@@ -109,8 +111,12 @@ class DataParallelEngine:
         # max_model_len is already capped by every replica's KV pool, so the scheduler's pool check holds too.
         check_new_request(request_id, prompt_token_ids, params, self._replica_of, self.vocab_size,
                           self.max_model_len)
-        replica = self.router.pick(prompt_token_ids)
+        # Routed by tokens in flight; with no max_tokens a request may run to the context limit.
+        max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_token_ids)
+        replica = self.router.pick(prompt_token_ids, max_new)
         self._replica_of[request_id] = replica
+        self._work_of[request_id] = work(prompt_token_ids, max_new)
+        self.routed_tokens[replica] += self._work_of[request_id]
         self._outboxes[replica].append(AddRequest(request_id, list(prompt_token_ids), params, 0))
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
@@ -119,7 +125,7 @@ class DataParallelEngine:
         replica = self._replica_of.pop(request_id, None)
         if replica is None or self._closed:
             return
-        self.router.release(replica)
+        self.router.release(replica, self._work_of.pop(request_id))
         if replica not in self._dead:
             self._outboxes[replica].append(AbortRequest(request_id, reason.value, stop_reason))
             self._flush()
@@ -162,7 +168,7 @@ class DataParallelEngine:
             self._replica_stats[r] = batch.stats
         for rejection in batch.rejected:  # not expected: add_request checked what the replica checks
             if self._replica_of.pop(rejection.request_id, None) is not None:
-                self.router.release(r)
+                self.router.release(r, self._work_of.pop(rejection.request_id))
                 message = f"data-parallel replica {r} refused the request: {rejection.message}"
                 outputs.append(EngineOutput(rejection.request_id, [], None, True, FinishReason.ABORT, None, 0, 0,
                                             error=message))
@@ -170,7 +176,7 @@ class DataParallelEngine:
             if out.request_id not in self._replica_of:
                 continue  # aborted here meanwhile
             if out.finished:
-                self.router.release(self._replica_of.pop(out.request_id))
+                self.router.release(self._replica_of.pop(out.request_id), self._work_of.pop(out.request_id))
             if out.error is not None:
                 out.error = f"data-parallel replica {r}: {out.error}"
             outputs.append(out)
@@ -195,7 +201,7 @@ class DataParallelEngine:
         lost = sorted(rid for rid, owner in self._replica_of.items() if owner == r)
         for rid in lost:
             del self._replica_of[rid]
-            self.router.release(r)
+            self.router.release(r, self._work_of.pop(rid))
             outputs.append(EngineOutput(rid, [], None, True, FinishReason.ABORT, None, 0, 0, error=message))
         if len(self._dead) == self.data_parallel_size:
             self._failure = f"every data-parallel replica has died (the last: {message}); the engine is shut down"
@@ -242,6 +248,7 @@ class DataParallelEngine:
         self._closed = True
         atexit.unregister(self.shutdown)
         self._replica_of.clear()
+        self._work_of.clear()
         code = self.engines.stop()
         # Closed after the replicas are gone: their last outputs still find a reader, so none lingers.
         for sock in (*self._pushes, self._pull):

@@ -117,6 +117,17 @@ class DecodeGraphs:
         """Samples the rows of the last replay's logits into the slot's static output buffers."""
         self.sample_graphs[slot, batch_size, variant].replay()
 
+    def release(self) -> None:
+        """Destroys every graph now (the device must be idle). A graph that captured NCCL kernels holds a
+        reference on the communicator, and ncclCommDestroy / ncclCommAbort wait until it is gone, so the
+        tensor-parallel shutdown calls this before it destroys the process group."""
+        for graph in (*self.graphs.values(), *self.sample_graphs.values()):
+            graph.reset()
+        self.graphs.clear()
+        self.sample_graphs.clear()
+        self.logits.clear()
+        self.pool = None
+
 
 def piecewise_sizes(max_tokens: int) -> list[int]:
     """Token buckets of the piecewise graphs: multiples of 8 up to 64, then steps of a quarter of the power of
@@ -237,3 +248,11 @@ class PiecewiseGraphs:
             ops.paged_attention(q, k_cache, v_cache, meta, layer.scale, out)
         pieces[-1].replay()
         return self.hidden_buf[:padded]
+
+    def release(self) -> None:
+        """Destroys every piece now (the device must be idle), as DecodeGraphs.release."""
+        for pieces in self.pieces.values():
+            for piece in pieces:
+                piece.reset()
+        self.pieces.clear()
+        self.layers = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -32,7 +33,7 @@ from tandem.runner.cuda_graphs import (
 from tandem.runner.input_buffers import StepBuffers, StepShape, write_step
 from tandem.runner.sampler import sample
 from tandem.runner.streams import DeviceStreams, StepEvents
-from tandem.runner.tensor_parallel import StepPlan, TensorParallelGroup
+from tandem.runner.tensor_parallel import StepPlan, TensorParallelGroup, WorkerDiedError
 from tandem.sampling_params import MAX_LOGPROBS
 from tandem.scheduler.output import SchedulerOutput
 
@@ -163,6 +164,7 @@ class ModelRunner:
         self._spans: list[tuple[int, float, float]] = []
         self._step_index = 0
         self._prev_rows: dict[str, int] = {}  # request id -> row in the previous step's sampled tokens
+        self.released = False  # shutdown() ran: graphs, KV cache and weights are gone
 
     def _warm_mixed_attention(self) -> None:
         """Compiles a mixed step's attention kernels (the decode kernel's variant for its leading one-token
@@ -519,7 +521,76 @@ class ModelRunner:
             handle.events.d2h_done.synchronize()
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel workers (no-op with one rank)."""
+        """Frees this rank's graphs, KV cache and weights and, with tensor parallelism, stops the workers and
+        leaves the group; the runner cannot launch afterwards. Idempotent.
+
+        The order is what lets NCCL tear down: rank 0 first finishes its own GPU work, then tells the workers
+        to stop (each then does the same as this rank: synchronize, release its graphs, destroy the group);
+        the CUDA graphs, which hold references on the communicator, go before the group is destroyed."""
+        if self.released:
+            return
+        group = self.group
+        if group is not None:
+            group.check_alive_quietly()
+        if group is not None and group.failure is not None:
+            self._release_after_failure(group)
+            return
+        try:
+            self._synchronize()
+        except WorkerDiedError:  # a worker died just now: abort instead
+            self._release_after_failure(group)  # type: ignore[arg-type]
+            return
+        if group is not None:
+            group.stop_workers()
+        self.release()
+        if group is not None:
+            group.close()
+
+    def release(self, empty_cache: bool = True) -> None:
+        """Drops the graphs (resetting them now, not whenever the collector gets to them), the KV cache, the
+        weights and the slot buffers, so that the GPU memory is free for the next engine of this process."""
+        if self.released:
+            return
+        self.released = True
+        self._drop_graphs()
         if self.group is not None:
-            set_tp_group(None)  # drops the symmetric-memory buffer's last reference outside the graphs
-            self.group.close()
+            set_tp_group(None)  # the peer-to-peer all-reduce's symmetric-memory buffer goes with the graphs
+        self.kv_cache = torch.empty(0, device=self.device)
+        self.model = None  # type: ignore[assignment]
+        self.buffers = []
+        if empty_cache and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _drop_graphs(self) -> None:
+        for graphs in (self.graphs, self.piecewise):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.piecewise = None
+        if hasattr(self, "_graph_logits"):
+            self._graph_logits = torch.empty(0, device=self.device)
+
+    def _synchronize(self) -> None:
+        """Waits for every kernel this rank launched: no graph may be destroyed under a running replay. Rank 0
+        polls an event per stream while it watches its workers, since a collective with a dead peer never ends."""
+        if self.device.type != "cuda":
+            return
+        if self.group is None or not self.group.procs:
+            torch.cuda.synchronize(self.device)
+            return
+        for stream in (self.streams.h2d, self.streams.compute, self.streams.d2h):
+            event = torch.cuda.Event()
+            event.record(stream)
+            self.group.wait_event(event)
+        torch.cuda.synchronize(self.device)  # anything else (no collective is left running now)
+
+    def _release_after_failure(self, group: TensorParallelGroup) -> None:
+        """A peer is gone and this GPU may be spinning in a collective that never completes: abort the
+        communicator (its kernels then exit) while the graphs are dropped (the abort waits for them)."""
+        closer = threading.Thread(target=group.close, name="tandem-tp-abort", daemon=True)
+        closer.start()
+        try:
+            self._drop_graphs()
+        except Exception:
+            logger.warning("could not release the CUDA graphs after a rank failed", exc_info=True)
+        closer.join()
+        self.release(empty_cache=False)  # freeing device memory would wait for kernels the abort may not end

@@ -4,7 +4,8 @@ Rank 0 is the engine's own process: it schedules, prepares each step into its pi
 broadcasts those buffers (a fixed int64 header, then the int32/int64/float32 regions packed) on a CPU gloo
 group before launching the step on its own GPU. Ranks 1..N-1 (spawned by tp_worker.py, or started by torchrun)
 receive the same bytes into their own slot buffers and launch the same H2D/compute sequence; the model's all-reduces tie the GPUs together, so rank 0 never waits on another rank's GPU, only on its own
-d2h_done. A dead worker is seen through its process sentinel; a worker exits when rank 0 goes away.
+d2h_done. A dead worker is seen through its process sentinel; a worker exits when rank 0 goes away. Shutdown
+(stop_workers, then close once the CUDA graphs are gone) destroys the groups on every rank, or aborts them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 INIT_TIMEOUT = timedelta(minutes=10)  # weight loading of a 70B shard can take minutes before the first collective
 
+LEAVE_TIMEOUT_S = 10.0  # a clean leave takes well under a second; past this the process is left as it is
 _IDLE_TIMEOUT = timedelta(days=365)
 _OP_STEP, _OP_STOP, _OP_REPORT, _OP_ALL_REDUCE_BENCH = 1, 2, 3, 4
 _HEADER_LEN = 14
@@ -95,6 +97,7 @@ class TensorParallelGroup:
         self._stage_np = np.empty(0, dtype=np.uint8)
         self.failure: str | None = None
         self.closed = False
+        self._stop_sent = False
         self.saved_num_threads = saved_num_threads  # torch's CPU thread count before this group: restored on close
 
     @property
@@ -248,56 +251,89 @@ class TensorParallelGroup:
             self._stage_np = self._stage.numpy()
         return self._stage_np
 
+    def stop_workers(self) -> None:
+        """Rank 0: tells the workers to leave their step loop (they free their graphs and destroy the group
+        with this rank, then exit). A no-op once sent, on a failed group or on a worker."""
+        if self.rank != 0 or self._stop_sent or self.failure is not None:
+            return
+        self._stop_sent = True
+        try:
+            self._header_np[:] = 0
+            self._header_np[0] = _OP_STOP
+            dist.broadcast(self._header, src=0, group=self.cpu_group)
+        except Exception as exc:  # a worker already gone: the group is aborted and the worker reaped in close
+            self.failure = f"could not stop the tensor-parallel workers: {type(exc).__name__}: {exc}"
+            logger.warning("%s", self.failure)
+
     def abort(self) -> None:
-        """Rank 0 after a failed start: kills the workers and leaves the process group."""
+        """Rank 0 after a failed start: kills the workers and aborts the group."""
         self.failure = self.failure or "tensor-parallel group aborted"
-        self.closed = True
         for proc in self.procs:
             proc.kill()
-            proc.join(timeout=5)
-        _leave_process_group()
-        torch.set_num_threads(self.saved_num_threads)
+        self.close()
 
-    def close(self) -> None:
-        """Rank 0: tells the workers to stop and reaps them; every rank leaves the process group."""
+    def close(self, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
+        """Leaves the group and (rank 0) reaps the workers. Call it once this rank's CUDA graphs are released
+        and, on rank 0, after stop_workers: a healthy group is destroyed (ncclCommDestroy, which the workers
+        call at the same time), a failed one aborted (ncclCommAbort, which needs no peer)."""
         if self.closed:
             return
         self.closed = True
-        if self.rank == 0 and self.failure is None:
-            try:
-                self._header_np[:] = 0
-                self._header_np[0] = _OP_STOP
-                dist.broadcast(self._header, src=0, group=self.cpu_group)
-            except Exception:  # a worker already gone: it is reaped below
-                logger.warning("could not send stop to the tensor-parallel workers", exc_info=True)
+        self.check_alive_quietly()
+        self.stop_workers()
+        leave_process_group(self.cpu_group, healthy=self.failure is None, timeout_s=timeout_s)
+        deadline = time.monotonic() + timeout_s
         for proc in self.procs:
-            proc.join(timeout=30)
+            proc.join(max(0.0, deadline - time.monotonic()))
             if proc.exitcode is None:
+                logger.warning("tensor-parallel worker %s did not exit: killing it", proc.name)
                 proc.kill()
-                proc.join(timeout=5)
-        if self.rank == 0:
-            _leave_process_group()
+                proc.join(5)
         torch.set_num_threads(self.saved_num_threads)
 
+    def check_alive_quietly(self) -> None:
+        """Records a dead worker as this group's failure without raising. Once told to stop, a worker that
+        exited with code 0 has left the group cleanly: that is no failure."""
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.exitcode
+            if self.failure is None and code is not None and not (self._stop_sent and code == 0):
+                self.failure = f"tensor-parallel worker rank {rank} exited (exit code {code})"
 
-def _leave_process_group(timeout_s: float = 10.0) -> None:
-    """destroy_process_group, given up on after timeout_s: NCCL communicators captured in CUDA graphs can
-    hang in ncclCommDestroy (pytorch issue 115388), and shutdown must not."""
+
+def leave_process_group(cpu_group: Any, healthy: bool, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
+    """Destroys this process's groups (the gloo step group, then the default NCCL group), or aborts them
+    when a peer is gone; returns whether that finished in timeout_s.
+
+    The caller must have released every CUDA graph that captured NCCL kernels: each holds a reference on
+    its communicator, and ncclCommDestroy and ncclCommAbort both wait until those references are gone
+    (pytorch issue 115388). ncclCommDestroy also waits for the peers to destroy theirs; ncclCommAbort does
+    not. It runs on a helper thread so that a broken peer cannot hang shutdown; a leave that does not
+    finish is logged, and the next tensor-parallel engine of this process then fails to start.
+    """
     if not dist.is_initialized():
-        return
+        return True
 
-    def destroy() -> None:
+    def leave() -> None:
         try:
-            dist.destroy_process_group()
+            if healthy:
+                dist.destroy_process_group(cpu_group)
+                dist.destroy_process_group()
+            else:
+                dist.distributed_c10d._abort_process_group()
         except Exception:
-            logger.warning("destroy_process_group failed", exc_info=True)
+            logger.warning("leaving the tensor-parallel process group failed", exc_info=True)
+            if dist.is_initialized():
+                dist.distributed_c10d._abort_process_group()
 
-    thread = threading.Thread(target=destroy, name="tandem-tp-destroy", daemon=True)
+    thread = threading.Thread(target=leave, name="tandem-tp-leave", daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        logger.warning("destroy_process_group did not return in %.0f s; a new tensor-parallel engine in this "
-                       "process will not start", timeout_s)
+        logger.error("the tensor-parallel process group was not %s in %.0f s (a CUDA graph holding its "
+                     "communicator?); a new tensor-parallel engine in this process will not start",
+                     "destroyed" if healthy else "aborted", timeout_s)
+        return False
+    return True
 
 
 def _regions(buf: StepBuffers, plan: StepPlan) -> list[torch.Tensor]:

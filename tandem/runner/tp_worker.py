@@ -6,7 +6,6 @@ steps through their own ModelRunner until rank 0 says stop or goes away.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing
 import os
@@ -80,10 +79,7 @@ def start_tensor_parallel(config: EngineConfig) -> TensorParallelGroup | None:
             proc.start()
             procs.append(proc)
     device = _rank_device(config, local_rank)
-    group = _init_group(device, rank, size, init_method, procs, config.enable_expert_parallel)
-    if rank == 0:
-        atexit.register(group.close)
-    return group
+    return _init_group(device, rank, size, init_method, procs, config.enable_expert_parallel)
 
 
 def _init_group(device: torch.device, rank: int, size: int, init_method: str, procs: list[Any],
@@ -155,3 +151,5 @@ def run_worker(config: EngineConfig, group: TensorParallelGroup) -> None:
         # Rank 0 gone (its socket closed) or this rank failed: rank 0 sees this process exit.
         logger.exception("tensor-parallel rank %d stops", group.rank)
         exit_worker(1)
+    # Rank 0 said stop and is doing the same: finish this GPU's work, release the graphs, destroy the group.
+    runner.shutdown()

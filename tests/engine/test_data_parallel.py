@@ -46,8 +46,8 @@ def test_dp2_outputs_equal_one_engine_in_order(dp_llm, llm):
     router = dp_llm.engine.router
     pick = router.pick
 
-    def spy(prompt_token_ids: list[int]) -> int:
-        routed.append(pick(prompt_token_ids))
+    def spy(prompt_token_ids: list[int], max_new_tokens: int | None = None) -> int:
+        routed.append(pick(prompt_token_ids, max_new_tokens))
         return routed[-1]
 
     router.pick = spy

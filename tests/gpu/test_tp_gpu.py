@@ -1,6 +1,8 @@
 """Tensor parallelism on two GPUs: TP=2 gives TP=1's greedy tokens in fp32 (CUDA graphs with NCCL inside; a
-divergence only at a near-tie) and close log-probabilities in bf16; a killed worker fails the engine instead of
-hanging it; the Llama-3-70B shape's sharding runs (two of its layers)."""
+divergence only at a near-tie) and close log-probabilities in bf16; engines with captured NCCL graphs shut down
+within 2 s, one after another in a process that then exits 0; a killed worker fails the engine instead of
+hanging it; the Llama-3-70B shape's sharding runs (two of its layers). Every test builds its engines in this one
+process, in turn: each must leave the process group behind it destroyed."""
 
 from __future__ import annotations
 
@@ -76,6 +78,68 @@ def test_tp2_bf16_logprobs_close_to_tp1(folders, family):
             assert abs(lp_a[tok_a] - lp_b[tok_b]) < 0.1, (tok_a, lp_a, lp_b)
             compared += 1
     assert compared >= len(ref) * 4  # most requests agree well past their first tokens
+
+
+def test_tp2_engines_in_turn_shut_down_within_2s(folders):
+    import time
+
+    import torch.distributed as dist
+
+    for attempt in range(3):
+        llm = LLM(folders["llama"], dtype="float32", tensor_parallel_size=2, **ENGINE)
+        assert llm.engine.runner.graphs is not None  # the all-reduces are captured: the hard case for NCCL
+        llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        worker = llm.engine.runner.group.procs[0]
+        start = time.monotonic()
+        llm.shutdown()
+        took = time.monotonic() - start
+        assert took < 2.0, f"engine {attempt}: shutdown took {took:.2f} s"
+        assert not dist.is_initialized() and worker.exitcode == 0, (attempt, worker.exitcode)
+
+
+EXIT_SCRIPT = """
+import sys
+from tandem import LLM, SamplingParams
+if __name__ == "__main__":
+    kwargs = dict(dtype="float32", tensor_parallel_size=2, device="cuda", max_model_len=256, max_num_seqs=8,
+                  num_kv_blocks=128)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for _ in range(2):
+        llm = LLM(sys.argv[1], **kwargs)
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        llm.shutdown()
+    last = LLM(sys.argv[1], **kwargs)  # left for interpreter exit to stop
+    last.generate([[5, 6, 7]], params, use_tqdm=False)
+    print("DONE", flush=True)
+"""
+
+
+def test_tp2_process_exits_0(folders, tmp_path):
+    """Two engines shut down explicitly and a third left to interpreter exit: exit code 0, no SIGSEGV."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "engines.py"
+    script.write_text(EXIT_SCRIPT)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), folders["llama"]], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0 and "DONE" in done.stdout, (done.returncode, done.stderr[-3000:])
+    assert "was not destroyed" not in done.stderr, done.stderr[-3000:]
+
+
+def test_dp2_shutdown_within_2s(folders):
+    import time
+
+    llm = LLM(folders["llama"], dtype="float32", data_parallel_size=2, **ENGINE)
+    pids = llm.engine.replica_pids
+    llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    start = time.monotonic()
+    llm.shutdown()
+    took = time.monotonic() - start
+    assert took < 2.0, f"data-parallel shutdown took {took:.2f} s"
+    assert all(not os.path.exists(f"/proc/{pid}") for pid in pids), "a replica outlived shutdown"
 
 
 def test_tp2_eager_equals_graphs(folders):

@@ -157,7 +157,11 @@ def test_bench_runs_dp2_beside_its_dp1_peer(tiny_llama, capsys):
     assert r["generated_tokens"] == r["peer_details"]["tandem DP=1"]["generated_tokens"]
     assert r["peer_details"]["tandem DP=1"]["same_tokens_as_main"]
     assert r["ratios"]["tandem DP=1"] == pytest.approx(r["tokens_per_s"] / r["peers"]["tandem DP=1"])
+    assert r["dp_efficiency"] == pytest.approx(r["ratios"]["tandem DP=1"] / 2)
+    routed = r["routed_tokens_per_replica"]  # prompt + max_tokens of the 8 measured requests, split by tokens
+    assert len(routed) == 2 and min(routed) > 0 and abs(routed[0] - routed[1]) <= 32
     assert r["roofline_fraction"] is None and r["gpu_busy_pct"] is None
     assert r["peers_not_run"] == {"sync": "needs data_parallel_size=1"}
     _print_table([r])
-    assert "tandem DP=1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "tandem DP=1" in printed and "DP efficiency" in printed

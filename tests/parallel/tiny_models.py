@@ -38,3 +38,18 @@ def save_tiny(family: str, folder: str) -> str:
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(family)).float().eval()
     model.save_pretrained(folder)
     return os.fspath(folder)
+
+
+def save_tiny_tokenizer(folder: str) -> str:
+    """A character-level tokenizer (74 ids, under VOCAB) beside a tiny checkpoint, for tests that pass text."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["<unk>", "<eos>", *string.ascii_letters, *string.digits, *" .,!?'-:;\n"]
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(folder)
+    return os.fspath(folder)
