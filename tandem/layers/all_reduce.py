@@ -93,14 +93,24 @@ class SymmetricAllReduce:
 def create_symmetric_all_reduce(group: Any, device: torch.device, dtype: torch.dtype,
                                 max_bytes: int) -> SymmetricAllReduce | None:
     """The peer-to-peer all-reduce for this group, or None (NCCL everywhere) where it cannot run: not CUDA,
-    TANDEM_ALL_REDUCE=nccl, a world size the kernels do not take, or no symmetric memory (no P2P access, an
-    older torch). Collective: every rank calls it at the same point and gets the same answer."""
+    TANDEM_ALL_REDUCE=nccl, a world size the kernels do not take, a process that made one before, or no
+    symmetric memory (no P2P access, an older torch). Collective: every rank calls it at the same point and
+    gets the same answer."""
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
     if (device.type != "cuda" or os.environ.get("TANDEM_ALL_REDUCE", "auto") == "nccl"
             or world not in ONE_SHOT_MAX_BYTES or dtype not in (torch.bfloat16, torch.float16, torch.float32)):
         return None
+    # torch keeps symmetric-memory state per process group name for the life of the process, and a process
+    # group made after an earlier one was destroyed may reuse its name: a second tensor-parallel engine in one
+    # process (rank 0's; its workers are new processes) takes NCCL. All ranks agree before any allocation.
+    fresh = torch.tensor([0.0 if _STATE.created else 1.0], device=device)
+    dist.all_reduce(fresh, op=dist.ReduceOp.MIN, group=group)
+    if not bool(fresh.item()):  # start-up only: one host read
+        logger.info("a tensor-parallel group of this process used symmetric memory before: NCCL for every message")
+        return None
+    _STATE.created = True
     try:
         comm = SymmetricAllReduce(group, device, dtype, max_bytes)
         ok = torch.ones(1, device=device)
@@ -108,4 +118,13 @@ def create_symmetric_all_reduce(group: Any, device: torch.device, dtype: torch.d
         logger.warning("peer-to-peer all-reduce unavailable (%s): NCCL for every message", exc)
         comm, ok = None, torch.zeros(1, device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    return comm if bool(ok.item()) else None  # start-up only: one host read
+    return comm if bool(ok.item()) else None
+
+
+class _ProcessState:
+    """What this process has done with torch's symmetric memory (a fact about the process, not a setting)."""
+
+    created: bool = False
+
+
+_STATE = _ProcessState()
