@@ -87,7 +87,7 @@ class StepBuffers:
             device,
         )
         self.floats = PackedBuffer(
-            {"temperature": (max_num_seqs,), "top_p": (max_num_seqs,)}, torch.float32, device
+            {"temperature": (max_num_seqs,), "top_p": (max_num_seqs,), "min_p": (max_num_seqs,)}, torch.float32, device
         )
         # Outputs: static device tensors (the next step's carry-over reads out_tokens) and pinned host twins.
         cuda = device.type == "cuda"
@@ -278,6 +278,7 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
         seq_lens[num_seqs:pad_to] = 0
         floats["temperature"][num_seqs:pad_to] = 0.0
         floats["top_p"][num_seqs:pad_to] = 1.0
+        floats["min_p"][num_seqs:pad_to] = 0.0
         ints["top_k"][num_seqs:pad_to] = 0
         longs["seeds"][num_seqs:pad_to] = 0
         sample_pos[num_seqs:pad_to] = 0
@@ -298,8 +299,9 @@ def _write_sampling(buf: StepBuffers, requests: list[Request]) -> tuple[bool, bo
     temperature = [sp.temperature for sp in params]
     buf.floats.np["temperature"][:n] = temperature
     buf.floats.np["top_p"][:n] = [sp.top_p for sp in params]
+    buf.floats.np["min_p"][:n] = [sp.min_p for sp in params]
     buf.ints.np["top_k"][:n] = [sp.top_k for sp in params]
     buf.longs.np["seeds"][:n] = [r.sampling_seed for r in requests]
-    any_filter = any(sp.temperature != 0.0 and (sp.top_k > 0 or sp.top_p < 1.0) for sp in params)
+    any_filter = any(sp.temperature != 0.0 and (sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0) for sp in params)
     num_logprobs = max((sp.logprobs for sp in params if sp.logprobs is not None), default=-1)
     return not any(temperature), any_filter, num_logprobs

@@ -1,0 +1,90 @@
+"""Grammars from structured-output specs: validation (no tokenizer, for a quick 400) and a compile cache that
+compiles each distinct spec once, on a worker thread, off the engine's step."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from tandem.sampling_params import StructuredOutputParams
+
+
+def _xgr():  # type: ignore[no-untyped-def]
+    try:
+        import xgrammar
+    except ImportError as exc:  # pragma: no cover - a missing optional wheel
+        raise ValueError("structured output needs the xgrammar package (pip install xgrammar)") from exc
+    return xgrammar
+
+
+def choice_ebnf(choices: tuple[str, ...]) -> str:
+    """`root ::= "a" | "b"`: JSON string escapes are valid EBNF string escapes."""
+    if not choices:
+        raise ValueError("guided_choice must list at least one string")
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def to_grammar(spec: StructuredOutputParams) -> Any:
+    """The xgrammar Grammar of a spec; ValueError with the compiler's message when it does not compile."""
+    xgr = _xgr()
+    kind = spec.kind()
+    try:
+        if kind == "json_object":
+            return xgr.Grammar.builtin_json_grammar()
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_ebnf(spec.choice or ()))
+        return xgr.Grammar.from_ebnf(spec.grammar)
+    except ValueError:
+        raise
+    except Exception as exc:  # xgrammar raises RuntimeError / its own errors for a spec it cannot parse
+        raise ValueError(f"the {kind} spec does not compile: {exc}") from exc
+
+
+def validate(spec: StructuredOutputParams) -> None:
+    """Raises ValueError naming the problem if the spec would not compile."""
+    if spec.json is not None:
+        try:
+            schema = json.loads(spec.json)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"the JSON schema is not valid JSON: {exc}") from exc
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("the JSON schema must be an object")
+    to_grammar(spec)
+
+
+class GrammarCache:
+    """Compiled grammars for one tokenizer, one per distinct spec; compiled on a worker thread."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_workers: int = 1) -> None:
+        xgr = _xgr()
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=max_workers, cache_enabled=False)
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._futures: dict[tuple[str, str], Future] = {}
+
+    def submit(self, spec: StructuredOutputParams) -> Future:
+        """A future of the compiled grammar (done at once for a spec compiled before)."""
+        key = spec.key()
+        with self._lock:
+            future = self._futures.get(key)
+            if future is None or (future.done() and future.exception() is not None):
+                future = self._pool.submit(self._compile, spec)
+                self._futures[key] = future
+        return future
+
+    def _compile(self, spec: StructuredOutputParams) -> Any:
+        return self.compiler.compile_grammar(to_grammar(spec))
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
