@@ -163,7 +163,7 @@ class EngineCore:
         if spec is not None:
             if self.config.tensor_parallel_size > 1:
                 raise ValueError("structured output is not supported with tensor_parallel_size > 1")
-            if self.tokenizer is None:
+            if self.tokenizer is None and self.config.load_format != "dummy":
                 raise ValueError("structured output needs a tokenizer, and this model has none")
             validate_structured(spec)  # a quick ValueError with the compiler's message; the compile runs on a thread
             future = self._grammar_cache().submit(spec)

@@ -58,13 +58,35 @@ def validate(spec: StructuredOutputParams) -> None:
     to_grammar(spec)
 
 
+def synthetic_vocab(vocab_size: int, seed: int = 0) -> list[bytes]:
+    """A BPE-like stand-in vocabulary: the 95 printable ASCII characters, then seeded strings of 2 to 8 of them
+    (unique), so that grammar masks cost about what they cost with a real tokenizer of that size."""
+    import random
+
+    rng = random.Random(seed)
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = list(chars)
+    seen = set(vocab)
+    while len(vocab) < vocab_size:
+        word = "".join(rng.choices(chars, k=rng.randint(2, 8)))
+        if word not in seen:
+            seen.add(word)
+            vocab.append(word)
+    return [w.encode() for w in vocab[:vocab_size]]
+
+
 class GrammarCache:
     """Compiled grammars for one tokenizer, one per distinct spec; compiled on a worker thread."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_workers: int = 1) -> None:
         xgr = _xgr()
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        if tokenizer is None:  # random-weight benchmark shapes: a synthetic vocabulary of the model's size
+            info = xgr.TokenizerInfo(synthetic_vocab(vocab_size), vocab_type=xgr.VocabType.RAW,
+                                     vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        else:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                      stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=max_workers, cache_enabled=False)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
