@@ -108,11 +108,12 @@ class LogitsState:
         for rid in done:
             self.free_rows.append(self.held.pop(rid)[1])
 
-    def prepare(self, slot: int, scheduled: list[ScheduledRequest]) -> LogitsPlan | None:
-        """Writes the step's host inputs into the slot's staging; None when no row uses logits state."""
+    def prepare(self, slot: int, scheduled: list[ScheduledRequest], any_state: bool) -> LogitsPlan | None:
+        """Writes the step's host inputs into the slot's staging; None when no row uses logits state
+        (`any_state`, which write_step derives only when the batch's requests change)."""
         if self.held:
             self._release_done()
-        if not any(s.request.sampling_params.uses_logits_state for s in scheduled):
+        if not any_state:
             self.plans[slot] = None
             return None
         if self.counts is None:

@@ -347,7 +347,7 @@ class ModelRunner:
         """Writes the step into the slot's pinned host buffers and remembers each request's output row."""
         rows: dict[str, int] = {}
         shape = write_step(self.buffers[slot], sched, self._prev_rows, self.block_size, pad_to, rows, pad_tokens_to)
-        self.logits_state.prepare(slot, sched.scheduled)
+        self.logits_state.prepare(slot, sched.scheduled, shape.any_logits_state)
         self._prev_rows = rows
         return shape
 
@@ -465,7 +465,9 @@ class ModelRunner:
             if graph_bs is not None:
                 # Forward, then sampling of the same static logits: two graph launches, no kernel outside.
                 self.graphs.replay(slot, graph_bs)  # type: ignore[union-attr]
-                logits = self._graph_logits[:num_seqs]
+                # The static logits rows; a view only when something edits them before the sampling graph.
+                logits = self._graph_logits[:num_seqs] if (defer_sampling or self.logits_state.plans[slot]) \
+                    else self._graph_logits
             elif piece_tokens is not None:
                 meta = self._meta(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len,
                                   plan.num_decodes)
