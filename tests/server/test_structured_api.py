@@ -87,9 +87,9 @@ def test_tool_choice_required_is_always_a_valid_call(client, temperature):
     for seed in range(3):
         r = client.chat.completions.create(
             model=MODEL_NAME, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
-            tool_choice="required", max_tokens=80, temperature=temperature, seed=seed)
+            tool_choice="required", parallel_tool_calls=False, max_tokens=80, temperature=temperature, seed=seed)
         choice = r.choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
         for call in choice.message.tool_calls:
             _check_call(call)
 
@@ -118,8 +118,8 @@ def test_named_tool_choice_streams_arguments_and_reassembles(client):
 
 def test_required_streamed_and_auto_and_none(client):
     stream = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Time?"}],
-                                            tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0,
-                                            stream=True)
+                                            tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                            max_tokens=80, temperature=0, stream=True)
     calls: dict[int, dict] = {}
     for ch in stream:
         for tcd in ch.choices[0].delta.tool_calls or []:
