@@ -43,7 +43,8 @@ def to_grammar(spec: StructuredOutputParams) -> Any:
     except ValueError:
         raise
     except Exception as exc:  # xgrammar raises RuntimeError / its own errors for a spec it cannot parse
-        raise ValueError(f"the {kind} spec does not compile: {exc}") from exc
+        label = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "EBNF grammar"}.get(kind, kind)
+        raise ValueError(f"the {label} does not compile: {exc}") from exc
 
 
 def validate(spec: StructuredOutputParams) -> None:
@@ -75,22 +76,34 @@ def synthetic_vocab(vocab_size: int, seed: int = 0) -> list[bytes]:
     return [w.encode() for w in vocab[:vocab_size]]
 
 
+MAX_CACHED_GRAMMARS = 512
+
+
 class GrammarCache:
     """Compiled grammars for one tokenizer, one per distinct spec; compiled on a worker thread."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_workers: int = 1) -> None:
-        xgr = _xgr()
-        self.vocab_size = vocab_size
-        if tokenizer is None:  # random-weight benchmark shapes: a synthetic vocabulary of the model's size
-            info = xgr.TokenizerInfo(synthetic_vocab(vocab_size), vocab_type=xgr.VocabType.RAW,
-                                     vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        else:
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                      stop_token_ids=stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=max_workers, cache_enabled=False)
+        _xgr()  # fail now, in the caller, if xgrammar is missing
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self.max_workers = max_workers
+        self.compiler: Any = None  # built on the worker thread by the first compile (a second or so)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
-        self._futures: dict[tuple[str, str], Future] = {}
+        self._build_lock = threading.Lock()
+        self._futures: dict[tuple[str, str], Future] = {}  # insertion order: the oldest spec first
+
+    def _compiler(self) -> Any:
+        with self._build_lock:
+            if self.compiler is None:
+                xgr = _xgr()
+                if self.tokenizer is None:  # random-weight benchmark shapes: a synthetic vocabulary
+                    info = xgr.TokenizerInfo(synthetic_vocab(self.vocab_size), vocab_type=xgr.VocabType.RAW,
+                                             vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+                else:
+                    info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                              stop_token_ids=self.stop_token_ids)
+                self.compiler = xgr.GrammarCompiler(info, max_threads=self.max_workers, cache_enabled=False)
+            return self.compiler
 
     def submit(self, spec: StructuredOutputParams) -> Future:
         """A future of the compiled grammar (done at once for a spec compiled before)."""
@@ -100,10 +113,14 @@ class GrammarCache:
             if future is None or (future.done() and future.exception() is not None):
                 future = self._pool.submit(self._compile, spec)
                 self._futures[key] = future
+                if len(self._futures) > MAX_CACHED_GRAMMARS:  # forget the oldest compiled spec
+                    oldest = next((k for k, f in self._futures.items() if f.done()), None)
+                    if oldest is not None:
+                        del self._futures[oldest]
         return future
 
     def _compile(self, spec: StructuredOutputParams) -> Any:
-        return self.compiler.compile_grammar(to_grammar(spec))
+        return self._compiler().compile_grammar(to_grammar(spec))
 
     def __len__(self) -> int:
         return len(self._futures)

@@ -80,7 +80,7 @@ def test_regex_choice_and_grammar(idle_llm, spec, check):
 
 @pytest.mark.parametrize("spec, word", [
     (StructuredOutputParams(json='{"type": "object", "properties": '), "not valid JSON"),
-    (StructuredOutputParams(json='{"type": "nonsense"}'), "json"),
+    (StructuredOutputParams(json='{"type": "nonsense"}'), "JSON schema"),
     (StructuredOutputParams(regex="([a-z"), "regex"),
     (StructuredOutputParams(grammar="root ::= undefined_rule"), "grammar"),
 ])
