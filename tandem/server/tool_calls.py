@@ -135,7 +135,7 @@ def hermes_text(calls: list[dict[str, Any]]) -> str:
 
 def tools_system_text(tools: list[dict[str, Any]]) -> str:
     """Tool descriptions in the Hermes system-prompt style, for templates that take no `tools`."""
-    signatures = "\n".join(json.dumps(t) for t in tools)
+    signatures = "\n".join(json.dumps(t, separators=(",", ":")) for t in tools)
     return ("You may call one or more functions to assist with the user query. You are provided with function "
             f"signatures within <tools></tools> XML tags:\n<tools>\n{signatures}\n</tools>\nFor each function call, "
             "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
