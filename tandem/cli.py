@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -26,6 +27,25 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--logprobs", type=int, default=None)
     g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--logit-bias", type=json.loads, default=None, help='JSON object {"token id": bias}')
+    g.add_argument("--allowed-token-ids", type=json.loads, default=None, help="JSON list of token ids")
+    g.add_argument("--bad-words", action="append", default=None)
+    g.add_argument("--json-schema", default=None, help="constrain the output to this JSON schema (JSON text)")
+    g.add_argument("--regex", default=None, help="constrain the output to this regular expression")
+
+
+def structured_output_arg(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from tandem.sampling_params import StructuredOutputParams
+
+    if args.json_schema is not None:
+        return StructuredOutputParams(json=args.json_schema)
+    if args.regex is not None:
+        return StructuredOutputParams(regex=args.regex)
+    return None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -34,6 +54,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
         stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs, seed=args.sample_seed,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, min_p=args.min_p,
+        logit_bias={int(k): v for k, v in args.logit_bias.items()} if args.logit_bias else None,
+        allowed_token_ids=args.allowed_token_ids, bad_words=args.bad_words,
+        structured_output=structured_output_arg(args),
     )
     llm = LLM(**engine_kwargs(args))
     prompts = args.prompt or DEFAULT_PROMPTS

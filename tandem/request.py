@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.sampling_params import SamplingParams
 
@@ -45,6 +46,11 @@ class Request:
     error: str | None = None  # set when an engine error failed the request
     # One entry per output token when logprobs were asked for: (chosen logprob, [(token id, logprob)] top-n).
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # Tokens banned outright (single-token bad words) and multi-token bad words, resolved by the engine.
+    banned_token_ids: tuple[int, ...] = ()
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    # The CPU-side next-token constraint (structured.HostMask: a grammar and/or multi-token bad words), or None.
+    host_mask: Any = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     # The output length at which the request stops for length (max_tokens or the context); a field, not a

@@ -466,8 +466,9 @@ def _print_table(results: list[dict[str, Any]]) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
     for n in names:
-        if n not in WORKLOADS and n != "serve":
-            raise ValueError(f"unknown workload {n!r}; choose from {sorted(WORKLOADS) + ['serve']} or all")
+        if n not in WORKLOADS and n not in ("serve", "structured"):
+            raise ValueError(f"unknown workload {n!r}; choose from {sorted(WORKLOADS) + ['serve', 'structured']} "
+                             "or all")
     peers = [] if args.no_peers else args.peers.split(",")
     for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
                         ("--data-parallel-size", args.data_parallel_size)):
@@ -481,12 +482,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print("== serve: the same requests offline and through tandem serve", flush=True)
             results.append(run_serve_workload(args))
             continue
+        if n == "structured":  # 0% / 50% / 100% of the requests under a JSON schema, and penalties: its own table
+            from tandem.bench.structured_workload import run_structured_workload
+
+            print("== structured: the same requests with 0%, 50%, 100% under a JSON schema", flush=True)
+            model = args.structured_model if args.structured_model != "embedded" else None
+            results.append(run_structured_workload(model, args.structured_requests, int(128 * args.scale) or 1,
+                                                   int(256 * args.scale) or 1, args.plot_dir))
+            continue
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
         results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.quantization,
                                       args.tensor_parallel_size, args.data_parallel_size, args.kv_cache_dtype,
                                       args.quantize_lm_head, args.enable_expert_parallel))
         _print_table(results[-1:])
-    _print_table([r for r in results if r["workload"] != "serve"])
+    _print_table([r for r in results if r["workload"] not in ("serve", "structured")])
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -524,6 +533,9 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
     bench.add_argument("--data-parallel-size", type=int, default=1,
                        help="run tandem as this many engine replicas, each on its own GPU(s) (the dp1 peer: one)")
     bench.add_argument("--no-peers", action="store_true")
+    bench.add_argument("--structured-model", default="llama-3-8b",
+                       help="shape of the structured workload (random weights), or 'embedded' for SmolLM2")
+    bench.add_argument("--structured-requests", type=int, default=64)
     bench.add_argument("--scale", type=float, default=1.0, help="shrink prompt/output lengths (smoke runs)")
     bench.add_argument("--out", default=None, help="write results JSON here")
     bench.add_argument("--plot-dir", default=None, help="write timeline PNGs here")

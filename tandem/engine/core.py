@@ -12,6 +12,8 @@ import logging
 import random
 import time
 from collections.abc import Container
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 
 from tandem.config import EngineConfig
@@ -23,6 +25,9 @@ from tandem.runner.tp_worker import exit_worker, run_worker, start_tensor_parall
 from tandem.sampling_params import SamplingParams
 from tandem.scheduler.output import SchedulerOutput
 from tandem.scheduler.scheduler import Scheduler, SchedulerConfig
+from tandem.structured.grammar import GrammarCache
+from tandem.structured.grammar import validate as validate_structured
+from tandem.structured.matcher import HostMask
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +75,29 @@ def check_new_request(request_id: str, prompt_token_ids: list[int], params: Samp
     if params.max_tokens is not None and num_prompt + params.max_tokens > max_model_len:
         raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {num_prompt} tokens exceeds the "
                          f"context limit of {max_model_len} tokens")
+    for name in ("logit_bias", "allowed_token_ids"):
+        bad = [t for t in (getattr(params, name) or ()) if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name} names token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def bad_word_token_ids(tokenizer: object, words: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """(banned single tokens, multi-token sequences) of each bad word, as written and after a space (the two
+    ways a word starts inside text)."""
+    if not words:
+        return (), ()
+    if tokenizer is None:
+        raise ValueError("bad_words needs a tokenizer, and this model has none")
+    single: set[int] = set()
+    multi: set[tuple[int, ...]] = set()
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
+            if len(ids) == 1:
+                single.add(ids[0])
+            elif ids:
+                multi.add(ids)
+    return tuple(sorted(single)), tuple(sorted(multi))
 
 
 class EngineCore:
@@ -114,6 +142,11 @@ class EngineCore:
         self._rng = random.Random(config.seed)
         self._requests: dict[str, Request] = {}  # unfinished requests
         self._inflight: StepHandle | None = None
+        self._grammars: GrammarCache | None = None  # built at the first structured request
+        self._compiling: dict[str, tuple[Request, Future]] = {}  # waiting for their grammar
+        self._host_masks: dict[str, Request] = {}  # requests with a HostMask
+        self.mask_time_s = 0.0  # CPU time filling grammar bitmasks (and enqueuing the sampling after them)
+        self.num_mask_steps = 0
         self.timeline: Timeline | None = None
         self.step_log: list[tuple[int, int, int]] | None = None  # (seqs, tokens, context tokens) per step
         self._timeline_base: tuple[object, float] | None = None
@@ -127,6 +160,19 @@ class EngineCore:
         self._check_open()
         check_new_request(request_id, prompt_token_ids, params, self._requests, self.model_config.vocab_size,
                           self.max_model_len)
+        if self.config.tensor_parallel_size > 1 and params.uses_logits_state:
+            raise ValueError("penalties, logit_bias, allowed_token_ids and bad_words are not supported with "
+                             "tensor_parallel_size > 1")
+        banned, bad_seqs = bad_word_token_ids(self.tokenizer, params.bad_words)
+        spec = params.structured_output
+        future = None
+        if spec is not None:
+            if self.config.tensor_parallel_size > 1:
+                raise ValueError("structured output is not supported with tensor_parallel_size > 1")
+            if self.tokenizer is None and self.config.load_format != "dummy":
+                raise ValueError("structured output needs a tokenizer, and this model has none")
+            validate_structured(spec)  # a quick ValueError with the compiler's message; the compile runs on a thread
+            future = self._grammar_cache().submit(spec)
         num_prompt = len(prompt_token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = Request(
@@ -136,8 +182,16 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             sampling_seed=seed,
+            banned_token_ids=banned,
+            bad_word_ids=bad_seqs,
         )
-        self.scheduler.add_request(request)  # raises ValueError if it can never fit the KV pool
+        if future is not None:
+            # Scheduled once its grammar is compiled (at once for a spec seen before).
+            self._compiling[request_id] = (request, future)
+        else:
+            self.scheduler.add_request(request)  # raises ValueError if it can never fit the KV pool
+            if bad_seqs:
+                self._attach_mask(request, None)
         self._requests[request_id] = request
         self.num_prompt_tokens += num_prompt
 
@@ -146,7 +200,12 @@ class EngineCore:
         """Ends a request now (abort, or a stop string the caller matched); unknown ids are ignored."""
         if request_id not in self._requests:
             return
-        self.scheduler.finish_request(request_id, reason, stop_reason)
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            request = compiling[0]
+            request.status, request.finish_reason, request.stop_reason = RequestStatus.FINISHED, reason, stop_reason
+        else:
+            self.scheduler.finish_request(request_id, reason, stop_reason)
         self._forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -157,7 +216,53 @@ class EngineCore:
             raise RuntimeError("the engine is shut down")
 
     def _forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        request = self._requests.pop(request_id, None)
+        if request is not None and request.host_mask is not None:
+            self._drop_mask(request)
+
+    # ---------------------------------------------------------------- grammars and host masks
+
+    def _grammar_cache(self) -> GrammarCache:
+        if self._grammars is None:
+            self._grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars
+
+    def _attach_mask(self, request: Request, compiled: object | None) -> None:
+        request.host_mask = HostMask(compiled, request.bad_word_ids)
+        self._host_masks[request.request_id] = request
+        self.runner.any_host_masks = True
+
+    def _drop_mask(self, request: Request) -> None:
+        request.host_mask = None
+        self._host_masks.pop(request.request_id, None)
+        self.runner.any_host_masks = bool(self._host_masks)
+
+    def num_host_masks(self) -> int:
+        """Requests holding grammar / bad-word state now (0 once every constrained request has ended)."""
+        return len(self._host_masks)
+
+    def _admit_compiled(self, block: bool) -> list[EngineOutput]:
+        """Moves requests whose grammar is compiled into the scheduler; a failed compile fails its request.
+        With `block` (nothing else to do) waits a little for the first compile instead of spinning."""
+        if block:
+            futures_wait([f for _, f in self._compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        outputs: list[EngineOutput] = []
+        for rid, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            try:
+                compiled = future.result()
+                self.scheduler.add_request(request)
+            except Exception as exc:
+                message = f"structured output: {exc}"
+                request.status, request.finish_reason, request.error = RequestStatus.FINISHED, FinishReason.ABORT, message
+                self._requests.pop(rid, None)
+                outputs.append(EngineOutput(rid, [], None, True, FinishReason.ABORT, None, request.num_prompt_tokens,
+                                            0, error=message))
+                continue
+            self._attach_mask(request, compiled)
+        return outputs
 
     # ---------------------------------------------------------------- the loop
 
@@ -167,6 +272,14 @@ class EngineCore:
             # Overlap was switched off with a step in flight: finish that one first.
             previous, self._inflight = self._inflight, None
             return self._finish(previous)
+        admitted: list[EngineOutput] = []
+        if self._compiling:
+            idle = self._inflight is None and not self.scheduler.num_running() and not self.scheduler.num_waiting()
+            admitted = self._admit_compiled(block=idle)
+        outputs = self._step()
+        return admitted + outputs if admitted else outputs
+
+    def _step(self) -> list[EngineOutput]:
         tl = self.timeline
         if tl is not None:
             tl.step = self.num_steps
@@ -186,9 +299,33 @@ class EngineCore:
                 self._inflight = None
             return failed
         if not self.overlap:
+            if handle is not None and handle.pending is not None:
+                failed = self._launch_sampling(handle)
+                if failed:
+                    return failed
             return self._finish(handle) if handle is not None else []
         previous, self._inflight = self._inflight, handle
-        return self._finish(previous) if previous is not None else []
+        outputs = self._finish(previous) if previous is not None else []
+        # The forward of this step is enqueued (and may be running); now that the previous step's tokens have
+        # reached the matchers, its grammar rows can be filled and its sampling enqueued.
+        if handle is not None and handle.pending is not None and self._inflight is handle:
+            outputs += self._launch_sampling(handle)
+        return outputs
+
+    def _launch_sampling(self, handle: StepHandle) -> list[EngineOutput]:
+        """Fills the step's grammar bitmask rows and enqueues its sampling; [] or the failed requests' outputs."""
+        t0 = time.perf_counter()
+        try:
+            self._timed("mask", lambda: self.runner.launch_sampling(handle))
+        except Exception as exc:
+            logger.exception("engine step failed filling grammar masks")
+            if self._inflight is handle:
+                self._inflight = None
+            self._drop(handle)
+            return self._fail(handle.sched.scheduled, exc)
+        self.mask_time_s += time.perf_counter() - t0
+        self.num_mask_steps += 1
+        return []
 
     def _finish(self, handle: StepHandle) -> list[EngineOutput]:
         """Waits for a launched step's tokens and applies them to the requests."""
@@ -221,6 +358,9 @@ class EngineCore:
             rid = req.request_id
             if rid not in requests:
                 continue  # aborted meanwhile: its token is dropped
+            host_mask = req.host_mask
+            if host_mask is not None:
+                host_mask.accept(req.output_token_ids[-1])
             new_lp = req.output_logprobs[-1:] if req.sampling_params.logprobs is not None else None
             scheduled_at = req.first_scheduled_time
             finished = req.status is finished_status
@@ -232,6 +372,8 @@ class EngineCore:
             )
             if finished:
                 del requests[rid]
+                if host_mask is not None:
+                    self._drop_mask(req)
         self.num_generation_tokens += len(outputs)
         return outputs
 
@@ -283,6 +425,8 @@ class EngineCore:
         self._inflight = None  # the runner finishes (or, after a failure, aborts) what is still on the device
         self._requests.clear()
         self.runner.shutdown()
+        if self._grammars is not None:
+            self._grammars.shutdown()
 
     # ---------------------------------------------------------------- profiling and stats
 

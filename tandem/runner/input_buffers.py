@@ -87,7 +87,7 @@ class StepBuffers:
             device,
         )
         self.floats = PackedBuffer(
-            {"temperature": (max_num_seqs,), "top_p": (max_num_seqs,)}, torch.float32, device
+            {"temperature": (max_num_seqs,), "top_p": (max_num_seqs,), "min_p": (max_num_seqs,)}, torch.float32, device
         )
         # Outputs: static device tensors (the next step's carry-over reads out_tokens) and pinned host twins.
         cuda = device.type == "cuda"
@@ -111,7 +111,7 @@ class StepBuffers:
         # The requests whose sampling parameters rows 0..n-1 hold (identity), and what write_step derived
         # from them: (all greedy, any top-k/top-p row, most logprobs asked or -1).
         self.sampling_rows: list[Request] | None = None
-        self.sampling_state: tuple[bool, bool, int] = (True, False, -1)
+        self.sampling_state: tuple[bool, bool, int, bool] = (True, False, -1, False)
         self.host_tokens_np = self.host_tokens.numpy()
         self.host_logprob_np = self.host_logprob.numpy()
         self.host_top_ids_np = self.host_top_ids.numpy()
@@ -147,6 +147,7 @@ class StepShape:
     max_seq_len: int
     num_context_tokens: int
     num_decodes: int = 0  # leading rows that decode one token (AttentionMetadata.num_decodes)
+    any_logits_state: bool = False  # some row uses penalties / bias / allowed ids / bad words (LogitsState)
 
 
 def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, int], block_size: int,
@@ -259,7 +260,7 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
     if buf.sampling_rows is None or requests != buf.sampling_rows:  # == compares identities first
         buf.sampling_state = _write_sampling(buf, requests)
     buf.sampling_rows = requests
-    all_greedy, any_filter, num_logprobs = buf.sampling_state
+    all_greedy, any_filter, num_logprobs, any_logits_state = buf.sampling_state
     if pad_tokens_to is not None and pad_tokens_to > t:
         # Padding tokens of a piecewise graph: no KV write and no carry; the attention between the pieces
         # covers only the step's sequences, and no logits row reads them.
@@ -278,6 +279,7 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
         seq_lens[num_seqs:pad_to] = 0
         floats["temperature"][num_seqs:pad_to] = 0.0
         floats["top_p"][num_seqs:pad_to] = 1.0
+        floats["min_p"][num_seqs:pad_to] = 0.0
         ints["top_k"][num_seqs:pad_to] = 0
         longs["seeds"][num_seqs:pad_to] = 0
         sample_pos[num_seqs:pad_to] = 0
@@ -288,18 +290,21 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
         ints["decode_order"][:order_rows] = np.argsort(-seq_lens[:order_rows], kind="stable")
     seq_used = seq_lens[:num_seqs]
     return StepShape(all_greedy, any_filter, num_logprobs, max_query_len, int(seq_used.max()) if num_seqs else 0,
-                     int(seq_used.sum(dtype=np.int64)), num_decodes)
+                     int(seq_used.sum(dtype=np.int64)), num_decodes, any_logits_state)
 
 
-def _write_sampling(buf: StepBuffers, requests: list[Request]) -> tuple[bool, bool, int]:
-    """Writes the rows' sampling parameters; returns (all greedy, any top-k/top-p row, most logprobs or -1)."""
+def _write_sampling(buf: StepBuffers, requests: list[Request]) -> tuple[bool, bool, int, bool]:
+    """Writes the rows' sampling parameters; returns (all greedy, any top-k/top-p/min-p row, most logprobs or -1,
+    any row with logits state)."""
     n = len(requests)
     params = [r.sampling_params for r in requests]
     temperature = [sp.temperature for sp in params]
     buf.floats.np["temperature"][:n] = temperature
     buf.floats.np["top_p"][:n] = [sp.top_p for sp in params]
+    buf.floats.np["min_p"][:n] = [sp.min_p for sp in params]
     buf.ints.np["top_k"][:n] = [sp.top_k for sp in params]
     buf.longs.np["seeds"][:n] = [r.sampling_seed for r in requests]
-    any_filter = any(sp.temperature != 0.0 and (sp.top_k > 0 or sp.top_p < 1.0) for sp in params)
+    any_filter = any(sp.temperature != 0.0 and (sp.top_k > 0 or sp.top_p < 1.0 or sp.min_p > 0.0) for sp in params)
     num_logprobs = max((sp.logprobs for sp in params if sp.logprobs is not None), default=-1)
-    return not any(temperature), any_filter, num_logprobs
+    any_state = any(sp.uses_logits_state for sp in params)
+    return not any(temperature), any_filter, num_logprobs, any_state

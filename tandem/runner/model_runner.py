@@ -11,6 +11,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,8 @@ from tandem.runner.cuda_graphs import (
     sampler_variant,
 )
 from tandem.runner.input_buffers import StepBuffers, StepShape, write_step
+from tandem.runner.host_masks import HostMaskBuffers
+from tandem.runner.logits_state import LogitsState
 from tandem.runner.sampler import sample
 from tandem.runner.streams import DeviceStreams, StepEvents
 from tandem.runner.tensor_parallel import StepPlan, TensorParallelGroup, WorkerDiedError
@@ -57,6 +60,8 @@ class StepHandle:
     step_index: int = 0
     num_context_tokens: int = 0  # sum of the sequences' context lengths: KV the step reads
     prepared_at: float = 0.0  # perf_counter when the host buffers were written (timeline only)
+    # Set while the step's sampling waits for its grammar bitmask: (plan, logits, [(row, request)]).
+    pending: tuple[StepPlan, torch.Tensor, list[tuple[int, Any]]] | None = None
 
 
 @dataclass(slots=True)
@@ -106,6 +111,9 @@ class ModelRunner:
             StepBuffers(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, MAX_LOGPROBS, self.device)
             for _ in range(2)
         ]
+        self.logits_state = LogitsState(self.max_num_seqs, mc.vocab_size, self.device)
+        self.host_masks = HostMaskBuffers(self.max_num_seqs, mc.vocab_size, self.device)
+        self.any_host_masks = False  # set by the engine while some request has a grammar or multi-token bad words
         self.num_blocks = config.num_kv_blocks or self._num_blocks_from_memory()
         if group is not None and config.num_kv_blocks is None:
             # One scheduler drives every rank: all KV shards get the block count of the tightest GPU.
@@ -335,6 +343,7 @@ class ModelRunner:
             logits, floats["temperature"][:num_rows], ints["top_k"][:num_rows], floats["top_p"][:num_rows],
             longs["seeds"][:num_rows], longs["sample_pos"][:num_rows],
             all_greedy=all_greedy, any_top_k_top_p=any_top_k_top_p, num_logprobs=top_n,
+            min_p=floats["min_p"][:num_rows],
         )
         buf.out_tokens[:num_rows].copy_(out.token_ids)
         if out.logprobs is not None:
@@ -350,6 +359,7 @@ class ModelRunner:
         """Writes the step into the slot's pinned host buffers and remembers each request's output row."""
         rows: dict[str, int] = {}
         shape = write_step(self.buffers[slot], sched, self._prev_rows, self.block_size, pad_to, rows, pad_tokens_to)
+        self.logits_state.prepare(slot, sched.scheduled, shape.any_logits_state)
         self._prev_rows = rows
         return shape
 
@@ -371,18 +381,26 @@ class ModelRunner:
         plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,
                         shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self._step_index, self.timing,
                         shape.num_decodes)
+        # Rows whose next token a grammar (or a multi-token bad word) decides on the CPU: their sampling waits for
+        # launch_sampling, after the previous step's tokens have reached the matchers.
+        mask_rows = [(i, s.request) for i, s in enumerate(sched.scheduled)
+                     if s.sample and s.request.host_mask is not None] if self.any_host_masks else []
+        pending = None
         if self.group is None:
-            events = self._enqueue(plan, download=True, piece_tokens=piece_tokens)
+            events, logits = self._enqueue(plan, download=True, piece_tokens=piece_tokens,
+                                           defer_sampling=bool(mask_rows))
+            if mask_rows:
+                pending = (plan, logits, mask_rows)
         else:
             # The other ranks get the filled host buffers before this rank launches (CPU to CPU only).
             self.group.send_step(plan, self.buffers[slot])
             try:
-                events = self._enqueue(plan, download=True)
+                events, _ = self._enqueue(plan, download=True)
             except Exception as exc:  # on gloo the model's collectives run here: a dead peer surfaces now
                 self.group.raise_failure(exc)
         self._step_index += 1  # only once enqueued: a failed launch leaves the slot order unchanged
         return StepHandle(sched, slot, num_seqs, shape.num_logprobs, events, graph_bs, num_tokens,
-                          self._step_index - 1, shape.num_context_tokens, prepared_at)
+                          self._step_index - 1, shape.num_context_tokens, prepared_at, pending)
 
     @torch.inference_mode()
     def launch_remote(self, plan: StepPlan) -> None:
@@ -440,16 +458,18 @@ class ModelRunner:
         spans, self._spans = self._spans, []
         return spans
 
-    def _enqueue(self, plan: StepPlan, download: bool, piece_tokens: int | None = None) -> StepEvents:
+    def _enqueue(self, plan: StepPlan, download: bool, piece_tokens: int | None = None,
+                 defer_sampling: bool = False) -> tuple[StepEvents, torch.Tensor]:
         """H2D of the slot, forward (graph, piecewise graphs or eager), sampling, and (rank 0) D2H, ordered by
-        the slot's events."""
+        the slot's events. With defer_sampling only the H2D and the forward are enqueued; `_enqueue_sampling`
+        adds the rest once the step's grammar bitmask is known. Returns the events and the step's logits."""
         slot, num_seqs, num_tokens, graph_bs = plan.slot, plan.num_seqs, plan.num_tokens, plan.graph_bs
-        num_logprobs = plan.num_logprobs
         buf = self.buffers[slot]
         events = self._events[slot]  # free to re-record: the slot's previous step was waited for
         streams = self.streams
         with streams.on("h2d"):
             buf.upload(graph_bs or num_seqs)
+            self.logits_state.upload(slot)
             streams.record("h2d", events.h2d_done)
         streams.wait("compute", events.h2d_done)
         with streams.on("compute"):
@@ -457,27 +477,63 @@ class ModelRunner:
             if graph_bs is not None:
                 # Forward, then sampling of the same static logits: two graph launches, no kernel outside.
                 self.graphs.replay(slot, graph_bs)  # type: ignore[union-attr]
+                # The static logits rows; a view only when something edits them before the sampling graph.
+                logits = self._graph_logits[:num_seqs] if (defer_sampling or self.logits_state.plans[slot]) \
+                    else self._graph_logits
+            elif piece_tokens is not None:
+                meta = self._meta(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len,
+                                  plan.num_decodes)
+                hidden = self.piecewise.replay(slot, num_tokens, piece_tokens, meta)  # type: ignore[union-attr]
+                logits = self._logits(slot, hidden, num_seqs, all_rows=False)
+            else:
+                logits = self._forward(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len,
+                                       all_rows=num_tokens == num_seqs, num_decodes=plan.num_decodes)
+            # Penalties and bias (only when a row uses them) edit the logits rows in place.
+            self.logits_state.apply(slot, logits)
+        if not defer_sampling:
+            self._enqueue_sampling(plan, logits, download, None)
+        return events, logits
+
+    def _enqueue_sampling(self, plan: StepPlan, logits: torch.Tensor, download: bool, num_masked: int | None) -> None:
+        """Sampling (after the grammar bitmask of `num_masked` rows, when given), counts, and the D2H."""
+        slot, num_seqs, graph_bs, num_logprobs = plan.slot, plan.num_seqs, plan.graph_bs, plan.num_logprobs
+        buf = self.buffers[slot]
+        events = self._events[slot]
+        streams = self.streams
+        if num_masked is not None:
+            with streams.on("h2d"):
+                self.host_masks.upload(slot, num_masked)
+                streams.record("h2d", events.mask_done)
+            streams.wait("compute", events.mask_done)
+        with streams.on("compute"):
+            if num_masked is not None:
+                self.host_masks.apply(slot, logits, num_masked)
+            if graph_bs is not None:
                 variant = sampler_variant(plan.all_greedy, plan.any_top_k_top_p, num_logprobs)
                 self.graphs.replay_sample(slot, graph_bs, variant)  # type: ignore[union-attr]
             else:
-                if piece_tokens is not None:
-                    meta = self._meta(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len,
-                                      plan.num_decodes)
-                    hidden = self.piecewise.replay(slot, num_tokens, piece_tokens, meta)  # type: ignore[union-attr]
-                    logits = self._logits(slot, hidden, num_seqs, all_rows=False)
-                else:
-                    logits = self._forward(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len,
-                                           all_rows=num_tokens == num_seqs, num_decodes=plan.num_decodes)
                 # Every rank samples from the same all-gathered logits with the same counter-based noise, so
                 # each holds the same tokens for its own carry-over.
                 self._sample_into(slot, logits, num_seqs, plan.all_greedy, plan.any_top_k_top_p, num_logprobs)
+            self.logits_state.count(slot, buf.out_tokens[:num_seqs])
             streams.record("compute", events.compute_done)
         if download:
             streams.wait("d2h", events.compute_done)
             with streams.on("d2h"):
                 buf.download(num_seqs, num_logprobs)
                 streams.record("d2h", events.d2h_done)
-        return events
+
+    @torch.inference_mode()
+    def launch_sampling(self, handle: StepHandle) -> None:
+        """Completes a step launched with grammar rows: fills their bitmask rows on the CPU from each request's
+        matcher (which has seen every token up to the previous step's), uploads them on the H2D stream and
+        enqueues masking, sampling and the D2H. The forward was enqueued by launch() and may be running now."""
+        pending = handle.pending
+        assert pending is not None, "launch_sampling on a step without grammar rows"
+        handle.pending = None
+        plan, logits, mask_rows = pending
+        self.host_masks.fill(plan.slot, mask_rows)
+        self._enqueue_sampling(plan, logits, download=True, num_masked=len(mask_rows))
 
     def wait(self, handle: StepHandle) -> StepResult:
         """Blocks until the step's tokens are in host memory: the one CPU wait per step."""

@@ -34,8 +34,11 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: 
     return -torch.log(uniform)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Masks logits outside each row's top-k and top-p set with -inf; top_k <= 0 and top_p == 1 disable."""
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Masks logits outside each row's top-k, top-p and min-p set with -inf; top_k <= 0, top_p == 1 and
+    min_p == 0 disable. min-p keeps tokens whose probability is at least min_p times the top one's: a ratio,
+    so it is the same before or after the other two filters (the top token always survives them)."""
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [B, V]
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab).to(torch.int64)  # [B]
@@ -45,6 +48,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     # Keep a token while the mass before it is < top_p (the first token is always kept).
     mass_before = probs.cumsum(dim=-1) - probs
     keep_sorted &= mass_before < top_p[:, None]
+    if min_p is not None:
+        keep_sorted &= sorted_logits >= sorted_logits[:, :1] + torch.log(min_p)[:, None]
     keep = torch.empty_like(keep_sorted).scatter_(1, sorted_idx, keep_sorted)
     return logits.masked_fill(~keep, float("-inf"))
 
@@ -77,6 +82,7 @@ def sample(
     all_greedy: bool,
     any_top_k_top_p: bool,
     num_logprobs: int,  # -1: none; 0: the chosen token's only; n: plus the top n
+    min_p: torch.Tensor | None = None,  # [B] float32, 0 = off (read only with any_top_k_top_p)
 ) -> SamplerOutput:
     # Greedy reads the logits as they are: bf16 -> fp32 is exact, so the argmax (first index on ties) is the
     # same, without a float32 copy of a [B, vocab] tensor. Everything else computes in float32.
@@ -88,7 +94,7 @@ def sample(
         greedy = temperature == 0.0
         scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
         if any_top_k_top_p:
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+            scaled = apply_top_k_top_p(scaled, top_k, top_p, min_p)
         probs = torch.softmax(scaled, dim=-1)
         race = probs / exponential_noise(seeds, positions, logits.shape[-1])
         token_ids = torch.where(greedy, greedy_ids, argmax_rows(race))

@@ -32,6 +32,7 @@ class StepEvents:
         cuda = device.type == "cuda"
         make = (lambda t: torch.cuda.Event(enable_timing=t)) if cuda else (lambda t: _NullEvent())
         self.h2d_done = make(False)
+        self.mask_done = make(False)  # a constrained step's grammar bitmask is on the device
         self.d2h_done = make(False)
         # compute_start .. compute_done bracket the step's GPU work; timed only for the CPU/GPU timeline.
         self.compute_start = make(timing)

@@ -23,13 +23,14 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncEngine, tokenizer: Any, *, model_names: list[str], max_model_len: int,
-              vocab_size: int, api_key: str | None = None, api_restarts: int = 0) -> FastAPI:
+              vocab_size: int, api_key: str | None = None, api_restarts: int = 0,
+              tool_call_parser: str | None = None) -> FastAPI:
     """An app in front of the engine core that `engine` talks to; it connects and disconnects with the app's lifespan.
 
     api_restarts: how many API processes the launcher has replaced so far (shown in /metrics)."""
     metrics = ServerMetrics()
     metrics.api_server_restarts.set(api_restarts)
-    serving = OpenAIServing(engine, tokenizer, metrics, model_names, max_model_len, vocab_size)
+    serving = OpenAIServing(engine, tokenizer, metrics, model_names, max_model_len, vocab_size, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -58,6 +58,7 @@ class ApiSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    tool_call_parser: str | None = None  # None: chosen from the model's chat template
     max_queue: int = DEFAULT_MAX_QUEUE
     graceful_timeout: float = 30.0
     log_level: str = "info"
@@ -107,7 +108,7 @@ def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
                                dead_replicas=endpoints.dead_replicas)
     app = build_app(async_engine, load_tokenizer(settings.engine_config), model_names=settings.model_names,
                     max_model_len=info.max_model_len, vocab_size=info.vocab_size, api_key=settings.api_key,
-                    api_restarts=api_restarts)
+                    api_restarts=api_restarts, tool_call_parser=settings.tool_call_parser)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=False, timeout_graceful_shutdown=settings.graceful_timeout, lifespan="on",
                             loop=_available("uvloop", "auto"), http=_available("httptools", "auto"))
@@ -341,6 +342,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds one engine step may run (deadlocked, stuck in a kernel, or just long: the first "
                         "steps compile kernels) before the replica's open requests fail and it is taken out")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="the model's tool-call format (default: chosen from its chat template)")
     add_engine_args(parser)
     parser.add_argument("--no-overlap", dest="sync", action="store_true", help="the same as --sync")
 
@@ -363,7 +366,8 @@ def serve_main(args: argparse.Namespace) -> int:
         settings = ApiSettings(EngineConfig(**engine_kwargs(args)), model_names_from_args(args), host=args.host,
                                port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                                graceful_timeout=args.graceful_timeout, log_level=args.log_level,
-                               engine_timeout=args.engine_timeout, engine_step_timeout=args.engine_step_timeout)
+                               engine_timeout=args.engine_timeout, engine_step_timeout=args.engine_step_timeout,
+                               tool_call_parser=args.tool_call_parser)
         code = serve(settings, num_api_servers=args.api_server_count, data_parallel_size=args.data_parallel_size)
     except ValueError as exc:
         raise SystemExit(f"tandem serve: {exc}") from exc

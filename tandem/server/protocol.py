@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+logger = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
@@ -26,8 +29,36 @@ class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(StrictRequest):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
+# OpenAI request fields this server does not implement: a 400 naming them, never silently ignored.
+UNSUPPORTED_OPENAI_FIELDS = frozenset({
+    "functions", "function_call", "audio", "modalities", "prediction", "web_search_options", "reasoning_effort",
+    "service_tier", "store", "metadata", "verbosity",
+})
+
+
 class SamplingFields(StrictRequest):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions. Unknown fields are kept (extra="allow") only
+    to be named: an OpenAI field the server does not implement is a 400, anything else a warning in the log."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow", populate_by_name=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, description="new tokens at most; default: up to the context")
@@ -48,14 +79,31 @@ class SamplingFields(StrictRequest):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Extensions (vLLM's names).
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Structured output: OpenAI's response_format, and vLLM's guided_* extensions.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> "SamplingFields":
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ValueError(f"{name} is not supported (only 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        for name in sorted(set(self.model_extra or ()) & UNSUPPORTED_OPENAI_FIELDS):
+            raise ValueError(f"{name} is not supported by this server")
+        guided = [name for name in ("response_format", "guided_json", "guided_regex", "guided_choice",
+                                    "guided_grammar") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            guided.remove("response_format")
+        if len(guided) > 1:
+            raise ValueError(f"{guided[1]}: give at most one of {', '.join(guided)}")
+        for key in self.logit_bias or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
@@ -84,10 +132,44 @@ class TextContentPart(StrictRequest):
     text: str
 
 
+class FunctionCallIn(StrictRequest):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(StrictRequest):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionDef(StrictRequest):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(StrictRequest):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoiceFunction(StrictRequest):
+    name: str
+
+
+class NamedToolChoice(StrictRequest):
+    type: Literal["function"]
+    function: NamedToolChoiceFunction
+
+
 class ChatMessage(StrictRequest):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
     def text(self) -> str:
         if self.content is None:
@@ -103,12 +185,30 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
+                                 f"among tools {names}")
         return self
+
+    def tool_mode(self) -> str:
+        """'none' (no tools), 'auto', 'required' or 'named'."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -165,9 +265,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -264,9 +376,12 @@ class ApiError(Exception):
 
 
 def parse_body(model: type[BaseModel], raw: bytes) -> Any:
-    """Validates a JSON body; the first problem becomes a 400 naming the field."""
+    """Validates a JSON body; the first problem becomes a 400 naming the field. Unknown fields are logged."""
     try:
-        return model.model_validate_json(raw)
+        body = model.model_validate_json(raw)
+        if body.model_extra:
+            logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(body.model_extra)))
+        return body
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         message = err["msg"].removeprefix("Value error, ")

@@ -14,18 +14,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from tandem.engine.client import AsyncEngine, EngineUnavailableError, QueueFullError
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, StructuredOutputParams
 from tandem.server import protocol as p
+from tandem.server import tool_calls as tc
 from tandem.server.generation import Delta, Generation, Prompt, _param_of
 from tandem.server.metrics import ServerMetrics
 from tandem.server.protocol import ApiError, parse_body
+from tandem.structured.grammar import validate as validate_structured
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions; chat defaults to the context
 
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Any, metrics: ServerMetrics, model_names: list[str],
-                 max_model_len: int, vocab_size: int) -> None:
+                 max_model_len: int, vocab_size: int, tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -33,6 +35,7 @@ class OpenAIServing:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self._token_strings: dict[int, str] = {}
+        self.tool_parser = tc.pick_parser(tokenizer, tool_call_parser)
 
     # ---- endpoints -------------------------------------------------------------------------
 
@@ -67,16 +70,25 @@ class OpenAIServing:
         else:
             max_tokens, max_param = body.max_tokens, "max_tokens"
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._params(body, max_tokens, max_param, logprobs)
+        mode = body.tool_mode()
+        tool_spec = self._tool_constraint(body, mode)
+        params = self._params(body, max_tokens, max_param, logprobs, tool_spec)
         gen = await self._start(p.random_id("chatcmpl"), prompts, body.n, params, arrival, "messages", max_param)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            if mode != "none":
+                return sse_response(self._chat_tool_stream(gen, include_usage, body, mode))
             return sse_response(self._chat_stream(gen, include_usage, body.logprobs))
         await collect(gen, http_request)
-        choices = [p.ChatChoice(index=c.index, message=p.ChatResponseMessage(content=c.text),
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                logprobs=self._chat_logprobs(c.logprobs) if body.logprobs else None)
-                   for c in gen.choices]
+        choices = []
+        for c in gen.choices:
+            content, calls, finish = self._tool_result(body, mode, c.text, c.finish_reason)
+            message = p.ChatResponseMessage(content=content, tool_calls=[
+                p.ToolCall(id=tc.call_id(), function=p.FunctionCall(name=call.name, arguments=call.arguments))
+                for call in calls])
+            choices.append(p.ChatChoice(index=c.index, message=message, finish_reason=finish,
+                                        stop_reason=c.stop_reason,
+                                        logprobs=self._chat_logprobs(c.logprobs) if body.logprobs else None))
         return json_response(p.ChatCompletionResponse(id=gen.request_id, created=gen.created,
                                                       model=self.model_names[0], choices=choices, usage=gen.usage(),
                                                   metrics=gen.server_metrics()))
@@ -118,17 +130,47 @@ class OpenAIServing:
             raise ApiError(400, "messages must not be empty", param="messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
+        template = str(self.tokenizer.chat_template)
+        renders_tools = "tool_calls" in template
+        messages = []
+        for m in body.messages:
+            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name:
+                msg["name"] = m.name
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                calls = [call.model_dump() for call in m.tool_calls]
+                if renders_tools:
+                    for call in calls:
+                        try:
+                            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+                        except json.JSONDecodeError:
+                            pass
+                    msg["tool_calls"] = calls
+                else:  # a template that knows no tool calls sees them as the model writes them
+                    msg["content"] = (msg["content"] + "\n" if msg["content"] else "") + tc.hermes_text(calls)
+            messages.append(msg)
+        kwargs: dict[str, Any] = {}
+        if body.tool_mode() != "none":
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+            if "tools" in template:
+                kwargs["tools"] = tools
+            else:  # the tools go in as a system message in the Hermes style
+                system = tc.tools_system_text(tools)
+                if messages and messages[0]["role"] == "system":
+                    messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + system}
+                else:
+                    messages.insert(0, {"role": "system", "content": system})
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                      tokenize=False)
+                                                      tokenize=False, **kwargs)
         except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
             raise ApiError(400, f"the chat template rejected messages: {exc}", param="messages") from exc
         return Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
     def _params(self, body: p.SamplingFields, max_tokens: int | None, max_param: str,
-                logprobs: int | None) -> SamplingParams:
+                logprobs: int | None, structured: StructuredOutputParams | None = None) -> SamplingParams:
         try:
             params = SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,
@@ -137,7 +179,18 @@ class OpenAIServing:
                 max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
                 stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, seed=body.seed,
                 logprobs=logprobs, n=body.n, include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens)
+                skip_special_tokens=body.skip_special_tokens,
+                presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                min_p=body.min_p or 0.0,
+                logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
+                allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
+                structured_output=structured or structured_output_of(body))
+            for name in ("logit_bias", "allowed_token_ids"):
+                outside = [t for t in (getattr(params, name) or ()) if t >= self.vocab_size]
+                if outside:
+                    raise ValueError(f"{name} names token ids outside the vocabulary [0, {self.vocab_size}): "
+                                     f"{outside[:5]}")
             if body.stop and self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
         except ValueError as exc:
@@ -150,6 +203,45 @@ class OpenAIServing:
                 message = message.replace("logprobs", "top_logprobs", 1)
             raise ApiError(400, message, param=param) from exc
         return params
+
+    # ---- tools -------------------------------------------------------------------------------
+
+    def _tool_constraint(self, body: p.ChatCompletionRequest, mode: str) -> StructuredOutputParams | None:
+        """The grammar that enforces tool_choice "required" or a named function (None otherwise)."""
+        if mode not in ("required", "named"):
+            return None
+        if structured_output_of(body) is not None:
+            raise ApiError(400, "tool_choice required or a named function cannot be combined with "
+                                "response_format or guided decoding", param="tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        if mode == "named":
+            name = body.tool_choice.function.name  # type: ignore[union-attr]
+            schema = tc.function_parameters(next(t for t in tools if t["function"]["name"] == name))
+        else:
+            schema = tc.required_schema(tools, body.parallel_tool_calls)
+        spec = StructuredOutputParams(json=json.dumps(schema))
+        try:
+            validate_structured(spec)
+        except ValueError as exc:
+            raise ApiError(400, f"tools: a function's parameters do not compile: {exc}", param="tools") from exc
+        return spec
+
+    def _tool_result(self, body: p.ChatCompletionRequest, mode: str, text: str,
+                     finish_reason: str | None) -> tuple[str | None, list[tc.ParsedCall], str | None]:
+        """(content, tool calls, finish_reason) of one finished choice."""
+        if mode == "none" or finish_reason not in ("stop", None):
+            return text, [], finish_reason
+        if mode == "named":
+            return None, [tc.ParsedCall(body.tool_choice.function.name, text)], "tool_calls"  # type: ignore[union-attr]
+        if mode == "required":
+            return None, tc.parse_required(text), "tool_calls"
+        content, calls = tc.parse_tool_calls(self.tool_parser, text)
+        names = {t.function.name for t in body.tools or []}
+        if not calls or any(c.name not in names for c in calls):
+            return text, [], finish_reason
+        if not body.parallel_tool_calls:
+            calls = calls[:1]
+        return content, calls, "tool_calls"
 
     def _check_lengths(self, prompts: list[Prompt], max_tokens: int | None, prompt_param: str,
                        max_param: str) -> None:
@@ -230,6 +322,72 @@ class OpenAIServing:
         finally:
             gen.abort_unfinished()
 
+    async def _chat_tool_stream(self, gen: Generation, include_usage: bool, body: p.ChatCompletionRequest,
+                                mode: str) -> AsyncIterator[bytes | str]:
+        """Chat streaming with tools, as OpenAI streams calls: a delta with the call's id and name (arguments
+        ""), then deltas of the arguments. A named function streams its arguments as they are generated; auto
+        streams content until the model's call marker, then holds the rest back and sends the parsed calls at
+        the end; required sends its calls at the end (the grammar's array is parsed whole)."""
+        head = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
+                "model": self.model_names[0]}
+
+        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, stop: int | str | None = None) -> bytes:
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "stop_reason": stop}
+            return sse_dict({**head, "choices": [choice], "usage": None, "metrics": None})
+
+        def call_chunks(index: int, calls: list[tc.ParsedCall]) -> list[bytes]:
+            out = []
+            for i, call in enumerate(calls):
+                out.append(chunk(index, {"tool_calls": [{"index": i, "id": tc.call_id(), "type": "function",
+                                                         "function": {"name": call.name, "arguments": ""}}]}))
+                out.append(chunk(index, {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}))
+            return out
+
+        marker = tc.start_marker(self.tool_parser)
+        sent = dict.fromkeys((c.index for c in gen.choices), 0)  # content characters already streamed (auto)
+        try:
+            for c in gen.choices:
+                yield chunk(c.index, {"role": "assistant", "content": ""})
+                if mode == "named":
+                    yield chunk(c.index, {"tool_calls": [{"index": 0, "id": tc.call_id(), "type": "function",
+                                                          "function": {"name": body.tool_choice.function.name,  # type: ignore[union-attr]
+                                                                       "arguments": ""}}]})
+            while not gen.done:
+                deltas = await gen.next_batch()
+                for index, d in sorted(deltas.items()):
+                    choice = gen.choices[index]
+                    if mode == "named" and d.text:
+                        yield chunk(index, {"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]})
+                    elif mode == "auto":
+                        text = choice.text
+                        cut = text.find(marker)
+                        if cut < 0:  # hold back a tail that may be the start of the marker
+                            cut = len(text)
+                            for k in range(min(len(marker) - 1, len(text)), 0, -1):
+                                if marker.startswith(text[-k:]):
+                                    cut = len(text) - k
+                                    break
+                        if self.tool_parser == "llama3_json" and not text[:cut].strip():
+                            cut = 0  # a call in this format is the whole output
+                        if cut > sent[index]:
+                            yield chunk(index, {"content": text[sent[index]:cut]})
+                            sent[index] = cut
+                    if d.finish_reason is not None:
+                        content, calls, finish = self._tool_result(body, mode, choice.text, d.finish_reason)
+                        if mode == "named":
+                            yield chunk(index, {}, finish, d.stop_reason)
+                            continue
+                        if calls:
+                            for event in call_chunks(index, calls):
+                                yield event
+                        elif choice.text[sent[index]:]:
+                            yield chunk(index, {"content": choice.text[sent[index]:]})
+                        yield chunk(index, {}, finish, d.stop_reason)
+            async for event in self._stream_end(gen, include_usage, p.ChatCompletionChunk):
+                yield event
+        finally:
+            gen.abort_unfinished()
+
     async def _stream_end(self, gen: Generation, include_usage: bool, chunk_type: type[BaseModel]) -> AsyncIterator[str]:
         if gen.error is not None:
             yield f"data: {json.dumps(p.error_body(gen.error, type='server_error', code=gen.error_status))}\n\n"
@@ -271,6 +429,33 @@ class OpenAIServing:
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+
+
+def structured_output_of(body: p.SamplingFields) -> StructuredOutputParams | None:
+    """The body's output constraint, checked to compile (ApiError 400 naming the field when it does not)."""
+    spec, param = None, None
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        spec, param = StructuredOutputParams(json_object=True), "response_format"
+    elif rf is not None and rf.type == "json_schema":
+        spec, param = StructuredOutputParams(json=json.dumps(rf.json_schema.schema_)), "response_format"  # type: ignore[union-attr]
+    elif body.guided_json is not None:
+        text = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
+        spec, param = StructuredOutputParams(json=text), "guided_json"
+    elif body.guided_regex is not None:
+        spec, param = StructuredOutputParams(regex=body.guided_regex), "guided_regex"
+    elif body.guided_choice is not None:
+        spec, param = StructuredOutputParams(choice=tuple(body.guided_choice)), "guided_choice"
+    elif body.guided_grammar is not None:
+        spec, param = StructuredOutputParams(grammar=body.guided_grammar), "guided_grammar"
+    if spec is None:
+        return None
+    try:
+        validate_structured(spec)
+    except ValueError as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param) from exc
+    return spec
+
 
 
 async def collect(gen: Generation, http_request: Request) -> None:

@@ -153,12 +153,16 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
     from tandem.engine.core import EngineCore
     from tandem.runner.cuda_graphs import DecodeGraphs
     from tandem.runner.input_buffers import StepBuffers, write_step
+    from tandem.runner.host_masks import HostMaskBuffers
+    from tandem.runner.logits_state import LogitsState
     from tandem.runner.model_runner import ModelRunner
     from tandem.runner.sampler import sample
 
     hot = [ModelRunner.launch, ModelRunner._prepare, write_step, ModelRunner._forward, StepBuffers.upload,
            StepBuffers.download, DecodeGraphs.replay, DecodeGraphs.replay_sample, ModelRunner._sample_into,
-           sample, EngineCore.step, EngineCore._update]
+           sample, EngineCore.step, EngineCore._update, LogitsState.prepare, LogitsState.upload, LogitsState.apply,
+           LogitsState.count, ModelRunner.launch_sampling, ModelRunner._enqueue_sampling, HostMaskBuffers.fill,
+           HostMaskBuffers.upload, HostMaskBuffers.apply, EngineCore._step, EngineCore._launch_sampling]
     for fn in hot:
         assert _calls(fn) == [], f"{fn.__qualname__} syncs with the GPU: {_calls(fn)}"
     # wait(): exactly one synchronize, on the step's d2h_done event; .tolist() only on host numpy views.

@@ -151,7 +151,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "seed": 2**80}, "seed"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": 3.0}, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 200}}, "logit_bias"),
     ({"prompt": "x", "ignore_eos": "true"}, "ignore_eos"),
 ]
 BAD_CHAT = [

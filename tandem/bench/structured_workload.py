@@ -1,0 +1,107 @@
+"""The `structured` workload: the same requests with 0%, 50% and 100% of them under a JSON schema, and with
+penalties on every request; tokens/s, GPU busy and grammar-mask time per step side by side."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 100000},
+        "name": {"type": "string", "maxLength": 24},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c", "d"]}, "maxItems": 4},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "owner": {"type": "object", "properties": {"email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"},
+                                                   "admin": {"type": "boolean"}},
+                  "required": ["email", "admin"], "additionalProperties": False},
+        "items": {"type": "array", "maxItems": 50,
+                  "items": {"type": "object", "properties": {"sku": {"type": "string", "maxLength": 8},
+                                                             "qty": {"type": "integer", "minimum": 1, "maximum": 99}},
+                            "required": ["sku", "qty"], "additionalProperties": False}},
+    },
+    "required": ["id", "name", "tags", "score", "owner", "items"],
+    "additionalProperties": False,
+}
+
+
+def _params(requests: list[tuple[list[int], int]], fraction: float, penalties: bool) -> list[Any]:
+    from tandem.sampling_params import SamplingParams, StructuredOutputParams
+
+    spec = StructuredOutputParams(json=json.dumps(SCHEMA))
+    every = round(1 / fraction) if fraction > 0 else 0  # 0.5: every other request, spread over the batch
+    extra = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1) if penalties else {}
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                           structured_output=spec if every and i % every == 0 else None, **extra)
+            for i, (_, n) in enumerate(requests)]
+
+
+def run_pass(llm: Any, requests: list[tuple[list[int], int]], fraction: float, penalties: bool = False,
+             record: bool = True) -> dict[str, Any]:
+    engine = llm.engine
+    params = _params(requests, fraction, penalties)
+    mask_s0, mask_steps0, steps0 = engine.mask_time_s, engine.num_mask_steps, engine.num_steps
+    tl = engine.start_timeline() if record else None
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    if record:
+        engine.stop_timeline()
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    mask_steps = engine.num_mask_steps - mask_steps0
+    return {"constrained_fraction": fraction, "penalties": penalties, "seconds": seconds,
+            "generated_tokens": generated, "tokens_per_s": generated / seconds,
+            "gpu_busy_pct": tl.gpu_busy_pct() if tl is not None else None,
+            "num_steps": engine.num_steps - steps0, "num_mask_steps": mask_steps,
+            "mask_ms_per_step": 1000 * (engine.mask_time_s - mask_s0) / mask_steps if mask_steps else 0.0,
+            "_timeline": tl, "_outputs": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def run_structured_workload(model: str | None, num_requests: int, prompt_len: int, output_len: int,
+                            plot_dir: str | None = None) -> dict[str, Any]:
+    import torch
+
+    from tandem import LLM
+    from tandem.bench.workloads import Workload, make_requests
+
+    cuda = torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(max_num_seqs=num_requests, max_model_len=prompt_len + output_len + 16)
+    if model is not None:
+        kwargs.update(model=model, load_format="dummy")
+    if not cuda:
+        kwargs.update(device="cpu", dtype="float32")
+    llm = LLM(**kwargs)
+    w = Workload("structured", model, num_requests, (prompt_len, prompt_len), (output_len, output_len))
+    requests = make_requests(w, llm.engine.model_config.vocab_size)
+    warm = [(p, 8) for p, _ in requests[:8]]
+    for fraction in (0.0, 1.0):  # kernels, graphs, and the schema's compiled grammar
+        run_pass(llm, warm, fraction, record=False)
+    run_pass(llm, warm, 0.0, penalties=True, record=False)
+    rows = [run_pass(llm, requests, f) for f in (0.0, 0.5, 1.0)]
+    rows.append(run_pass(llm, requests, 0.0, penalties=True))
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["vs_unconstrained"] = r["tokens_per_s"] / base
+    print(f"{'constrained':>11} {'penalties':>9} {'tok/s':>10} {'x base':>7} {'gpu busy':>8} {'mask ms/step':>12}")
+    for r in rows:
+        busy = f"{r['gpu_busy_pct']:.1f}%" if r["gpu_busy_pct"] is not None else "-"
+        print(f"{r['constrained_fraction']:>10.0%} {str(r['penalties']):>9} {r['tokens_per_s']:>10.1f} "
+              f"{r['vs_unconstrained']:>7.3f} {busy:>8} {r['mask_ms_per_step']:>12.3f}")
+    if plot_dir:
+        from tandem.profiling.timeline import plot_timelines
+
+        os.makedirs(plot_dir, exist_ok=True)
+        png = os.path.join(plot_dir, "timeline-structured.png")
+        plot_timelines({"0% constrained": rows[0]["_timeline"], "50% constrained": rows[1]["_timeline"]}, png,
+                       max_seconds=0.06, start_frac=0.5)
+        rows[1]["_timeline"].to_chrome_trace(os.path.join(plot_dir, "trace-structured-50.json"), "50% constrained")
+        print(f"wrote {png}")
+    result = {"workload": "structured", "model": model or "SmolLM2-135M (embedded)", "num_requests": num_requests,
+              "prompt_len": prompt_len, "output_len": output_len,
+              "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]}
+    llm.shutdown()
+    return result
