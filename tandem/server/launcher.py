@@ -31,6 +31,8 @@ from tandem.engine.messages import EngineInfo
 from tandem.engine.process import DEFAULT_CORE
 from tandem.engine_args import add_engine_args, engine_kwargs
 from tandem.process_utils import freeze_gc, set_process_name
+from tandem.server.limits import HttpLimits, add_limit_args, limits_from_args
+from tandem.server.security import add_security_args
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,9 @@ class ApiSettings:
     max_queue: int = DEFAULT_MAX_QUEUE
     graceful_timeout: float = 30.0
     log_level: str = "info"
+    limits: HttpLimits = field(default_factory=HttpLimits)
+    public_metrics: bool = False  # /metrics without the API key
+    allowed_origins: list[str] = field(default_factory=list)  # CORS: none unless given
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -78,6 +83,7 @@ def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
     from tandem.engine.client import AsyncEngine
     from tandem.models.loader import load_tokenizer
     from tandem.server.app import build_app
+    from tandem.server.limits import bounded_uvicorn_config
 
     info = endpoints.info
     died: list[str] = []
@@ -92,10 +98,12 @@ def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
                                max_queue=settings.max_queue, engine_pids=endpoints.pids,
                                on_engine_death=on_engine_death, block_size=settings.engine_config.block_size)
     app = build_app(async_engine, load_tokenizer(settings.engine_config), model_names=settings.model_names,
-                    max_model_len=info.max_model_len, vocab_size=info.vocab_size, api_key=settings.api_key)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=False, timeout_graceful_shutdown=settings.graceful_timeout, lifespan="on",
-                            loop=_available("uvloop", "auto"), http=_available("httptools", "auto"))
+                    max_model_len=info.max_model_len, vocab_size=info.vocab_size, api_key=settings.api_key,
+                    public_metrics=settings.public_metrics, allowed_origins=settings.allowed_origins)
+    config = bounded_uvicorn_config(app, settings.limits, app.state.metrics.count_rejected, host=settings.host,
+                                    port=settings.port, log_level=settings.log_level, access_log=False,
+                                    timeout_graceful_shutdown=settings.graceful_timeout, lifespan="on",
+                                    loop=_available("uvloop", "auto"))
     server = uvicorn.Server(config)
     return server, app, died
 
@@ -263,7 +271,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $TANDEM_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $TANDEM_API_KEY)")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="API processes (HTTP, tokenization, detokenization, SSE) sharing the port; one engine core")
     g.add_argument("--data-parallel-size", type=int, default=1,
@@ -273,6 +281,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are cut")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_limit_args(g)
+    add_security_args(g)
     add_engine_args(parser)
     parser.add_argument("--no-overlap", dest="sync", action="store_true", help="the same as --sync")
 
@@ -294,7 +304,9 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         settings = ApiSettings(EngineConfig(**engine_kwargs(args)), model_names_from_args(args), host=args.host,
                                port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-                               graceful_timeout=args.graceful_timeout, log_level=args.log_level)
+                               graceful_timeout=args.graceful_timeout, log_level=args.log_level,
+                               limits=limits_from_args(args), public_metrics=args.public_metrics,
+                               allowed_origins=args.allowed_origin or [])
         code = serve(settings, num_api_servers=args.api_server_count, data_parallel_size=args.data_parallel_size)
     except ValueError as exc:
         raise SystemExit(f"tandem serve: {exc}") from exc
