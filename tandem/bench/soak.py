@@ -60,6 +60,7 @@ class Soak:
     outcomes: list[Outcome] = field(default_factory=list)
     in_flight: int = 0
     sent: int = 0
+    token_ids: bool = False  # the server has no tokenizer (a named shape): completions of token ids only
 
     # ---- one request of the mix -------------------------------------------------------------------------------
 
@@ -71,16 +72,21 @@ class Soak:
             return path, body, False, None
         long_prompt = r.random() < 0.1
         num_words = r.randint(self.max_model_len // 4, self.max_model_len // 2) if long_prompt else r.randint(3, 30)
-        prompt = " ".join(r.choice(PROMPT_WORDS) for _ in range(num_words))
+        prompt: str | list[int] = " ".join(r.choice(PROMPT_WORDS) for _ in range(num_words))
+        if self.token_ids:
+            prompt = [r.randrange(1000, 30000) for _ in range(num_words)]
         body: dict[str, Any] = {"model": self.model, "max_tokens": r.randint(4, self.args.max_tokens),
                                 "temperature": r.choice([0.0, 0.7, 1.0]), "seed": r.randint(0, 2**31)}
         if long_prompt:
             body["max_tokens"] = min(body["max_tokens"], 16)
         if r.random() < 0.15:
             body["n"] = r.randint(2, 3)
-        if r.random() < 0.2:
-            body["stop"] = [r.choice(["\n\n", ".", " the"])]
-        chat = r.random() < 0.5
+        if r.random() < 0.2:  # stop strings (token ids without a tokenizer)
+            if self.token_ids:
+                body["stop_token_ids"] = [r.randrange(1000, 30000) for _ in range(8)]
+            else:
+                body["stop"] = [r.choice(["\n\n", ".", " the"])]
+        chat = r.random() < 0.5 and not self.token_ids
         if chat:
             path = "/v1/chat/completions"
             body["messages"] = [{"role": "user", "content": prompt}]
@@ -304,6 +310,10 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         async with control.get(base_url + "/v1/models") as r:
             card = (await r.json())["data"][0]
         soak.model, soak.max_model_len = card["id"], card.get("max_model_len") or 256
+        async with control.post(base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}) as r:
+            soak.token_ids = r.status == 400 and "no tokenizer" in await r.text()
+        if soak.token_ids:
+            print("the server has no tokenizer: completions of token ids only", flush=True)
         if args.request_rate:
             capacity, rate = None, args.request_rate
         else:
@@ -559,7 +569,10 @@ def bench_soak_main(args: argparse.Namespace) -> int:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     png = os.path.splitext(args.out)[0] + ".png"
-    plot(report, png)
+    try:
+        plot(report, png)
+    except ImportError as exc:  # matplotlib is optional where only the server's packages are installed
+        png = f"(no PNG: {exc})"
     s = report["summary"]
     print(json.dumps({k: v for k, v in s.items() if k != "per_process"}, indent=1))
     print(f"wrote {args.out} and {png}: {'PASSED' if s['passed'] else 'FAILED'}")
