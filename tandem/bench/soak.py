@@ -565,7 +565,9 @@ def bench_soak_main(args: argparse.Namespace) -> int:
 
     # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the server the soak started is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    commit = _commit()  # the code that ran, even if the checkout moves on during a long soak
     report = asyncio.run(run_soak(args))
+    report["commit"] = commit
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     png = os.path.splitext(args.out)[0] + ".png"
