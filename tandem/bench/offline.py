@@ -550,6 +550,12 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
         serve = bench_sub.add_parser("serve", help="open-loop load generator against an OpenAI-compatible server")
         add_bench_serve_args(serve)
         serve.set_defaults(func=bench_serve_main)
+        from tandem.bench.soak import add_bench_soak_args, bench_soak_main
+
+        soak = bench_sub.add_parser("soak", help="hours of mixed load on `tandem serve`: latency, RSS, descriptors "
+                                                 "and KV blocks over time (JSON + PNG)")
+        add_bench_soak_args(soak)
+        soak.set_defaults(func=bench_soak_main)
     except ImportError:
         pass
 

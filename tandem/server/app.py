@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -17,6 +17,7 @@ from tandem.server import protocol as p
 from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
 from tandem.server.playground import add_playground_routes
 from tandem.server.protocol import ApiError
+from tandem.server.security import ApiKeyMiddleware, cors_middleware_kwargs, public_message
 from tandem.server.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -24,10 +25,14 @@ logger = logging.getLogger(__name__)
 
 def build_app(engine: AsyncEngine, tokenizer: Any, *, model_names: list[str], max_model_len: int,
               vocab_size: int, api_key: str | None = None, api_restarts: int = 0,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, public_metrics: bool = False,
+              allowed_origins: list[str] | None = None) -> FastAPI:
     """An app in front of the engine core that `engine` talks to; it connects and disconnects with the app's lifespan.
 
-    api_restarts: how many API processes the launcher has replaced so far (shown in /metrics)."""
+    With `api_key`, every route but /health (and /metrics with `public_metrics`) needs it; CORS headers are
+    sent only for `allowed_origins`. api_restarts: how many API processes the launcher has replaced so far
+    (shown in /metrics).
+    """
     metrics = ServerMetrics()
     metrics.api_server_restarts.set(api_restarts)
     serving = OpenAIServing(engine, tokenizer, metrics, model_names, max_model_len, vocab_size, tool_call_parser)
@@ -39,36 +44,33 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_names: list[str], ma
             yield
         finally:
             await engine.shutdown()
+            if serving.encoder is not None:
+                serving.encoder.close()
 
     app = FastAPI(title="tandem", lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.serving = serving
     add_playground_routes(app)
-
-    def check_auth(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                           type="authentication_error", code="invalid_api_key")
+    # Added last is outermost: CORS answers preflights before the key check, which comes before any route.
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, public_metrics=public_metrics,
+                           cors=bool(allowed_origins), on_reject=metrics.count_rejected)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, **cors_middleware_kwargs(allowed_origins))
 
     @app.post("/v1/completions", response_model=p.CompletionResponse,
               openapi_extra=_json_body(p.CompletionRequest))
     async def completions(request: Request) -> Response:
-        check_auth(request)
         return await serving.completions(await request.body(), request)
 
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse,
               openapi_extra=_json_body(p.ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        check_auth(request)
         return await serving.chat(await request.body(), request)
 
     @app.get("/v1/models", response_model=p.ModelList)
-    async def models(request: Request) -> p.ModelList:
-        check_auth(request)
+    async def models() -> p.ModelList:
         return serving.models()
 
     @app.get("/health")
@@ -81,7 +83,7 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_names: list[str], ma
             if down:
                 body["down"] = down
             return JSONResponse(body)
-        body = p.error_body(engine.error or "engine not running", type="server_error", code=503)
+        body = p.error_body(public_message(engine.error or "engine not running"), type="server_error", code=503)
         body.update(replicas=replicas, down=down)
         return JSONResponse(body, status_code=503)
 
@@ -93,8 +95,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_names: list[str], ma
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
         if exc.status != 499:
-            metrics.requests_rejected.labels(status=str(exc.status)).inc()
-        body = p.error_body(exc.message, type=exc.type, param=exc.param, code=exc.code)
+            metrics.count_rejected(exc.status)
+        message = public_message(exc.message) if exc.status >= 500 else exc.message
+        body = p.error_body(message, type=exc.type, param=exc.param, code=exc.code)
         return JSONResponse(body, status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
@@ -104,9 +107,10 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_names: list[str], ma
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
+        # The traceback goes to the log; the body names no exception, path or line.
         logger.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(p.error_body(f"internal error: {exc!r}", type="server_error", code=500),
-                            status_code=500)
+        metrics.count_rejected(500)
+        return JSONResponse(p.error_body("internal server error", type="server_error", code=500), status_code=500)
 
     return app
 

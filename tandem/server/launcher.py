@@ -37,6 +37,8 @@ from tandem.engine.messages import EngineInfo
 from tandem.engine.process import DEFAULT_CORE, HEARTBEAT_S
 from tandem.engine_args import add_engine_args, engine_kwargs
 from tandem.process_utils import freeze_gc, set_process_name
+from tandem.server.limits import HttpLimits, add_limit_args, limits_from_args
+from tandem.server.security import add_security_args
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,9 @@ class ApiSettings:
     log_level: str = "info"
     engine_timeout: float | None = DEFAULT_ENGINE_TIMEOUT_S  # a replica silent this long is taken out
     engine_step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S  # ... and one whose loop is stuck this long
+    limits: HttpLimits = field(default_factory=HttpLimits)
+    public_metrics: bool = False  # /metrics without the API key
+    allowed_origins: list[str] = field(default_factory=list)  # CORS: none unless given
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -91,6 +96,7 @@ def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
     from tandem.engine.client import AsyncEngine
     from tandem.models.loader import load_tokenizer
     from tandem.server.app import build_app
+    from tandem.server.limits import bounded_uvicorn_config
 
     info = endpoints.info
     died: list[str] = []
@@ -108,10 +114,12 @@ def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
                                dead_replicas=endpoints.dead_replicas)
     app = build_app(async_engine, load_tokenizer(settings.engine_config), model_names=settings.model_names,
                     max_model_len=info.max_model_len, vocab_size=info.vocab_size, api_key=settings.api_key,
-                    api_restarts=api_restarts, tool_call_parser=settings.tool_call_parser)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=False, timeout_graceful_shutdown=settings.graceful_timeout, lifespan="on",
-                            loop=_available("uvloop", "auto"), http=_available("httptools", "auto"))
+                    api_restarts=api_restarts, tool_call_parser=settings.tool_call_parser,
+                    public_metrics=settings.public_metrics, allowed_origins=settings.allowed_origins)
+    config = bounded_uvicorn_config(app, settings.limits, app.state.metrics.count_rejected, host=settings.host,
+                                    port=settings.port, log_level=settings.log_level, access_log=False,
+                                    timeout_graceful_shutdown=settings.graceful_timeout, lifespan="on",
+                                    loop=_available("uvloop", "auto"))
     server = uvicorn.Server(config)
     return server, app, died
 
@@ -326,7 +334,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $TANDEM_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $TANDEM_API_KEY)")
     g.add_argument("--api-server-count", type=int, default=1,
                    help="API processes (HTTP, tokenization, detokenization, SSE) sharing the port; one engine core")
     g.add_argument("--data-parallel-size", type=int, default=1,
@@ -344,6 +352,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="the model's tool-call format (default: chosen from its chat template)")
+    add_limit_args(g)
+    add_security_args(g)
     add_engine_args(parser)
     parser.add_argument("--no-overlap", dest="sync", action="store_true", help="the same as --sync")
 
@@ -367,7 +377,8 @@ def serve_main(args: argparse.Namespace) -> int:
                                port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                                graceful_timeout=args.graceful_timeout, log_level=args.log_level,
                                engine_timeout=args.engine_timeout, engine_step_timeout=args.engine_step_timeout,
-                               tool_call_parser=args.tool_call_parser)
+                               tool_call_parser=args.tool_call_parser, limits=limits_from_args(args),
+                               public_metrics=args.public_metrics, allowed_origins=args.allowed_origin or [])
         code = serve(settings, num_api_servers=args.api_server_count, data_parallel_size=args.data_parallel_size)
     except ValueError as exc:
         raise SystemExit(f"tandem serve: {exc}") from exc

@@ -45,7 +45,10 @@ class ServerMetrics:
         self.request_failure = Counter(
             "tandem_request_failure", "Engine requests failed by an engine error.", registry=r)
         self.requests_rejected = Counter(
-            "tandem_requests_rejected", "HTTP requests refused by status (400, 401, 429, 503).", ["status"], registry=r)
+            "tandem_requests_rejected", "HTTP requests answered with an error, by status.", ["status"], registry=r)
+        self.kv_blocks_in_use = Gauge("tandem_kv_blocks_in_use", "KV-cache blocks held by requests or "
+                                      "being filled (0 when idle; cached prefixes of finished requests are free).",
+                                      registry=r, multiprocess_mode="mostrecent")
         self.ttft = Histogram("tandem_time_to_first_token_seconds", "Request arrival to first output token.",
                               buckets=LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("tandem_time_per_output_token_seconds", "(latency - TTFT) / (output tokens - 1).",
@@ -67,6 +70,9 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(finished_reason=reason)
 
+    def count_rejected(self, status: int) -> None:
+        self.requests_rejected.labels(status=str(status)).inc()
+
     def observe_finished(self, reason: str, arrival: float, first_token: float | None, finish: float,
                          num_output_tokens: int) -> None:
         """One engine request (one choice) finished with the given reason."""
@@ -87,6 +93,8 @@ class ServerMetrics:
         for attr, gauge in self.stats_gauges.items():
             value = getattr(stats, attr, None) if stats is not None else None
             gauge.set(float(value) if value is not None else 0.0)
+        if stats is not None:  # exact for one replica (block 0 is reserved); within a block per replica over several
+            self.kv_blocks_in_use.set(round(stats.kv_cache_usage * max(stats.num_blocks - 1, 0)))
         self.requests_in_server.set(num_requests_in_server)
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             merged = CollectorRegistry()

@@ -19,8 +19,10 @@ from tandem.server import protocol as p
 from tandem.server import tool_calls as tc
 from tandem.server.generation import Delta, Generation, Prompt, _param_of
 from tandem.server.metrics import ServerMetrics
+from tandem.server.prompts import PromptEncoder
 from tandem.server.protocol import ApiError, parse_body
 from tandem.structured.grammar import validate as validate_structured
+from tandem.server.security import public_message
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions; chat defaults to the context
 
@@ -34,6 +36,7 @@ class OpenAIServing:
         self.model_names = model_names  # the first is the served name; the others are accepted aliases
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.encoder = PromptEncoder(tokenizer, max_model_len) if tokenizer is not None else None
         self._token_strings: dict[int, str] = {}
         self.tool_parser = tc.pick_parser(tokenizer, tool_call_parser)
 
@@ -43,7 +46,7 @@ class OpenAIServing:
         arrival = time.monotonic()
         body = parse_body(p.CompletionRequest, raw)
         self._check_model(body.model)
-        prompts = self._completion_prompts(body.prompt)
+        prompts = await self._completion_prompts(body.prompt)
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = self._params(body, max_tokens, "max_tokens", body.logprobs)
         gen = await self._start(p.random_id("cmpl"), prompts, body.n, params, arrival, "prompt", "max_tokens")
@@ -64,7 +67,7 @@ class OpenAIServing:
         arrival = time.monotonic()
         body = parse_body(p.ChatCompletionRequest, raw)
         self._check_model(body.model)
-        prompts = [self._chat_prompt(body)]
+        prompts = [await self._chat_prompt(body)]
         if body.max_completion_tokens is not None:
             max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
         else:
@@ -103,21 +106,24 @@ class OpenAIServing:
             raise ApiError(400, f"model {model!r} does not exist; this server serves {self.model_names[0]!r}",
                            param="model", code="model_not_found")
 
-    def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+    async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
         if isinstance(prompt, str):
-            return [Prompt(prompt, self._encode(prompt))]
+            return [Prompt(prompt, await self._encode(prompt))]
         if not prompt:
             raise ApiError(400, "prompt must not be an empty list", param="prompt")
         if isinstance(prompt[0], str):
-            return [Prompt(text, self._encode(text)) for text in prompt]
+            if self.encoder is not None:  # refuse an over-long text before tokenizing any of them
+                for text in prompt:
+                    self.encoder.check_chars(len(text), "prompt")
+            return [Prompt(text, await self._encode(text)) for text in prompt]
         if isinstance(prompt[0], int):
             return [self._token_prompt(prompt)]
         return [self._token_prompt(ids) for ids in prompt]
 
-    def _encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
+    async def _encode(self, text: str) -> list[int]:
+        if self.encoder is None:
             raise ApiError(400, "prompt: this model has no tokenizer; send the prompt as token ids", param="prompt")
-        return self.tokenizer.encode(text)
+        return await self.encoder.encode(text, "prompt")
 
     def _token_prompt(self, token_ids: list[int]) -> Prompt:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -125,10 +131,10 @@ class OpenAIServing:
             raise ApiError(400, f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param="prompt")
         return Prompt(None, list(token_ids))
 
-    def _chat_prompt(self, body: p.ChatCompletionRequest) -> Prompt:
+    async def _chat_prompt(self, body: p.ChatCompletionRequest) -> Prompt:
         if not body.messages:
             raise ApiError(400, "messages must not be empty", param="messages")
-        if not getattr(self.tokenizer, "chat_template", None):
+        if self.encoder is None or not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
         template = str(self.tokenizer.chat_template)
         renders_tools = "tool_calls" in template
@@ -162,12 +168,8 @@ class OpenAIServing:
                     messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + system}
                 else:
                     messages.insert(0, {"role": "system", "content": system})
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                      tokenize=False, **kwargs)
-        except Exception as exc:  # the template rejects the conversation (e.g. roles out of order)
-            raise ApiError(400, f"the chat template rejected messages: {exc}", param="messages") from exc
-        return Prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+        text, token_ids = await self.encoder.chat(messages, body.add_generation_prompt, "messages", **kwargs)
+        return Prompt(text, token_ids)
 
     def _params(self, body: p.SamplingFields, max_tokens: int | None, max_param: str,
                 logprobs: int | None, structured: StructuredOutputParams | None = None) -> SamplingParams:
@@ -390,7 +392,8 @@ class OpenAIServing:
 
     async def _stream_end(self, gen: Generation, include_usage: bool, chunk_type: type[BaseModel]) -> AsyncIterator[str]:
         if gen.error is not None:
-            yield f"data: {json.dumps(p.error_body(gen.error, type='server_error', code=gen.error_status))}\n\n"
+            body = p.error_body(public_message(gen.error), type="server_error", code=gen.error_status)
+            yield f"data: {json.dumps(body)}\n\n"
         elif include_usage:
             yield sse(chunk_type(id=gen.request_id, created=gen.created, model=self.model_names[0], choices=[],
                                  usage=gen.usage(), metrics=gen.server_metrics()))

@@ -65,7 +65,7 @@ class LiveServer:
 
     def metrics(self) -> dict[str, float]:
         """Flat {'name{label="v"}': value} of /metrics."""
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=30).text
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:

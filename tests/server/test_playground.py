@@ -1,4 +1,4 @@
-"""The playground at `/`: served without the API key, and driven in headless Chromium against `tandem serve`.
+"""The playground at `/`: behind the API key like every route but /health, driven in headless Chromium.
 
 The browser test needs Debian's Chromium at /usr/bin/chromium (`apt-get install chromium`); it skips only
 when that binary is missing. Playwright never downloads a browser here: it launches that binary.
@@ -22,6 +22,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 API_KEY = "playground-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ABORTED = 'tandem_request_success_total{finished_reason="abort"}'
 # The page writes "... finish: <reason>" under the chat when a reply ends (and clears it when one starts).
 FINISHED = "document.getElementById('stats-last').textContent.includes('finish:')"
@@ -39,7 +40,7 @@ class Server:
 
     def metric(self, name: str) -> float:
         """One sample of /metrics by its exact text name (labels included)."""
-        for line in httpx.get(f"{self.url}/metrics", timeout=30).text.splitlines():
+        for line in httpx.get(f"{self.url}/metrics", headers=AUTH, timeout=30).text.splitlines():
             if line.startswith(name + " "):
                 return float(line.rsplit(" ", 1)[1])
         raise AssertionError(f"{name} missing from /metrics")
@@ -62,16 +63,20 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         serve.close()
 
 
-def test_page_and_static_files_need_no_key(server: Server):
-    page = httpx.get(f"{server.url}/", timeout=30)
+def test_page_and_static_files_need_the_key(server: Server):
+    # Without the key: 401 with a Basic challenge, so a browser asks for it (any user name, the key as password).
+    for path in ("/", "/static/playground.js", "/v1/models", "/metrics"):
+        r = httpx.get(f"{server.url}{path}", timeout=30)
+        assert r.status_code == 401 and "Basic" in r.headers["www-authenticate"], path
+    basic = httpx.BasicAuth("tandem", API_KEY)
+    page = httpx.get(f"{server.url}/", auth=basic, timeout=30)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert '<script src="/static/playground.js">' in page.text
     for name, kind in (("playground.js", "javascript"), ("playground.css", "text/css")):
-        r = httpx.get(f"{server.url}/static/{name}", timeout=30)
+        r = httpx.get(f"{server.url}/static/{name}", headers=AUTH, timeout=30)
         assert r.status_code == 200 and kind in r.headers["content-type"], name
-    assert httpx.get(f"{server.url}/static/nope.js", timeout=30).status_code == 404
-    # The page is public; the API behind it is not.
-    assert httpx.get(f"{server.url}/v1/models", timeout=30).status_code == 401
+    assert httpx.get(f"{server.url}/static/nope.js", headers=AUTH, timeout=30).status_code == 404
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +95,14 @@ def browser() -> Iterator[object]:
 
 
 def test_chat_in_browser(server: Server, browser, tmp_path):
-    context = browser.new_context(viewport={"width": 1100, "height": 720})
+    # The browser answers the server's Basic challenge with the key (a person types it into the browser's
+    # prompt); the page's own requests then carry it too.
+    context = browser.new_context(viewport={"width": 1100, "height": 720},
+                                  http_credentials={"username": "tandem", "password": API_KEY})
     page = context.new_page()
     page.set_default_timeout(120_000)
     try:
         page.goto(server.url + "/")
-        # Without a key the page says what the server said and asks for one.
-        page.wait_for_selector("#api-key-row.needed")
-        assert "API key" in page.text_content("#error")
-        page.fill("#api-key", API_KEY)
-        page.dispatch_event("#api-key", "change")
         page.wait_for_function("document.getElementById('model-name').textContent === 'SmolLM2-135M-Instruct'")
         assert page.is_hidden("#error")
 
@@ -163,7 +166,7 @@ def test_chat_in_browser(server: Server, browser, tmp_path):
         page.wait_for_selector("#error", state="visible")
         body = {"messages": [{"role": "user", "content": "Hello"}], "temperature": -1, "max_tokens": 8}
         r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60,
-                       headers={"Authorization": f"Bearer {API_KEY}"})
+                       headers=AUTH)
         assert r.status_code == 400
         assert page.text_content("#error") == r.json()["error"]["message"]
         assert "temperature" in page.text_content("#error")

@@ -98,7 +98,7 @@ function metricValue(text, name) {
 
 async function pollMetrics() {
   try {
-    const r = await fetch("/metrics");
+    const r = await fetch("/metrics", { headers: headers() });
     if (r.ok) {
       const text = await r.text();
       const running = metricValue(text, "tandem_num_requests_running");
