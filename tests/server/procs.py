@@ -10,6 +10,7 @@ import time
 
 import httpx
 
+from tandem.bench.soak import process_tree
 from tests.server.conftest import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,22 +62,7 @@ class ServeProcess:
 
 def descendants(pid: int) -> set[int]:
     """Every live process below pid (from /proc; zombies count as gone)."""
-    parent_of: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            parent_of[int(entry)] = int(fields[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parent_of.items() if parent in frontier} - found
-        found |= frontier
-    return found
+    return set(process_tree(pid)) - {pid}
 
 
 def wait_gone(pids: set[int], timeout_s: float = 30) -> set[int]:

@@ -35,6 +35,10 @@ class StandInEngine:
     error = None
     stats = None
     num_requests = 0
+    num_replicas = num_live_replicas = 1
+    num_replica_failures = 0
+    replica_state = ["live"]
+    replica_error: list[str | None] = [None]
 
     def start(self) -> None:
         pass
