@@ -45,9 +45,10 @@ class ApiKeyMiddleware:
         if self.on_reject is not None:
             self.on_reject(401)
         # Basic lets a browser prompt for the key on the playground page (any user name, the key as password).
+        # One challenge per header, Basic first: browsers do not take Basic out of a combined "Bearer, Basic ...".
         await send_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                          type="authentication_error", code="invalid_api_key",
-                         headers=[(b"www-authenticate", b'Bearer, Basic realm="tandem"')])
+                         headers=[(b"www-authenticate", b'Basic realm="tandem"'), (b"www-authenticate", b"Bearer")])
 
     def authorized(self, scope: dict) -> bool:
         given = b""
