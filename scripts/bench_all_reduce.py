@@ -34,24 +34,12 @@ DTYPE = torch.bfloat16
 
 
 def _paths(comm: SymmetricAllReduce) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    name = comm.group_name
-
-    def one_shot(x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(x)
-        staging = comm.buffer[:x.numel()].view_as(x)
-        return torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, x, "sum", name, out)
-
-    def two_shot(x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(x)
-        staging = comm.buffer[:x.numel()].view_as(x)
-        staging.copy_(x)
-        return torch.ops.symm_mem.two_shot_all_reduce_out(staging, "sum", name, out)
-
     def nccl(x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
         return x
 
-    return {"nccl": nccl, "one_shot": one_shot, "two_shot": two_shot, "tandem": parallel.all_reduce}
+    return {"nccl": nccl, "one_shot": lambda x: comm.run(x, "one_shot"), "two_shot": lambda x: comm.run(x, "two_shot"),
+            "tandem": parallel.all_reduce}
 
 
 def _graph_us(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, replays: int = 20) -> float:

@@ -78,8 +78,10 @@ class SymmetricAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         path = self.path(x)
-        if path == "nccl":
-            return None
+        return None if path == "nccl" else self.run(x, path)
+
+    def run(self, x: torch.Tensor, path: Path) -> torch.Tensor:
+        """The sum of x by one of the peer-to-peer kernels (x must fit the buffer); a new tensor."""
         staging = self.buffer[:x.numel()].view_as(x)
         out = torch.empty_like(x)
         if path == "one_shot":
