@@ -342,9 +342,8 @@ class EngineCore:
         if self.step_log is not None:
             self.step_log.append((handle.num_seqs, handle.num_tokens, handle.num_context_tokens))
         if self.timeline is not None:
-            span = self.runner.step_gpu_span(handle, self._timeline_base)
-            if span is not None:
-                self.timeline.add_gpu("compute", span[0], span[1], handle.step_index)
+            for name, start, end in self.runner.step_gpu_spans(handle, self._timeline_base):
+                self.timeline.add_gpu(name, start, end, handle.step_index)
         return self._timed("update", lambda: self._update(handle.sched, result.token_ids, result.logprobs))
 
     def _update(self, sched: SchedulerOutput, token_ids: list[int], logprobs: list[Logprobs] | None) -> list[EngineOutput]:

@@ -67,6 +67,9 @@ def _route_kernel(
     x = tl.load(logits_ptr + row * stride_l + bins, mask=bins < num_experts, other=-float("inf")).to(tl.float32)
     e = tl.exp(x - tl.max(x, axis=0))
     p = e / tl.sum(e, axis=0)
+    # A row of NaN or inf logits (a graph's padding row, whose hidden state is never read) still picks TOP_K
+    # distinct valid experts: NaN probabilities count as 0 and the power-of-two bins past the last expert as -1.
+    p = tl.where(bins < num_experts, tl.where(p == p, p, 0.0), -1.0)
     total = 1.0
     if RENORMALIZE:  # a first pass for the sum of the chosen ones (no store is read back)
         q = p

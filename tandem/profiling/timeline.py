@@ -129,7 +129,8 @@ def plot_timelines(timelines: dict[str, Timeline], path: str, max_seconds: float
     import matplotlib.pyplot as plt
 
     colors = {"schedule": "#1f77b4", "prepare": "#17becf", "launch": "#9467bd", "wait": "#d62728",
-              "update": "#ff7f0e", "mask": "#e377c2", "compute": "#2ca02c"}
+              "update": "#ff7f0e", "mask": "#e377c2", "compute": "#2ca02c",
+              "sample": "#bcbd22"}
     rows = sum(len(tl.gpu_lanes() or ["gpu"]) + 1 for tl in timelines.values())
     fig, axes = plt.subplots(len(timelines), 1, figsize=(14, 0.9 * rows + 0.6), squeeze=False)
     for ax, (label, tl) in zip(axes[:, 0], timelines.items()):

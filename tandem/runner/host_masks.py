@@ -29,13 +29,15 @@ class HostMaskBuffers:
     def fill(self, slot: int, mask_rows: list[tuple[int, Any]]) -> None:
         """Row j of the slot's bitmask: what request j of `mask_rows` ((batch row, request)) may sample next."""
         bits, rows = self.bits_cpu[slot], self.rows_np[slot]
-        for j, (row, request) in enumerate(mask_rows):
-            host_mask = request.host_mask
-            if host_mask is None:  # the request ended meanwhile: its token will be dropped
-                bits[j].fill_(-1)
-            else:
-                host_mask.fill(bits, j, request.all_token_ids)
+        entries = []  # (bitmask row, HostMask or None, tokens so far); None: the request ended meanwhile (its
+        for j, (row, request) in enumerate(mask_rows):  # token will be dropped), so its row allows everything
+            entries.append((j, request.host_mask, request.all_token_ids))
             rows[j] = row
+        some = next((mask for _, mask, _ in entries if mask is not None), None)
+        if some is None:
+            bits[: len(entries)].fill_(-1)
+        else:
+            type(some).fill_rows(bits, entries)  # the grammar rows together: xgrammar spreads them over threads
 
     def upload(self, slot: int, num_rows: int) -> None:
         """H2D of the first num_rows bitmask rows and their batch rows (call on the H2D stream)."""

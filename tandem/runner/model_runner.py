@@ -490,7 +490,11 @@ class ModelRunner:
                                        all_rows=num_tokens == num_seqs, num_decodes=plan.num_decodes)
             # Penalties and bias (only when a row uses them) edit the logits rows in place.
             self.logits_state.apply(slot, logits)
-        if not defer_sampling:
+        events.deferred = defer_sampling
+        if defer_sampling:
+            with streams.on("compute"):
+                streams.record("compute", events.forward_done)
+        else:
             self._enqueue_sampling(plan, logits, download, None)
         return events, logits
 
@@ -507,6 +511,7 @@ class ModelRunner:
             streams.wait("compute", events.mask_done)
         with streams.on("compute"):
             if num_masked is not None:
+                streams.record("compute", events.sample_start)
                 self.host_masks.apply(slot, logits, num_masked)
             if graph_bs is not None:
                 variant = sampler_variant(plan.all_greedy, plan.any_top_k_top_p, num_logprobs)
@@ -554,19 +559,25 @@ class ModelRunner:
             ]
         return StepResult(token_ids, logprobs)
 
-    def step_gpu_span(self, handle: StepHandle, base: tuple[object, float] | None) -> tuple[float, float] | None:
-        """(start, end) of the step's GPU work on the perf_counter clock; call after wait()."""
+    def step_gpu_spans(self, handle: StepHandle, base: tuple[object, float] | None) -> list[tuple[str, float, float]]:
+        """(name, start, end) of the step's GPU work on the perf_counter clock; call after wait(). One "compute"
+        span, or for a step whose sampling waited for a grammar bitmask, "compute" (the forward) and "sample"."""
         ev = handle.events
         if not ev.timing:  # launched before timing was turned on
-            return None
+            return []
         if self.device.type != "cuda":
-            return ev.compute_start.time, ev.compute_done.time  # type: ignore[attr-defined]
+            return [("compute", ev.compute_start.time, ev.compute_done.time)]  # type: ignore[attr-defined]
         if base is None:
-            return None
+            return []
         base_event, base_time = base
-        start = base_time + base_event.elapsed_time(ev.compute_start) / 1000.0  # type: ignore[attr-defined]
-        end = base_time + base_event.elapsed_time(ev.compute_done) / 1000.0  # type: ignore[attr-defined]
-        return start, end
+
+        def at(event: object) -> float:
+            return base_time + base_event.elapsed_time(event) / 1000.0  # type: ignore[attr-defined]
+
+        if ev.deferred:
+            return [("compute", at(ev.compute_start), at(ev.forward_done)),
+                    ("sample", at(ev.sample_start), at(ev.compute_done))]
+        return [("compute", at(ev.compute_start), at(ev.compute_done))]
 
     def drain(self, handle: StepHandle) -> None:
         """Waits out a step whose results are discarded (returns at once when a rank is dead)."""

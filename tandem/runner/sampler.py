@@ -30,7 +30,10 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: 
     row_key = _hash32((seeds & _MASK32) ^ _hash32(positions.to(torch.int64) & _MASK32))  # [B]
     vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)  # [V]
     bits = _hash32(row_key[:, None] ^ _hash32(vocab + 0x9E3779B))  # [B, V]
-    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / 4294967296.0)  # in (0, 1)
+    # The top 23 bits: every (k + 0.5) / 2**23 is exact in float32 (24 significant bits) and strictly inside
+    # (0, 1). More bits round the top values to 1.0, i.e. noise 0: an infinite race for an allowed token, and
+    # 0 / 0 = NaN, which wins the argmax, for a masked one.
+    uniform = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
     return -torch.log(uniform)
 
 

@@ -37,6 +37,11 @@ class StepEvents:
         # compute_start .. compute_done bracket the step's GPU work; timed only for the CPU/GPU timeline.
         self.compute_start = make(timing)
         self.compute_done = make(timing)
+        # A constrained step's GPU work has a gap: the forward ends (forward_done), then the sampling waits for
+        # the grammar bitmask (sample_start). Recorded only for such steps, so that the gap is not counted busy.
+        self.forward_done = make(timing)
+        self.sample_start = make(timing)
+        self.deferred = False
 
 
 class DeviceStreams:

@@ -105,7 +105,9 @@ def test_moe_overlap_equals_sync(moe_checkpoint):
         llm = make_llm(moe_checkpoint("qwen3_moe"), max_num_seqs=8, overlap=overlap)
         runs.append(generate(llm, prompts, lengths))
         llm.shutdown()
-    assert runs[0] == runs[1]
+    # Overlap may run a finished request one step longer, so a step's token count (and with it the MoE tile) can
+    # differ from sync: the same rule as the dense models' overlap test, equal up to near-ties.
+    assert_same_greedy(runs[1], runs[0], "MoE overlap vs sync")
 
 
 @pytest.mark.gpu

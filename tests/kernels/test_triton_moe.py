@@ -102,6 +102,21 @@ def test_route_kernel_matches_softmax_topk(num_experts, top_k, renormalize):
     torch.testing.assert_close(weights.cpu(), ref_weights, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_kernel_gives_valid_distinct_experts_for_nan_and_inf_rows(renormalize):
+    # A CUDA graph's padding rows may hold NaN hidden states; their expert ids must still index the weights.
+    from tandem.kernels.triton_moe import route_topk_triton
+
+    logits = torch.randn(4, 60)
+    logits[1] = float("nan")
+    logits[2, 7] = float("inf")
+    logits[3] = float("-inf")
+    weights, ids = route_topk_triton(logits.to(DEVICE), 4, renormalize)
+    ids = ids.cpu()
+    assert ids.min() >= 0 and ids.max() < 60
+    assert all(len(set(row.tolist())) == 4 for row in ids)
+
+
 def make_moe(num_experts, hidden, inter, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)

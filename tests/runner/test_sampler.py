@@ -38,6 +38,20 @@ def test_noise_is_a_pure_function_of_seed_and_position():
     assert abs(big.mean().item() - 1.0) < 0.02
 
 
+def test_noise_is_never_zero_so_a_masked_token_never_wins():
+    # Seed 7 at position 80 hashes vocabulary index 18011 to a 32-bit value that float32 rounded up to 1.0:
+    # noise 0, so the race of that token was 0 / 0 = NaN, which won the argmax although the grammar had masked
+    # it to -inf (a JSON string past its maxLength, sampled at temperature 1).
+    noise = exponential_noise(torch.tensor([7]), torch.tensor([80]), 49152)
+    assert noise[0, 18011].item() > 0.0 and noise.min().item() > 0.0 and torch.isfinite(noise).all()
+    logits = torch.full((1, 49152), float("-inf"))
+    logits[0, [18, 23597]] = torch.tensor([25.76, 25.81])  # the two tokens the grammar allowed
+    t, k, p = _params(1, 1.0)
+    out = sample(logits, t, k, p, torch.tensor([7]), torch.tensor([80]), all_greedy=False, any_top_k_top_p=False,
+                 num_logprobs=-1)
+    assert out.token_ids.item() in (18, 23597)
+
+
 def test_random_sampling_follows_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.2])
     logits = probs.log().expand(4000, 3).clone()
