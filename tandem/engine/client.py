@@ -23,7 +23,7 @@ from tandem.engine.messages import (
     WireStats,
     merge_reported,
 )
-from tandem.engine.router import ReplicaRouter
+from tandem.engine.router import ReplicaRouter, work
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
 
@@ -123,6 +123,7 @@ class AsyncEngine:
         self._replica_stats: list[WireStats | None] = [None] * len(self.input_addrs)
         self._streams: dict[str, asyncio.Queue] = {}  # accepted or pending, not yet terminal
         self._replica_of: dict[str, int] = {}  # same keys as _streams: the replica serving the request
+        self._work_of: dict[str, int] = {}  # same keys: the work the router counted for it (router.work)
         self._outboxes: list[list[ClientCommand]] = [[] for _ in self.input_addrs]
         self._flush_scheduled = False
         self._stopping = False
@@ -207,9 +208,11 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
         for request_id, prompt_token_ids, params in requests:
-            replica = self.router.pick(prompt_token_ids)
+            # Routed by the tokens in flight on each replica (the server has resolved max_tokens by now).
+            replica = self.router.pick(prompt_token_ids, params.max_tokens)
             self._streams[request_id] = stream
             self._replica_of[request_id] = replica
+            self._work_of[request_id] = work(prompt_token_ids, params.max_tokens)
             self._send(replica, AddRequest(request_id, prompt_token_ids, params, self.client_index))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
@@ -217,8 +220,7 @@ class AsyncEngine:
         """Stops a request (client gone, or a stop string matched); its stream gets nothing more."""
         if self._streams.pop(request_id, None) is None:
             return
-        replica = self._replica_of.pop(request_id)
-        self.router.release(replica)
+        replica = self._release(request_id)
         if self.replica_state[replica] != DEAD:
             self._send(replica, AbortRequest(request_id, reason.value, stop_reason))
 
@@ -293,7 +295,7 @@ class AsyncEngine:
         for rejection in batch.rejected:
             stream = streams.pop(rejection.request_id, None)
             if stream is not None:
-                self.router.release(self._replica_of.pop(rejection.request_id))
+                self._release(rejection.request_id)
                 stream.put_nowait(Rejected(rejection.request_id, rejection.message, rejection.status))
         for output in batch.outputs:
             stream = streams.get(output.request_id)
@@ -301,7 +303,7 @@ class AsyncEngine:
                 continue  # aborted here meanwhile; the item is stale
             if output.finished:
                 del streams[output.request_id]
-                self.router.release(self._replica_of.pop(output.request_id))
+                self._release(output.request_id)
             stream.put_nowait(output)
 
     # ---- engine liveness ---------------------------------------------------------------------
@@ -389,13 +391,18 @@ class AsyncEngine:
         self.replica_error[replica] = None
         self.router.set_up(replica, True)
 
+    def _release(self, request_id: str) -> int:
+        """Forgets an open request's replica and gives its work back to the router; returns the replica."""
+        replica = self._replica_of.pop(request_id)
+        self.router.release(replica, self._work_of.pop(request_id))
+        return replica
+
     def _fail_replica(self, replica: int, message: str) -> list[str]:
         """Ends every open request of one replica with Failed(message); returns their ids."""
         ids = [rid for rid, r in self._replica_of.items() if r == replica]
         logger.error("%s: failing %d open requests", message, len(ids))
         for request_id in ids:
-            del self._replica_of[request_id]
-            self.router.release(replica)
+            self._release(request_id)
             self._streams.pop(request_id).put_nowait(Failed(request_id, message))
         return ids
 
@@ -413,9 +420,8 @@ class AsyncEngine:
 
     def _fail_all(self, message: str) -> None:
         streams, self._streams = self._streams, {}
-        for replica in self._replica_of.values():
-            self.router.release(replica)
-        self._replica_of = {}
+        for request_id in list(self._replica_of):
+            self._release(request_id)
         for request_id, stream in streams.items():
             stream.put_nowait(Failed(request_id, message))
 

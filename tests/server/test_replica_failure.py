@@ -275,3 +275,23 @@ def test_an_engine_that_cannot_step_any_more_fails_its_requests_and_exits():
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_requests_are_routed_by_tokens_in_flight_and_the_work_is_given_back():
+    async def main():
+        replicas = Replicas([PacedCore(), PacedCore()])
+        engine = replicas.client(engine_timeout=None)
+        stream: asyncio.Queue = asyncio.Queue()
+        engine.add([("long", [1], SamplingParams(max_tokens=1000))], stream)
+        # By request count these would alternate; by tokens in flight all three fit beside the long one.
+        engine.add([(f"s{i}", [1], SamplingParams(max_tokens=10)) for i in range(3)], stream)
+        assert engine._replica_of["long"] == 0
+        assert [engine._replica_of[f"s{i}"] for i in range(3)] == [1, 1, 1]
+        assert engine.router.tokens == [1000, 30]
+        await _collect(stream, {f"s{i}" for i in range(3)} | {"long"}, 1.0)  # the short ones finish
+        assert engine.router.tokens == [1000, 0] and engine.router.load == [1, 0]
+        engine.abort("long")
+        assert engine.router.tokens == [0, 0] and engine.router.load == [0, 0]
+        await replicas.close(engine)
+
+    asyncio.run(main())
