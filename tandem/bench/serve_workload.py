@@ -42,6 +42,9 @@ def add_serve_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--serve-timeline", action="store_true",
                    help="record the engine's timeline offline and in the server's engine core; report each step "
                         "phase's milliseconds in the middle half of the best pass, side by side")
+    g.add_argument("--serve-data-parallel-size", type=int, default=1,
+                   help="also serve with --data-parallel-size N (N GPUs) and report the server's DP efficiency: "
+                        "its tokens/s over N x the one-replica server's")
     g.add_argument("--serve-stream", action="store_true",
                    help="also run the `stream` pass on the overlap server: 64 requests, one every 20 ms, "
                         "128 new tokens from a 1-token prompt")
@@ -79,6 +82,16 @@ def run_serve_workload(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"  step phases {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
     result["server_over_offline"] = (result["server_overlap"]["saturation"]["summary"]["output_tokens_per_s"]
                                      / result["offline_tokens_per_s"])
+    dp = args.serve_data_parallel_size
+    if dp > 1:  # the same requests through a server of dp replicas (each gets about num / dp of them)
+        run = _through_server(args, engine + ["--data-parallel-size", str(dp)], prompt_ids, num, out_len,
+                              poisson=False)
+        result[f"server_dp{dp}"] = run
+        tps = run["saturation"]["summary"]["output_tokens_per_s"]
+        one = result["server_overlap"]["saturation"]["summary"]["output_tokens_per_s"]
+        result["server_dp_efficiency"] = tps / (dp * one)
+        print(f"server (DP={dp}): {tps:.1f} tok/s; DP efficiency {result['server_dp_efficiency']:.3f} "
+              f"(over {dp} x {one:.1f})", flush=True)
     if args.serve_sync:
         result["server_overlap_over_sync"] = (
             result["server_overlap"]["saturation"]["summary"]["output_tokens_per_s"]

@@ -17,7 +17,8 @@ def test_serve_workload_reports_offline_and_server_passes(tmp_path):
     before = {p.pid for p in psutil.process_iter()}
     rc = main(["bench", "--workload", "serve", "--serve-model", str(model), "--serve-requests", "6",
                "--serve-output-len", "5", "--serve-prompt-ids", "5,6,7", "--num-clients", "2",
-               "--serve-repeats", "2", "--serve-poisson-rate", "40", "--serve-timeline", "--out", str(out)])
+               "--serve-repeats", "2", "--serve-poisson-rate", "40", "--serve-timeline",
+               "--serve-data-parallel-size", "2", "--out", str(out)])
     assert rc == 0
     (r,) = json.loads(out.read_text())["results"]
     assert r["workload"] == "serve" and r["requests"] == 6 and r["num_clients"] == 2
@@ -32,6 +33,10 @@ def test_serve_workload_reports_offline_and_server_passes(tmp_path):
         assert summary["output_tokens"] == 6 * 5
     assert r["server_over_offline"] == max(passes) / max(offline)
     assert server["exit_code"] == 0
+    # --serve-data-parallel-size 2: a second server of two replicas served every request.
+    dp = r["server_dp2"]
+    assert dp["exit_code"] == 0 and dp["saturation"]["summary"]["num_completed"] == 6
+    assert r["server_dp_efficiency"] == max(dp["saturation_tokens_per_s_runs"]) / (2 * max(passes))
     # --serve-timeline: the engine core wrote its trace and the report sliced both engines' step phases.
     for phases in (r["offline_step_phases"], server["step_phases"]):
         assert phases["seconds"] > 0 and phases["steps"] >= 0
