@@ -103,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
 
         add_serve_args(serve)
         serve.set_defaults(func=serve_main)
-    except ImportError as exc:  # server extras missing
-        serve.set_defaults(func=lambda a, exc=exc: sys.exit(f"tandem serve needs fastapi and uvicorn: {exc}"))
+    except ImportError as exc:  # server packages missing: say so before argparse trips on serve's options
+        args = sys.argv[1:] if argv is None else argv
+        if args[:1] == ["serve"]:
+            sys.exit(f"tandem serve needs its server packages (pip install -r requirements.txt): {exc}")
 
     from tandem.bench.offline import add_bench_args, add_profile_args
 
