@@ -85,6 +85,9 @@ def run_structured_workload(model: str | None, num_requests: int, prompt_len: in
     base = rows[0]["tokens_per_s"]
     for r in rows:
         r["vs_unconstrained"] = r["tokens_per_s"] / base
+    from tandem.structured.grammar import backend
+
+    print(f"grammar backend: {backend()} (TANDEM_STRUCTURED_BACKEND)")
     print(f"{'constrained':>11} {'penalties':>9} {'tok/s':>10} {'x base':>7} {'gpu busy':>8} {'mask ms/step':>12}")
     for r in rows:
         busy = f"{r['gpu_busy_pct']:.1f}%" if r["gpu_busy_pct"] is not None else "-"
@@ -99,7 +102,10 @@ def run_structured_workload(model: str | None, num_requests: int, prompt_len: in
                        max_seconds=0.06, start_frac=0.5)
         rows[1]["_timeline"].to_chrome_trace(os.path.join(plot_dir, "trace-structured-50.json"), "50% constrained")
         print(f"wrote {png}")
+    from tandem.structured.grammar import backend
+
     result = {"workload": "structured", "model": model or "SmolLM2-135M (embedded)", "num_requests": num_requests,
+              "structured_backend": backend(),
               "prompt_len": prompt_len, "output_len": output_len,
               "device": torch.cuda.get_device_name() if cuda else "cpu",
               "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]}

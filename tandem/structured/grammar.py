@@ -1,5 +1,11 @@
 """Grammars from structured-output specs: validation (no tokenizer, for a quick 400) and a compile cache that
-compiles each distinct spec once, on a worker thread, off the engine's step."""
+compiles each distinct spec once, on a worker thread, off the engine's step.
+
+Two backends, chosen per process by TANDEM_STRUCTURED_BACKEND (the server's API and engine processes inherit
+it): xgrammar (the default) or llguidance. Both fill the same int32 bitmask rows. llguidance computes a mask in
+tens of microseconds where xgrammar can take milliseconds (a string bounded by maxLength checks every token one
+by one), but its JSON numbers have no bound on their digits, so a small model can write "1.000..." until
+max_tokens; xgrammar's do not run on."""
 
 from __future__ import annotations
 
@@ -9,6 +15,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tandem.sampling_params import StructuredOutputParams
+
+BACKENDS = ("xgrammar", "llguidance")
+
+
+def backend() -> str:
+    """The structured-output backend of this process (TANDEM_STRUCTURED_BACKEND; default xgrammar)."""
+    import os
+
+    name = os.environ.get("TANDEM_STRUCTURED_BACKEND", "xgrammar")
+    if name not in BACKENDS:
+        raise ValueError(f"TANDEM_STRUCTURED_BACKEND must be one of {BACKENDS}, got {name!r}")
+    return name
 
 
 def _xgr():  # type: ignore[no-untyped-def]
@@ -26,7 +44,59 @@ def choice_ebnf(choices: tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
-def to_grammar(spec: StructuredOutputParams) -> Any:
+def _llg():  # type: ignore[no-untyped-def]
+    try:
+        import llguidance
+    except ImportError as exc:  # pragma: no cover - a missing optional wheel
+        raise ValueError("structured output needs the llguidance package (pip install llguidance)") from exc
+    return llguidance
+
+
+# Compact JSON with a space after ',' and ':' (json.dumps' own layout): no free whitespace for a model to fill.
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+_LABEL = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
+          "grammar": "grammar"}
+
+
+def choice_lark(choices: tuple[str, ...]) -> str:
+    """`start: "a" | "b"`: JSON string escapes are valid Lark string escapes."""
+    if not choices:
+        raise ValueError("guided_choice must list at least one string")
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _llg_grammar(spec: StructuredOutputParams) -> str:
+    """The llguidance grammar of a spec (checked); ValueError with the compiler's message when it does not compile.
+
+    A `grammar` in GBNF (rules written `name ::= ...`, the start rule `root`) is converted to Lark; any other
+    text is taken as Lark (start rule `start`)."""
+    llg = _llg()
+    kind = spec.kind()
+    try:
+        if kind == "json_object":
+            grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        elif kind == "json":
+            grammar = llg.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
+        elif kind == "regex":
+            grammar = llg.LLMatcher.grammar_from_regex(spec.regex)
+        elif kind == "choice":
+            grammar = llg.LLMatcher.grammar_from_lark(choice_lark(spec.choice or ()))
+        else:
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            text = spec.grammar or ""
+            grammar = llg.LLMatcher.grammar_from_lark(gbnf_to_lark(text) if "::=" in text else text)
+    except ValueError as exc:
+        raise ValueError(f"the {_LABEL.get(kind, kind)} does not compile: {exc}") from exc
+    except Exception as exc:  # the converters raise their own errors for text they cannot parse
+        raise ValueError(f"the {_LABEL.get(kind, kind)} does not compile: {exc}") from exc
+    error = llg.LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise ValueError(f"the {_LABEL.get(kind, kind)} does not compile: {error}")
+    return grammar
+
+
+def _xgr_grammar(spec: StructuredOutputParams) -> Any:
     """The xgrammar Grammar of a spec; ValueError with the compiler's message when it does not compile."""
     xgr = _xgr()
     kind = spec.kind()
@@ -45,6 +115,11 @@ def to_grammar(spec: StructuredOutputParams) -> Any:
     except Exception as exc:  # xgrammar raises RuntimeError / its own errors for a spec it cannot parse
         label = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "EBNF grammar"}.get(kind, kind)
         raise ValueError(f"the {label} does not compile: {exc}") from exc
+
+
+def to_grammar(spec: StructuredOutputParams) -> Any:
+    """The spec's grammar for this process's backend: an xgrammar Grammar or an llguidance grammar string."""
+    return _xgr_grammar(spec) if backend() == "xgrammar" else _llg_grammar(spec)
 
 
 def validate(spec: StructuredOutputParams) -> None:
@@ -76,14 +151,33 @@ def synthetic_vocab(vocab_size: int, seed: int = 0) -> list[bytes]:
     return [w.encode() for w in vocab[:vocab_size]]
 
 
+class _SyntheticTokenizer:
+    """What llguidance needs of a tokenizer, over synthetic_vocab (random-weight shapes have no tokenizer): the
+    token strings, the stop tokens (the last ids), and an encoder (character by character)."""
+
+    def __init__(self, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.tokens = synthetic_vocab(vocab_size)
+        self.eos_token_id = stop_token_ids[0] if stop_token_ids else vocab_size - 1
+        self.bos_token_id = None
+        self.special_token_ids = list(stop_token_ids)
+        for t in self.special_token_ids:
+            self.tokens[t] = b""
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        data = text.encode() if isinstance(text, str) else text
+        return [b - 32 for b in data if 32 <= b < 127]
+
+
 MAX_CACHED_GRAMMARS = 512
 
 
 class GrammarCache:
-    """Compiled grammars for one tokenizer, one per distinct spec; compiled on a worker thread."""
+    """Compiled grammars for one tokenizer, one per distinct spec; compiled on a worker thread. xgrammar: a
+    CompiledGrammar; llguidance: a matcher in its start state, which each request copies."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_workers: int = 1) -> None:
-        _xgr()  # fail now, in the caller, if xgrammar is missing
+        self.backend = backend()
+        _xgr() if self.backend == "xgrammar" else _llg()  # fail now, in the caller, if the package is missing
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
         self.max_workers = max_workers
         self.compiler: Any = None  # built on the worker thread by the first compile (a second or so)
@@ -93,17 +187,29 @@ class GrammarCache:
         self._futures: dict[tuple[str, str], Future] = {}  # insertion order: the oldest spec first
 
     def _compiler(self) -> Any:
+        """xgrammar: its GrammarCompiler; llguidance: its LLTokenizer."""
         with self._build_lock:
             if self.compiler is None:
-                xgr = _xgr()
-                if self.tokenizer is None:  # random-weight benchmark shapes: a synthetic vocabulary
-                    info = xgr.TokenizerInfo(synthetic_vocab(self.vocab_size), vocab_type=xgr.VocabType.RAW,
-                                             vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
-                else:
-                    info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                              stop_token_ids=self.stop_token_ids)
-                self.compiler = xgr.GrammarCompiler(info, max_threads=self.max_workers, cache_enabled=False)
+                self.compiler = self._build_xgr() if self.backend == "xgrammar" else self._build_llg()
             return self.compiler
+
+    def _build_xgr(self) -> Any:
+        xgr = _xgr()
+        if self.tokenizer is None:  # random-weight benchmark shapes: a synthetic vocabulary
+            info = xgr.TokenizerInfo(synthetic_vocab(self.vocab_size), vocab_type=xgr.VocabType.RAW,
+                                     vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+        else:
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids)
+        return xgr.GrammarCompiler(info, max_threads=self.max_workers, cache_enabled=False)
+
+    def _build_llg(self) -> Any:
+        llg = _llg()
+        if self.tokenizer is None:
+            return llg.LLTokenizer(llg.TokenizerWrapper(_SyntheticTokenizer(self.vocab_size, self.stop_token_ids)))
+        from llguidance.hf import from_tokenizer
+
+        return from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=list(self.stop_token_ids) or None)
 
     def submit(self, spec: StructuredOutputParams) -> Future:
         """A future of the compiled grammar (done at once for a spec compiled before)."""
@@ -120,7 +226,12 @@ class GrammarCache:
         return future
 
     def _compile(self, spec: StructuredOutputParams) -> Any:
-        return self._compiler().compile_grammar(to_grammar(spec))
+        if self.backend == "xgrammar":
+            return self._compiler().compile_grammar(_xgr_grammar(spec))
+        matcher = _llg().LLMatcher(self._compiler(), _llg_grammar(spec))
+        if matcher.is_error():
+            raise ValueError(f"the {_LABEL.get(spec.kind(), spec.kind())} does not compile: {matcher.get_error()}")
+        return matcher
 
     def __len__(self) -> int:
         return len(self._futures)

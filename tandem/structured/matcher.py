@@ -1,5 +1,5 @@
-"""HostMask: one request's CPU-side next-token constraint — a grammar matcher, multi-token bad words, or both —
-advanced with each sampled token and written as a row of a token bitmask."""
+"""HostMask: one request's CPU-side next-token constraint — a grammar matcher (xgrammar or llguidance), multi-token
+bad words, or both — advanced with each sampled token and written as a row of a token bitmask."""
 
 from __future__ import annotations
 
@@ -12,10 +12,18 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 
+def _is_llguidance(compiled: Any) -> bool:
+    """An llguidance LLMatcher (GrammarCache's llguidance form) rather than an xgrammar CompiledGrammar."""
+    return type(compiled).__name__ == "LLMatcher"
+
+
 class HostMask:
     def __init__(self, compiled_grammar: Any | None, bad_word_ids: tuple[tuple[int, ...], ...] = ()) -> None:
-        self.matcher = None
-        if compiled_grammar is not None:
+        self.matcher: Any = None
+        self.llguidance = compiled_grammar is not None and _is_llguidance(compiled_grammar)
+        if self.llguidance:  # the cache holds a matcher in its start state: each request advances its own copy
+            self.matcher = compiled_grammar.deep_copy()
+        elif compiled_grammar is not None:
             import xgrammar as xgr
 
             self.matcher = xgr.GrammarMatcher(compiled_grammar)
@@ -23,17 +31,29 @@ class HostMask:
         self.rejected = False  # a token the grammar did not allow reached it (never, with the mask applied)
 
     def accept(self, token_id: int) -> None:
-        """Advances the grammar with a sampled token."""
+        """Advances the grammar with a sampled token. Once the grammar is done (xgrammar: it took a stop token;
+        llguidance: only a stop token may follow) nothing more is consumed."""
         m = self.matcher
-        if m is None or m.is_terminated():
+        if m is None or self.is_terminated:
             return
-        if not m.accept_token(token_id):
+        if not (m.consume_token(token_id) if self.llguidance else m.accept_token(token_id)):
             self.rejected = True
             logger.warning("grammar rejected sampled token %d", token_id)
 
     @property
     def is_terminated(self) -> bool:
-        return self.matcher is not None and self.matcher.is_terminated()
+        m = self.matcher
+        if m is None:
+            return False
+        return m.is_stopped() if self.llguidance else m.is_terminated()
+
+    def _allows_all(self) -> bool:
+        """No grammar row to fill: no grammar, xgrammar past its stop token, or an llguidance error state (a
+        rejected token: the request is past saving). A stopped llguidance matcher still fills: stop tokens."""
+        m = self.matcher
+        if m is None:
+            return True
+        return m.is_error() if self.llguidance else m.is_terminated()
 
     def fill(self, bits: Any, index: int, all_token_ids: list[int]) -> None:
         """Writes row `index` of the int32 bitmask `bits` (a CPU tensor [rows, ceil(V/32)]): the grammar's
@@ -43,20 +63,28 @@ class HostMask:
     @staticmethod
     def fill_rows(bits: Any, rows: list[tuple[int, HostMask | None, list[int]]]) -> None:
         """fill() for many rows (row index, mask or None for "allow all", the request's tokens so far): the
-        grammar rows in one xgrammar call that spreads them over its threads (a row under a bounded string
-        can take milliseconds: its tokens are checked one by one), then the bad words row by row."""
-        matchers, indices = [], []
+        grammar rows of each backend in one call that spreads them over its threads (an xgrammar row under a
+        bounded string can take milliseconds), then the bad words row by row."""
+        xgr_matchers, xgr_indices, llg_rows = [], [], []
         for index, mask, _ in rows:
-            m = mask.matcher if mask is not None else None
-            if m is not None and not m.is_terminated():
-                matchers.append(m)
-                indices.append(index)
-            else:
+            if mask is None or mask._allows_all():
                 bits[index].fill_(-1)
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bits, indices[0])
-        elif matchers:
-            _batch_matcher().batch_fill_next_token_bitmask(matchers, bits, indices)
+            elif mask.llguidance:
+                llg_rows.append((mask.matcher, index))
+            else:
+                xgr_matchers.append(mask.matcher)
+                xgr_indices.append(index)
+        if len(xgr_matchers) == 1:
+            xgr_matchers[0].fill_next_token_bitmask(bits, xgr_indices[0])
+        elif xgr_matchers:
+            _xgr_batch().batch_fill_next_token_bitmask(xgr_matchers, bits, xgr_indices)
+        if llg_rows:
+            from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
+
+            if len(llg_rows) == 1:
+                fill_next_token_bitmask(llg_rows[0][0], bits.numpy(), llg_rows[0][1])
+            else:
+                fill_next_token_bitmask_par(_llg_executor(), llg_rows, bits.numpy())
         for index, mask, all_token_ids in rows:
             if mask is not None and mask.bad_word_ids:
                 mask._remove_bad_words(bits[index].numpy(), all_token_ids)
@@ -70,15 +98,30 @@ class HostMask:
                 row[token >> 5] &= ~np.int32(np.uint32(1 << (token & 31)).view(np.int32))
 
 
-_BATCH: Any = None
+def _num_threads() -> int:
+    return max(1, min(16, len(os.sched_getaffinity(0))))
 
 
-def _batch_matcher() -> Any:
-    """One xgrammar BatchGrammarMatcher per process, with a thread per core up to 16 (xgrammar's "auto" takes
-    half the cores: one thread on a 2-core machine)."""
-    global _BATCH
-    if _BATCH is None:
+_XGR_BATCH: Any = None
+_LLG_EXECUTOR: Any = None
+
+
+def _xgr_batch() -> Any:
+    """One xgrammar BatchGrammarMatcher per process, a thread per core up to 16 (its "auto" takes half the cores:
+    one thread on a 2-core machine)."""
+    global _XGR_BATCH
+    if _XGR_BATCH is None:
         import xgrammar as xgr
 
-        _BATCH = xgr.BatchGrammarMatcher(max(1, min(16, len(os.sched_getaffinity(0)))))
-    return _BATCH
+        _XGR_BATCH = xgr.BatchGrammarMatcher(_num_threads())
+    return _XGR_BATCH
+
+
+def _llg_executor() -> Any:
+    """One llguidance executor per process, a thread per core up to 16."""
+    global _LLG_EXECUTOR
+    if _LLG_EXECUTOR is None:
+        import llguidance
+
+        _LLG_EXECUTOR = llguidance.LLExecutor(_num_threads())
+    return _LLG_EXECUTOR

@@ -1,0 +1,100 @@
+"""The llguidance backend (TANDEM_STRUCTURED_BACKEND=llguidance) behind the same engine: JSON schemas, regex, choice
+and GBNF grammars constrain the embedded model's output, bad specs are ValueErrors naming the field, overlap keeps
+the tokens, and a grammar's rows fill the same bitmask layout as xgrammar's."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from tandem import LLM
+from tandem.sampling_params import SamplingParams, StructuredOutputParams
+from tandem.structured.grammar import GrammarCache
+from tandem.structured.matcher import HostMask
+from tests.structured.schemas import SCHEMAS
+
+pytest.importorskip("llguidance")
+
+
+@pytest.fixture(scope="module")
+def guided_llm():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TANDEM_STRUCTURED_BACKEND", "llguidance")
+    llm = LLM(device="cpu", dtype="float32", max_model_len=1024, max_num_seqs=16, num_kv_blocks=256, seed=0)
+    yield llm
+    llm.shutdown()
+    mp.undo()
+
+
+def _json(llm, schemas, temperature, overlap=True):
+    llm.engine.overlap = overlap
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=96,
+                             structured_output=StructuredOutputParams(json=json.dumps(s)))
+              for i, s in enumerate(schemas)]
+    prompts = [f"Answer with JSON matching this schema: {json.dumps(s)}\n" for s in schemas]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_schemas_validate(guided_llm, temperature):
+    schemas = SCHEMAS[:10]
+    for schema, out in zip(schemas, _json(guided_llm, schemas, temperature)):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert guided_llm.engine.num_host_masks() == 0
+
+
+def test_overlap_keeps_the_constrained_greedy_tokens(guided_llm):
+    schemas = SCHEMAS[20:24]
+    on = [o.outputs[0].token_ids for o in _json(guided_llm, schemas, 0.0, overlap=True)]
+    off = [o.outputs[0].token_ids for o in _json(guided_llm, schemas, 0.0, overlap=False)]
+    assert on == off
+
+
+@pytest.mark.parametrize("spec, check", [
+    (StructuredOutputParams(regex=r"[0-9]{3}-[a-z]{2}"), lambda t: len(t) == 6 and t[3] == "-"),
+    (StructuredOutputParams(choice=("yes", "no", 'say "maybe"')), lambda t: t in ("yes", "no", 'say "maybe"')),
+    (StructuredOutputParams(grammar='root ::= "(" [a-c]+ ")"'), lambda t: t[0] == "(" and t[-1] == ")"),
+    (StructuredOutputParams(grammar='start: "<" /[xy]+/ ">"'), lambda t: t[0] == "<" and set(t[1:-1]) <= {"x", "y"}),
+])
+def test_regex_choice_gbnf_and_lark(guided_llm, spec, check):
+    out = guided_llm.generate(["Say something:"], SamplingParams(temperature=1.0, seed=3, max_tokens=24,
+                                                                  structured_output=spec), use_tqdm=False)[0]
+    text = out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop" and check(text), text
+
+
+@pytest.mark.parametrize("spec, word", [
+    (StructuredOutputParams(json='{"type": "object", "properties": '), "not valid JSON"),
+    (StructuredOutputParams(regex="([a-z"), "regex"),
+    (StructuredOutputParams(grammar="root ::= undefined_rule"), "grammar"),
+])
+def test_bad_specs_are_value_errors(guided_llm, spec, word):
+    with pytest.raises(ValueError, match=word):
+        guided_llm.generate(["x"], SamplingParams(max_tokens=4, structured_output=spec), use_tqdm=False)
+    assert guided_llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)[0].outputs[0].text
+
+
+def test_both_backends_fill_the_same_bitmask(monkeypatch):
+    # A regex over a synthetic vocabulary: the two backends must allow exactly the same tokens at every step.
+    spec = StructuredOutputParams(regex=r"[a-c]{2}x?")
+    rows = {}
+    for backend in ("xgrammar", "llguidance"):
+        monkeypatch.setenv("TANDEM_STRUCTURED_BACKEND", backend)
+        cache = GrammarCache(None, 300, [299])
+        mask = HostMask(cache.submit(spec).result())
+        bits = torch.zeros(1, (300 + 31) // 32, dtype=torch.int32)
+        seen = []
+        for token in (ord("a") - 32, ord("c") - 32):  # the synthetic vocabulary starts with the printable ASCII
+            HostMask.fill_rows(bits, [(0, mask, [])])
+            seen.append(bits.clone())
+            mask.accept(token)
+        HostMask.fill_rows(bits, [(0, mask, [])])
+        seen.append(bits.clone())
+        rows[backend] = seen
+        cache.shutdown()
+    for a, b in zip(rows["xgrammar"], rows["llguidance"]):
+        assert torch.equal(a, b)
