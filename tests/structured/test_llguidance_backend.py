@@ -15,6 +15,7 @@ from tandem.sampling_params import SamplingParams, StructuredOutputParams
 from tandem.structured.grammar import GrammarCache
 from tandem.structured.matcher import HostMask
 from tests.structured.schemas import SCHEMAS
+from tests.structured.test_structured_output import BAD_SPECS, SPEC_CHECKS, check_bad_spec, check_spec
 
 pytest.importorskip("llguidance")
 
@@ -54,28 +55,17 @@ def test_overlap_keeps_the_constrained_greedy_tokens(guided_llm):
     assert on == off
 
 
-@pytest.mark.parametrize("spec, check", [
-    (StructuredOutputParams(regex=r"[0-9]{3}-[a-z]{2}"), lambda t: len(t) == 6 and t[3] == "-"),
-    (StructuredOutputParams(choice=("yes", "no", 'say "maybe"')), lambda t: t in ("yes", "no", 'say "maybe"')),
-    (StructuredOutputParams(grammar='root ::= "(" [a-c]+ ")"'), lambda t: t[0] == "(" and t[-1] == ")"),
+@pytest.mark.parametrize("spec, check", SPEC_CHECKS + [
+    (StructuredOutputParams(choice=("yes", 'say "no"')), lambda t: t in ("yes", 'say "no"')),
     (StructuredOutputParams(grammar='start: "<" /[xy]+/ ">"'), lambda t: t[0] == "<" and set(t[1:-1]) <= {"x", "y"}),
 ])
 def test_regex_choice_gbnf_and_lark(guided_llm, spec, check):
-    out = guided_llm.generate(["Say something:"], SamplingParams(temperature=1.0, seed=3, max_tokens=24,
-                                                                  structured_output=spec), use_tqdm=False)[0]
-    text = out.outputs[0].text
-    assert out.outputs[0].finish_reason == "stop" and check(text), text
+    check_spec(guided_llm, spec, check)
 
 
-@pytest.mark.parametrize("spec, word", [
-    (StructuredOutputParams(json='{"type": "object", "properties": '), "not valid JSON"),
-    (StructuredOutputParams(regex="([a-z"), "regex"),
-    (StructuredOutputParams(grammar="root ::= undefined_rule"), "grammar"),
-])
+@pytest.mark.parametrize("spec, word", BAD_SPECS)
 def test_bad_specs_are_value_errors(guided_llm, spec, word):
-    with pytest.raises(ValueError, match=word):
-        guided_llm.generate(["x"], SamplingParams(max_tokens=4, structured_output=spec), use_tqdm=False)
-    assert guided_llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)[0].outputs[0].text
+    check_bad_spec(guided_llm, spec, word)
 
 
 def test_both_backends_fill_the_same_bitmask(monkeypatch):

@@ -65,28 +65,40 @@ def test_mixed_batch_keeps_unconstrained_rows_unchanged(idle_llm):
         assert outs[1].outputs[0].text.lstrip().startswith("{")
 
 
-@pytest.mark.parametrize("spec, check", [
+SPEC_CHECKS = [
     (StructuredOutputParams(regex=r"[0-9]{3}-[a-z]{2}"), lambda t: len(t) == 6 and t[3] == "-"),
     (StructuredOutputParams(choice=("yes", "no", "maybe")), lambda t: t in ("yes", "no", "maybe")),
     (StructuredOutputParams(grammar='root ::= "(" [a-c]+ ")"'), lambda t: t[0] == "(" and t[-1] == ")"),
-])
-def test_regex_choice_and_grammar(idle_llm, spec, check):
-    out = idle_llm.generate(["Say something:"], SamplingParams(temperature=1.0, seed=3, max_tokens=24,
-                                                                structured_output=spec), use_tqdm=False)[0]
+]
+BAD_SPECS = [
+    (StructuredOutputParams(json='{"type": "object", "properties": '), "not valid JSON"),
+    (StructuredOutputParams(regex="([a-z"), "regex"),
+    (StructuredOutputParams(grammar="root ::= undefined_rule"), "grammar"),
+]
+
+
+def check_spec(llm, spec: StructuredOutputParams, check) -> None:
+    out = llm.generate(["Say something:"], SamplingParams(temperature=1.0, seed=3, max_tokens=24,
+                                                           structured_output=spec), use_tqdm=False)[0]
     text = out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop" and check(text), text
 
 
-@pytest.mark.parametrize("spec, word", [
-    (StructuredOutputParams(json='{"type": "object", "properties": '), "not valid JSON"),
-    (StructuredOutputParams(json='{"type": "nonsense"}'), "JSON schema"),
-    (StructuredOutputParams(regex="([a-z"), "regex"),
-    (StructuredOutputParams(grammar="root ::= undefined_rule"), "grammar"),
-])
-def test_bad_specs_are_value_errors_and_the_engine_keeps_serving(idle_llm, spec, word):
+def check_bad_spec(llm, spec: StructuredOutputParams, word: str) -> None:
     with pytest.raises(ValueError, match=word):
-        idle_llm.generate(["x"], SamplingParams(max_tokens=4, structured_output=spec), use_tqdm=False)
-    assert idle_llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)[0].outputs[0].text
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured_output=spec), use_tqdm=False)
+    assert llm.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)[0].outputs[0].text
+
+
+@pytest.mark.parametrize("spec, check", SPEC_CHECKS)
+def test_regex_choice_and_grammar(idle_llm, spec, check):
+    check_spec(idle_llm, spec, check)
+
+
+@pytest.mark.parametrize("spec, word",
+                         [*BAD_SPECS, (StructuredOutputParams(json='{"type": "nonsense"}'), "JSON schema")])
+def test_bad_specs_are_value_errors_and_the_engine_keeps_serving(idle_llm, spec, word):
+    check_bad_spec(idle_llm, spec, word)
 
 
 def test_two_constraints_at_once_are_rejected():
