@@ -487,8 +487,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             print("== structured: the same requests with 0%, 50%, 100% under a JSON schema", flush=True)
             model = args.structured_model if args.structured_model != "embedded" else None
+            backends = args.structured_backends.split(",") if args.structured_backends else None
             results.append(run_structured_workload(model, args.structured_requests, int(128 * args.scale) or 1,
-                                                   int(256 * args.scale) or 1, args.plot_dir))
+                                                   int(256 * args.scale) or 1, args.plot_dir, backends))
             continue
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
         results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.quantization,
@@ -536,6 +537,9 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
     bench.add_argument("--structured-model", default="llama-3-8b",
                        help="shape of the structured workload (random weights), or 'embedded' for SmolLM2")
     bench.add_argument("--structured-requests", type=int, default=64)
+    bench.add_argument("--structured-backends", default=None,
+                       help="comma list of grammar backends (xgrammar, llguidance) whose constrained passes run on the "
+                            "same engine, side by side (default: TANDEM_STRUCTURED_BACKEND, else xgrammar)")
     bench.add_argument("--scale", type=float, default=1.0, help="shrink prompt/output lengths (smoke runs)")
     bench.add_argument("--out", default=None, help="write results JSON here")
     bench.add_argument("--plot-dir", default=None, help="write timeline PNGs here")

@@ -61,12 +61,16 @@ def run_pass(llm: Any, requests: list[tuple[list[int], int]], fraction: float, p
 
 
 def run_structured_workload(model: str | None, num_requests: int, prompt_len: int, output_len: int,
-                            plot_dir: str | None = None) -> dict[str, Any]:
+                            plot_dir: str | None = None, backends: list[str] | None = None) -> dict[str, Any]:
+    """The passes on one engine: 0% constrained, then 50% and 100% for each grammar backend in `backends`
+    (default: this process's, TANDEM_STRUCTURED_BACKEND), then penalties on every request."""
     import torch
 
     from tandem import LLM
     from tandem.bench.workloads import Workload, make_requests
+    from tandem.structured.grammar import backend
 
+    backends = backends or [backend()]
     cuda = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(max_num_seqs=num_requests, max_model_len=prompt_len + output_len + 16)
     if model is not None:
@@ -74,39 +78,41 @@ def run_structured_workload(model: str | None, num_requests: int, prompt_len: in
     if not cuda:
         kwargs.update(device="cpu", dtype="float32")
     llm = LLM(**kwargs)
+    engine = llm.engine
     w = Workload("structured", model, num_requests, (prompt_len, prompt_len), (output_len, output_len))
-    requests = make_requests(w, llm.engine.model_config.vocab_size)
+    requests = make_requests(w, engine.model_config.vocab_size)
     warm = [(p, 8) for p, _ in requests[:8]]
-    for fraction in (0.0, 1.0):  # kernels, graphs, and the schema's compiled grammar
-        run_pass(llm, warm, fraction, record=False)
+    run_pass(llm, warm, 0.0, record=False)  # kernels and graphs
     run_pass(llm, warm, 0.0, penalties=True, record=False)
-    rows = [run_pass(llm, requests, f) for f in (0.0, 0.5, 1.0)]
+    rows = [run_pass(llm, requests, 0.0)]
+    for name in backends:
+        engine.use_structured_backend(name)
+        run_pass(llm, warm, 1.0, record=False)  # the schema's compiled grammar
+        for fraction in (0.5, 1.0):
+            rows.append({**run_pass(llm, requests, fraction), "backend": name})
     rows.append(run_pass(llm, requests, 0.0, penalties=True))
     base = rows[0]["tokens_per_s"]
     for r in rows:
         r["vs_unconstrained"] = r["tokens_per_s"] / base
-    from tandem.structured.grammar import backend
-
-    print(f"grammar backend: {backend()} (TANDEM_STRUCTURED_BACKEND)")
-    print(f"{'constrained':>11} {'penalties':>9} {'tok/s':>10} {'x base':>7} {'gpu busy':>8} {'mask ms/step':>12}")
+    print(f"{'constrained':>11} {'backend':>10} {'penalties':>9} {'tok/s':>10} {'x base':>7} {'gpu busy':>8} "
+          f"{'mask ms/step':>12}")
     for r in rows:
         busy = f"{r['gpu_busy_pct']:.1f}%" if r["gpu_busy_pct"] is not None else "-"
-        print(f"{r['constrained_fraction']:>10.0%} {str(r['penalties']):>9} {r['tokens_per_s']:>10.1f} "
-              f"{r['vs_unconstrained']:>7.3f} {busy:>8} {r['mask_ms_per_step']:>12.3f}")
+        print(f"{r['constrained_fraction']:>10.0%} {r.get('backend', '-'):>10} {str(r['penalties']):>9} "
+              f"{r['tokens_per_s']:>10.1f} {r['vs_unconstrained']:>7.3f} {busy:>8} {r['mask_ms_per_step']:>12.3f}")
     if plot_dir:
         from tandem.profiling.timeline import plot_timelines
 
         os.makedirs(plot_dir, exist_ok=True)
         png = os.path.join(plot_dir, "timeline-structured.png")
-        plot_timelines({"0% constrained": rows[0]["_timeline"], "50% constrained": rows[1]["_timeline"]}, png,
-                       max_seconds=0.06, start_frac=0.5)
-        rows[1]["_timeline"].to_chrome_trace(os.path.join(plot_dir, "trace-structured-50.json"), "50% constrained")
+        half = [r for r in rows if r["constrained_fraction"] == 0.5]
+        plot_timelines({"0% constrained": rows[0]["_timeline"],
+                        **{f"50% constrained, {r['backend']}": r["_timeline"] for r in half}},
+                       png, max_seconds=0.06, start_frac=0.5)
+        half[0]["_timeline"].to_chrome_trace(os.path.join(plot_dir, "trace-structured-50.json"), "50% constrained")
         print(f"wrote {png}")
-    from tandem.structured.grammar import backend
-
     result = {"workload": "structured", "model": model or "SmolLM2-135M (embedded)", "num_requests": num_requests,
-              "structured_backend": backend(),
-              "prompt_len": prompt_len, "output_len": output_len,
+              "structured_backends": backends, "prompt_len": prompt_len, "output_len": output_len,
               "device": torch.cuda.get_device_name() if cuda else "cpu",
               "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]}
     llm.shutdown()

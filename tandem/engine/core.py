@@ -25,7 +25,9 @@ from tandem.runner.tp_worker import exit_worker, run_worker, start_tensor_parall
 from tandem.sampling_params import SamplingParams
 from tandem.scheduler.output import SchedulerOutput
 from tandem.scheduler.scheduler import Scheduler, SchedulerConfig
+from tandem.structured.grammar import BACKENDS as STRUCTURED_BACKENDS
 from tandem.structured.grammar import GrammarCache
+from tandem.structured.grammar import backend as structured_backend
 from tandem.structured.grammar import validate as validate_structured
 from tandem.structured.matcher import HostMask
 
@@ -143,6 +145,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}  # unfinished requests
         self._inflight: StepHandle | None = None
         self._grammars: GrammarCache | None = None  # built at the first structured request
+        self.structured_backend = structured_backend()  # TANDEM_STRUCTURED_BACKEND when the engine was built
         self._compiling: dict[str, tuple[Request, Future]] = {}  # waiting for their grammar
         self._host_masks: dict[str, Request] = {}  # requests with a HostMask
         self.mask_time_s = 0.0  # CPU time filling grammar bitmasks (and enqueuing the sampling after them)
@@ -171,7 +174,7 @@ class EngineCore:
                 raise ValueError("structured output is not supported with tensor_parallel_size > 1")
             if self.tokenizer is None and self.config.load_format != "dummy":
                 raise ValueError("structured output needs a tokenizer, and this model has none")
-            validate_structured(spec)  # a quick ValueError with the compiler's message; the compile runs on a thread
+            validate_structured(spec, self.structured_backend)  # a quick ValueError with the compiler's message; the compile runs on a thread
             future = self._grammar_cache().submit(spec)
         num_prompt = len(prompt_token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -224,8 +227,20 @@ class EngineCore:
 
     def _grammar_cache(self) -> GrammarCache:
         if self._grammars is None:
-            self._grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+            self._grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
+                                          backend_name=self.structured_backend)
         return self._grammars
+
+    def use_structured_backend(self, name: str) -> None:
+        """Compiles later structured requests with backend `name` (xgrammar or llguidance); requests already under
+        a grammar keep theirs. Meant for between runs: the old backend's cache is dropped, and a compile still in
+        flight there is cancelled (its request fails)."""
+        if name not in STRUCTURED_BACKENDS:
+            raise ValueError(f"structured-output backend must be one of {STRUCTURED_BACKENDS}, got {name!r}")
+        if name != self.structured_backend and self._grammars is not None:
+            self._grammars.shutdown()
+            self._grammars = None
+        self.structured_backend = name
 
     def _attach_mask(self, request: Request, compiled: object | None) -> None:
         request.host_mask = HostMask(compiled, request.bad_word_ids)

@@ -117,12 +117,12 @@ def _xgr_grammar(spec: StructuredOutputParams) -> Any:
         raise ValueError(f"the {label} does not compile: {exc}") from exc
 
 
-def to_grammar(spec: StructuredOutputParams) -> Any:
-    """The spec's grammar for this process's backend: an xgrammar Grammar or an llguidance grammar string."""
-    return _xgr_grammar(spec) if backend() == "xgrammar" else _llg_grammar(spec)
+def to_grammar(spec: StructuredOutputParams, backend_name: str | None = None) -> Any:
+    """The spec's grammar for a backend (default: this process's): an xgrammar Grammar or an llguidance string."""
+    return _xgr_grammar(spec) if (backend_name or backend()) == "xgrammar" else _llg_grammar(spec)
 
 
-def validate(spec: StructuredOutputParams) -> None:
+def validate(spec: StructuredOutputParams, backend_name: str | None = None) -> None:
     """Raises ValueError naming the problem if the spec would not compile."""
     if spec.json is not None:
         try:
@@ -131,7 +131,7 @@ def validate(spec: StructuredOutputParams) -> None:
             raise ValueError(f"the JSON schema is not valid JSON: {exc}") from exc
         if not isinstance(schema, (dict, bool)):
             raise ValueError("the JSON schema must be an object")
-    to_grammar(spec)
+    to_grammar(spec, backend_name)
 
 
 def synthetic_vocab(vocab_size: int, seed: int = 0) -> list[bytes]:
@@ -175,8 +175,11 @@ class GrammarCache:
     """Compiled grammars for one tokenizer, one per distinct spec; compiled on a worker thread. xgrammar: a
     CompiledGrammar; llguidance: a matcher in its start state, which each request copies."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_workers: int = 1) -> None:
-        self.backend = backend()
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_workers: int = 1,
+                 backend_name: str | None = None) -> None:
+        self.backend = backend_name or backend()
+        if self.backend not in BACKENDS:
+            raise ValueError(f"structured-output backend must be one of {BACKENDS}, got {self.backend!r}")
         _xgr() if self.backend == "xgrammar" else _llg()  # fail now, in the caller, if the package is missing
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
         self.max_workers = max_workers

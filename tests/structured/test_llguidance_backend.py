@@ -88,3 +88,18 @@ def test_both_backends_fill_the_same_bitmask(monkeypatch):
         cache.shutdown()
     for a, b in zip(rows["xgrammar"], rows["llguidance"]):
         assert torch.equal(a, b)
+
+
+def test_the_engine_switches_backend_between_runs(guided_llm):
+    engine = guided_llm.engine
+    assert engine.structured_backend == "llguidance"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        engine.use_structured_backend("outlines")
+    schemas = SCHEMAS[:2]
+    engine.use_structured_backend("xgrammar")
+    try:
+        for schema, out in zip(schemas, _json(guided_llm, schemas, 0.0)):
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+        assert engine._grammar_cache().backend == "xgrammar"
+    finally:
+        engine.use_structured_backend("llguidance")
