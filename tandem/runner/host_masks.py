@@ -14,7 +14,7 @@ class HostMaskBuffers:
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         cuda = device.type == "cuda"
-        # [max_num_seqs, ceil(V / 32)] int32 per slot: bit b of word w allows token 32 w + b (llguidance layout).
+        # [max_num_seqs, ceil(V / 32)] int32 per slot: bit b of word w allows token 32 w + b (both backends').
         self.bits_cpu = [torch.zeros(max_num_seqs, self.num_words, dtype=torch.int32, pin_memory=cuda)
                          for _ in range(2)]
         self.rows_cpu = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
@@ -37,7 +37,7 @@ class HostMaskBuffers:
         if some is None:
             bits[: len(entries)].fill_(-1)
         else:
-            type(some).fill_rows(bits, entries)  # the grammar rows together: llguidance spreads them over threads
+            type(some).fill_rows(bits, entries)  # HostMask.fill_rows (runner does not import structured/)
 
     def upload(self, slot: int, num_rows: int) -> None:
         """H2D of the first num_rows bitmask rows and their batch rows (call on the H2D stream)."""

@@ -10,6 +10,7 @@ max_tokens; xgrammar's do not run on."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -21,8 +22,6 @@ BACKENDS = ("xgrammar", "llguidance")
 
 def backend() -> str:
     """The structured-output backend of this process (TANDEM_STRUCTURED_BACKEND; default xgrammar)."""
-    import os
-
     name = os.environ.get("TANDEM_STRUCTURED_BACKEND", "xgrammar")
     if name not in BACKENDS:
         raise ValueError(f"TANDEM_STRUCTURED_BACKEND must be one of {BACKENDS}, got {name!r}")
@@ -86,9 +85,7 @@ def _llg_grammar(spec: StructuredOutputParams) -> str:
 
             text = spec.grammar or ""
             grammar = llg.LLMatcher.grammar_from_lark(gbnf_to_lark(text) if "::=" in text else text)
-    except ValueError as exc:
-        raise ValueError(f"the {_LABEL.get(kind, kind)} does not compile: {exc}") from exc
-    except Exception as exc:  # the converters raise their own errors for text they cannot parse
+    except Exception as exc:  # ValueError from llguidance, the GBNF converter's own errors for text it cannot parse
         raise ValueError(f"the {_LABEL.get(kind, kind)} does not compile: {exc}") from exc
     error = llg.LLMatcher.validate_grammar(grammar)
     if error and not error.startswith("WARNING"):

@@ -55,16 +55,12 @@ class HostMask:
             return True
         return m.is_error() if self.llguidance else m.is_terminated()
 
-    def fill(self, bits: Any, index: int, all_token_ids: list[int]) -> None:
-        """Writes row `index` of the int32 bitmask `bits` (a CPU tensor [rows, ceil(V/32)]): the grammar's
-        allowed set, minus the last token of each bad word whose other tokens end the sequence so far."""
-        HostMask.fill_rows(bits, [(index, self, all_token_ids)])
-
     @staticmethod
     def fill_rows(bits: Any, rows: list[tuple[int, HostMask | None, list[int]]]) -> None:
-        """fill() for many rows (row index, mask or None for "allow all", the request's tokens so far): the
-        grammar rows of each backend in one call that spreads them over its threads (an xgrammar row under a
-        bounded string can take milliseconds), then the bad words row by row."""
+        """Writes rows of the int32 bitmask `bits` (a CPU tensor [rows, ceil(V/32)]), one per (row index, mask or
+        None for "allow all", the request's tokens so far): the grammar's allowed set, minus the last token of
+        each bad word whose other tokens end the sequence so far. The grammar rows of each backend go in one call
+        that spreads them over its threads (an xgrammar row under a bounded string can take milliseconds)."""
         xgr_matchers, xgr_indices, llg_rows = [], [], []
         for index, mask, _ in rows:
             if mask is None or mask._allows_all():
