@@ -44,6 +44,7 @@ def run_pass(llm: Any, requests: list[tuple[list[int], int]], fraction: float, p
     engine = llm.engine
     params = _params(requests, fraction, penalties)
     mask_s0, mask_steps0, steps0 = engine.mask_time_s, engine.num_mask_steps, engine.num_steps
+    rejections0 = engine.num_grammar_rejections
     tl = engine.start_timeline() if record else None
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
@@ -57,6 +58,7 @@ def run_pass(llm: Any, requests: list[tuple[list[int], int]], fraction: float, p
             "gpu_busy_pct": tl.gpu_busy_pct() if tl is not None else None,
             "num_steps": engine.num_steps - steps0, "num_mask_steps": mask_steps,
             "mask_ms_per_step": 1000 * (engine.mask_time_s - mask_s0) / mask_steps if mask_steps else 0.0,
+            "grammar_rejections": engine.num_grammar_rejections - rejections0,
             "_timeline": tl, "_outputs": [list(o.outputs[0].token_ids) for o in outs]}
 
 
@@ -95,11 +97,11 @@ def run_structured_workload(model: str | None, num_requests: int, prompt_len: in
     for r in rows:
         r["vs_unconstrained"] = r["tokens_per_s"] / base
     print(f"{'constrained':>11} {'backend':>10} {'penalties':>9} {'tok/s':>10} {'x base':>7} {'gpu busy':>8} "
-          f"{'mask ms/step':>12}")
+          f"{'mask ms/step':>12} {'rejected':>8}")
     for r in rows:
         busy = f"{r['gpu_busy_pct']:.1f}%" if r["gpu_busy_pct"] is not None else "-"
         print(f"{r['constrained_fraction']:>10.0%} {r.get('backend', '-'):>10} {str(r['penalties']):>9} "
-              f"{r['tokens_per_s']:>10.1f} {r['vs_unconstrained']:>7.3f} {busy:>8} {r['mask_ms_per_step']:>12.3f}")
+              f"{r['tokens_per_s']:>10.1f} {r['vs_unconstrained']:>7.3f} {busy:>8} {r['mask_ms_per_step']:>12.3f} {r['grammar_rejections']:>8}")
     if plot_dir:
         from tandem.profiling.timeline import plot_timelines
 

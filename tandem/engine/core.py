@@ -150,6 +150,7 @@ class EngineCore:
         self._host_masks: dict[str, Request] = {}  # requests with a HostMask
         self.mask_time_s = 0.0  # CPU time filling grammar bitmasks (and enqueuing the sampling after them)
         self.num_mask_steps = 0
+        self.num_grammar_rejections = 0  # sampled tokens a request's grammar refused (a masking bug if ever > 0)
         self.timeline: Timeline | None = None
         self.step_log: list[tuple[int, int, int]] | None = None  # (seqs, tokens, context tokens) per step
         self._timeline_base: tuple[object, float] | None = None
@@ -373,8 +374,8 @@ class EngineCore:
             if rid not in requests:
                 continue  # aborted meanwhile: its token is dropped
             host_mask = req.host_mask
-            if host_mask is not None:
-                host_mask.accept(req.output_token_ids[-1])
+            if host_mask is not None and not host_mask.accept(req.output_token_ids[-1]):
+                self.num_grammar_rejections += 1
             new_lp = req.output_logprobs[-1:] if req.sampling_params.logprobs is not None else None
             scheduled_at = req.first_scheduled_time
             finished = req.status is finished_status

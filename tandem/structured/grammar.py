@@ -9,6 +9,7 @@ max_tokens; xgrammar's do not run on."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import threading
@@ -165,6 +166,24 @@ class _SyntheticTokenizer:
         return [b - 32 for b in data if 32 <= b < 127]
 
 
+def llguidance_tokenizer_json(tokenizer: Any) -> str:
+    """The tokenizer's serialized form (tokenizer.json) for llguidance, which reads each token's bytes from it and
+    tells a byte-level BPE vocabulary ("Ġ" for a space) by its decoder. Some transformers versions convert a GGUF
+    byte-level vocabulary with a decoder chain (ByteFallback, Fuse, Replace, ByteLevel) that llguidance does not
+    recognise: it would take "Ġ" for two bytes of text, and its masks would allow tokens its matcher then refuses.
+    Such a chain is reduced to its ByteLevel step, which decodes these tokens the same way."""
+    backend_tokenizer = copy.copy(tokenizer.backend_tokenizer)
+    backend_tokenizer.no_padding()
+    backend_tokenizer.no_truncation()
+    data = json.loads(backend_tokenizer.to_str())
+    decoder = data.get("decoder") or {}
+    if decoder.get("type") == "Sequence":
+        byte_level = [d for d in decoder.get("decoders", []) if d.get("type") == "ByteLevel"]
+        if byte_level:
+            data["decoder"] = byte_level[0]
+    return json.dumps(data)
+
+
 MAX_CACHED_GRAMMARS = 512
 
 
@@ -207,9 +226,8 @@ class GrammarCache:
         llg = _llg()
         if self.tokenizer is None:
             return llg.LLTokenizer(llg.TokenizerWrapper(_SyntheticTokenizer(self.vocab_size, self.stop_token_ids)))
-        from llguidance.hf import from_tokenizer
-
-        return from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=list(self.stop_token_ids) or None)
+        return llg.LLTokenizer(llguidance_tokenizer_json(self.tokenizer), n_vocab=self.vocab_size,
+                               eos_token=list(self.stop_token_ids) or None)
 
     def submit(self, spec: StructuredOutputParams) -> Future:
         """A future of the compiled grammar (done at once for a spec compiled before)."""

@@ -30,15 +30,18 @@ class HostMask:
         self.bad_word_ids = bad_word_ids
         self.rejected = False  # a token the grammar did not allow reached it (never, with the mask applied)
 
-    def accept(self, token_id: int) -> None:
-        """Advances the grammar with a sampled token. Once the grammar is done (xgrammar: it took a stop token;
-        llguidance: only a stop token may follow) nothing more is consumed."""
+    def accept(self, token_id: int) -> bool:
+        """Advances the grammar with a sampled token; False when the grammar rejects it (never, with the mask
+        applied). Once the grammar is done (xgrammar: it took a stop token; llguidance: only a stop token may
+        follow) nothing more is consumed."""
         m = self.matcher
         if m is None or self.is_terminated:
-            return
+            return True
         if not (m.consume_token(token_id) if self.llguidance else m.accept_token(token_id)):
             self.rejected = True
             logger.warning("grammar rejected sampled token %d", token_id)
+            return False
+        return True
 
     @property
     def is_terminated(self) -> bool:

@@ -4,9 +4,11 @@ the tokens, and a grammar's rows fill the same bitmask layout as xgrammar's."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
@@ -103,3 +105,28 @@ def test_the_engine_switches_backend_between_runs(guided_llm):
         assert engine._grammar_cache().backend == "xgrammar"
     finally:
         engine.use_structured_backend("llguidance")
+
+
+def test_byte_level_vocabulary_behind_a_decoder_chain(guided_llm):
+    # transformers 5.17 converts the embedded GGUF vocabulary with this decoder chain; llguidance must still read
+    # "Ġ" as a space, or its masks allow tokens that its own matcher then refuses.
+    from tokenizers import decoders
+
+    tok = copy.deepcopy(guided_llm.engine.tokenizer)
+    tok.backend_tokenizer.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("▁", " "), decoders.ByteLevel()])
+    space_quote = tok.convert_tokens_to_ids("Ġ\"")
+    assert tok.decode([space_quote]) == ' "'
+    vocab = guided_llm.engine.model_config.vocab_size
+    cache = GrammarCache(tok, vocab, [tok.eos_token_id], backend_name="llguidance")
+    assert cache._compiler().decode_bytes([space_quote]) == b' "'
+    masks = [HostMask(cache.submit(StructuredOutputParams(json=json.dumps(s))).result()) for s in SCHEMAS[:12]]
+    bits = torch.zeros(len(masks), (vocab + 31) // 32, dtype=torch.int32)
+    rng = np.random.default_rng(0)
+    for _ in range(12):  # random allowed tokens: every one must be accepted
+        HostMask.fill_rows(bits, [(j, m, []) for j, m in enumerate(masks)])
+        for j, m in enumerate(masks):
+            words = bits[j].numpy().view(np.uint32)
+            allowed = np.flatnonzero((words[:, None] >> np.arange(32, dtype=np.uint32)) & 1)
+            assert m.accept(int(rng.choice(allowed)))
+    cache.shutdown()

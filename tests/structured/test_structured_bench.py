@@ -24,3 +24,4 @@ def test_structured_workload_reports_each_pass(tmp_path):
     assert rows[0]["vs_unconstrained"] == 1.0
     assert rows[0]["num_mask_steps"] == 0 and rows[-1]["num_mask_steps"] == 0
     assert all(x["num_mask_steps"] > 0 for x in rows[1:-1])
+    assert all(x["grammar_rejections"] == 0 for x in rows)  # every sampled token was one its grammar allowed
