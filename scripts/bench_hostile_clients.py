@@ -166,6 +166,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--connections", type=int, default=1000)
+    parser.add_argument("--completions", type=int, default=10, help="1-token completions timed per phase")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     result: dict[str, object] = {
@@ -186,17 +187,18 @@ def main() -> int:
             timed_refusal(port, head(len(ten)), slices(ten), 400) for _ in range(max(1, args.repeats // 2)))
         # Idle, hostile, idle again (the machine's own noise shows as the gap between the two idle runs); the
         # hostile run measures within --header-timeout (10 s), before the server closes the slow connections.
-        result["idle_latency_s"] = latency(port, 50, 3)
+        result["idle_latency_s"] = latency(port, 50, args.completions)
         socks, stop = hostile_connections(port, args.connections)
         time.sleep(0.5)
         hostile = latency(port, 50, 0)
         result["hostile_open_after_models_run"] = sum(1 for s in socks if _open(s))
-        hostile.update({k: v for k, v in latency(port, 3, 3).items() if k != "models"})
+        hostile.update({k: v for k, v in latency(port, args.completions, args.completions).items() if k != "models"})
+        result["hostile_open_after_completions"] = sum(1 for s in socks if _open(s))
         result["latency_with_%d_hostile_connections_s" % args.connections] = hostile
         stop.set()
         for s in socks:
             s.close()
-        result["idle_latency_again_s"] = latency(port, 50, 3)
+        result["idle_latency_again_s"] = latency(port, 50, args.completions)
     finally:
         proc.terminate()
         proc.wait(60)

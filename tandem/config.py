@@ -17,6 +17,8 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 
+# Structured output's grammar backends (grammar_backend, TANDEM_STRUCTURED_BACKEND).
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
 # kv_cache_dtype names (vLLM's): None stands for the model dtype.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
@@ -115,6 +117,9 @@ class EngineConfig:
     # MoE models over tensor_parallel_size ranks: whole experts per rank (expert e on rank e mod N) instead of
     # every expert sharded along its intermediate dimension; attention and dense layers stay tensor-parallel.
     enable_expert_parallel: bool = False
+    # The grammar backend of structured output (xgrammar or llguidance); None: TANDEM_STRUCTURED_BACKEND, else the
+    # default (structured/grammar.py).
+    grammar_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, "fp8"):
@@ -125,6 +130,8 @@ class EngineConfig:
         if self.quantize_lm_head and self.quantization != "fp8":
             raise ValueError("quantize_lm_head needs quantization fp8 (it puts the lm_head in FP8 beside the other "
                              "linears)")
+        if self.grammar_backend is not None and self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models over the tensor-parallel ranks: whole experts per rank (expert e on rank "
                         "e mod N) instead of every expert sharded; attention stays tensor-parallel")
+    g.add_argument("--grammar-backend", default=None, choices=["xgrammar", "llguidance"],
+                   help="grammar backend of structured output and tool calls (default: TANDEM_STRUCTURED_BACKEND, "
+                        "else xgrammar)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -55,4 +58,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         quantization=args.quantization, quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         data_parallel_size=getattr(args, "data_parallel_size", 1),  # generate's and serve's own flag
+        grammar_backend=getattr(args, "grammar_backend", None),
     )

@@ -115,7 +115,7 @@ def run_structured_workload(model: str | None, num_requests: int, prompt_len: in
         print(f"wrote {png}")
     result = {"workload": "structured", "model": model or "SmolLM2-135M (embedded)", "num_requests": num_requests,
               "structured_backends": backends, "prompt_len": prompt_len, "output_len": output_len,
-              "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "device": torch.cuda.get_device_name() if cuda else "cpu", "date": time.strftime("%Y-%m-%d"),
               "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]}
     llm.shutdown()
     return result

@@ -145,7 +145,8 @@ class EngineCore:
         self._requests: dict[str, Request] = {}  # unfinished requests
         self._inflight: StepHandle | None = None
         self._grammars: GrammarCache | None = None  # built at the first structured request
-        self.structured_backend = structured_backend()  # TANDEM_STRUCTURED_BACKEND when the engine was built
+        # --grammar-backend, else TANDEM_STRUCTURED_BACKEND when the engine was built
+        self.structured_backend = config.grammar_backend or structured_backend()
         self._compiling: dict[str, tuple[Request, Future]] = {}  # waiting for their grammar
         self._host_masks: dict[str, Request] = {}  # requests with a HostMask
         self.mask_time_s = 0.0  # CPU time filling grammar bitmasks (and enqueuing the sampling after them)

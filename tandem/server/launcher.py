@@ -372,6 +372,8 @@ def serve_main(args: argparse.Namespace) -> int:
     """`tandem serve`: exit 0 after a graceful SIGTERM/SIGINT shutdown, 1 if the engine or a process failed."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_process_name("tandem-serve")
+    if args.grammar_backend:  # the API processes check specs with the engine's backend: they inherit it from here
+        os.environ["TANDEM_STRUCTURED_BACKEND"] = args.grammar_backend
     try:
         settings = ApiSettings(EngineConfig(**engine_kwargs(args)), model_names_from_args(args), host=args.host,
                                port=args.port, api_key=args.api_key, max_queue=args.max_queue,

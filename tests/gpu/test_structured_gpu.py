@@ -33,6 +33,9 @@ def _run(llm, params, prompts, overlap=True, graphs=True):
     engine.overlap = overlap
     if not graphs:
         engine.runner.graphs = engine.runner.piecewise = None
+    # Every run prefills the whole prompts: a run that found them cached would compute the last prompt tokens in
+    # other shapes, whose fp32 rounding can flip a sample at temperature 1.0.
+    engine.scheduler.reset_prefix_cache()
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
     finally:

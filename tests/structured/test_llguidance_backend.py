@@ -1,9 +1,11 @@
-"""The llguidance backend (TANDEM_STRUCTURED_BACKEND=llguidance) behind the same engine: JSON schemas, regex, choice
-and GBNF grammars constrain the embedded model's output, bad specs are ValueErrors naming the field, overlap keeps
-the tokens, and a grammar's rows fill the same bitmask layout as xgrammar's."""
+"""The llguidance backend (grammar_backend="llguidance", or TANDEM_STRUCTURED_BACKEND=llguidance) behind the same
+engine: JSON schemas, regex, choice and GBNF grammars constrain the embedded model's output, bad specs are
+ValueErrors naming the field, overlap keeps the tokens, a grammar's rows fill the same bitmask layout as
+xgrammar's, and a byte-level vocabulary is read right whatever decoder chain the tokenizer carries."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 
@@ -24,12 +26,10 @@ pytest.importorskip("llguidance")
 
 @pytest.fixture(scope="module")
 def guided_llm():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TANDEM_STRUCTURED_BACKEND", "llguidance")
-    llm = LLM(device="cpu", dtype="float32", max_model_len=1024, max_num_seqs=16, num_kv_blocks=256, seed=0)
+    llm = LLM(device="cpu", dtype="float32", max_model_len=1024, max_num_seqs=16, num_kv_blocks=256, seed=0,
+              grammar_backend="llguidance")
     yield llm
     llm.shutdown()
-    mp.undo()
 
 
 def _json(llm, schemas, temperature, overlap=True):
@@ -129,4 +129,43 @@ def test_byte_level_vocabulary_behind_a_decoder_chain(guided_llm):
             words = bits[j].numpy().view(np.uint32)
             allowed = np.flatnonzero((words[:, None] >> np.arange(32, dtype=np.uint32)) & 1)
             assert m.accept(int(rng.choice(allowed)))
+    cache.shutdown()
+
+
+def test_grammar_backend_flag():
+    from tandem.config import EngineConfig
+    from tandem.engine_args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args(["--grammar-backend", "llguidance"]))["grammar_backend"] == "llguidance"
+    assert engine_kwargs(parser.parse_args([]))["grammar_backend"] is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--grammar-backend", "outlines"])
+    with pytest.raises(ValueError, match="grammar_backend must be one of"):
+        EngineConfig(grammar_backend="outlines")
+
+
+def test_ranged_numbers_have_at_most_six_fraction_digits():
+    # As under xgrammar: without the bound, a model can write "1.0000..." under `maximum: 1` until max_tokens.
+    from tandem.structured.grammar import bounded_number_digits
+
+    schema = {"type": "object", "properties": {
+        "enum": {"type": "number", "maximum": 1},  # a property named like a keyword is still a schema
+        "free": {"type": "number"},  # no range: left alone (xgrammar does not bound it either)
+        "step": {"type": "number", "minimum": 0, "multipleOf": 0.5},  # the user's own multipleOf stays
+        "odd": {"type": "number", "minimum": 0.1234567}},  # a bound finer than the digits: left alone
+        "enum": [{"type": "number", "maximum": 1}]}  # data, not a schema
+    out = json.loads(bounded_number_digits(json.dumps(schema)))
+    props = out["properties"]
+    assert props["enum"]["multipleOf"] == 1e-6
+    assert "multipleOf" not in props["free"] and "multipleOf" not in props["odd"]
+    assert props["step"]["multipleOf"] == 0.5 and out["enum"] == schema["enum"]
+    assert bounded_number_digits("{not json") == "{not json"
+    cache = GrammarCache(None, 300, [299], backend_name="llguidance")
+    spec = StructuredOutputParams(json=json.dumps({"type": "number", "minimum": 0, "maximum": 1}))
+    for text, ended in (("0.123456", True), ("1.000000", True), ("0.5", False), ("0.12", False)):
+        mask = HostMask(cache.submit(spec).result())
+        assert all(mask.accept(ord(c) - 32) for c in text), text  # the synthetic vocabulary: ASCII first
+        assert mask.is_terminated == ended, text  # six digits after the point: only the end may follow
     cache.shutdown()
