@@ -101,7 +101,8 @@ def run_structured_workload(model: str | None, num_requests: int, prompt_len: in
     for r in rows:
         busy = f"{r['gpu_busy_pct']:.1f}%" if r["gpu_busy_pct"] is not None else "-"
         print(f"{r['constrained_fraction']:>10.0%} {r.get('backend', '-'):>10} {str(r['penalties']):>9} "
-              f"{r['tokens_per_s']:>10.1f} {r['vs_unconstrained']:>7.3f} {busy:>8} {r['mask_ms_per_step']:>12.3f} {r['grammar_rejections']:>8}")
+              f"{r['tokens_per_s']:>10.1f} {r['vs_unconstrained']:>7.3f} {busy:>8} {r['mask_ms_per_step']:>12.3f} "
+              f"{r['grammar_rejections']:>8}")
     if plot_dir:
         from tandem.profiling.timeline import plot_timelines
 
