@@ -28,7 +28,6 @@ class HostMask:
 
             self.matcher = xgr.GrammarMatcher(compiled_grammar)
         self.bad_word_ids = bad_word_ids
-        self.rejected = False  # a token the grammar did not allow reached it (never, with the mask applied)
 
     def accept(self, token_id: int) -> bool:
         """Advances the grammar with a sampled token; False when the grammar rejects it (never, with the mask
@@ -38,7 +37,6 @@ class HostMask:
         if m is None or self.is_terminated:
             return True
         if not (m.consume_token(token_id) if self.llguidance else m.accept_token(token_id)):
-            self.rejected = True
             logger.warning("grammar rejected sampled token %d", token_id)
             return False
         return True
