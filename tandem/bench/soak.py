@@ -429,8 +429,8 @@ def build_report(args: argparse.Namespace, soak: Soak, samples: list[dict[str, A
     return {
         "benchmark": "soak",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": _commit(), "device": _device(), "command": "tandem " + " ".join(sys.argv[1:]),
-        "config": {k: v for k, v in vars(args).items() if k != "func" and k != "api_key"},
+        "commit": _commit(), "device": _device(args), "command": "tandem " + " ".join(sys.argv[1:]),
+        "config": {k: v for k, v in vars(args).items() if k in _soak_arg_names() and k != "api_key"},
         "capacity_requests_per_s": capacity, "request_rate": rate,
         "summary": {
             "passed": all(checks.values()), "checks": checks, "sent": soak.sent, "counts": counts,
@@ -482,10 +482,34 @@ def _commit() -> str | None:
         return None
 
 
-def _device() -> str:
+def _device(args: argparse.Namespace) -> str:
+    """Where the server ran (its GPUs, named by nvidia-smi, unless it runs on the CPU) and the client's host."""
     import platform
+    import shlex
 
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})"
+    client = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+    if args.base_url:
+        return f"server at {args.base_url}; client on cpu ({client})"
+    words = shlex.split(args.server_args)
+    on_cpu = "--device=cpu" in words or any(a == "--device" and b == "cpu" for a, b in zip(words, words[1:]))
+    gpus: list[str] = []
+    if not on_cpu:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=10).stdout
+            gpus = [line.strip() for line in out.splitlines() if line.strip()]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    if not gpus:
+        return f"cpu ({client})"
+    server = gpus[0] if len(gpus) == 1 else f"{len(gpus)}x {gpus[0]}"
+    return f"{server} (server); client on the same host ({client})"
+
+
+def _soak_arg_names() -> set[str]:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_bench_soak_args(parser)
+    return set(vars(parser.parse_args([])))
 
 
 def plot(report: dict[str, Any], path: str) -> None:

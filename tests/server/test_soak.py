@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tandem.bench.soak import Soak, add_bench_soak_args, idle_fd_growth, plot, resource_drift
+from tandem.bench.soak import Soak, _device, _soak_arg_names, add_bench_soak_args, idle_fd_growth, plot, resource_drift
 from tests.server.procs import REPO
 
 
@@ -79,6 +79,20 @@ def test_two_minute_soak_on_cpu(tmp_path):
     assert (tmp_path / "soak.png").exists()
     for key in ("date", "commit", "device", "command"):
         assert report[key], key
+    assert report["device"].startswith("cpu (") and "structured_model" not in report["config"]
+
+
+def test_the_record_names_where_the_server_ran(monkeypatch):
+    args = _args()
+    args.server_args = "--device cpu --max-model-len 256"
+    assert _device(args).startswith("cpu (")
+    args.server_args = "--model llama-3-8b"
+    gpus = subprocess.CompletedProcess([], 0, stdout="NVIDIA H200\nNVIDIA H200\n")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: gpus)
+    assert _device(args).startswith("2x NVIDIA H200 (server); client on the same host (")
+    args.base_url = "http://host:8000"
+    assert _device(args).startswith("server at http://host:8000; client on cpu (")
+    assert "minutes" in _soak_arg_names() and "workload" not in _soak_arg_names()
 
 
 def test_the_mix_without_a_tokenizer_sends_token_ids():
