@@ -43,7 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "e mod N) instead of every expert sharded; attention stays tensor-parallel")
     g.add_argument("--grammar-backend", default=None, choices=["xgrammar", "llguidance"],
                    help="grammar backend of structured output and tool calls (default: TANDEM_STRUCTURED_BACKEND, "
-                        "else xgrammar)")
+                        "else llguidance)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -539,7 +539,7 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
     bench.add_argument("--structured-requests", type=int, default=64)
     bench.add_argument("--structured-backends", default=None,
                        help="comma list of grammar backends (xgrammar, llguidance) whose constrained passes run on the "
-                            "same engine, side by side (default: TANDEM_STRUCTURED_BACKEND, else xgrammar)")
+                            "same engine, side by side (default: TANDEM_STRUCTURED_BACKEND, else llguidance)")
     bench.add_argument("--scale", type=float, default=1.0, help="shrink prompt/output lengths (smoke runs)")
     bench.add_argument("--out", default=None, help="write results JSON here")
     bench.add_argument("--plot-dir", default=None, help="write timeline PNGs here")

@@ -2,8 +2,8 @@
 compiles each distinct spec once, on a worker thread, off the engine's step.
 
 Two backends, chosen by --grammar-backend (EngineConfig.grammar_backend) or else per process by
-TANDEM_STRUCTURED_BACKEND (the server's API and engine processes inherit it): xgrammar (the default) or
-llguidance. Both fill the same int32 bitmask rows. llguidance computes a mask in tens of microseconds where
+TANDEM_STRUCTURED_BACKEND (the server's API and engine processes inherit it): llguidance (the default) or
+xgrammar. Both fill the same int32 bitmask rows. llguidance computes a mask in tens of microseconds where
 xgrammar can take milliseconds (a string bounded by maxLength checks every token one by one): with half of 64
 requests under a JSON schema it kept 0.945 of the unconstrained tokens/s on an H200, xgrammar 0.620. Ranged JSON
 numbers get at most 6 digits after the point under both (bounded_number_digits), so a model cannot write
@@ -22,11 +22,11 @@ from tandem.config import GRAMMAR_BACKENDS
 from tandem.sampling_params import StructuredOutputParams
 
 BACKENDS = GRAMMAR_BACKENDS
-DEFAULT_BACKEND = "xgrammar"
+DEFAULT_BACKEND = "llguidance"
 
 
 def backend() -> str:
-    """The structured-output backend of this process (TANDEM_STRUCTURED_BACKEND; default xgrammar)."""
+    """The structured-output backend of this process (TANDEM_STRUCTURED_BACKEND; default llguidance)."""
     name = os.environ.get("TANDEM_STRUCTURED_BACKEND", DEFAULT_BACKEND)
     if name not in BACKENDS:
         raise ValueError(f"TANDEM_STRUCTURED_BACKEND must be one of {BACKENDS}, got {name!r}")

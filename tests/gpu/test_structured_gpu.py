@@ -1,5 +1,6 @@
 """Structured output and penalties on a GPU: CUDA graphs, the two-half launch (forward before the grammar mask,
-sampling after it) and the device-side penalty counts give the same tokens as sync mode and as eager steps."""
+sampling after it) and the device-side penalty counts give the same tokens as sync mode, and as eager steps on
+greedy rows."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 if not torch.cuda.is_available():
     pytest.skip("GPU tests need CUDA", allow_module_level=True)
-pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")  # the default grammar backend
 jsonschema = pytest.importorskip("jsonschema")
 
 from tandem import LLM, SamplingParams  # noqa: E402
@@ -49,18 +50,35 @@ def _schema_params(temperature):
             for i, s in enumerate(SCHEMAS)]
 
 
+def _differ(a: list[list[int]], b: list[list[int]]) -> list[int]:
+    return [i for i, (x, y) in enumerate(zip(a, b)) if list(x) != list(y)]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_schema_validates_and_overlap_graphs_and_eager_agree(llm, temperature):
+    """Overlap and sync run the same kernels: their tokens agree exactly. Eager steps run the batch at its own
+    size where a graph pads it to a captured one, so the GEMMs see other shapes; their fp32 rounding can flip a
+    sample at temperature 1.0 whose two best candidates are nearly tied (seen on an H200: 1 request of 52). Eager
+    and graphs must agree exactly on greedy rows; at temperature 1.0 every eager output must still validate and
+    at least 90% of the requests agree, which a mask applied to the wrong rows would not."""
     prompts = [f"JSON for {json.dumps(s)}:" for s in SCHEMAS]
     params = _schema_params(temperature)
     main = _run(llm, params, prompts)
     for schema, out in zip(SCHEMAS, main):
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema)
-    for kwargs in (dict(overlap=False), dict(graphs=False)):
-        other = [list(o.token_ids) for o in _run(llm, params, prompts, **kwargs)]
-        differ = [i for i, (a, b) in enumerate(zip(other, main)) if a != list(b.token_ids)]
-        assert not differ, f"{kwargs}: requests {differ} differ from the overlapped, graphed run"
+    tokens = [list(o.token_ids) for o in main]
+    differ = _differ([list(o.token_ids) for o in _run(llm, params, prompts, overlap=False)], tokens)
+    assert not differ, f"sync: requests {differ} differ from the overlapped run"
+    eager = _run(llm, params, prompts, graphs=False)
+    differ = _differ([list(o.token_ids) for o in eager], tokens)
+    if temperature == 0.0:
+        assert not differ, f"eager: requests {differ} differ from the graphed run"
+    else:
+        assert len(differ) <= len(SCHEMAS) // 10, f"eager: requests {differ} differ from the graphed run"
+        for schema, out in zip(SCHEMAS, eager):
+            assert out.finish_reason == "stop", out.text
+            jsonschema.validate(json.loads(out.text), schema)
     assert llm.engine.num_host_masks() == 0
     assert llm.engine.num_grammar_rejections == 0
 
@@ -73,9 +91,14 @@ def test_mixed_constrained_and_penalised_batch_matches_sync_and_eager(llm):
         if i % 3 == 0:
             kw["structured_output"] = StructuredOutputParams(json=json.dumps(SCHEMAS[i % len(SCHEMAS)]))
             kw["ignore_eos"] = False
-        if i % 4 == 1:
+        if i % 4 in (1, 2):  # penalties on greedy rows and on sampled ones
             kw.update(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.2, logit_bias={13: -5.0})
         params.append(SamplingParams(**kw))
-    main = [o.token_ids for o in _run(llm, params, prompts)]
-    assert [o.token_ids for o in _run(llm, params, prompts, overlap=False)] == main
-    assert [o.token_ids for o in _run(llm, params, prompts, graphs=False)] == main
+    main = [list(o.token_ids) for o in _run(llm, params, prompts)]
+    assert [list(o.token_ids) for o in _run(llm, params, prompts, overlap=False)] == main
+    # Greedy rows agree exactly with eager steps; sampled ones may flip on fp32 rounding (see above).
+    eager = [list(o.token_ids) for o in _run(llm, params, prompts, graphs=False)]
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+    differ = _differ(eager, main)
+    assert not [i for i in differ if i in greedy] and len(differ) <= len(params) // 10, differ
+    assert llm.engine.num_grammar_rejections == 0
