@@ -10,13 +10,15 @@ experts from HBM, as a decode step does layer after layer. Bytes per call = dist
 expert's bytes (exact, counted on the host before capture); the fraction is bytes / time over a device-to-device
 copy bandwidth measured in the same run (BENCHMARKS.md's roofline convention). The loop (one masked gather and
 two matmuls per expert hit, as transformers runs it) cannot be captured (it sizes tensors from the routing), so it
-is timed eagerly with events around each call. --sweep times a few tiles per token count (TANDEM_MOE_TILE format).
+is timed eagerly with events around each call. --sweep times a few tiles per token count (TANDEM_MOE_TILE format),
+and on the pair path (the fewest tokens) its N tiles and both down projections (TANDEM_MOE_PAIR format).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,6 +42,7 @@ SHAPES = {  # (experts, top_k, hidden, expert intermediate)
 SWEEP = [MoETile(16, 64, 128, 4, 4), MoETile(16, 128, 128, 4, 3), MoETile(16, 64, 256, 4, 3),
          MoETile(16, 32, 128, 4, 4), MoETile(32, 64, 128, 4, 4), MoETile(64, 128, 64, 8, 3),
          MoETile(64, 128, 64, 4, 4), MoETile(128, 128, 64, 8, 3)]
+PAIR_SWEEP = ["8", "16", "32", "64", "8,pairs", "16,pairs", "32,pairs", "64,pairs"]
 
 
 def loop_moe(x, w13, w2, weights, ids):  # type: ignore[no-untyped-def]
@@ -124,7 +127,15 @@ def bench(shape: str, tokens: list[int], fp8: bool, sweep: bool, calls: int) -> 
                                                  float((ref.float() - out.float()).abs().max()))
             row["loop_us"] = sorted(loop_times)[len(loop_times) // 2] * 1e3
             row["speedup_vs_loop"] = row["loop_us"] / row["fused_us"]
-        if sweep:
+        if sweep and row["pair_path"]:
+            row["pair_sweep_us"] = {}
+            for spec in PAIR_SWEEP:
+                os.environ["TANDEM_MOE_PAIR"] = spec
+                try:
+                    row["pair_sweep_us"][spec] = time_fused(stacks, xs, routings, None) * 1e3
+                finally:
+                    del os.environ["TANDEM_MOE_PAIR"]
+        elif sweep:
             best = None
             for tile in SWEEP:
                 try:

@@ -292,9 +292,23 @@ def _moe_pair_down_sum_kernel(
 PAIR_BLOCK_N, PAIR_BLOCK_K = 32, 256
 
 
+def pair_config() -> tuple[int, bool]:
+    """The pair path's N tile, and whether its down projection sums a token's pairs in registers (one program per
+    token and N tile) rather than one GEMV program per pair and N tile, then a sum over top_k. The default is
+    (PAIR_BLOCK_N, True); TANDEM_MOE_PAIR="BLOCK_N[,sum|pairs]" overrides it (scripts/bench_moe.py --sweep)."""
+    spec = os.environ.get("TANDEM_MOE_PAIR")
+    if not spec:
+        return PAIR_BLOCK_N, True
+    block_n, _, down = spec.partition(",")
+    if not block_n.isdigit() or int(block_n) not in (8, 16, 32, 64, 128) or down not in ("", "sum", "pairs"):
+        raise ValueError(f"TANDEM_MOE_PAIR must be BLOCK_N (8..128, a power of 2)[,sum|pairs], got {spec!r}")
+    return int(block_n), down != "pairs"
+
+
 def moe_pair_down_sum(
     act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     top_k: int, expert_map: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+    block_n: int = PAIR_BLOCK_N,
 ) -> None:
     """out[token] = sum over its top_k pairs of weight x act[pair] @ w2[expert]^T; one program per token, N tile."""
     n, k = out.shape[1], act.shape[1]
@@ -302,19 +316,19 @@ def moe_pair_down_sum(
     block_k = min(PAIR_BLOCK_K, triton.next_power_of_2(k))
     vec = max(1, min(16 // w2.element_size(), block_k))
     pdl = use_pdl(act.device)
-    _moe_pair_down_sum_kernel[(out.shape[0], triton.cdiv(n, PAIR_BLOCK_N))](
+    _moe_pair_down_sum_kernel[(out.shape[0], triton.cdiv(n, block_n))](
         act, w2, out, scale if scale is not None else w2, topk_weights, topk_ids,
         expert_map if expert_map is not None else topk_ids,
         n, k, act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), scale.stride(0) if scale is not None else 0,
         TOP_K=top_k, HAS_SCALE=scale is not None, HAS_MAP=expert_map is not None,
-        BLOCK_N=PAIR_BLOCK_N, BLOCK_K=block_k, VEC=vec, USE_PDL=pdl, num_warps=4, launch_pdl=bool(pdl),
+        BLOCK_N=block_n, BLOCK_K=block_k, VEC=vec, USE_PDL=pdl, num_warps=4, launch_pdl=bool(pdl),
     )
 
 
 def moe_pair_gemv(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor, top_k: int, gated: bool,
     expert_map: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None, block_n: int = PAIR_BLOCK_N,
 ) -> None:
     """out[pair] = (silu(gate) * up of) a's row against the pair's expert in w; one program per pair and N tile."""
     n, k = out.shape[1], a.shape[1]
@@ -322,13 +336,13 @@ def moe_pair_gemv(
     block_k = min(PAIR_BLOCK_K, triton.next_power_of_2(k))
     vec = max(1, min(16 // w.element_size(), block_k))
     pdl = use_pdl(a.device)
-    _moe_pair_gemv_kernel[(out.shape[0], triton.cdiv(n, PAIR_BLOCK_N))](
+    _moe_pair_gemv_kernel[(out.shape[0], triton.cdiv(n, block_n))](
         a, w, out, scale if scale is not None else w, topk_weights if topk_weights is not None else out,
         topk_ids, expert_map if expert_map is not None else topk_ids,
         n, k, top_k, n, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         scale.stride(0) if scale is not None else 0,
         GATED=gated, MUL_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, HAS_MAP=expert_map is not None,
-        BLOCK_N=PAIR_BLOCK_N, BLOCK_K=block_k, VEC=vec, USE_PDL=pdl, num_warps=4, launch_pdl=bool(pdl),
+        BLOCK_N=block_n, BLOCK_K=block_k, VEC=vec, USE_PDL=pdl, num_warps=4, launch_pdl=bool(pdl),
     )
 
 
@@ -435,11 +449,17 @@ def fused_moe_triton(
         ids = topk_ids.reshape(-1)
         if ids.dtype != torch.int32 or not ids.is_contiguous():
             ids = ids.to(torch.int32).contiguous()
+        block_n, down_sum = pair_config()
+        weights = topk_weights.reshape(-1).float().contiguous()
         act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-        moe_pair_gemv(x, w13, act, ids, top_k, gated=True, expert_map=expert_map, scale=w13_scale)
+        moe_pair_gemv(x, w13, act, ids, top_k, gated=True, expert_map=expert_map, scale=w13_scale, block_n=block_n)
+        if not down_sum:  # every pair's weighted down row (another rank's expert: zeros), summed in top_k order
+            down = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+            moe_pair_gemv(act, w2, down, ids, top_k, gated=False, expert_map=expert_map, topk_weights=weights,
+                          scale=w2_scale, block_n=block_n)
+            return down.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-        moe_pair_down_sum(act, w2, out, ids, topk_weights.reshape(-1).float().contiguous(), top_k, expert_map,
-                          w2_scale)
+        moe_pair_down_sum(act, w2, out, ids, weights, top_k, expert_map, w2_scale, block_n=block_n)
         return out
     tile = tile or moe_tile(num_tokens, top_k, num_experts)
     if num_tokens * top_k <= ALIGN_KERNEL_MAX_PAIRS:

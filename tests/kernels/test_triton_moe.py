@@ -12,7 +12,7 @@ from tandem.kernels.moe_align import (
     fused_moe_ref,
     max_aligned_blocks,
 )
-from tandem.kernels.triton_moe import MoETile, fused_moe_triton, moe_tile
+from tandem.kernels.triton_moe import MoETile, fused_moe_triton, moe_tile, pair_config
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -162,6 +162,25 @@ def test_pair_path_expert_parallel_and_fp16():
     expert_map = torch.where(glob % 2 == 0, glob // 2, -1).to(torch.int32)
     run_case(5, "random", torch.float32, None, expert_map=expert_map, pair_path=True)
     run_case(4, "random", torch.float16, None, pair_path=True, num_experts=6, top_k=3)
+
+
+@pytest.mark.parametrize("spec", ["16", "8,pairs", "64,sum"])
+def test_pair_path_tiles_and_per_pair_down(monkeypatch, spec):
+    """TANDEM_MOE_PAIR's N tiles and the per-pair down projection (summed over top_k after it), expert parallel too."""
+    monkeypatch.setenv("TANDEM_MOE_PAIR", spec)
+    run_case(3, "random", torch.float32, None, pair_path=True, hidden=200, inter=40)
+    glob = torch.arange(8)
+    expert_map = torch.where(glob % 2 == 0, glob // 2, -1).to(torch.int32)
+    run_case(2, "random", torch.float32, None, expert_map=expert_map, pair_path=True)
+
+
+def test_pair_config_refuses_bad_specs(monkeypatch):
+    for spec in ("12", "32,both", "x"):
+        monkeypatch.setenv("TANDEM_MOE_PAIR", spec)
+        with pytest.raises(ValueError, match="TANDEM_MOE_PAIR"):
+            pair_config()
+    monkeypatch.setenv("TANDEM_MOE_PAIR", "16,pairs")
+    assert pair_config() == (16, False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16])
