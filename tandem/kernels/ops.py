@@ -193,6 +193,22 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     return route_topk(router_logits, top_k, renormalize)
 
 
+COUNT_KERNEL_MAX_PAIRS = 4096  # beyond: prefill-sized steps, where one program looping over every pair is slower
+
+
+def count_routed_experts(topk_ids: torch.Tensor, num_experts: int, counter: torch.Tensor) -> None:
+    """counter (an int64 scalar on topk_ids' device) += the distinct experts topk_ids route to: one Triton launch on
+    CUDA for decode-sized steps (a benchmark's statistics should cost the step it measures little), else three
+    device ops."""
+    if use_triton(topk_ids) and topk_ids.numel() <= COUNT_KERNEL_MAX_PAIRS:
+        from tandem.kernels.triton_moe import count_routed_experts_triton  # lazy: CPU runs never import Triton
+
+        count_routed_experts_triton(topk_ids, num_experts, counter)
+        return
+    hit = torch.zeros(num_experts, dtype=torch.int64, device=topk_ids.device)
+    counter += hit.index_fill_(0, topk_ids.reshape(-1).long(), 1).sum()
+
+
 def fused_moe(
     x: torch.Tensor,  # [num_tokens, hidden]
     w13: torch.Tensor,  # [num_local_experts, 2 * inter, hidden]

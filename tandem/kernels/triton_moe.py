@@ -112,6 +112,34 @@ ALIGN_CHUNK = 64
 
 
 @triton.jit
+def _count_experts_kernel(ids_ptr, counter_ptr, num_pairs, num_experts, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    # One program: which experts any pair routes to, then counter += how many (benchmark statistics).
+    pdl_wait(USE_PDL)
+    bins = tl.arange(0, NUM_BINS)
+    seen = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        seen = tl.maximum(seen, tl.max((ids[:, None] == bins[None, :]).to(tl.int32), axis=0))
+    seen = tl.where(bins < num_experts, seen, 0)
+    tl.store(counter_ptr, tl.load(counter_ptr) + tl.sum(seen, axis=0).to(tl.int64))
+
+
+def count_routed_experts_triton(topk_ids: torch.Tensor, num_experts: int, counter: torch.Tensor) -> None:
+    """counter (an int64 scalar on the device) += the distinct experts of topk_ids, in one launch (pairs up to
+    ALIGN_KERNEL_MAX_PAIRS)."""
+    ids = topk_ids.reshape(-1)
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        ids = ids.to(torch.int32).contiguous()
+    pdl = use_pdl(ids.device)
+    _count_experts_kernel[(1,)](
+        ids, counter, ids.numel(), num_experts, NUM_BINS=triton.next_power_of_2(num_experts), CHUNK=ALIGN_CHUNK,
+        USE_PDL=pdl, num_warps=4, launch_pdl=bool(pdl),
+    )
+
+
+@triton.jit
 def _align_kernel(
     ids_ptr, map_ptr, sorted_ptr, expert_ids_ptr, num_padded_ptr,
     num_pairs, num_experts, max_blocks,

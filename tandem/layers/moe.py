@@ -17,7 +17,7 @@ from torch import nn
 
 from tandem.config import ModelConfig, ParallelConfig
 from tandem.kernels.fp8 import FP8_DTYPE
-from tandem.kernels.ops import fused_moe, moe_route
+from tandem.kernels.ops import count_routed_experts, fused_moe, moe_route
 from tandem.layers.linear import Linear
 from tandem.layers.parallel import LazyTensor, all_reduce, materialize, take
 from tandem.layers.quantization import quantize_weight_fp8
@@ -73,8 +73,7 @@ class FusedMoE(nn.Module):
         """reduce=False leaves the cross-rank sum to the caller (who adds more partial sums first)."""
         weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
         if self.routed_experts is not None:
-            hit = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-            self.routed_experts += hit.index_fill_(0, ids.reshape(-1).long(), 1).sum()
+            count_routed_experts(ids, self.num_experts, self.routed_experts)
         out = fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map, self.w13_scale, self.w2_scale)
         return all_reduce(out) if reduce and self.tp.size > 1 else out
 

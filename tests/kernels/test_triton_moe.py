@@ -12,7 +12,7 @@ from tandem.kernels.moe_align import (
     fused_moe_ref,
     max_aligned_blocks,
 )
-from tandem.kernels.triton_moe import MoETile, fused_moe_triton, moe_tile, pair_config
+from tandem.kernels.triton_moe import MoETile, count_routed_experts_triton, fused_moe_triton, moe_tile, pair_config
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -181,6 +181,16 @@ def test_pair_config_refuses_bad_specs(monkeypatch):
             pair_config()
     monkeypatch.setenv("TANDEM_MOE_PAIR", "16,pairs")
     assert pair_config() == (16, False)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,mode", [(1, 128, 8, "random"), (40, 8, 2, "even_only"),
+                                                                 (70, 60, 4, "random"), (33, 8, 2, "all_one")])
+def test_routed_expert_count_matches_distinct_ids(num_tokens, num_experts, top_k, mode):
+    """The one-program count of a step's distinct experts (benchmark statistics), over several CHUNKs of pairs."""
+    ids = routing(num_tokens, num_experts, top_k, mode)
+    counter = torch.full((), 5, dtype=torch.int64, device=DEVICE)
+    count_routed_experts_triton(ids.to(DEVICE), num_experts, counter)
+    assert int(counter) == 5 + torch.unique(ids).numel()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16])
