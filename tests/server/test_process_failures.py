@@ -98,7 +98,9 @@ def test_api_and_engine_process_failures_are_contained(tiny_llama, tmp_path):
         assert set(apis) == {"tandem-api-0", "tandem-api-1"}
 
         # 1. An API process killed under load: replaced within 5 s; the next 20 requests all answered.
-        streams = [Stream(server.url, 150) for _ in range(6)]
+        # SO_REUSEPORT spreads connections by a hash of their addresses: with 16 streams the odds that none lands
+        # on the process that survives are 2^-16 (with 6 they were 1 in 64, and it happened).
+        streams = [Stream(server.url, 150) for _ in range(16)]
         assert all(s.first.wait(120) for s in streams), server.read_log()
         os.kill(apis["tandem-api-1"], signal.SIGKILL)
         killed_at = time.monotonic()
