@@ -426,11 +426,12 @@ def build_report(args: argparse.Namespace, soak: Soak, samples: list[dict[str, A
         "kv_blocks_back_to_0": idle.get("tandem_kv_blocks_in_use") == 0,
     }
     latencies = sorted(o.latency_s for o in soak.outcomes if o.latency_s is not None)
+    soak_keys = _soak_arg_names()  # the soak's own flags, not the rest of `tandem bench`'s
     return {
         "benchmark": "soak",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": _commit(), "device": _device(args), "command": "tandem " + " ".join(sys.argv[1:]),
-        "config": {k: v for k, v in vars(args).items() if k in _soak_arg_names() and k != "api_key"},
+        "config": {k: v for k, v in vars(args).items() if k in soak_keys and k != "api_key"},
         "capacity_requests_per_s": capacity, "request_rate": rate,
         "summary": {
             "passed": all(checks.values()), "checks": checks, "sent": soak.sent, "counts": counts,

@@ -127,8 +127,8 @@ def _count_experts_kernel(ids_ptr, counter_ptr, num_pairs, num_experts, NUM_BINS
 
 
 def count_routed_experts_triton(topk_ids: torch.Tensor, num_experts: int, counter: torch.Tensor) -> None:
-    """counter (an int64 scalar on the device) += the distinct experts of topk_ids, in one launch (pairs up to
-    ALIGN_KERNEL_MAX_PAIRS)."""
+    """counter (an int64 scalar on the device) += the distinct experts of topk_ids, in one launch; one program loops
+    over every pair, so ops.count_routed_experts sends only decode-sized steps here."""
     ids = topk_ids.reshape(-1)
     if ids.dtype != torch.int32 or not ids.is_contiguous():
         ids = ids.to(torch.int32).contiguous()
