@@ -5,6 +5,10 @@ kernels, and tandem's dispatch (tandem.layers.parallel.all_reduce), each as 64 c
 
 Also checks, for each peer-to-peer path and size, that the sum equals NCCL's within bf16 tolerance and that two
 runs on the same input give the same bits. NVLink multicast stays off (tandem's NCCL_ENV).
+
+Where the one-shot kernel takes the message, it also times what a decoder layer does with it, as rows of 4,096:
+the one-shot all-reduce followed by the residual add + RMSNorm kernel (`one_shot_norm`), against the fused kernel
+doing all three (`fused_norm`, SymmetricAllReduce.add_rms_norm), and checks that the two agree.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from tandem.runner.tensor_parallel import NCCL_ENV  # noqa: E402
 CALLS = 64  # all-reduces in one captured graph: a decode step of a 32-layer model makes 64 (+1)
 DEFAULT_SIZES = [8 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20]
 DTYPE = torch.bfloat16
+NORM_DIM = 4096  # hidden size of the rows the norm paths take (Llama-2-7B, Llama-3-8B)
 
 
 def _paths(comm: SymmetricAllReduce) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -42,7 +47,7 @@ def _paths(comm: SymmetricAllReduce) -> dict[str, Callable[[torch.Tensor], torch
             "tandem": parallel.all_reduce}
 
 
-def _graph_us(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, replays: int = 20) -> float:
+def _graph_us(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, replays: int = 20) -> float:
     """Microseconds a call, CALLS calls captured in one graph, the median of `replays` timed replays."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -80,6 +85,27 @@ def _check(fn: Callable[[torch.Tensor], torch.Tensor], numel: int, rank: int) ->
     return {"max_rel_err": err, "deterministic": bool(torch.equal(first, second))}
 
 
+def _norm_paths(comm: SymmetricAllReduce, rows: int, device: torch.device
+                ) -> dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]:
+    """The all-reduce followed by the residual add and RMSNorm, as two kernels and as the fused one; each returns
+    the normed rows and the new residual."""
+    from tandem.kernels.triton_fused import fused_add_rms_norm_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(7)  # the same residual and weight on every rank
+    residual = torch.randn(rows, NORM_DIM, device=device, dtype=DTYPE, generator=gen)
+    weight = torch.randn(NORM_DIM, device=device, dtype=DTYPE, generator=gen)
+
+    def two_kernels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_add_rms_norm_triton(comm.run(x.view(rows, NORM_DIM), "one_shot"), residual, weight, 1e-5)
+
+    def fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = comm.add_rms_norm(x.view(rows, NORM_DIM), residual, weight, 1e-5)
+        assert out is not None, "the fused kernel refused a one-shot message"
+        return out
+
+    return {"one_shot_norm": two_kernels, "fused_norm": fused}
+
+
 def _worker(rank: int, world: int, port: int, sizes: list[int], out: str | None) -> None:
     os.environ.update(NCCL_ENV)
     device = torch.device("cuda", rank)
@@ -99,6 +125,19 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], out: str | None)
             row[f"{name}_us"] = round(_graph_us(fn, x), 2)
             if name != "nccl":
                 row[f"{name}_check"] = _check(fn, numel, rank)
+        if comm.path(x) == "one_shot" and comm.fused and numel % NORM_DIM == 0:
+            paths = _norm_paths(comm, numel // NORM_DIM, device)
+            for name, fn in paths.items():
+                row[f"{name}_us"] = round(_graph_us(fn, x), 2)
+            gen = torch.Generator(device="cuda").manual_seed(99 + rank)
+            y = torch.randn(numel, device=device, dtype=DTYPE, generator=gen)
+            ref, first, second = (torch.cat(paths[n](y.clone())).float()
+                                  for n in ("one_shot_norm", "fused_norm", "fused_norm"))
+            row["fused_norm_check"] = {
+                "max_abs_diff_vs_two_kernels": (first - ref).abs().max().item(),
+                "deterministic": bool(torch.equal(first, second)),
+                "barrier_timeouts": int(comm.timed_out.item()),
+            }
         rows.append(row)
         if rank == 0:
             print(f"{size >> 10:>6} KiB  " + "  ".join(f"{k[:-3]} {v:6.2f} us" for k, v in row.items()

@@ -12,7 +12,7 @@ import logging
 import random
 import time
 from collections.abc import Container
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 
@@ -150,6 +150,10 @@ class EngineCore:
         self._compiling: dict[str, tuple[Request, Future]] = {}  # waiting for their grammar
         self._host_masks: dict[str, Request] = {}  # requests with a HostMask
         self.mask_time_s = 0.0  # CPU time filling grammar bitmasks (and enqueuing the sampling after them)
+        # With overlap a step's grammar rows are filled on a worker thread (started once the previous step's tokens
+        # reached the matchers) while this thread returns outputs and schedules and prepares the next step.
+        self._mask_pool: ThreadPoolExecutor | None = None
+        self._mask_fill: tuple[StepHandle, Future[float]] | None = None
         self.num_mask_steps = 0
         self.num_grammar_rejections = 0  # sampled tokens a request's grammar refused (a masking bug if ever > 0)
         self.timeline: Timeline | None = None
@@ -288,6 +292,10 @@ class EngineCore:
         if not self.overlap and self._inflight is not None:
             # Overlap was switched off with a step in flight: finish that one first.
             previous, self._inflight = self._inflight, None
+            if previous.pending is not None:
+                failed = self._launch_sampling(previous)
+                if failed:
+                    return failed
             return self._finish(previous)
         admitted: list[EngineOutput] = []
         if self._compiling:
@@ -302,17 +310,21 @@ class EngineCore:
             tl.step = self.num_steps
         self.num_steps += 1
         sched: SchedulerOutput | None = None
+        previous = self._inflight
         try:
             sched = self._timed("schedule", self.scheduler.schedule)
-            handle = self._timed("launch", lambda: self.runner.launch(sched)) if sched.scheduled else None
-            if tl is not None and handle is not None and handle.prepared_at:
-                tl.split_last("launch", "prepare", handle.prepared_at)  # host-buffer writes, then the enqueue
+            prepared = self._timed("prepare", lambda: self.runner.prepare(sched)) if sched.scheduled else None
+            if self.overlap and previous is not None and previous.pending is not None:
+                # The previous step's grammar rows (filled on the worker meanwhile); its sampling and this step's
+                # forward go to the GPU back to back.
+                self._fill_masks(previous)
+            handle = self._timed("launch", lambda: self.runner.enqueue(prepared)) if prepared is not None else None
         except Exception as exc:  # a failure to build or launch the step fails its requests, not the engine
             logger.exception("engine step failed at launch")
             failed = self._fail(sched.scheduled if sched is not None else [], exc)
-            if self._inflight is not None:
-                failed += self._fail(self._inflight.sched.scheduled, exc)
-                self._drop(self._inflight)
+            if previous is not None:
+                failed += self._fail(previous.sched.scheduled, exc)
+                self._drop(previous)
                 self._inflight = None
             return failed
         if not self.overlap:
@@ -321,27 +333,58 @@ class EngineCore:
                 if failed:
                     return failed
             return self._finish(handle) if handle is not None else []
-        previous, self._inflight = self._inflight, handle
+        self._inflight = handle
+        # This step's grammar rows need the previous step's tokens, which _finish gives the matchers now; they are
+        # filled on a worker while the caller takes the outputs and the next step is scheduled and prepared, and
+        # its sampling is enqueued right before that step's forward (or, with nothing scheduled, on the next call).
         outputs = self._finish(previous) if previous is not None else []
-        # The forward of this step is enqueued (and may be running); now that the previous step's tokens have
-        # reached the matchers, its grammar rows can be filled and its sampling enqueued.
         if handle is not None and handle.pending is not None and self._inflight is handle:
-            outputs += self._launch_sampling(handle)
+            self._start_mask_fill(handle)
         return outputs
 
-    def _launch_sampling(self, handle: StepHandle) -> list[EngineOutput]:
-        """Fills the step's grammar bitmask rows and enqueues its sampling; [] or the failed requests' outputs."""
+    def _start_mask_fill(self, handle: StepHandle) -> None:
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self._mask_fill = (handle, self._mask_pool.submit(self._timed_mask_fill, handle))
+
+    def _timed_mask_fill(self, handle: StepHandle) -> float:
         t0 = time.perf_counter()
+        self.runner.fill_masks(handle)
+        return time.perf_counter() - t0
+
+    def _join_mask_fill(self, handle: StepHandle) -> float | None:
+        """Waits for the worker filling `handle`'s rows: the seconds it took (raising what it raised), or None
+        where no worker fills them."""
+        job = self._mask_fill
+        if job is None or job[0] is not handle:
+            return None
+        self._mask_fill = None
+        return job[1].result()
+
+    def _fill_masks(self, handle: StepHandle) -> None:
+        """Fills a step's grammar bitmask rows (or waits for the worker filling them) and enqueues its sampling;
+        raises on failure."""
+        def fill_and_enqueue() -> float:
+            seconds = self._join_mask_fill(handle)
+            if seconds is None:
+                seconds = self._timed_mask_fill(handle)
+            t0 = time.perf_counter()
+            self.runner.launch_sampling(handle)
+            return seconds + time.perf_counter() - t0
+
+        self.mask_time_s += self._timed("mask", fill_and_enqueue)
+        self.num_mask_steps += 1
+
+    def _launch_sampling(self, handle: StepHandle) -> list[EngineOutput]:
+        """_fill_masks for a step no other step waits behind; [] or the failed requests' outputs."""
         try:
-            self._timed("mask", lambda: self.runner.launch_sampling(handle))
+            self._fill_masks(handle)
         except Exception as exc:
             logger.exception("engine step failed filling grammar masks")
             if self._inflight is handle:
                 self._inflight = None
             self._drop(handle)
             return self._fail(handle.sched.scheduled, exc)
-        self.mask_time_s += time.perf_counter() - t0
-        self.num_mask_steps += 1
         return []
 
     def _finish(self, handle: StepHandle) -> list[EngineOutput]:
@@ -417,6 +460,10 @@ class EngineCore:
     def _drop(self, handle: StepHandle) -> None:
         """Waits out a step whose results are discarded, so its slot is free before it is rewritten."""
         try:
+            self._join_mask_fill(handle)
+        except Exception:  # the step is dropped: what its rows' fill raised no longer matters
+            logger.exception("filling a dropped step's grammar rows failed")
+        try:
             self.runner.drain(handle)
         except Exception:  # the device itself failed: nothing left to wait for
             logger.exception("could not wait for a dropped step")
@@ -438,6 +485,14 @@ class EngineCore:
         """Frees the GPU state and stops the tensor-parallel workers; the engine cannot step afterwards.
         Idempotent."""
         atexit.unregister(self.shutdown)
+        if self._inflight is not None:
+            try:
+                self._join_mask_fill(self._inflight)
+            except Exception:
+                logger.exception("filling grammar rows failed during shutdown")
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown(wait=True)
+            self._mask_pool = None
         self._inflight = None  # the runner finishes (or, after a failure, aborts) what is still on the device
         self._requests.clear()
         self.runner.shutdown()

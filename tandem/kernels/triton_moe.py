@@ -318,15 +318,20 @@ def _moe_pair_down_sum_kernel(
 
 
 PAIR_BLOCK_N, PAIR_BLOCK_K = 32, 256
+# Per-pair down GEMVs, then a sum over top_k: on an H200 (Qwen3-30B-A3B layer, scripts/bench_moe.py --sweep) 29.0 us
+# at 1 token against 40.5 us for the in-register sum, 44.1 against 52.6 at 2, even at 4 (twice the programs fill the
+# SMs: at 1 token the sum has 64 programs each looping over 8 experts).
+PAIR_DOWN_SUM = False
 
 
 def pair_config() -> tuple[int, bool]:
     """The pair path's N tile, and whether its down projection sums a token's pairs in registers (one program per
     token and N tile) rather than one GEMV program per pair and N tile, then a sum over top_k. The default is
-    (PAIR_BLOCK_N, True); TANDEM_MOE_PAIR="BLOCK_N[,sum|pairs]" overrides it (scripts/bench_moe.py --sweep)."""
+    (PAIR_BLOCK_N, PAIR_DOWN_SUM); TANDEM_MOE_PAIR="BLOCK_N[,sum|pairs]" overrides it (scripts/bench_moe.py
+    --sweep)."""
     spec = os.environ.get("TANDEM_MOE_PAIR")
     if not spec:
-        return PAIR_BLOCK_N, True
+        return PAIR_BLOCK_N, PAIR_DOWN_SUM
     block_n, _, down = spec.partition(",")
     if not block_n.isdigit() or int(block_n) not in (8, 16, 32, 64, 128) or down not in ("", "sum", "pairs"):
         raise ValueError(f"TANDEM_MOE_PAIR must be BLOCK_N (8..128, a power of 2)[,sum|pairs], got {spec!r}")

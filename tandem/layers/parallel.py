@@ -8,7 +8,7 @@ when none is set); with one rank every layer is exactly its base class.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,30 @@ _P2P: SymmetricAllReduce | None = None  # the group's peer-to-peer all-reduce fo
 def set_tp_group(group: Any, p2p: SymmetricAllReduce | None = None) -> None:
     global _GROUP, _P2P
     _GROUP, _P2P = group, p2p
+
+
+class Unreduced(NamedTuple):
+    """This rank's part of a row-parallel product whose cross-rank sum is left to the RMSNorm after it, which
+    fuses it with the residual add and the norm where it can (fused_all_reduce_add_rms_norm)."""
+
+    partial: torch.Tensor
+
+    def reduce(self) -> torch.Tensor:
+        return all_reduce(self.partial)
+
+
+def all_reduce_or_defer(x: torch.Tensor) -> torch.Tensor | Unreduced:
+    """For an output that goes straight into the residual add and RMSNorm: x as Unreduced where the peer-to-peer
+    kernels could fuse its all-reduce there, else all_reduce(x)."""
+    if _P2P is not None and _P2P.fused and x.dim() == 2:
+        return Unreduced(x)
+    return all_reduce(x)
+
+
+def fused_all_reduce_add_rms_norm(x: Unreduced, residual: torch.Tensor | None, weight: torch.Tensor,
+                                  eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(norm(sum + residual) * weight, sum + residual) in one kernel, or None (reduce x, then norm it)."""
+    return _P2P.add_rms_norm(x.partial, residual, weight, eps) if _P2P is not None else None
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -173,10 +197,13 @@ class RowParallelLinear(Linear):
         self.tp = tp
         self.has_bias = bias
 
-    def forward(self, x: torch.Tensor | QuantizedRows, defer_reduce: bool = False) -> torch.Tensor | PartialSums:
-        """defer_reduce: as Linear's, on one rank (across ranks the all-reduce needs the summed output)."""
+    def forward(self, x: torch.Tensor | QuantizedRows,
+                defer_reduce: bool = False) -> torch.Tensor | PartialSums | Unreduced:
+        """defer_reduce (the output goes only into RMSNorm's residual add): as Linear's on one rank; across ranks
+        the all-reduce may be left to the norm (Unreduced)."""
         if self.tp.size > 1:
-            return all_reduce(super().forward(x))
+            out = super().forward(x)
+            return all_reduce_or_defer(out) if defer_reduce else all_reduce(out)
         return super().forward(x, defer_reduce)
 
     def shard_for_load(self, tensor: torch.Tensor | LazyTensor, is_bias: bool) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ from torch import nn
 from tandem.config import ModelConfig, ParallelConfig
 from tandem.layers.linear import Linear
 from tandem.layers.moe import FusedMoE, RouterLinear
-from tandem.layers.parallel import all_reduce, materialize
+from tandem.layers.parallel import Unreduced, all_reduce_or_defer, materialize
 from tandem.models.llama import LlamaForCausalLM, LlamaMLP
 from tandem.models.weights import WeightLoader
 
@@ -31,14 +31,14 @@ class Qwen2MoeSparseBlock(FusedMoE):
         self.shared_expert = LlamaMLP(config, tp, config.shared_expert_intermediate_size)
         self.shared_expert_gate = RouterLinear(config.hidden_size, 1)
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor | Unreduced:
         routed = super().forward(x, reduce=False)
         shared = self.shared_expert
         # This rank's partial product (Linear.forward: no all-reduce); the per-token gate commutes with the
         # cross-rank sum, so one all-reduce covers routed and shared experts.
         partial = Linear.forward(shared.down_proj, shared.gate_up_proj.forward_silu_and_mul(x))
         out = routed + torch.sigmoid(self.shared_expert_gate(x)) * partial
-        return all_reduce(out) if reduce and self.tp.size > 1 else out
+        return all_reduce_or_defer(out) if reduce and self.tp.size > 1 else out
 
 
 class MoEForCausalLM(LlamaForCausalLM):

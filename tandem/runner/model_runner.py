@@ -59,9 +59,19 @@ class StepHandle:
     num_tokens: int = 0
     step_index: int = 0
     num_context_tokens: int = 0  # sum of the sequences' context lengths: KV the step reads
-    prepared_at: float = 0.0  # perf_counter when the host buffers were written (timeline only)
     # Set while the step's sampling waits for its grammar bitmask: (plan, logits, [(row, request)]).
     pending: tuple[StepPlan, torch.Tensor, list[tuple[int, Any]]] | None = None
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step written into its slot's host buffers and not yet enqueued (ModelRunner.prepare)."""
+
+    sched: SchedulerOutput
+    plan: StepPlan
+    num_context_tokens: int
+    piece_tokens: int | None  # piecewise graphs: the padded token count
+    mask_rows: list[tuple[int, Any]]  # (batch row, request) of the rows a host mask constrains
 
 
 @dataclass(slots=True)
@@ -366,8 +376,9 @@ class ModelRunner:
     # ---------------------------------------------------------------- launch / wait
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> StepHandle:
-        """Prepares and enqueues one step on the GPU streams and returns without waiting."""
+    def prepare(self, sched: SchedulerOutput) -> PreparedStep:
+        """Writes one step into its slot's pinned host buffers; nothing reaches the GPU until enqueue(). Between
+        the two the engine may complete the previous step (its grammar rows), which this step's forward follows."""
         slot = self._step_index % 2
         num_seqs = len(sched.scheduled)
         num_tokens = sched.num_scheduled_tokens
@@ -377,7 +388,6 @@ class ModelRunner:
         if self.piecewise is not None and not decode_only:
             piece_tokens = self.piecewise.padded_size(num_tokens)
         shape = self._prepare(sched, slot, graph_bs, piece_tokens)
-        prepared_at = time.perf_counter() if self.timing else 0.0
         plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,
                         shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self._step_index, self.timing,
                         shape.num_decodes)
@@ -385,22 +395,30 @@ class ModelRunner:
         # launch_sampling, after the previous step's tokens have reached the matchers.
         mask_rows = [(i, s.request) for i, s in enumerate(sched.scheduled)
                      if s.sample and s.request.host_mask is not None] if self.any_host_masks else []
+        return PreparedStep(sched, plan, shape.num_context_tokens, piece_tokens, mask_rows)
+
+    @torch.inference_mode()
+    def enqueue(self, prepared: PreparedStep) -> StepHandle:
+        """Enqueues a prepared step on the GPU streams and returns without waiting."""
+        plan, mask_rows = prepared.plan, prepared.mask_rows
+        if plan.step_index != self._step_index:
+            raise RuntimeError(f"step {plan.step_index} was prepared, but the runner is at step {self._step_index}")
         pending = None
         if self.group is None:
-            events, logits = self._enqueue(plan, download=True, piece_tokens=piece_tokens,
+            events, logits = self._enqueue(plan, download=True, piece_tokens=prepared.piece_tokens,
                                            defer_sampling=bool(mask_rows))
             if mask_rows:
                 pending = (plan, logits, mask_rows)
         else:
             # The other ranks get the filled host buffers before this rank launches (CPU to CPU only).
-            self.group.send_step(plan, self.buffers[slot])
+            self.group.send_step(plan, self.buffers[plan.slot])
             try:
                 events, _ = self._enqueue(plan, download=True)
             except Exception as exc:  # on gloo the model's collectives run here: a dead peer surfaces now
                 self.group.raise_failure(exc)
         self._step_index += 1  # only once enqueued: a failed launch leaves the slot order unchanged
-        return StepHandle(sched, slot, num_seqs, shape.num_logprobs, events, graph_bs, num_tokens,
-                          self._step_index - 1, shape.num_context_tokens, prepared_at, pending)
+        return StepHandle(prepared.sched, plan.slot, plan.num_seqs, plan.num_logprobs, events, plan.graph_bs,
+                          plan.num_tokens, plan.step_index, prepared.num_context_tokens, pending)
 
     @torch.inference_mode()
     def launch_remote(self, plan: StepPlan) -> None:
@@ -528,17 +546,24 @@ class ModelRunner:
                 buf.download(num_seqs, num_logprobs)
                 streams.record("d2h", events.d2h_done)
 
+    def fill_masks(self, handle: StepHandle) -> None:
+        """CPU only: fills the bitmask rows of a step launched with grammar rows from each request's matcher
+        (which has seen every token up to the previous step's). Touches nothing but the step's pinned bitmask
+        slot and the matchers it reads, so it may run on a worker thread while the next step is prepared."""
+        pending = handle.pending
+        assert pending is not None, "fill_masks on a step without grammar rows"
+        plan, _, mask_rows = pending
+        self.host_masks.fill(plan.slot, mask_rows)
+
     @torch.inference_mode()
     def launch_sampling(self, handle: StepHandle) -> None:
-        """Completes a step launched with grammar rows: fills their bitmask rows on the CPU from each request's
-        matcher (which has seen every token up to the previous step's), uploads them on the H2D stream and
-        enqueues masking, sampling and the D2H. The forward was enqueued by launch() and may be running now."""
+        """Completes a step launched with grammar rows, after fill_masks: uploads the rows on the H2D stream and
+        enqueues masking, sampling and the D2H. The forward was enqueued by enqueue() and may be running now."""
         pending = handle.pending
         assert pending is not None, "launch_sampling on a step without grammar rows"
-        handle.pending = None
         plan, logits, mask_rows = pending
-        self.host_masks.fill(plan.slot, mask_rows)
         self._enqueue_sampling(plan, logits, download=True, num_masked=len(mask_rows))
+        handle.pending = None
 
     def wait(self, handle: StepHandle) -> StepResult:
         """Blocks until the step's tokens are in host memory: the one CPU wait per step."""
@@ -584,6 +609,8 @@ class ModelRunner:
         if self.group is not None:
             if self.group.failure is None:
                 self.group.wait_event(handle.events.d2h_done)
+        elif handle.pending is not None:  # its sampling was never enqueued: the forward is what runs
+            handle.events.forward_done.synchronize()
         else:
             handle.events.d2h_done.synchronize()
 

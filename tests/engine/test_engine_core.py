@@ -158,11 +158,13 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
     from tandem.runner.model_runner import ModelRunner
     from tandem.runner.sampler import sample
 
-    hot = [ModelRunner.launch, ModelRunner._prepare, write_step, ModelRunner._forward, StepBuffers.upload,
-           StepBuffers.download, DecodeGraphs.replay, DecodeGraphs.replay_sample, ModelRunner._sample_into,
-           sample, EngineCore.step, EngineCore._update, LogitsState.prepare, LogitsState.upload, LogitsState.apply,
-           LogitsState.count, ModelRunner.launch_sampling, ModelRunner._enqueue_sampling, HostMaskBuffers.fill,
-           HostMaskBuffers.upload, HostMaskBuffers.apply, EngineCore._step, EngineCore._launch_sampling]
+    hot = [ModelRunner.prepare, ModelRunner.enqueue, ModelRunner._prepare, write_step, ModelRunner._forward,
+           StepBuffers.upload, StepBuffers.download, DecodeGraphs.replay, DecodeGraphs.replay_sample,
+           ModelRunner._sample_into, sample, EngineCore.step, EngineCore._update, LogitsState.prepare,
+           LogitsState.upload, LogitsState.apply, LogitsState.count, ModelRunner.launch_sampling,
+           ModelRunner._enqueue_sampling, HostMaskBuffers.fill, HostMaskBuffers.upload, HostMaskBuffers.apply,
+           EngineCore._step, EngineCore._launch_sampling, EngineCore._fill_masks, EngineCore._start_mask_fill,
+           EngineCore._timed_mask_fill, EngineCore._join_mask_fill, ModelRunner.fill_masks]
     for fn in hot:
         assert _calls(fn) == [], f"{fn.__qualname__} syncs with the GPU: {_calls(fn)}"
     # wait(): exactly one synchronize, on the step's d2h_done event; .tolist() only on host numpy views.

@@ -23,15 +23,15 @@ def test_out_of_memory_in_a_step_fails_its_requests_and_the_engine_goes_on(tiny_
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for rid in ("a", "b", "c", "d"):  # two fit a step (max_num_seqs=2): c and d wait
         core.add_request(rid, [5, 6, 7, 8, 9], params)
-    original, launches = core.runner.launch, []
+    original, launches = core.runner.enqueue, []
 
-    def launch(sched):  # the second step's activations do not fit
-        launches.append(sorted(s.request.request_id for s in sched.scheduled))
+    def enqueue(prepared):  # the second step's activations do not fit
+        launches.append(sorted(s.request.request_id for s in prepared.sched.scheduled))
         if len(launches) == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return original(sched)
+        return original(prepared)
 
-    core.runner.launch = launch
+    core.runner.enqueue = enqueue
     tokens: dict[str, int] = {}
     errors: dict[str, str] = {}
     for _ in range(200):

@@ -16,14 +16,14 @@ class FlakyEngineCore(EngineCore):
     def __init__(self, config) -> None:  # type: ignore[no-untyped-def]
         super().__init__(config)
         self._fault_dir = os.environ[FAULT_DIR_ENV]
-        original = self.runner.launch
+        original = self.runner.enqueue
 
-        def launch(sched):  # type: ignore[no-untyped-def]
+        def enqueue(prepared):  # type: ignore[no-untyped-def]
             if self._take("launch"):
                 raise RuntimeError("injected device fault")
-            return original(sched)
+            return original(prepared)
 
-        self.runner.launch = launch
+        self.runner.enqueue = enqueue
 
     def step(self):  # type: ignore[no-untyped-def]
         if self._take("step"):

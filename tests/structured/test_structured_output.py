@@ -51,6 +51,48 @@ def test_constrained_greedy_tokens_are_the_same_with_overlap_on_and_off(idle_llm
     assert on == off
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_grammar_rows_are_filled_right_before_the_next_forward(idle_llm, monkeypatch, overlap):
+    """With overlap, step N's rows are filled on a worker thread after N - 1's tokens reached the matchers, while
+    the caller takes the outputs and step N+1 is scheduled and written to its host buffers; N's sampling and N+1's
+    forward then reach the GPU back to back. Without overlap, each step's rows come right after its own forward,
+    on the engine's thread."""
+    import threading
+
+    runner = idle_llm.engine.runner
+    calls: list[str] = []
+    fill_threads: list[str] = []
+    for name in ("prepare", "enqueue", "launch_sampling", "wait", "fill_masks"):
+        original = getattr(runner, name)
+
+        def wrapped(*args, _f=original, _n=name):  # type: ignore[no-untyped-def]
+            if _n == "fill_masks":
+                fill_threads.append(threading.current_thread().name)
+            calls.append(_n)
+            return _f(*args)
+
+        monkeypatch.setattr(runner, name, wrapped)
+    outs = _run(idle_llm, SCHEMAS[:2], 0.0, overlap=overlap, max_tokens=12)
+    assert all(o.outputs[0].token_ids for o in outs)
+    main = threading.current_thread().name
+    assert fill_threads and all((t != main) == overlap for t in fill_threads), fill_threads
+    fills = [i for i, c in enumerate(calls) if c == "launch_sampling"]
+    assert len(fills) >= 8 and calls.count("fill_masks") == len(fills)
+    gpu_calls = [c for c in calls if c != "fill_masks"]  # the engine thread's order (the worker's interleaves)
+    fills = [i for i, c in enumerate(gpu_calls) if c == "launch_sampling"]
+    last_prepare = max(i for i, c in enumerate(gpu_calls) if c == "prepare")
+    for i in fills:
+        around = (i, gpu_calls[i - 3:i + 3])
+        if not overlap:
+            assert gpu_calls[i - 1] == "enqueue" and gpu_calls[i + 1] == "wait", around
+        elif gpu_calls[i - 1] == "prepare":  # a next step: written before the fill, enqueued right after it
+            assert gpu_calls[i + 1] == "enqueue", around
+        else:  # the run's last steps: nothing left to schedule, so the fill follows the previous step's wait
+            assert gpu_calls[i - 1] == "wait" and i > last_prepare, around
+    if overlap:
+        assert sum(gpu_calls[i - 1] == "prepare" for i in fills) >= len(fills) - 2
+
+
 def test_mixed_batch_keeps_unconstrained_rows_unchanged(idle_llm):
     prompts = ["The capital of France is", "Give me a JSON object:"]
     plain = SamplingParams(temperature=0.0, max_tokens=12)
