@@ -93,6 +93,9 @@ def test_dp2_times_tp2_gives_one_engines_tokens(tiny_llama):
     assert not _alive(pids + workers), "a replica or its tensor-parallel worker outlived shutdown"
 
 
+MAX_TOKENS = 192  # prompts of 3-8 tokens: within max_model_len 256
+
+
 def test_killed_replica_fails_only_its_requests_and_the_others_finish(tiny_llama):
     import multiprocessing
 
@@ -114,7 +117,8 @@ def test_killed_replica_fails_only_its_requests_and_the_others_finish(tiny_llama
         return outputs
 
     engine.step = step_then_kill
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    # Long enough that replica 1 cannot finish before the kill lands, even on a loaded machine.
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with pytest.raises(GenerationError, match=rf"3 of 6 requests failed .* replica 1 \(pid {pids[1]}\) died") as info:
         llm.generate(PROMPTS, params, use_tqdm=False)
     assert killed_at
@@ -123,9 +127,9 @@ def test_killed_replica_fails_only_its_requests_and_the_others_finish(tiny_llama
     for out in outputs:
         c = out.outputs[0]
         if on_replica[out.request_id] == 1:
-            assert c.finish_reason == "error" and "replica 1" in c.error and len(c.token_ids) < 64
+            assert c.finish_reason == "error" and "replica 1" in c.error and len(c.token_ids) < MAX_TOKENS
         else:  # replica 0's requests ran to their end
-            assert c.finish_reason == "length" and c.error is None and len(c.token_ids) == 64
+            assert c.finish_reason == "length" and c.error is None and len(c.token_ids) == MAX_TOKENS
     assert _alive([pids[0]]) and not _alive([pids[1]])
     assert engine.live_replicas == [0]
     engine.step = step
