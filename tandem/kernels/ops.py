@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.kernels.attention_metadata import AttentionMetadata
-from tandem.kernels.fp8 import FP8_DTYPE, W8A8_MAX_M, QuantizedRows, fp8_quantizes_activations, group_block_k
+from tandem.kernels.fp8 import (
+    FP8_DTYPE,
+    W8A8_MAX_M,
+    PartialSums,
+    QuantizedRows,
+    fp8_quantizes_activations,
+    group_block_k,
+)
 from tandem.kernels.moe_align import fused_moe_ref, route_topk
 from tandem.kernels.reference import paged_attention_ref, write_kv_ref
 
@@ -218,10 +225,13 @@ def fused_moe(
     expert_map: torch.Tensor | None = None,  # [num_global_experts] int32: local index or -1 (expert parallel)
     w13_scale: torch.Tensor | None = None,  # FP8 weights: [num_local_experts, 2 * inter] fp32
     w2_scale: torch.Tensor | None = None,  # [num_local_experts, hidden] fp32
-) -> torch.Tensor:  # [num_tokens, hidden]: this rank's sum over k of weight_k * expert_k(x)
-    """Routed experts: the token sort/align and two grouped GEMMs (Triton) on CUDA, a masked per-expert loop on CPU."""
+    into_norm: bool = False,  # the output goes only into a residual add + RMSNorm: PartialSums are fine
+) -> torch.Tensor | PartialSums:  # [num_tokens, hidden]: this rank's sum over k of weight_k * expert_k(x)
+    """Routed experts: the token sort/align and two grouped GEMMs (Triton) on CUDA, a masked per-expert loop on CPU.
+    With into_norm the Triton pair path may leave the sum over k to the norm (TANDEM_MOE_PAIR's "norm")."""
     if use_triton(x):
         from tandem.kernels.triton_moe import fused_moe_triton  # lazy: CPU runs never import Triton
 
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale,
+                                into_norm=into_norm)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)

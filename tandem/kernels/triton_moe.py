@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.moe_align import AlignedTokens, align_by_expert, max_aligned_blocks
 from tandem.kernels.triton_gemv import _fma_tile
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
@@ -226,14 +228,16 @@ def use_pair_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
 @triton.jit
 def _moe_pair_gemv_kernel(
     a_ptr, w_ptr, out_ptr, scale_ptr, topk_w_ptr, ids_ptr, map_ptr,
-    N, K, top_k, up_offset, stride_am, stride_we, stride_wn, stride_om, stride_se,
+    N, K, top_k, up_offset, stride_am, stride_we, stride_wn, stride_om, stride_se, num_tokens,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_MAP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT_MAJOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Program (pair, n): BLOCK_N output channels of the pair's expert over all of K, fp32 partial sums per VEC
     # group reduced once after the loop. GATED: rows are tokens (pair // top_k), gate and up rows read together
     # and silu(gate) * up written; else rows are pairs, scaled by the pair's routing weight. A pair whose expert
-    # lives on another rank is skipped (its down row written as zeros).
+    # lives on another rank is skipped (its down row written as zeros). SPLIT_MAJOR (down only): pair p = token t,
+    # choice j is written at row j * num_tokens + t, so out is [top_k, tokens, N]: split-K-shaped partial sums.
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     pdl_wait(USE_PDL)
@@ -242,7 +246,8 @@ def _moe_pair_gemv_kernel(
         expert = tl.load(map_ptr + expert).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    out_ptrs = out_ptr + pair.to(tl.int64) * stride_om + offs_n
+    out_row = ((pair % top_k) * num_tokens + pair // top_k) if SPLIT_MAJOR else pair
+    out_ptrs = out_ptr + out_row.to(tl.int64) * stride_om + offs_n
     if expert < 0:
         if not GATED:
             tl.store(out_ptrs, tl.zeros((BLOCK_N,), dtype=tl.float32).to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -321,21 +326,23 @@ PAIR_BLOCK_N, PAIR_BLOCK_K = 32, 256
 # Per-pair down GEMVs, then a sum over top_k: on an H200 (Qwen3-30B-A3B layer, scripts/bench_moe.py --sweep) 29.0 us
 # at 1 token against 40.5 us for the in-register sum, 44.1 against 52.6 at 2, even at 4 (twice the programs fill the
 # SMs: at 1 token the sum has 64 programs each looping over 8 experts).
-PAIR_DOWN_SUM = False
+PairDown = Literal["sum", "pairs", "norm"]
+PAIR_DOWN: PairDown = "pairs"
 
 
-def pair_config() -> tuple[int, bool]:
-    """The pair path's N tile, and whether its down projection sums a token's pairs in registers (one program per
-    token and N tile) rather than one GEMV program per pair and N tile, then a sum over top_k. The default is
-    (PAIR_BLOCK_N, PAIR_DOWN_SUM); TANDEM_MOE_PAIR="BLOCK_N[,sum|pairs]" overrides it (scripts/bench_moe.py
-    --sweep)."""
+def pair_config() -> tuple[int, PairDown]:
+    """The pair path's N tile, and its down projection: "sum" (one program per token and N tile sums the token's
+    pairs in registers), "pairs" (one GEMV program per pair and N tile into fp32 rows, then a sum over top_k) or
+    "norm" (those rows handed, unsummed, to the residual add + RMSNorm after the MoE block, as PartialSums, where
+    the caller allows it; else "pairs"). The default is (PAIR_BLOCK_N, PAIR_DOWN);
+    TANDEM_MOE_PAIR="BLOCK_N[,sum|pairs|norm]" overrides it (scripts/bench_moe.py --sweep)."""
     spec = os.environ.get("TANDEM_MOE_PAIR")
     if not spec:
-        return PAIR_BLOCK_N, PAIR_DOWN_SUM
+        return PAIR_BLOCK_N, PAIR_DOWN
     block_n, _, down = spec.partition(",")
-    if not block_n.isdigit() or int(block_n) not in (8, 16, 32, 64, 128) or down not in ("", "sum", "pairs"):
-        raise ValueError(f"TANDEM_MOE_PAIR must be BLOCK_N (8..128, a power of 2)[,sum|pairs], got {spec!r}")
-    return int(block_n), down != "pairs"
+    if not block_n.isdigit() or int(block_n) not in (8, 16, 32, 64, 128) or down not in ("", "sum", "pairs", "norm"):
+        raise ValueError(f"TANDEM_MOE_PAIR must be BLOCK_N (8..128, a power of 2)[,sum|pairs|norm], got {spec!r}")
+    return int(block_n), (down or PAIR_DOWN)  # type: ignore[return-value]
 
 
 def moe_pair_down_sum(
@@ -361,9 +368,10 @@ def moe_pair_down_sum(
 def moe_pair_gemv(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor, top_k: int, gated: bool,
     expert_map: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None, block_n: int = PAIR_BLOCK_N,
+    scale: torch.Tensor | None = None, block_n: int = PAIR_BLOCK_N, split_major: bool = False,
 ) -> None:
-    """out[pair] = (silu(gate) * up of) a's row against the pair's expert in w; one program per pair and N tile."""
+    """out[pair] = (silu(gate) * up of) a's row against the pair's expert in w; one program per pair and N tile.
+    split_major (down): out[j * tokens + t] for token t's choice j instead."""
     n, k = out.shape[1], a.shape[1]
     assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1
     block_k = min(PAIR_BLOCK_K, triton.next_power_of_2(k))
@@ -373,9 +381,10 @@ def moe_pair_gemv(
         a, w, out, scale if scale is not None else w, topk_weights if topk_weights is not None else out,
         topk_ids, expert_map if expert_map is not None else topk_ids,
         n, k, top_k, n, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        scale.stride(0) if scale is not None else 0,
+        scale.stride(0) if scale is not None else 0, out.shape[0] // top_k,
         GATED=gated, MUL_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, HAS_MAP=expert_map is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, VEC=vec, USE_PDL=pdl, num_warps=4, launch_pdl=bool(pdl),
+        SPLIT_MAJOR=split_major, BLOCK_N=block_n, BLOCK_K=block_k, VEC=vec, USE_PDL=pdl, num_warps=4,
+        launch_pdl=bool(pdl),
     )
 
 
@@ -469,7 +478,8 @@ def fused_moe_triton(
     w2_scale: torch.Tensor | None = None,
     tile: MoETile | None = None,
     pair_path: bool | None = None,  # None: by token count (use_pair_path)
-) -> torch.Tensor:  # [num_tokens, hidden]
+    into_norm: bool = False,  # the output goes only into a residual add + RMSNorm: PartialSums are fine
+) -> torch.Tensor | PartialSums:  # [num_tokens, hidden]
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -482,15 +492,18 @@ def fused_moe_triton(
         ids = topk_ids.reshape(-1)
         if ids.dtype != torch.int32 or not ids.is_contiguous():
             ids = ids.to(torch.int32).contiguous()
-        block_n, down_sum = pair_config()
+        block_n, down = pair_config()
         weights = topk_weights.reshape(-1).float().contiguous()
         act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
         moe_pair_gemv(x, w13, act, ids, top_k, gated=True, expert_map=expert_map, scale=w13_scale, block_n=block_n)
-        if not down_sum:  # every pair's weighted down row (another rank's expert: zeros), summed in top_k order
-            down = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
-            moe_pair_gemv(act, w2, down, ids, top_k, gated=False, expert_map=expert_map, topk_weights=weights,
-                          scale=w2_scale, block_n=block_n)
-            return down.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+        if down != "sum":  # every pair's weighted down row (another rank's expert: zeros), summed in top_k order
+            partials = down == "norm" and into_norm
+            rows = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+            moe_pair_gemv(act, w2, rows, ids, top_k, gated=False, expert_map=expert_map, topk_weights=weights,
+                          scale=w2_scale, block_n=block_n, split_major=partials)
+            if partials:  # [top_k, tokens, hidden]: the norm after the block adds them in top_k order
+                return PartialSums(rows.view(top_k, num_tokens, hidden), None, None, x.dtype)
+            return rows.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
         moe_pair_down_sum(act, w2, out, ids, weights, top_k, expert_map, w2_scale, block_n=block_n)
         return out

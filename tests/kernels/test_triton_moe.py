@@ -179,8 +179,37 @@ def test_pair_config_refuses_bad_specs(monkeypatch):
         monkeypatch.setenv("TANDEM_MOE_PAIR", spec)
         with pytest.raises(ValueError, match="TANDEM_MOE_PAIR"):
             pair_config()
-    monkeypatch.setenv("TANDEM_MOE_PAIR", "16,pairs")
-    assert pair_config() == (16, False)
+    monkeypatch.setenv("TANDEM_MOE_PAIR", "16,sum")
+    assert pair_config() == (16, "sum")
+    monkeypatch.setenv("TANDEM_MOE_PAIR", "64")
+    assert pair_config() == (64, "pairs")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_pair_rows_handed_to_the_norm_equal_the_summed_block(monkeypatch, num_tokens):
+    """TANDEM_MOE_PAIR's "norm": the pair path's rows, [top_k, tokens, hidden] fp32, go unsummed into the add +
+    RMSNorm after the block, which gives what the summed output would."""
+    from tandem.kernels.fp8 import PartialSums
+    from tandem.kernels.triton_fused import fused_add_rms_norm_triton
+
+    monkeypatch.setenv("TANDEM_MOE_PAIR", "16,norm")
+    gen = torch.Generator().manual_seed(3)
+    hidden, top_k = 200, 3
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    ids = routing(num_tokens, 8, top_k, "random", seed=2)
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    w13, w2 = make_moe(8, hidden, 40, torch.float32)
+    residual, norm_w = torch.randn(num_tokens, hidden, generator=gen), torch.randn(hidden, generator=gen)
+    args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
+    summed = fused_moe_triton(*args, pair_path=True)
+    parts = fused_moe_triton(*args, pair_path=True, into_norm=True)
+    assert isinstance(summed, torch.Tensor) and isinstance(parts, PartialSums)
+    assert parts.ws.shape == (top_k, num_tokens, hidden)
+    torch.testing.assert_close(parts.reduce(), summed, atol=1e-5, rtol=1e-5)
+    res, w = residual.to(DEVICE), norm_w.to(DEVICE)
+    fused, unfused = (fused_add_rms_norm_triton(rows, res, w, 1e-6) for rows in (parts, summed))
+    for got, want in zip(fused, unfused):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,mode", [(1, 128, 8, "random"), (40, 8, 2, "even_only"),
