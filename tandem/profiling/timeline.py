@@ -31,16 +31,6 @@ class Timeline:
         finally:
             self.spans.append(Span("cpu", name, start, time.perf_counter(), self.step))
 
-    def split_last(self, name: str, head_name: str, at: float) -> None:
-        """Splits the last CPU span `name` at `at`: its head becomes `head_name` (e.g. launch -> prepare + launch)."""
-        for i in range(len(self.spans) - 1, -1, -1):
-            s = self.spans[i]
-            if s.lane == "cpu" and s.name == name:
-                if s.start < at < s.end:
-                    self.spans.insert(i, Span("cpu", head_name, s.start, at, s.step))
-                    s.start = at
-                return
-
     def add_gpu(self, name: str, start: float, end: float, step: int, lane: str = "gpu") -> None:
         self.spans.append(Span(lane, name, start, end, step))
 
