@@ -70,7 +70,6 @@ class PreparedStep:
     sched: SchedulerOutput
     plan: StepPlan
     num_context_tokens: int
-    piece_tokens: int | None  # piecewise graphs: the padded token count
     mask_rows: list[tuple[int, Any]]  # (batch row, request) of the rows a host mask constrains
 
 
@@ -169,13 +168,15 @@ class ModelRunner:
                 if max_pieces is None:
                     max_pieces = self.max_num_tokens
                 max_pieces = min(max_pieces, self.max_num_tokens)
-                if max_pieces > 0 and group is None:  # tensor parallelism: mixed steps stay eager
+                if max_pieces > 0:  # every rank captures the same buckets in the same order (their collectives)
                     t0 = time.perf_counter()
                     with torch.inference_mode():
                         self.piecewise = PiecewiseGraphs(self._hidden_fn, piecewise_sizes(max_pieces),
                                                          self.streams.compute, self.graphs.pool)
                     logger.info("captured %d piecewise CUDA graphs (mixed steps up to %d tokens) in %.1f s",
                                 self.piecewise.num_graphs, max_pieces, time.perf_counter() - t0)
+            if group is not None and self.piecewise is None:
+                self._warm_nccl()
         self._events = [StepEvents(self.device, self.timing) for _ in range(2)]
         self._span_pending: list[int | None] = [None, None]  # worker: timed step per slot not yet read
         self._span_base: tuple[object, float] = (None, 0.0)
@@ -211,6 +212,20 @@ class ModelRunner:
             ints["decode_order"][:1] = 0
             meta = replace(meta, decode_order=ints["decode_order"][:1])
             ops.paged_attention(q, self.kv_cache[0, 0], self.kv_cache[0, 1], meta, dim**-0.5)
+
+    def _warm_nccl(self) -> None:
+        """NCCL connects a communicator's peers on its first collectives of each size class; with mixed steps eager
+        (no piecewise capture, whose warm-up runs them all) the first prefill would wait for that. Every rank calls
+        this at the same point of its start-up."""
+        numel = self.max_num_tokens * self.model_config.hidden_size
+        x = torch.zeros(numel, dtype=self.dtype, device=self.device)
+        size = 1 << 14
+        while True:
+            dist.all_reduce(x[: min(size, numel)])
+            if size >= numel:
+                break
+            size *= 8
+        torch.cuda.synchronize(self.device)
 
     def set_timing(self, enabled: bool) -> None:
         """Turns on timing events around each step's GPU work (for the timeline)."""
@@ -390,12 +405,12 @@ class ModelRunner:
         shape = self._prepare(sched, slot, graph_bs, piece_tokens)
         plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,
                         shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self._step_index, self.timing,
-                        shape.num_decodes)
+                        shape.num_decodes, piece_tokens)
         # Rows whose next token a grammar (or a multi-token bad word) decides on the CPU: their sampling waits for
         # launch_sampling, after the previous step's tokens have reached the matchers.
         mask_rows = [(i, s.request) for i, s in enumerate(sched.scheduled)
                      if s.sample and s.request.host_mask is not None] if self.any_host_masks else []
-        return PreparedStep(sched, plan, shape.num_context_tokens, piece_tokens, mask_rows)
+        return PreparedStep(sched, plan, shape.num_context_tokens, mask_rows)
 
     @torch.inference_mode()
     def enqueue(self, prepared: PreparedStep) -> StepHandle:
@@ -405,8 +420,7 @@ class ModelRunner:
             raise RuntimeError(f"step {plan.step_index} was prepared, but the runner is at step {self._step_index}")
         pending = None
         if self.group is None:
-            events, logits = self._enqueue(plan, download=True, piece_tokens=prepared.piece_tokens,
-                                           defer_sampling=bool(mask_rows))
+            events, logits = self._enqueue(plan, download=True, defer_sampling=bool(mask_rows))
             if mask_rows:
                 pending = (plan, logits, mask_rows)
         else:
@@ -476,12 +490,13 @@ class ModelRunner:
         spans, self._spans = self._spans, []
         return spans
 
-    def _enqueue(self, plan: StepPlan, download: bool, piece_tokens: int | None = None,
+    def _enqueue(self, plan: StepPlan, download: bool,
                  defer_sampling: bool = False) -> tuple[StepEvents, torch.Tensor]:
         """H2D of the slot, forward (graph, piecewise graphs or eager), sampling, and (rank 0) D2H, ordered by
         the slot's events. With defer_sampling only the H2D and the forward are enqueued; `_enqueue_sampling`
         adds the rest once the step's grammar bitmask is known. Returns the events and the step's logits."""
         slot, num_seqs, num_tokens, graph_bs = plan.slot, plan.num_seqs, plan.num_tokens, plan.graph_bs
+        piece_tokens = plan.piece_tokens
         buf = self.buffers[slot]
         events = self._events[slot]  # free to re-record: the slot's previous step was waited for
         streams = self.streams

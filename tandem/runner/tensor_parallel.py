@@ -36,7 +36,7 @@ INIT_TIMEOUT = timedelta(minutes=10)  # weight loading of a 70B shard can take m
 LEAVE_TIMEOUT_S = 10.0  # a clean leave takes well under a second; past this the process is left as it is
 _IDLE_TIMEOUT = timedelta(days=365)
 _OP_STEP, _OP_STOP, _OP_REPORT, _OP_ALL_REDUCE_BENCH = 1, 2, 3, 4
-_HEADER_LEN = 14
+_HEADER_LEN = 15
 
 
 class WorkerDiedError(RuntimeError):
@@ -59,18 +59,19 @@ class StepPlan:
     step_index: int
     timing: bool = False  # ranks record their steps' GPU spans for the timeline
     num_decodes: int = 0  # leading one-token rows (AttentionMetadata.num_decodes)
+    piece_tokens: int | None = None  # piecewise graphs: the padded token count; None: a decode graph or eager
 
     def encode(self, out: np.ndarray) -> None:
         # The last field is the payload's byte count, set by send_step.
         out[:] = (_OP_STEP, self.slot, self.num_seqs, self.num_tokens, self.graph_bs or 0, self.all_greedy,
                   self.any_top_k_top_p, self.num_logprobs, self.max_query_len, self.max_seq_len, self.step_index,
-                  self.timing, self.num_decodes, 0)
+                  self.timing, self.num_decodes, self.piece_tokens or 0, 0)
 
     @staticmethod
     def decode(h: np.ndarray) -> StepPlan:
         v = [int(x) for x in h]
         return StepPlan(v[1], v[2], v[3], v[4] or None, bool(v[5]), bool(v[6]), v[7], v[8], v[9], v[10], bool(v[11]),
-                        v[12])
+                        v[12], v[13] or None)
 
 
 def torchrun_rank() -> tuple[int, int, int] | None:

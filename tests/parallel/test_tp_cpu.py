@@ -167,3 +167,16 @@ def test_torchrun_two_processes(tiny_folders, nodes):
     lines = [line for line in stdout.splitlines() if line.startswith("TOKENS ")]
     assert len(lines) == 1, stdout  # rank 0 only
     assert json.loads(lines[0][len("TOKENS "):]) == expected
+
+
+def test_step_header_round_trip():
+    """The header rank 0 broadcasts carries every field a worker launches from, the piecewise bucket included."""
+    import numpy as np
+
+    from tandem.runner.tensor_parallel import _HEADER_LEN, StepPlan
+
+    header = np.zeros(_HEADER_LEN, dtype=np.int64)
+    for plan in (StepPlan(1, 3, 40, None, False, True, 2, 37, 90, 11, True, 2, 64),
+                 StepPlan(0, 5, 5, 8, True, False, -1, 1, 33, 12, False, 5, None)):
+        plan.encode(header)
+        assert StepPlan.decode(header) == plan
