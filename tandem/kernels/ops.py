@@ -216,38 +216,6 @@ def count_routed_experts(topk_ids: torch.Tensor, num_experts: int, counter: torc
     counter += hit.index_fill_(0, topk_ids.reshape(-1).long(), 1).sum()
 
 
-FUSED_ROUTING = os.environ.get("TANDEM_MOE_FUSED_ROUTING", "1") == "1"
-
-
-def routed_moe(
-    x: torch.Tensor,  # [num_tokens, hidden]
-    router_logits: torch.Tensor,  # [num_tokens, num_global_experts]
-    top_k: int,
-    renormalize: bool,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    expert_map: torch.Tensor | None = None,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    into_norm: bool = False,
-    counter: torch.Tensor | None = None,  # benchmark statistics: += the distinct experts the step routes to
-) -> torch.Tensor | PartialSums:
-    """Routing (softmax, top-k) then the routed experts (fused_moe). On CUDA at decode's fewest tokens (the Triton
-    pair path) the routing, and the count, run inside the first expert kernel instead of launches of their own
-    (TANDEM_MOE_FUSED_ROUTING=0: separate)."""
-    if use_triton(x) and FUSED_ROUTING:
-        from tandem.kernels.triton_moe import fused_moe_triton, use_pair_path  # lazy: CPU runs never import Triton
-
-        num_global = expert_map.shape[0] if expert_map is not None else w13.shape[0]
-        if use_pair_path(x.shape[0], top_k, num_global):
-            return fused_moe_triton(x, w13, w2, None, None, expert_map, w13_scale, w2_scale, into_norm=into_norm,
-                                    route=(router_logits, top_k, renormalize, counter))
-    weights, ids = moe_route(router_logits, top_k, renormalize)
-    if counter is not None:
-        count_routed_experts(ids, router_logits.shape[1], counter)
-    return fused_moe(x, w13, w2, weights, ids, expert_map, w13_scale, w2_scale, into_norm=into_norm)
-
-
 def fused_moe(
     x: torch.Tensor,  # [num_tokens, hidden]
     w13: torch.Tensor,  # [num_local_experts, 2 * inter, hidden]

@@ -14,10 +14,7 @@ expert) take BLOCK_M 16 and long K tiles, large ones (prefill) BLOCK_M 64 and wi
 The fewest tokens (decode at batch 1 to a few: `use_pair_path`) skip the sort altogether: one weight-streaming GEMV
 program per (token-expert pair, N tile) reads that pair's expert rows once (gate_up), then one per (token, N tile)
 runs the down projection of the token's top_k pairs and sums them in registers; pairs of one token choose distinct
-experts, so at batch 1 every touched weight is read exactly once, with no align or reduction kernel. Called through
-`ops.routed_moe`, the gate_up programs also route: each takes its pair's expert and weight from the router logits
-(softmax, top-k, as `_route_kernel`) and those of N tile 0 write them for the down projection, so no routing kernel
-runs either.
+experts, so at batch 1 every touched weight is read exactly once, with no align or reduction kernel.
 """
 
 from __future__ import annotations
@@ -60,27 +57,6 @@ def moe_tile(num_tokens: int, top_k: int, num_experts: int) -> MoETile:
 
 
 @triton.jit
-def _router_probs(logits_ptr, row, stride_l, num_experts, NUM_BINS: tl.constexpr):
-    # Softmax of one token's router logits in fp32 over NUM_BINS (a power of two) bins. A row of NaN or inf logits (a
-    # graph's padding row, whose hidden state is never read) still picks valid distinct experts: NaN probabilities
-    # count as 0 and the bins past the last expert as -1.
-    bins = tl.arange(0, NUM_BINS)
-    x = tl.load(logits_ptr + row * stride_l + bins, mask=bins < num_experts, other=-float("inf")).to(tl.float32)
-    e = tl.exp(x - tl.max(x, axis=0))
-    p = e / tl.sum(e, axis=0)
-    return tl.where(bins < num_experts, tl.where(p == p, p, 0.0), -1.0)
-
-
-@triton.jit
-def _take_best(p, NUM_BINS: tl.constexpr):
-    # The largest probability left and its expert (the first on ties); p with that expert taken out.
-    bins = tl.arange(0, NUM_BINS)
-    best = tl.max(p, axis=0)
-    idx = tl.min(tl.where(p == best, bins, NUM_BINS), axis=0)
-    return best, idx, tl.where(bins == idx, -1.0, p)
-
-
-@triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_BINS: tl.constexpr, USE_PDL: tl.constexpr,
@@ -88,52 +64,30 @@ def _route_kernel(
     # One token: softmax over its experts in fp32, the TOP_K largest in descending order (first index on ties),
     # optionally divided by their sum.
     row = tl.program_id(0)
+    bins = tl.arange(0, NUM_BINS)
     pdl_wait(USE_PDL)
-    p = _router_probs(logits_ptr, row, stride_l, num_experts, NUM_BINS)
+    x = tl.load(logits_ptr + row * stride_l + bins, mask=bins < num_experts, other=-float("inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    p = e / tl.sum(e, axis=0)
+    # A row of NaN or inf logits (a graph's padding row, whose hidden state is never read) still picks TOP_K
+    # distinct valid experts: NaN probabilities count as 0 and the power-of-two bins past the last expert as -1.
+    p = tl.where(bins < num_experts, tl.where(p == p, p, 0.0), -1.0)
     total = 1.0
     if RENORMALIZE:  # a first pass for the sum of the chosen ones (no store is read back)
         q = p
-        total = 0.0
+        chosen = tl.zeros([NUM_BINS], dtype=tl.float32)  # loop-carried as a vector, summed once after
         for k in range(TOP_K):
-            best, idx, q = _take_best(q, NUM_BINS)
-            total += best
+            best = tl.max(q, axis=0)
+            idx = tl.min(tl.where(q == best, bins, NUM_BINS), axis=0)
+            chosen = tl.where(bins == idx, best, chosen)
+            q = tl.where(bins == idx, -1.0, q)
+        total = tl.sum(chosen, axis=0)
     for k in range(TOP_K):
-        best, idx, p = _take_best(p, NUM_BINS)
+        best = tl.max(p, axis=0)
+        idx = tl.min(tl.where(p == best, bins, NUM_BINS), axis=0)
         tl.store(ids_ptr + row * TOP_K + k, idx)
         tl.store(weights_ptr + row * TOP_K + k, best / total)
-
-
-@triton.jit
-def _route_pair(logits_ptr, stride_l, num_experts, token, choice, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                NUM_BINS: tl.constexpr):
-    # The token's choice-th expert (0-based, descending) and its routing weight, as _route_kernel gives them.
-    p = _router_probs(logits_ptr, token, stride_l, num_experts, NUM_BINS)
-    expert = 0
-    weight = 0.0
-    total = 0.0
-    for k in range(TOP_K):
-        best, idx, p = _take_best(p, NUM_BINS)
-        total += best
-        expert = tl.where(k == choice, idx, expert)
-        weight = tl.where(k == choice, best, weight)
-    if RENORMALIZE:
-        weight = weight / total
-    return expert, weight
-
-
-@triton.jit
-def _count_routed(logits_ptr, stride_l, num_experts, num_tokens, counter_ptr, TOP_K: tl.constexpr,
-                  NUM_BINS: tl.constexpr):
-    # counter += the distinct experts the step's tokens route to (benchmark statistics), from the logits.
-    bins = tl.arange(0, NUM_BINS)
-    seen = tl.zeros([NUM_BINS], dtype=tl.int32)
-    for token in range(num_tokens):
-        p = _router_probs(logits_ptr, token, stride_l, num_experts, NUM_BINS)
-        for k in range(TOP_K):
-            best, idx, p = _take_best(p, NUM_BINS)
-            seen = tl.where(bins == idx, 1, seen)
-    seen = tl.where(bins < num_experts, seen, 0)
-    tl.store(counter_ptr, tl.load(counter_ptr) + tl.sum(seen, axis=0).to(tl.int64))
+        p = tl.where(bins == idx, -1.0, p)
 
 
 def route_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,34 +229,19 @@ def use_pair_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
 def _moe_pair_gemv_kernel(
     a_ptr, w_ptr, out_ptr, scale_ptr, topk_w_ptr, ids_ptr, map_ptr,
     N, K, top_k, up_offset, stride_am, stride_we, stride_wn, stride_om, stride_se, num_tokens,
-    logits_ptr, stride_l, num_experts, counter_ptr,
     GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_MAP: tl.constexpr,
     SPLIT_MAJOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-    ROUTE: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_BINS: tl.constexpr,
-    COUNT: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Program (pair, n): BLOCK_N output channels of the pair's expert over all of K, fp32 partial sums per VEC
     # group reduced once after the loop. GATED: rows are tokens (pair // top_k), gate and up rows read together
     # and silu(gate) * up written; else rows are pairs, scaled by the pair's routing weight. A pair whose expert
     # lives on another rank is skipped (its down row written as zeros). SPLIT_MAJOR (down only): pair p = token t,
     # choice j is written at row j * num_tokens + t, so out is [top_k, tokens, N]: split-K-shaped partial sums.
-    # ROUTE (gate_up only): the pair's expert comes from the router logits (softmax, top-k) in the program itself,
-    # and programs of N tile 0 write it and its weight (ids, topk_w) for the down projection; with COUNT program
-    # (0, 0) also adds the step's distinct experts to the counter.
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     pdl_wait(USE_PDL)
-    if ROUTE:
-        global_expert, weight = _route_pair(logits_ptr, stride_l, num_experts, pair // TOP_K, pair % TOP_K, TOP_K,
-                                            RENORMALIZE, NUM_BINS)
-        if pid_n == 0:
-            tl.store(ids_ptr + pair, global_expert)
-            tl.store(topk_w_ptr + pair, weight)
-            if COUNT and pair == 0:
-                _count_routed(logits_ptr, stride_l, num_experts, num_tokens, counter_ptr, TOP_K, NUM_BINS)
-        expert = global_expert.to(tl.int64)
-    else:
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     if HAS_MAP:
         expert = tl.load(map_ptr + expert).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -430,33 +369,22 @@ def moe_pair_gemv(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor, top_k: int, gated: bool,
     expert_map: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
     scale: torch.Tensor | None = None, block_n: int = PAIR_BLOCK_N, split_major: bool = False,
-    route: tuple[torch.Tensor, bool, torch.Tensor | None] | None = None,
 ) -> None:
     """out[pair] = (silu(gate) * up of) a's row against the pair's expert in w; one program per pair and N tile.
-    split_major (down): out[j * tokens + t] for token t's choice j instead. route (gate_up): (router logits
-    [tokens, experts], renormalize, routed-experts counter or None): the programs route the pairs themselves and
-    write topk_ids and topk_weights (flat [pairs]) for the down projection."""
+    split_major (down): out[j * tokens + t] for token t's choice j instead."""
     n, k = out.shape[1], a.shape[1]
     assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1
     block_k = min(PAIR_BLOCK_K, triton.next_power_of_2(k))
     vec = max(1, min(16 // w.element_size(), block_k))
     pdl = use_pdl(a.device)
-    num_pairs = topk_ids.numel()
-    logits, renormalize, counter = route if route is not None else (topk_ids, False, None)
-    if route is not None:
-        assert gated and topk_weights is not None and logits.stride(1) == 1
-    _moe_pair_gemv_kernel[(num_pairs, triton.cdiv(n, block_n))](
+    _moe_pair_gemv_kernel[(out.shape[0], triton.cdiv(n, block_n))](
         a, w, out, scale if scale is not None else w, topk_weights if topk_weights is not None else out,
         topk_ids, expert_map if expert_map is not None else topk_ids,
         n, k, top_k, n, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        scale.stride(0) if scale is not None else 0, num_pairs // top_k,
-        logits, logits.stride(0) if route is not None else 0, logits.shape[-1] if route is not None else 0,
-        counter if counter is not None else topk_ids,
-        GATED=gated, MUL_WEIGHT=topk_weights is not None and route is None, HAS_SCALE=scale is not None,
-        HAS_MAP=expert_map is not None, SPLIT_MAJOR=split_major, BLOCK_N=block_n, BLOCK_K=block_k, VEC=vec,
-        ROUTE=route is not None, TOP_K=top_k, RENORMALIZE=renormalize,
-        NUM_BINS=triton.next_power_of_2(logits.shape[-1]) if route is not None else 1, COUNT=counter is not None,
-        USE_PDL=pdl, num_warps=4, launch_pdl=bool(pdl),
+        scale.stride(0) if scale is not None else 0, out.shape[0] // top_k,
+        GATED=gated, MUL_WEIGHT=topk_weights is not None, HAS_SCALE=scale is not None, HAS_MAP=expert_map is not None,
+        SPLIT_MAJOR=split_major, BLOCK_N=block_n, BLOCK_K=block_k, VEC=vec, USE_PDL=pdl, num_warps=4,
+        launch_pdl=bool(pdl),
     )
 
 
@@ -539,67 +467,19 @@ def moe_gemm(
     )
 
 
-def _pair_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    expert_map: torch.Tensor | None, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, into_norm: bool,
-    route: tuple[torch.Tensor, bool, torch.Tensor | None] | None,
-) -> torch.Tensor | PartialSums:
-    """The pair path (use_pair_path): gate_up per (pair, N tile), then the down projection by pair_config()'s
-    mode. With route the gate_up programs write topk_ids and topk_weights themselves."""
-    num_tokens, top_k = topk_ids.shape
-    hidden, inter = w2.shape[1], w2.shape[2]
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    ids = topk_ids.reshape(-1)
-    if ids.dtype != torch.int32 or not ids.is_contiguous():
-        ids = ids.to(torch.int32).contiguous()
-    weights = topk_weights.reshape(-1)
-    if weights.dtype != torch.float32 or not weights.is_contiguous():
-        weights = weights.float().contiguous()
-    block_n, down = pair_config()
-    act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    moe_pair_gemv(x, w13, act, ids, top_k, gated=True, expert_map=expert_map, scale=w13_scale, block_n=block_n,
-                  topk_weights=weights if route is not None else None, route=route)
-    if down != "sum":  # every pair's weighted down row (another rank's expert: zeros), summed in top_k order
-        partials = down == "norm" and into_norm
-        rows = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
-        moe_pair_gemv(act, w2, rows, ids, top_k, gated=False, expert_map=expert_map, topk_weights=weights,
-                      scale=w2_scale, block_n=block_n, split_major=partials)
-        if partials:  # [top_k, tokens, hidden]: the norm after the block adds them in top_k order
-            return PartialSums(rows.view(top_k, num_tokens, hidden), None, None, x.dtype)
-        return rows.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    moe_pair_down_sum(act, w2, out, ids, weights, top_k, expert_map, w2_scale, block_n=block_n)
-    return out
-
-
 def fused_moe_triton(
     x: torch.Tensor,  # [num_tokens, hidden]
     w13: torch.Tensor,  # [num_local_experts, 2 * inter, hidden]
     w2: torch.Tensor,  # [num_local_experts, hidden, inter]
-    topk_weights: torch.Tensor | None,  # [num_tokens, top_k] fp32; None with route
-    topk_ids: torch.Tensor | None,  # [num_tokens, top_k] int32; None with route
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int32
     expert_map: torch.Tensor | None = None,
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     tile: MoETile | None = None,
     pair_path: bool | None = None,  # None: by token count (use_pair_path)
     into_norm: bool = False,  # the output goes only into a residual add + RMSNorm: PartialSums are fine
-    route: tuple[torch.Tensor, int, bool, torch.Tensor | None] | None = None,
 ) -> torch.Tensor | PartialSums:  # [num_tokens, hidden]
-    """The routed experts of given (topk_weights, topk_ids), or with route = (router logits [tokens, experts], top_k,
-    renormalize, routed-experts counter or None) on the pair path, of the routing its first kernel computes (no
-    routing or counting launch of their own)."""
-    if route is not None:
-        logits, top_k, renormalize, counter = route
-        assert tile is None and pair_path is not False, "route runs on the pair path only"
-        ids = torch.empty(x.shape[0], top_k, dtype=torch.int32, device=x.device)
-        weights = torch.empty(x.shape[0], top_k, dtype=torch.float32, device=x.device)
-        if logits.stride(1) != 1:
-            logits = logits.contiguous()
-        return _pair_moe(x, w13, w2, weights, ids, expert_map, w13_scale, w2_scale, into_norm,
-                         (logits, renormalize, counter))
-    assert topk_weights is not None and topk_ids is not None
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -609,7 +489,24 @@ def fused_moe_triton(
     if pair_path is None:
         pair_path = tile is None and use_pair_path(num_tokens, top_k, num_global)
     if pair_path:
-        return _pair_moe(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale, into_norm, None)
+        ids = topk_ids.reshape(-1)
+        if ids.dtype != torch.int32 or not ids.is_contiguous():
+            ids = ids.to(torch.int32).contiguous()
+        block_n, down = pair_config()
+        weights = topk_weights.reshape(-1).float().contiguous()
+        act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+        moe_pair_gemv(x, w13, act, ids, top_k, gated=True, expert_map=expert_map, scale=w13_scale, block_n=block_n)
+        if down != "sum":  # every pair's weighted down row (another rank's expert: zeros), summed in top_k order
+            partials = down == "norm" and into_norm
+            rows = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+            moe_pair_gemv(act, w2, rows, ids, top_k, gated=False, expert_map=expert_map, topk_weights=weights,
+                          scale=w2_scale, block_n=block_n, split_major=partials)
+            if partials:  # [top_k, tokens, hidden]: the norm after the block adds them in top_k order
+                return PartialSums(rows.view(top_k, num_tokens, hidden), None, None, x.dtype)
+            return rows.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+        out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+        moe_pair_down_sum(act, w2, out, ids, weights, top_k, expert_map, w2_scale, block_n=block_n)
+        return out
     tile = tile or moe_tile(num_tokens, top_k, num_experts)
     if num_tokens * top_k <= ALIGN_KERNEL_MAX_PAIRS:
         aligned = align_by_expert_triton(topk_ids, num_experts, tile.block_m, expert_map)

@@ -212,69 +212,6 @@ def test_pair_rows_handed_to_the_norm_equal_the_summed_block(monkeypatch, num_to
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize,spec", [
-    (1, 128, 8, True, "16,pairs"), (3, 60, 4, False, "16,sum"), (4, 8, 2, True, "16,norm"), (2, 8, 2, False, "8")])
-@pytest.mark.parametrize("expert_parallel", [False, True])
-def test_routing_inside_the_pair_kernel_equals_the_route_kernel(monkeypatch, num_tokens, num_experts, top_k,
-                                                                renormalize, spec, expert_parallel):
-    """ops.routed_moe's pair path (softmax and top-k in the gate_up programs, no routing or count launch) gives the
-    route kernel's experts and weights bit for bit, the same block output, and the count of distinct experts; a
-    NaN row (a graph's padding) still routes to valid experts."""
-    from tandem.kernels.fp8 import PartialSums
-    from tandem.kernels.triton_moe import _pair_moe, route_topk_triton
-
-    monkeypatch.setenv("TANDEM_MOE_PAIR", spec)
-    gen = torch.Generator().manual_seed(num_tokens * num_experts)
-    hidden, inter = 72, 40
-    logits = torch.randn(num_tokens, num_experts, generator=gen) * 2
-    if num_tokens > 2:
-        logits[1] = float("nan")
-    x = torch.randn(num_tokens, hidden, generator=gen)
-    glob = torch.arange(num_experts)
-    expert_map = torch.where(glob % 2 == 1, glob // 2, -1).to(torch.int32) if expert_parallel else None
-    w13, w2 = make_moe(num_experts // 2 if expert_parallel else num_experts, hidden, inter, torch.float32)
-    dev = [t.to(DEVICE) for t in (x, logits, w13, w2)]
-    emap = expert_map.to(DEVICE) if expert_map is not None else None
-    weights, ids = route_topk_triton(dev[1], top_k, renormalize)
-    got_ids = torch.empty_like(ids)
-    got_weights = torch.empty_like(weights)
-    counter = torch.full((), 7, dtype=torch.int64, device=DEVICE)
-    into_norm = spec.endswith("norm")
-    got = _pair_moe(dev[0], dev[2], dev[3], got_weights, got_ids, emap, None, None, into_norm,
-                    (dev[1], renormalize, counter))
-    want = _pair_moe(dev[0], dev[2], dev[3], weights, ids, emap, None, None, into_norm, None)
-    exact = dict(atol=0, rtol=0, equal_nan=True)  # a NaN row's weights are NaN (0 / 0) on both paths
-    assert torch.equal(got_ids, ids)
-    torch.testing.assert_close(got_weights, weights, **exact)
-    assert int(counter) == 7 + torch.unique(ids.cpu()).numel()
-    if into_norm:
-        assert isinstance(got, PartialSums) and isinstance(want, PartialSums)
-        got, want = got.ws, want.ws
-    torch.testing.assert_close(got, want, **exact)
-    expected = fused_moe_ref(x, w13, w2, weights.cpu(), ids.cpu(), expert_map)
-    out = got.sum(0) if into_norm else got
-    torch.testing.assert_close(out.float().cpu()[~torch.isnan(expected).any(1)],
-                               expected[~torch.isnan(expected).any(1)], atol=1e-4, rtol=1e-4)
-
-
-def test_routed_moe_takes_the_fused_routing_only_on_the_pair_path(monkeypatch):
-    """ops.routed_moe equals moe_route + count + fused_moe at a pair-path token count and above it."""
-    from tandem.kernels import ops
-
-    monkeypatch.setattr(ops, "use_triton", lambda t: True)
-    gen = torch.Generator().manual_seed(11)
-    w13, w2 = make_moe(16, 64, 32, torch.float32)
-    for num_tokens in (1, 9):  # 16 experts, top_k 2: the pair path takes up to 2 tokens
-        x = torch.randn(num_tokens, 64, generator=gen)
-        logits = torch.randn(num_tokens, 16, generator=gen)
-        counter = torch.zeros((), dtype=torch.int64, device=DEVICE)
-        got = ops.routed_moe(x.to(DEVICE), logits.to(DEVICE), 2, True, w13.to(DEVICE), w2.to(DEVICE),
-                             counter=counter)
-        weights, ids = ops.route_topk(logits, 2, True)
-        torch.testing.assert_close(got.cpu(), fused_moe_ref(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
-        assert int(counter) == torch.unique(ids).numel()
-
-
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,mode", [(1, 128, 8, "random"), (40, 8, 2, "even_only"),
                                                                  (70, 60, 4, "random"), (33, 8, 2, "all_one")])
 def test_routed_expert_count_matches_distinct_ids(num_tokens, num_experts, top_k, mode):
