@@ -12,9 +12,10 @@ activation dtype tile by tile and their scales applied to the accumulator. Small
 expert) take BLOCK_M 16 and long K tiles, large ones (prefill) BLOCK_M 64 and wider N tiles.
 
 The fewest tokens (decode at batch 1 to a few: `use_pair_path`) skip the sort altogether: one weight-streaming GEMV
-program per (token-expert pair, N tile) reads that pair's expert rows once (gate_up), then one per (token, N tile)
-runs the down projection of the token's top_k pairs and sums them in registers; pairs of one token choose distinct
-experts, so at batch 1 every touched weight is read exactly once, with no align or reduction kernel.
+program per (token-expert pair, N tile) reads that pair's expert rows once (gate_up), then one per (pair, N tile)
+runs its weighted down projection into fp32 rows, which the residual add + RMSNorm after the block adds up (one
+rank) or one sum over top_k does (`pair_config` names the other modes); pairs of one token choose distinct
+experts, so at batch 1 every touched weight is read exactly once, with no align kernel.
 """
 
 from __future__ import annotations
@@ -325,9 +326,11 @@ def _moe_pair_down_sum_kernel(
 PAIR_BLOCK_N, PAIR_BLOCK_K = 32, 256
 # Per-pair down GEMVs, then a sum over top_k: on an H200 (Qwen3-30B-A3B layer, scripts/bench_moe.py --sweep) 29.0 us
 # at 1 token against 40.5 us for the in-register sum, 44.1 against 52.6 at 2, even at 4 (twice the programs fill the
-# SMs: at 1 token the sum has 64 programs each looping over 8 experts).
+# SMs: at 1 token the sum has 64 programs each looping over 8 experts). Handing those per-pair rows to the norm after
+# the block ("norm", one rank) drops the sum and cast kernels: moe-bs1 on an H200 (2026-11-28) 358.8 tok/s against
+# 328.6 with "pairs".
 PairDown = Literal["sum", "pairs", "norm"]
-PAIR_DOWN: PairDown = "pairs"
+PAIR_DOWN: PairDown = "norm"
 
 
 def pair_config() -> tuple[int, PairDown]:

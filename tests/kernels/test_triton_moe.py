@@ -182,7 +182,7 @@ def test_pair_config_refuses_bad_specs(monkeypatch):
     monkeypatch.setenv("TANDEM_MOE_PAIR", "16,sum")
     assert pair_config() == (16, "sum")
     monkeypatch.setenv("TANDEM_MOE_PAIR", "64")
-    assert pair_config() == (64, "pairs")
+    assert pair_config() == (64, "norm")
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3])
