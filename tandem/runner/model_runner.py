@@ -137,11 +137,18 @@ class ModelRunner:
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        self._all_reduce_timeout: torch.Tensor | None = None  # [1] int32 on the device, sticky
+        self._all_reduce_timeout_host: torch.Tensor | None = None
         if group is not None:
             # Before any capture: decode steps' all-reduces ([batch, hidden]) go peer to peer, larger ones to NCCL.
             p2p = create_symmetric_all_reduce(dist.group.WORLD, self.device, self.dtype,
                                               self.max_num_seqs * mc.hidden_size * self.dtype.itemsize)
             set_tp_group(None, p2p)
+            if p2p is not None and p2p.fused:
+                # The fused kernel's wait gives up on a peer that never arrives and sets this flag (its rows are
+                # then garbage): each step copies it to the host, and a rank that sees it fails the group.
+                self._all_reduce_timeout = p2p.timed_out
+                self._all_reduce_timeout_host = torch.zeros(1, dtype=torch.int32).pin_memory()
             if p2p is not None:
                 logger.info("peer-to-peer all-reduce up to %d KiB (one-shot up to %d KiB), NCCL above",
                             p2p.max_bytes >> 10, p2p.one_shot_max >> 10)
@@ -444,7 +451,12 @@ class ModelRunner:
             self._set_worker_timing(plan.timing)
         # This rank's own GPU must be done with the slot's previous step before its buffers are rewritten
         # (rank 0 has the same guarantee from its wait on that step).
-        self._events[plan.slot].compute_done.synchronize()
+        events = self._events[plan.slot]
+        if self._all_reduce_timeout is not None:
+            events.d2h_done.synchronize()  # after compute_done: the flag's copy too
+        else:
+            events.compute_done.synchronize()
+        self._check_all_reduce_timeout()  # raises: the worker leaves, and rank 0 fails the group
         self._record_worker_span(plan.slot)
         self.group.recv_payload(plan, self.buffers[plan.slot])  # type: ignore[union-attr]
         self._enqueue(plan, download=False)
@@ -555,10 +567,14 @@ class ModelRunner:
                 self._sample_into(slot, logits, num_seqs, plan.all_greedy, plan.any_top_k_top_p, num_logprobs)
             self.logits_state.count(slot, buf.out_tokens[:num_seqs])
             streams.record("compute", events.compute_done)
-        if download:
+        if download or self._all_reduce_timeout is not None:
             streams.wait("d2h", events.compute_done)
             with streams.on("d2h"):
-                buf.download(num_seqs, num_logprobs)
+                if download:
+                    buf.download(num_seqs, num_logprobs)
+                flag, host_flag = self._all_reduce_timeout, self._all_reduce_timeout_host
+                if flag is not None and host_flag is not None:
+                    host_flag.copy_(flag, non_blocking=True)
                 streams.record("d2h", events.d2h_done)
 
     def fill_masks(self, handle: StepHandle) -> None:
@@ -584,6 +600,7 @@ class ModelRunner:
         """Blocks until the step's tokens are in host memory: the one CPU wait per step."""
         if self.group is not None:
             self.group.wait_event(handle.events.d2h_done)  # polls, so that a dead rank is an error, not a hang
+            self._check_all_reduce_timeout()
         else:
             handle.events.d2h_done.synchronize()
         buf, n = self.buffers[handle.slot], handle.num_seqs
@@ -598,6 +615,19 @@ class ModelRunner:
                 for i in range(n)
             ]
         return StepResult(token_ids, logprobs)
+
+    def _check_all_reduce_timeout(self) -> None:
+        """Fails the group (every later step too) once this rank's fused all-reduce gave up waiting for a peer:
+        the steps since hold garbage rows. The flag reaches the host with each step's D2H copy."""
+        host = self._all_reduce_timeout_host
+        if host is None or not int(host[0]):
+            return
+        group = self.group
+        assert group is not None
+        if group.failure is None:
+            group.failure = (f"tensor-parallel rank {self.parallel.rank}: the peer-to-peer all-reduce gave up "
+                             "waiting for a peer (a rank stalled or died mid-step); this group's results are invalid")
+        raise WorkerDiedError(group.failure)
 
     def step_gpu_spans(self, handle: StepHandle, base: tuple[object, float] | None) -> list[tuple[str, float, float]]:
         """(name, start, end) of the step's GPU work on the perf_counter clock; call after wait(). One "compute"

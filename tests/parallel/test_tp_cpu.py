@@ -180,3 +180,30 @@ def test_step_header_round_trip():
                  StepPlan(0, 5, 5, 8, True, False, -1, 1, 33, 12, False, 5, None)):
         plan.encode(header)
         assert StepPlan.decode(header) == plan
+
+
+def test_an_all_reduce_that_gave_up_fails_the_group(tiny_folders):
+    """The fused all-reduce's timeout flag (set on the GPU when a peer never arrives; faked here on rank 0): the
+    step that sees it fails its requests, every later step fails the same way, and the engine reports it."""
+    import torch
+
+    llm = LLM(tiny_folders["llama"], tensor_parallel_size=2, num_kv_blocks=64, **ENGINE)
+    try:
+        engine = llm.engine
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 20
+        assert engine.fatal_error is None
+        runner = engine.runner
+        runner._all_reduce_timeout = torch.ones(1, dtype=torch.int32)
+        runner._all_reduce_timeout_host = torch.zeros(1, dtype=torch.int32)
+        engine.add_request("a", [5, 6, 7, 8], params)
+        errors = []
+        deadline = time.monotonic() + 30
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            errors += [o.error for o in engine.step() if o.error is not None]
+        assert errors and "gave up waiting for a peer" in errors[0], errors
+        assert "gave up waiting" in (engine.fatal_error or "")
+        with pytest.raises(RuntimeError, match="gave up waiting"):
+            llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
