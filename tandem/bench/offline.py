@@ -253,26 +253,32 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         r = run_fresh_tandem({**llm_kwargs, "enable_expert_parallel": not expert_parallel}, requests, warm)
         r["roofline_fraction"] = floor / r["seconds"]
         peer_results["tandem TP experts" if expert_parallel else "tandem EP experts"] = r
-    if tensor_parallel_size > 1 and "tp1" in peers:
-        # The same requests on one GPU in a fresh engine, after the sharded one has freed every GPU.
+    tp_sizes = tensor_parallel_peer_sizes(peers, tensor_parallel_size)
+    if tp_sizes:
+        # The same requests on fewer GPUs, after the sharded engine has freed every GPU.
         if llm is not None:
             llm.shutdown()
         del llm
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-        try:
-            r = run_fresh_tandem({**llm_kwargs, "tensor_parallel_size": 1}, requests, warm)
-        except (ValueError, torch.OutOfMemoryError) as exc:  # e.g. a 70B shape does not fit one GPU
-            result["tp1_error"] = f"{type(exc).__name__}: {exc}"
-        else:
-            # Dummy weights are drawn per shard, so TP=1 is another random model: tokens comparable only for
-            # real checkpoints (the tests check TP=2 == TP=1 on those).
-            if w.model is None:
-                r["same_tokens_as_main"] = r["_outputs"] == main["_outputs"]
-                r.update(token_agreement(r["_outputs"], main["_outputs"]))
-            peer_results["tandem TP=1"] = r
         llm = None
+    for size in tp_sizes:
+        try:
+            if size == 1:  # in a fresh engine of this process
+                r = run_fresh_tandem({**llm_kwargs, "tensor_parallel_size": 1}, requests, warm)
+            else:  # in a child process: only a process's first tensor-parallel group gets the peer-to-peer all-reduce
+                r = run_tensor_parallel_peer(w, size, scale, quantization, kv_cache_dtype, quantize_lm_head,
+                                             expert_parallel)
+        except (ValueError, RuntimeError, torch.OutOfMemoryError) as exc:  # e.g. a 70B shape does not fit one GPU
+            result[f"tp{size}_error"] = f"{type(exc).__name__}: {exc}"
+            continue
+        # Dummy weights are drawn per shard, so another TP size is another random model: tokens comparable only
+        # for real checkpoints (the tests check TP=2 == TP=1 on those).
+        if w.model is None and "_outputs" in r:
+            r["same_tokens_as_main"] = r["_outputs"] == main["_outputs"]
+            r.update(token_agreement(r["_outputs"], main["_outputs"]))
+        peer_results[f"tandem TP={size}"] = r
     timelines = {"tandem (overlap)": main["_timeline"]}
     for name in ("tandem --sync", "tandem TP=1"):
         if name in peer_results:
@@ -361,7 +367,7 @@ def bench_data_parallel(result: dict[str, Any], peer_results: dict[str, Any], w:
         r["same_tokens_as_main"] = r["_outputs"] == main["_outputs"]
         r.update(token_agreement(r["_outputs"], main["_outputs"]))
         peer_results["tandem DP=1"] = r
-    skipped = sorted(set(peers) & {"sync", "eager", "noprefix", "bf16", "tp1", "nogemv"})
+    skipped = sorted(p for p in peers if p in {"sync", "eager", "noprefix", "bf16", "nogemv"} or _tp_peer(p))
     if skipped:
         result["peers_not_run"] = {p: "needs data_parallel_size=1" for p in skipped}
     result.update({
@@ -393,6 +399,46 @@ def _add_peers(result: dict[str, Any], main: dict[str, Any], peer_results: dict[
         result["peers"][name] = r["tokens_per_s"]
         result.setdefault("peer_details", {})[name] = {k: v for k, v in r.items() if not k.startswith("_")}
         result.setdefault("ratios", {})[name] = main["tokens_per_s"] / r["tokens_per_s"]
+
+
+def _tp_peer(peer: str) -> int | None:
+    """K of a `tpK` peer name, else None."""
+    return int(peer[2:]) if peer.startswith("tp") and peer[2:].isdigit() and int(peer[2:]) > 0 else None
+
+
+def tensor_parallel_peer_sizes(peers: list[str], tensor_parallel_size: int) -> list[int]:
+    """The tensor-parallel sizes of the `tpK` peers below this run's size, in the order given."""
+    sizes = [_tp_peer(p) for p in peers]
+    return [k for k in dict.fromkeys(sizes) if k is not None and k < tensor_parallel_size]
+
+
+TP_PEER_FIELDS = ("tokens_per_s", "total_tokens_per_s", "seconds", "generated_tokens", "num_steps", "gpu_busy_pct",
+                  "gpu_busy_pct_per_rank", "roofline_fraction", "all_reduce_ms_per_step")
+
+
+def run_tensor_parallel_peer(w: Workload, size: int, scale: float, quantization: str | None, kv_cache_dtype: str,
+                             quantize_lm_head: bool, expert_parallel: bool) -> dict[str, Any]:
+    """The workload at tensor_parallel_size `size` (> 1) in a child `tandem bench` process: a later tensor-parallel
+    group of this process would all-reduce through NCCL only, which is not what that size runs at on its own."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="tandem-tp-peer-") as tmp:
+        out = os.path.join(tmp, "peer.json")
+        cmd = [sys.executable, "-m", "tandem", "bench", "--workload", w.name, "--no-peers", "--scale", str(scale),
+               "--tensor-parallel-size", str(size), "--kv-cache-dtype", kv_cache_dtype, "--out", out]
+        if quantization is not None:
+            cmd += ["--quantization", quantization]
+        if quantize_lm_head:
+            cmd.append("--quantize-lm-head")
+        if expert_parallel:
+            cmd.append("--enable-expert-parallel")
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"the TP={size} peer exited {done.returncode}: {done.stderr[-2000:]}")
+        with open(out) as f:
+            r = json.load(f)["results"][0]
+    return {k: r[k] for k in TP_PEER_FIELDS if k in r}
 
 
 def run_fresh_tandem(llm_kwargs: dict[str, Any], requests: list[tuple[list[int], int]],
@@ -513,7 +559,8 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
                        help="comma list: hf (transformers), sync, eager (no CUDA graphs), noprefix, "
                             "bf16 (with --quantization or --kv-cache-dtype fp8: the engine with bf16 weights and "
                             "KV cache, for the fp8 / bf16 ratio), "
-                            "tp1 (with --tensor-parallel-size N > 1: the same run on one GPU, in a fresh engine), "
+                            "tpK, K < N (with --tensor-parallel-size N > 1: the same run on K GPUs; tp1 in a fresh "
+                            "engine, K > 1 in a child process), "
                             "ep (MoE with --tensor-parallel-size N > 1: the other expert layout, TP or EP), "
                             "dp1 (with --data-parallel-size M > 1: the same run on one engine, in a fresh LLM), "
                             "nogemv (CUDA: a fresh engine without the decode GEMV kernel, TANDEM_GEMV_MAX_ROWS=0), "
@@ -527,7 +574,7 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
     bench.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                        help="run tandem with an FP8 KV cache (roofline on its FP8 bytes)")
     bench.add_argument("--tensor-parallel-size", type=int, default=1,
-                       help="shard tandem's model over this many GPUs (the tp1 peer runs unsharded)")
+                       help="shard tandem's model over this many GPUs (a tpK peer runs the same on K)")
     bench.add_argument("--enable-expert-parallel", action="store_true",
                        help="with --tensor-parallel-size N > 1 and a MoE model: whole experts per rank (the ep peer "
                             "runs the other layout)")
