@@ -270,7 +270,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
             else:  # in a child process: only a process's first tensor-parallel group gets the peer-to-peer all-reduce
                 r = run_tensor_parallel_peer(w, size, scale, quantization, kv_cache_dtype, quantize_lm_head,
                                              expert_parallel)
-        except (ValueError, RuntimeError, torch.OutOfMemoryError) as exc:  # e.g. a 70B shape does not fit one GPU
+        except (ValueError, torch.OutOfMemoryError, TensorParallelPeerError) as exc:  # e.g. a 70B shape on one GPU
             result[f"tp{size}_error"] = f"{type(exc).__name__}: {exc}"
             continue
         # Dummy weights are drawn per shard, so another TP size is another random model: tokens comparable only
@@ -416,6 +416,10 @@ TP_PEER_FIELDS = ("tokens_per_s", "total_tokens_per_s", "seconds", "generated_to
                   "gpu_busy_pct_per_rank", "roofline_fraction", "all_reduce_ms_per_step")
 
 
+class TensorParallelPeerError(RuntimeError):
+    """A `tpK` peer's child bench process failed (its stderr's tail in the message)."""
+
+
 def run_tensor_parallel_peer(w: Workload, size: int, scale: float, quantization: str | None, kv_cache_dtype: str,
                              quantize_lm_head: bool, expert_parallel: bool) -> dict[str, Any]:
     """The workload at tensor_parallel_size `size` (> 1) in a child `tandem bench` process: a later tensor-parallel
@@ -435,7 +439,7 @@ def run_tensor_parallel_peer(w: Workload, size: int, scale: float, quantization:
             cmd.append("--enable-expert-parallel")
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"the TP={size} peer exited {done.returncode}: {done.stderr[-2000:]}")
+            raise TensorParallelPeerError(f"the TP={size} peer exited {done.returncode}: {done.stderr[-2000:]}")
         with open(out) as f:
             r = json.load(f)["results"][0]
     return {k: r[k] for k in TP_PEER_FIELDS if k in r}

@@ -137,8 +137,8 @@ class ModelRunner:
                     self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
-        self._all_reduce_timeout: torch.Tensor | None = None  # [1] int32 on the device, sticky
-        self._all_reduce_timeout_host: torch.Tensor | None = None
+        # The fused all-reduce's timeout flag: ([1] int32 on the device, sticky; its pinned host copy).
+        self._all_reduce_timeout: tuple[torch.Tensor, torch.Tensor] | None = None
         if group is not None:
             # Before any capture: decode steps' all-reduces ([batch, hidden]) go peer to peer, larger ones to NCCL.
             p2p = create_symmetric_all_reduce(dist.group.WORLD, self.device, self.dtype,
@@ -147,8 +147,7 @@ class ModelRunner:
             if p2p is not None and p2p.fused:
                 # The fused kernel's wait gives up on a peer that never arrives and sets this flag (its rows are
                 # then garbage): each step copies it to the host, and a rank that sees it fails the group.
-                self._all_reduce_timeout = p2p.timed_out
-                self._all_reduce_timeout_host = torch.zeros(1, dtype=torch.int32).pin_memory()
+                self._all_reduce_timeout = (p2p.timed_out, torch.zeros(1, dtype=torch.int32).pin_memory())
             if p2p is not None:
                 logger.info("peer-to-peer all-reduce up to %d KiB (one-shot up to %d KiB), NCCL above",
                             p2p.max_bytes >> 10, p2p.one_shot_max >> 10)
@@ -572,8 +571,8 @@ class ModelRunner:
             with streams.on("d2h"):
                 if download:
                     buf.download(num_seqs, num_logprobs)
-                flag, host_flag = self._all_reduce_timeout, self._all_reduce_timeout_host
-                if flag is not None and host_flag is not None:
+                if self._all_reduce_timeout is not None:
+                    flag, host_flag = self._all_reduce_timeout
                     host_flag.copy_(flag, non_blocking=True)
                 streams.record("d2h", events.d2h_done)
 
@@ -619,8 +618,7 @@ class ModelRunner:
     def _check_all_reduce_timeout(self) -> None:
         """Fails the group (every later step too) once this rank's fused all-reduce gave up waiting for a peer:
         the steps since hold garbage rows. The flag reaches the host with each step's D2H copy."""
-        host = self._all_reduce_timeout_host
-        if host is None or not int(host[0]):
+        if self._all_reduce_timeout is None or not int(self._all_reduce_timeout[1][0]):
             return
         group = self.group
         assert group is not None

@@ -9,7 +9,12 @@ import subprocess
 
 import pytest
 
-from tandem.bench.offline import add_bench_args, run_tensor_parallel_peer, tensor_parallel_peer_sizes
+from tandem.bench.offline import (
+    TensorParallelPeerError,
+    add_bench_args,
+    run_tensor_parallel_peer,
+    tensor_parallel_peer_sizes,
+)
 from tandem.bench.workloads import WORKLOADS
 
 
@@ -43,5 +48,5 @@ def test_a_tp_peer_runs_the_same_workload_in_a_child_bench(monkeypatch):
     assert not args.enable_expert_parallel
 
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "no GPUs"))
-    with pytest.raises(RuntimeError, match="TP=2 peer exited 1: no GPUs"):
+    with pytest.raises(TensorParallelPeerError, match="TP=2 peer exited 1: no GPUs"):
         run_tensor_parallel_peer(WORKLOADS["70b-bs1"], 2, 1.0, None, "auto", False, True)

@@ -194,8 +194,7 @@ def test_an_all_reduce_that_gave_up_fails_the_group(tiny_folders):
         assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 20
         assert engine.fatal_error is None
         runner = engine.runner
-        runner._all_reduce_timeout = torch.ones(1, dtype=torch.int32)
-        runner._all_reduce_timeout_host = torch.zeros(1, dtype=torch.int32)
+        runner._all_reduce_timeout = (torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
         engine.add_request("a", [5, 6, 7, 8], params)
         errors = []
         deadline = time.monotonic() + 30
