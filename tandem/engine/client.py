@@ -108,7 +108,7 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.engine_pids = list(engine_pids or [])
         self.on_engine_death = on_engine_death
-        self.router = ReplicaRouter(len(self.input_addrs), block_size)
+        self.router = ReplicaRouter(len(self.input_addrs), block_size, first=client_index)
         self.engine_timeout = engine_timeout
         self.step_timeout = step_timeout if step_timeout is not None else float("inf")
         self.replica_state = [LIVE] * len(self.input_addrs)

@@ -78,3 +78,22 @@ def test_tokens_balance_a_random_workload_better_than_counts():
         excess_tokens += max(out_tokens) / mean - 1
         excess_counts += max(out_counts) / mean - 1
     assert excess_tokens / 10 < 0.005 and excess_tokens < excess_counts / 3, (excess_tokens, excess_counts)
+
+
+def test_api_processes_break_ties_on_different_replicas():
+    """Two API processes route their own shares of 2,048 equal requests (1,023 and 1,025): each gives its
+    odd request to its own first replica, so the replicas end with 1,024 each, not 1,025 and 1,023 (a
+    fifth wave for one replica alone)."""
+    totals = [0, 0]
+    for index, share in enumerate((1023, 1025)):
+        router = ReplicaRouter(2, block_size=16, first=index)
+        for _ in range(share):
+            totals[router.pick([15496, 11, 995], max_new_tokens=256)] += 1
+    assert totals == [1024, 1024]
+    same_first = [0, 0]
+    for share in (1023, 1025):
+        router = ReplicaRouter(2, block_size=16)
+        for _ in range(share):
+            same_first[router.pick([15496, 11, 995], max_new_tokens=256)] += 1
+    assert same_first == [1025, 1023]
+    assert ReplicaRouter(3, block_size=16, first=4).pick([1]) == 1  # first is taken modulo the replicas
