@@ -30,7 +30,8 @@ def add_serve_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--serve-max-num-seqs", type=int, default=None, help="requests in flight (default: all)")
     g.add_argument("--serve-output-len", type=int, default=256)
     g.add_argument("--serve-prompt-ids", default=DEFAULT_PROMPT_IDS)
-    g.add_argument("--api-server-count", type=int, default=1)
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="API processes per engine replica (the DP pass starts this many times its replicas)")
     g.add_argument("--num-clients", type=int, default=4, help="benchmark client processes")
     g.add_argument("--serve-sync", action="store_true", help="also serve with overlap off (--sync) for the ratio")
     g.add_argument("--serve-poisson-rate", type=float, default=None,
@@ -84,8 +85,11 @@ def run_serve_workload(args: argparse.Namespace) -> dict[str, Any]:
                                      / result["offline_tokens_per_s"])
     dp = args.serve_data_parallel_size
     if dp > 1:  # the same requests through a server of dp replicas (each gets about num / dp of them)
+        # Each replica gets the API processes the one-replica server had: dp replicas streaming through the
+        # one-replica server's API processes measure those processes' event loops (on 2xH200, 2 API processes
+        # for 2 replicas: one replica's streams ran 1.75x slower by the client's clock, efficiency 0.77-0.84).
         run = _through_server(args, engine + ["--data-parallel-size", str(dp)], prompt_ids, num, out_len,
-                              poisson=False)
+                              poisson=False, replicas=dp)
         result[f"server_dp{dp}"] = run
         tps = run["saturation"]["summary"]["output_tokens_per_s"]
         one = result["server_overlap"]["saturation"]["summary"]["output_tokens_per_s"]
@@ -149,7 +153,7 @@ def _offline(engine_args: list[str], prompt_ids: list[int], num: int, out_len: i
 
 
 def _through_server(args: argparse.Namespace, engine_args: list[str], prompt_ids: list[int], num: int,
-                    out_len: int, poisson: bool) -> dict[str, Any]:
+                    out_len: int, poisson: bool, replicas: int = 1) -> dict[str, Any]:
     from tandem.bench.serve import add_bench_serve_args, run_benchmark
     from tandem.engine.process import TIMELINE_ENV
 
@@ -163,7 +167,7 @@ def _through_server(args: argparse.Namespace, engine_args: list[str], prompt_ids
         env[TIMELINE_ENV] = trace
     log = tempfile.NamedTemporaryFile("w+", prefix="tandem-serve-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--log-level", "warning",
-           "--api-server-count", str(args.api_server_count), "--max-queue", str(max(1024, 2 * num)), *engine_args]
+           "--api-server-count", str(args.api_server_count * replicas), "--max-queue", str(max(1024, 2 * num)), *engine_args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     run: dict[str, Any] = {"command": " ".join(cmd[1:])}
     try:

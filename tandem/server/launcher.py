@@ -335,8 +335,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $TANDEM_API_KEY)")
-    g.add_argument("--api-server-count", type=int, default=1,
-                   help="API processes (HTTP, tokenization, detokenization, SSE) sharing the port; one engine core")
+    g.add_argument("--api-server-count", type=int, default=None,
+                   help="API processes (HTTP, tokenization, detokenization, SSE) sharing the port (default: one per "
+                        "data-parallel replica)")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas, each on its own GPU(s) (x --tensor-parallel-size), behind the same API")
     g.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
@@ -381,7 +382,10 @@ def serve_main(args: argparse.Namespace) -> int:
                                engine_timeout=args.engine_timeout, engine_step_timeout=args.engine_step_timeout,
                                tool_call_parser=args.tool_call_parser, limits=limits_from_args(args),
                                public_metrics=args.public_metrics, allowed_origins=args.allowed_origin or [])
-        code = serve(settings, num_api_servers=args.api_server_count, data_parallel_size=args.data_parallel_size)
+        # The front end grows with the replicas: two replicas behind one API process's event loop stream
+        # at that loop's pace, not at the GPUs'.
+        num_api_servers = args.api_server_count if args.api_server_count is not None else args.data_parallel_size
+        code = serve(settings, num_api_servers=num_api_servers, data_parallel_size=args.data_parallel_size)
     except ValueError as exc:
         raise SystemExit(f"tandem serve: {exc}") from exc
     if code == 0:
