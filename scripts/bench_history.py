@@ -31,7 +31,7 @@ HISTORY_PNG = REPO / "benchmarks" / "history.png"
 # history.csv's columns, in this order.
 COLUMNS: tuple[str, ...] = (
     "date", "commit", "gpu", "workload", "tokens_per_s", "roofline_fraction", "gpu_busy_pct", "copy_gbps",
-    "sync_ratio", "eager_ratio", "hf_ratio", "bf16_ratio", "tp1_ratio", "dp1_ratio", "nopdl_ratio",
+    "sync_ratio", "eager_ratio", "hf_ratio", "bf16_ratio", "tp1_ratio", "tp2_ratio", "dp1_ratio", "nopdl_ratio",
     "nogemv_ratio", "server_over_offline", "overlap_over_sync", "source",
 )
 
@@ -43,6 +43,7 @@ PEER_COLUMNS: tuple[tuple[str, str], ...] = (
     ("transformers generate (dynamic cache)", "hf_ratio"),
     ("tandem bf16", "bf16_ratio"),
     ("tandem TP=1", "tp1_ratio"),
+    ("tandem TP=2", "tp2_ratio"),
     ("tandem DP=1", "dp1_ratio"),
     ("tandem without PDL", "nopdl_ratio"),
     ("tandem without GEMV", "nogemv_ratio"),
@@ -160,6 +161,11 @@ def history_row(record: dict[str, Any], result: dict[str, Any], source: str) -> 
         row["tokens_per_s"] = _number(saturation.get("output_tokens_per_s"), 1)
         row["server_over_offline"] = _number(result.get("server_over_offline"), 3)
         row["overlap_over_sync"] = _number(result.get("server_overlap_over_sync"), 3)
+        # With --serve-data-parallel-size M: the M-replica server's tokens/s over the one-replica server's.
+        dp = [v for k, v in result.items() if k.startswith("server_dp") and isinstance(v, dict)]
+        dp_tps = ((dp[0].get("saturation") or {}).get("summary") or {}).get("output_tokens_per_s") if dp else None
+        if dp_tps and saturation.get("output_tokens_per_s"):
+            row["dp1_ratio"] = _number(dp_tps / saturation["output_tokens_per_s"], 3)
         return row
     row["tokens_per_s"] = _number(result.get("tokens_per_s"), 1)
     row["roofline_fraction"] = _number(result.get("roofline_fraction"), 3)

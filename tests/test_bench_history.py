@@ -90,15 +90,19 @@ def test_add_writes_per_gpu_file_and_history_row(bench_history: ModuleType, tmp_
 
 def test_add_names_multi_gpu_and_serve_runs(bench_history: ModuleType, tmp_path: Path) -> None:
     tp2 = _result("bs1", 343.1, tensor_parallel_size=2, ratios={"tandem TP=1": 1.257})
+    tp4 = _result("70b-bs1", 90.0, tensor_parallel_size=4, ratios={"tandem TP=2": 1.612})
     serve = {"workload": "serve", "model": "gpt2", "device": "NVIDIA H100 80GB HBM3", "date": "2026-12-01",
              "server_over_offline": 0.7851, "command": "tandem bench --workload serve --serve-model gpt2",
-             "server_overlap": {"saturation": {"summary": {"output_tokens_per_s": 218210.7}}}}
-    _add(bench_history, tmp_path, _bench_json(tmp_path / "b.json", [tp2, serve]))
+             "server_overlap": {"saturation": {"summary": {"output_tokens_per_s": 218210.7}}},
+             "server_dp2": {"saturation": {"summary": {"output_tokens_per_s": 400000.0}}}}
+    _add(bench_history, tmp_path, _bench_json(tmp_path / "b.json", [tp2, tp4, serve]))
     assert (tmp_path / "results" / "2xh200" / "bs1-tp2.json").exists()
     assert (tmp_path / "results" / "h100" / "serve-gpt2.json").exists()
-    tp_row, serve_row = _rows(tmp_path)
+    tp_row, tp4_row, serve_row = _rows(tmp_path)
     assert (tp_row["gpu"], tp_row["workload"], tp_row["tp1_ratio"]) == ("2xh200", "bs1-tp2", "1.257")
+    assert (tp4_row["workload"], tp4_row["tp1_ratio"], tp4_row["tp2_ratio"]) == ("70b-bs1-tp4", "", "1.612")
     assert (serve_row["tokens_per_s"], serve_row["server_over_offline"]) == ("218210.7", "0.785")
+    assert serve_row["dp1_ratio"] == "1.833"  # the two-replica server over the one-replica one
 
 
 def test_add_rejects_bad_input(bench_history: ModuleType, tmp_path: Path) -> None:
