@@ -124,6 +124,7 @@ def test_data_parallel_two_engine_replicas_serve_every_request_once(serve_factor
     server.wait_healthy()
     log = server.read_log(tail=None)
     assert log.count("engine core ready") == 2, log
+    assert _num_listeners(server.port) == 2  # no --api-server-count: one API process per replica
     children = server.descendants()
     shared = "You are a helpful assistant. Answer briefly and plainly, in one short sentence please. " * 2
     prompts = [f"{shared}Question {i}: what is {i} plus {i}?" for i in range(6)] + [f"Item {i}:" for i in range(6)]
