@@ -1,8 +1,9 @@
 """Tensor parallelism on two GPUs: TP=2 gives TP=1's greedy tokens in fp32 (CUDA graphs with NCCL inside; a
 divergence only at a near-tie) and close log-probabilities in bf16; engines with captured NCCL graphs shut down
 within 2 s, one after another in a process that then exits 0; a killed worker fails the engine instead of
-hanging it; the Llama-3-70B shape's sharding runs (two of its layers). Every test builds its engines in this one
-process, in turn: each must leave the process group behind it destroyed."""
+hanging it; the Llama-3-70B shape's sharding runs (two of its layers). On four GPUs the same tests run at TP=4
+too, beside TP=2 x DP=2. Every test builds its engines in this one process, in turn: each must leave the process
+group behind it destroyed."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ pytest.importorskip("transformers")
 from tandem import LLM, SamplingParams  # noqa: E402
 from tests.parallel.tiny_models import FAMILIES, VOCAB, save_tiny  # noqa: E402
 
+TP_SIZES = [2, 4] if torch.cuda.device_count() >= 4 else [2]
 ENGINE = dict(device="cuda", max_model_len=256, max_num_seqs=8, num_kv_blocks=128, max_num_batched_tokens=64)
 PROMPTS = [[(5 * i + j) % (VOCAB - 4) + 4 for i in range(n)] for j, n in enumerate((7, 40, 3, 90, 12))]
 
@@ -58,17 +60,19 @@ def assert_same_greedy(ref, got) -> None:  # type: ignore[no-untyped-def]
     assert agreeing >= 0.9 * total, f"only {agreeing} of {total} tokens agree"
 
 
+@pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tp2_fp32_greedy_tokens_equal_tp1(folders, family):
+def test_tp_fp32_greedy_tokens_equal_tp1(folders, family, tp):
     expected = _run(folders[family], 1, "float32")
-    got = _run(folders[family], 2, "float32")
+    got = _run(folders[family], tp, "float32")
     assert_same_greedy(expected, got)
 
 
+@pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_tp2_bf16_logprobs_close_to_tp1(folders, family):
+def test_tp_bf16_logprobs_close_to_tp1(folders, family, tp):
     ref = _run(folders[family], 1, "bfloat16")
-    got = _run(folders[family], 2, "bfloat16")
+    got = _run(folders[family], tp, "bfloat16")
     compared = 0
     for a, b in zip(ref, got):
         # The chosen tokens' log-probabilities up to the first divergence (bf16 sums in another order).
@@ -80,22 +84,25 @@ def test_tp2_bf16_logprobs_close_to_tp1(folders, family):
     assert compared >= len(ref) * 4  # most requests agree well past their first tokens
 
 
-def test_tp2_engines_in_turn_shut_down_within_2s(folders):
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_tp_engines_in_turn_shut_down_within_2s(folders, tp):
     import time
 
     import torch.distributed as dist
 
     for attempt in range(3):
-        llm = LLM(folders["llama"], dtype="float32", tensor_parallel_size=2, **ENGINE)
+        llm = LLM(folders["llama"], dtype="float32", tensor_parallel_size=tp, **ENGINE)
         # The all-reduces are captured, in the decode graphs and the mixed steps' pieces: the hard case for NCCL.
         assert llm.engine.runner.graphs is not None and llm.engine.runner.piecewise is not None
         llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-        worker = llm.engine.runner.group.procs[0]
+        workers = list(llm.engine.runner.group.procs)
+        assert len(workers) == tp - 1
         start = time.monotonic()
         llm.shutdown()
         took = time.monotonic() - start
         assert took < 2.0, f"engine {attempt}: shutdown took {took:.2f} s"
-        assert not dist.is_initialized() and worker.exitcode == 0, (attempt, worker.exitcode)
+        codes = [w.exitcode for w in workers]
+        assert not dist.is_initialized() and codes == [0] * (tp - 1), (attempt, codes)
 
 
 EXIT_SCRIPT = """
@@ -184,12 +191,13 @@ def test_tp2_dead_worker_fails_cleanly(folders, tmp_path):
     assert lines and lines[0].startswith("ERRORS") and "rank 1" in lines[0], done.stdout + done.stderr[-3000:]
 
 
-def test_tp2_llama70b_shape_layer_subset_runs():
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_tp_llama70b_shape_layer_subset_runs(tp):
     """The 70B shape's sharding (64 heads, 8 KV heads, vocab 128256) with 2 layers, random bf16 weights."""
-    llm = LLM("llama-3-70b", load_format="dummy", hf_overrides={"num_hidden_layers": 2}, tensor_parallel_size=2,
+    llm = LLM("llama-3-70b", load_format="dummy", hf_overrides={"num_hidden_layers": 2}, tensor_parallel_size=tp,
               device="cuda", max_model_len=512, max_num_seqs=4)
     try:
-        assert llm.engine.runner.num_kv_heads == 4
+        assert llm.engine.runner.num_kv_heads == 8 // tp
         out = llm.generate([[1000 + i for i in range(64)]] * 3,
                            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 16 for o in out)
@@ -198,16 +206,21 @@ def test_tp2_llama70b_shape_layer_subset_runs():
         llm.shutdown()
 
 
-def test_peer_to_peer_all_reduce_equals_nccl_and_is_deterministic(tmp_path):
-    """scripts/bench_all_reduce.py on two GPUs: every peer-to-peer path's sum within bf16 rounding of NCCL's (fp32
-    reference), the same bits on a second run, and tandem's dispatch taking a peer-to-peer path at decode sizes."""
+@pytest.mark.parametrize("world", TP_SIZES)
+def test_peer_to_peer_all_reduce_equals_nccl_and_is_deterministic(tmp_path, world):
+    """scripts/bench_all_reduce.py on two (and four) GPUs: every peer-to-peer path's sum within bf16 rounding of
+    NCCL's (fp32 reference), the same bits on a second run, and tandem's dispatch taking a peer-to-peer path at
+    decode sizes."""
     import json
     import subprocess
     import sys
 
+    from tandem.layers.all_reduce import ONE_SHOT_MAX_BYTES
+
+    one_shot = min(262144, ONE_SHOT_MAX_BYTES[world])  # 32 rows of 4,096 on two GPUs, 16 on four
     out = tmp_path / "all_reduce.json"
-    subprocess.run([sys.executable, "scripts/bench_all_reduce.py", "--world-size", "2",
-                    "--sizes", "8192,262144,2097152,8388608", "--out", str(out)], check=True, timeout=300)
+    subprocess.run([sys.executable, "scripts/bench_all_reduce.py", "--world-size", str(world),
+                    "--sizes", f"8192,{one_shot},2097152,8388608", "--out", str(out)], check=True, timeout=300)
     rows = {r["bytes"]: r for r in json.loads(out.read_text())["sizes"]}
     for row in rows.values():
         for key, check in row.items():
@@ -217,6 +230,28 @@ def test_peer_to_peer_all_reduce_equals_nccl_and_is_deterministic(tmp_path):
             elif key.endswith("_check"):
                 assert check["max_rel_err"] < 2e-2, (row["bytes"], key, check)
                 assert check["deterministic"], (row["bytes"], key)
-    assert "fused_norm_us" in rows[8192] and "fused_norm_us" in rows[262144]
+    assert "fused_norm_us" in rows[8192] and "fused_norm_us" in rows[one_shot]
     assert rows[8192]["tandem_path"] == "one_shot"
     assert rows[8388608]["tandem_path"] == "nccl"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="TP=2 x DP=2 needs 4 GPUs")
+def test_tp2_times_dp2_gives_one_gpus_tokens(folders):
+    """Two replicas of two GPUs each: the requests split over the replicas and every one gets TP=1's greedy
+    tokens (fp32; near-ties excepted); shutdown stops all four ranks within 2 s."""
+    import time
+
+    expected = _run(folders["llama"], 1, "float32")
+    llm = LLM(folders["llama"], dtype="float32", tensor_parallel_size=2, data_parallel_size=2, **ENGINE)
+    pids = llm.engine.replica_pids
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True, logprobs=2)
+                  for i in range(len(PROMPTS))]
+        got = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        start = time.monotonic()
+        llm.shutdown()
+        took = time.monotonic() - start
+    assert_same_greedy(expected, got)
+    assert took < 2.0, f"TP=2 x DP=2 shutdown took {took:.2f} s"
+    assert all(not os.path.exists(f"/proc/{pid}") for pid in pids), "a replica outlived shutdown"

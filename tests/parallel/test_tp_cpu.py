@@ -1,4 +1,5 @@
-"""Tensor parallelism on the CPU (gloo, two processes): TP=2 gives TP=1's greedy tokens; dead ranks fail cleanly."""
+"""Tensor parallelism on the CPU (gloo, two and four processes): TP=2 and TP=4 give TP=1's greedy tokens; dead ranks
+fail cleanly."""
 
 from __future__ import annotations
 
@@ -57,6 +58,22 @@ def test_tp2_greedy_tokens_equal_tp1(tiny_folders, family):
     assert got == expected, family
     assert cached >= len(PREFIX), "the second prompt should reuse the cached prefix"
     assert stats.num_preemptions > 0, "the 16-block pool should force preemption"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tp4_greedy_tokens_equal_tp1(tiny_folders, family):
+    """Four ranks (gloo, two cores): more ranks than KV heads, so each rank holds a copy of one (llama's 2 KV
+    heads twice each, qwen3's one four times), and the same workload's tokens as one process."""
+    folder = tiny_folders[family]
+    expected, _ = _workload(LLM(folder, num_kv_blocks=256, **ENGINE))
+    sharded = LLM(folder, tensor_parallel_size=4, num_kv_blocks=16, **ENGINE)
+    try:
+        assert sharded.engine.runner.num_kv_heads == 1 and len(sharded.engine.runner.group.procs) == 3
+        got, cached = _workload(sharded)
+    finally:
+        sharded.shutdown()
+    assert got == expected, family
+    assert cached >= len(PREFIX)
 
 
 def test_tp_size_validation(tiny_folders):
