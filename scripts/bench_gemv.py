@@ -2,7 +2,8 @@
 
     python scripts/bench_gemv.py --out out/gemv.json [--sweep] [--rows 1,2,4] [--sweep-rows 1,4] [--workers 8]
 
-For the projections of the Llama-2-7B and Llama-3-8B shapes at a few rows it times `gemv_triton` (gate_up with
+For the projections of the Llama-2-7B and Llama-3-8B shapes (and one rank's shards of them at TP=2: `--models
+llama-2-7b-tp2,llama-3-8b-tp2`) at a few rows it times `gemv_triton` (gate_up with
 silu(gate) * up fused) against the path it replaces: bf16 `F.linear` (cuBLAS) and the FP8 tile GEMM
 (`fp8_weight_matmul_triton`), each followed by the `silu_and_mul` kernel for gate_up. Every time is GPU time from
 a CUDA graph that calls the kernel on enough copies of the weight (>= 4x the L2 size in all) that each call
@@ -44,6 +45,11 @@ SHAPES = {
                    ("down", 4096, 11008, False)],
     "llama-3-8b": [("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 28672, 4096, True),
                    ("down", 4096, 14336, False)],
+    # One rank's shards at --tensor-parallel-size 2: column-parallel N halved (qkv, gate_up), row-parallel K (o, down).
+    "llama-2-7b-tp2": [("qkv", 6144, 4096, False), ("o", 4096, 2048, False), ("gate_up", 11008, 4096, True),
+                       ("down", 4096, 5504, False)],
+    "llama-3-8b-tp2": [("qkv", 3072, 4096, False), ("o", 4096, 2048, False), ("gate_up", 14336, 4096, True),
+                       ("down", 4096, 7168, False)],
 }
 DTYPES = ("bf16", "fp8")
 
@@ -176,7 +182,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--models", default="llama-2-7b,llama-3-8b", help=f"comma list of {', '.join(SHAPES)}")
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--rows", default="1,2,4", help="row counts M to time with the default tile")
     parser.add_argument("--sweep-rows", default="1,4", help="row counts M to sweep tiles at")

@@ -167,7 +167,8 @@ def _through_server(args: argparse.Namespace, engine_args: list[str], prompt_ids
         env[TIMELINE_ENV] = trace
     log = tempfile.NamedTemporaryFile("w+", prefix="tandem-serve-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--log-level", "warning",
-           "--api-server-count", str(args.api_server_count * replicas), "--max-queue", str(max(1024, 2 * num)), *engine_args]
+           "--api-server-count", str(args.api_server_count * replicas), "--max-queue", str(max(1024, 2 * num)),
+           *engine_args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     run: dict[str, Any] = {"command": " ".join(cmd[1:])}
     try:
