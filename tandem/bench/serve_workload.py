@@ -87,7 +87,8 @@ def run_serve_workload(args: argparse.Namespace) -> dict[str, Any]:
     if dp > 1:  # the same requests through a server of dp replicas (each gets about num / dp of them)
         # Each replica gets the API processes the one-replica server had: dp replicas streaming through the
         # one-replica server's API processes measure those processes' event loops (on 2xH200, 2 API processes
-        # for 2 replicas: one replica's streams ran 1.75x slower by the client's clock, efficiency 0.77-0.84).
+        # for 2 replicas: some streams at 13.7 ms per token by the client's clock against 7.8 at one GPU,
+        # efficiency 0.77-0.86 over five runs).
         run = _through_server(args, engine + ["--data-parallel-size", str(dp)], prompt_ids, num, out_len,
                               poisson=False, replicas=dp)
         result[f"server_dp{dp}"] = run

@@ -26,13 +26,17 @@ ENGINE = dict(device="cuda", max_model_len=256, max_num_seqs=8, num_kv_blocks=12
 PROMPTS = [[(5 * i + j) % (VOCAB - 4) + 4 for i in range(n)] for j, n in enumerate((7, 40, 3, 90, 12))]
 
 
+def _generate(llm: LLM) -> list:  # type: ignore[no-untyped-def]
+    # Batch sizes 5 -> graphs padded to 8, then fewer as requests finish at different lengths.
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True, logprobs=2)
+              for i in range(len(PROMPTS))]
+    return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
 def _run(folder: str, tp: int, dtype: str, **kw) -> list:  # type: ignore[no-untyped-def]
     llm = LLM(folder, dtype=dtype, tensor_parallel_size=tp, **ENGINE, **kw)
     try:
-        # Batch sizes 5 -> graphs padded to 8, then fewer as requests finish at different lengths.
-        params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True, logprobs=2)
-                  for i in range(len(PROMPTS))]
-        return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        return _generate(llm)
     finally:
         llm.shutdown()
 
@@ -245,9 +249,7 @@ def test_tp2_times_dp2_gives_one_gpus_tokens(folders):
     llm = LLM(folders["llama"], dtype="float32", tensor_parallel_size=2, data_parallel_size=2, **ENGINE)
     pids = llm.engine.replica_pids
     try:
-        params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True, logprobs=2)
-                  for i in range(len(PROMPTS))]
-        got = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        got = _generate(llm)
     finally:
         start = time.monotonic()
         llm.shutdown()
