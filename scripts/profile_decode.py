@@ -1,7 +1,7 @@
 """Per-kernel profile of one decode step (forward graph + sampling graph replay) for named random-weight shapes.
 
     python scripts/profile_decode.py --out out/profile [--workloads bs1,seed-async,nano] [--context 512]
-        [--quantization fp8] [--kv-cache-dtype fp8]
+        [--quantization fp8] [--kv-cache-dtype fp8] [--tensor-parallel-size 2]
 
 For each workload the engine is built with random weights of the named shape (load_format=dummy), every row
 gets a prompt of --context tokens and decodes a few steps in sync mode; then the last decode step's slot is
@@ -10,6 +10,11 @@ step time), and profiled with torch.profiler (kernel name, launches per step, an
 kernel adds to the step: its end past its predecessor's end; raw durations overlap under PDL). The weight-bytes floor is weight bytes / a device-to-device copy bandwidth measured in the same run
 (read + write bytes, the roofline convention of tandem.bench.roofline); the KV floor adds the K/V the step
 reads. Writes profile_<workload>.json and .md per workload and summary.md into --out.
+
+With --tensor-parallel-size N the graphs cannot be replayed on rank 0 alone (every rank takes part in the
+all-reduces), so rank 0 is profiled over real decode steps instead (engine.step() in sync mode, which the other
+ranks follow); its step time is then the sum of the added times (the GPU's span, host gaps left out), and the
+floors are rank 0's shard's bytes.
 """
 
 from __future__ import annotations
@@ -39,11 +44,14 @@ WORKLOADS = {
     "seed-async": ("llama-3-8b", 32),
     "nano": ("qwen3-0.6b", 256),
     "prefix": ("llama-3.2-1b", 32),
+    "70b-bs1": ("llama-3-70b", 1),  # needs --tensor-parallel-size >= 2 in bf16
+    "70b-batch": ("llama-3-70b", 32),
 }
 DECODE_STEPS = 4
 REPLAYS = 10
 BY_POSITION = False  # --by-position
 KV_CACHE_DTYPE = "auto"  # --kv-cache-dtype
+TENSOR_PARALLEL_SIZE = 1  # --tensor-parallel-size
 
 
 def build(shape: str, batch: int, context: int, quantization: str | None = None) -> LLM:
@@ -51,7 +59,8 @@ def build(shape: str, batch: int, context: int, quantization: str | None = None)
     blocks_per_seq = -(-max_model_len // 16)
     return LLM(model=shape, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=max_model_len,
                max_num_seqs=batch, max_num_batched_tokens=max(8192, context), num_kv_blocks=batch * blocks_per_seq + 8,
-               overlap=False, seed=0, quantization=quantization, kv_cache_dtype=KV_CACHE_DTYPE)
+               overlap=False, seed=0, quantization=quantization, kv_cache_dtype=KV_CACHE_DTYPE,
+               tensor_parallel_size=TENSOR_PARALLEL_SIZE)
 
 
 def decode_a_few_steps(llm: LLM, batch: int, context: int, greedy: bool) -> None:
@@ -159,9 +168,11 @@ def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool, qu
             times.append(start.elapsed_time(end) * 1e3)
         return statistics.median(times)
 
-    replay()
-    torch.cuda.synchronize()
-    step_us = timed(replay) - timed(upload_only)
+    step_us = 0.0
+    if TENSOR_PARALLEL_SIZE == 1:  # rank 0 alone would wait for its peers in the all-reduces
+        replay()
+        torch.cuda.synchronize()
+        step_us = timed(replay) - timed(upload_only)
 
     def eager_step() -> None:
         # The same work launched kernel by kernel (only if the profiler cannot see inside graph replays).
@@ -172,12 +183,18 @@ def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool, qu
 
     mode = "graph"
     layers = runner.model_config.num_layers if BY_POSITION else 0
-    per_kernel, added = profile_kernels(replay, layers)
+    if TENSOR_PARALLEL_SIZE > 1:  # rank 0 over real steps (the other ranks replay with it)
+        mode = f"rank 0 of {TENSOR_PARALLEL_SIZE}, real decode steps"
+        per_kernel, added = profile_kernels(engine.step, layers)
+    else:
+        per_kernel, added = profile_kernels(replay, layers)
     if not per_kernel:
         mode = "eager (the profiler saw no kernels inside graph replays)"
         per_kernel, added = profile_kernels(eager_step, layers)
     total_us = sum(sum(v) for v in per_kernel.values()) / REPLAYS
     added_total = sum(added.values()) / REPLAYS
+    if TENSOR_PARALLEL_SIZE > 1:
+        step_us = added_total
     rows = sorted(
         ({"kernel": k, "time_us": sum(v) / REPLAYS, "count": len(v) / REPLAYS,
           "share": (sum(v) / REPLAYS) / total_us if total_us else 0.0,
@@ -185,14 +202,14 @@ def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool, qu
           "added_share": added[k] / REPLAYS / added_total if added_total else 0.0} for k, v in per_kernel.items()),
         key=lambda r: -r["added_us"],
     )
-    cost = model_cost(runner.model, runner.model_config, kv_cache_dtype=runner.kv_cache.dtype)
+    cost = model_cost(runner.model, runner.model_config, TENSOR_PARALLEL_SIZE, kv_cache_dtype=runner.kv_cache.dtype)
     context_tokens = sum(r.num_computed_tokens for r in engine.scheduler.running)
     kv_bytes = context_tokens * cost.kv_bytes_per_token
     weight_floor_us = cost.weight_bytes / (copy_gbps * 1e9) * 1e6
     kv_floor_us = (cost.weight_bytes + kv_bytes) / (copy_gbps * 1e9) * 1e6
     result = {
         "workload": name, "shape": shape, "quantization": quantization, "batch": batch, "graph_batch_size": graph_bs,
-        "context": context, "kv_cache_dtype": str(runner.kv_cache.dtype),
+        "context": context, "kv_cache_dtype": str(runner.kv_cache.dtype), "tensor_parallel_size": TENSOR_PARALLEL_SIZE,
         "sampler_variant": variant._asdict(), "profiled": mode, "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "build_s": round(build_s, 1),
         "step_us": step_us, "kernel_sum_us": total_us, "added_sum_us": added_total, "copy_gbps": copy_gbps,
@@ -201,7 +218,9 @@ def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool, qu
         "roofline_fraction": kv_floor_us / step_us if step_us > 0 else None,
         "kernels": rows,
     }
-    del llm, engine, runner, graphs
+    del engine, runner, graphs
+    llm.shutdown()  # a tensor-parallel engine leaves its process group, so the next workload can make one
+    del llm
     gc.collect()
     torch.cuda.empty_cache()
     return result
@@ -243,10 +262,13 @@ def main() -> None:
                         help="fp8: an FP8 KV cache (KV floor in its FP8 bytes)")
     parser.add_argument("--by-position", action="store_true",
                         help="one row per position in the layer for kernels that run several times a layer")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="N > 1: rank 0 of N profiled over real decode steps (see above)")
     args = parser.parse_args()
-    global BY_POSITION, KV_CACHE_DTYPE
+    global BY_POSITION, KV_CACHE_DTYPE, TENSOR_PARALLEL_SIZE
     BY_POSITION = args.by_position
     KV_CACHE_DTYPE = args.kv_cache_dtype
+    TENSOR_PARALLEL_SIZE = args.tensor_parallel_size
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py needs a CUDA GPU")
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
