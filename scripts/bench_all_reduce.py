@@ -8,7 +8,8 @@ runs on the same input give the same bits. NVLink multicast stays off (tandem's 
 
 Where the one-shot kernel takes the message, it also times what a decoder layer does with it, as rows of 4,096:
 the one-shot all-reduce followed by the residual add + RMSNorm kernel (`one_shot_norm`), against the fused kernel
-doing all three (`fused_norm`, SymmetricAllReduce.add_rms_norm), and checks that the two agree.
+doing all three (`fused_norm`, SymmetricAllReduce.add_rms_norm), and checks that the two agree, and that the fused
+kernel given a split-K GEMM's partial sums gives the bits it gives for their reduce kernel's output.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tandem.kernels.fp8 import PartialSums  # noqa: E402
+from tandem.kernels.triton_quant import reduce_partial_sums_triton  # noqa: E402
 from tandem.layers import parallel  # noqa: E402
 from tandem.layers.all_reduce import SymmetricAllReduce  # noqa: E402
 from tandem.runner.tensor_parallel import NCCL_ENV  # noqa: E402
@@ -98,8 +101,8 @@ def _norm_paths(comm: SymmetricAllReduce, rows: int, device: torch.device
     def two_kernels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return fused_add_rms_norm_triton(comm.run(x.view(rows, NORM_DIM), "one_shot"), residual, weight, 1e-5)
 
-    def fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = comm.add_rms_norm(x.view(rows, NORM_DIM), residual, weight, 1e-5)
+    def fused(x: torch.Tensor | PartialSums) -> tuple[torch.Tensor, torch.Tensor]:
+        out = comm.add_rms_norm(x if isinstance(x, PartialSums) else x.view(rows, NORM_DIM), residual, weight, 1e-5)
         assert out is not None, "the fused kernel refused a one-shot message"
         return out
 
@@ -133,9 +136,16 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], out: str | None)
             y = torch.randn(numel, device=device, dtype=DTYPE, generator=gen)
             ref, first, second = (torch.cat(paths[n](y.clone())).float()
                                   for n in ("one_shot_norm", "fused_norm", "fused_norm"))
+            # The same rows as a split-K GEMM's partial sums (3 splits, a bias on rank 0), which the fused
+            # kernel adds up itself: the bits of the reduce kernel's output going in.
+            parts = PartialSums(torch.randn(3, numel // NORM_DIM, NORM_DIM, device=device, generator=gen),
+                                None, y[:NORM_DIM].clone() if rank == 0 else None, DTYPE)
+            from_parts = torch.cat(paths["fused_norm"](parts))
+            from_reduced = torch.cat(paths["fused_norm"](reduce_partial_sums_triton(parts)))
             row["fused_norm_check"] = {
                 "max_abs_diff_vs_two_kernels": (first - ref).abs().max().item(),
                 "deterministic": bool(torch.equal(first, second)),
+                "partial_sums_equal_reduced": bool(torch.equal(from_parts, from_reduced)),
                 "barrier_timeouts": int(comm.timed_out.item()),
             }
         rows.append(row)

@@ -177,6 +177,16 @@ def use_skinny(x: torch.Tensor, in_features: int) -> bool:
     return use_triton(x)
 
 
+def reduce_partial_sums(parts: PartialSums) -> torch.Tensor:
+    """A split-K GEMM's output from its PartialSums: the reduce kernel where Triton runs, else PyTorch (the same
+    sum in split order)."""
+    if use_triton(parts.ws):
+        from tandem.kernels.triton_quant import reduce_partial_sums_triton  # lazy: no Triton on CPU
+
+        return reduce_partial_sums_triton(parts)
+    return parts.reduce()
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """Triton kernels for CUDA tensors, unless TANDEM_REFERENCE_KERNELS=1 asks for the PyTorch references
     (to tell a kernel's error from anything else's; run it with CUDA graphs off)."""

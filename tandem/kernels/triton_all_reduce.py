@@ -13,6 +13,10 @@ Program r (one row of the message) on each rank, at call e of that row (a counte
      rounded to the activation dtype as an all-reduce's output would be;
   4. adds the residual and normalizes: the outputs of `fused_add_rms_norm` on the reduced rows.
 
+The partial row may also come as a split-K GEMM's fp32 partial sums (PartialSums): the program adds them up in
+split order, applies the channel scale and bias and rounds to the activation dtype, exactly as the split-K
+reduce kernel would have written the row, so that kernel does not run.
+
 No second barrier guards the inbox: a rank writes parity e % 2 of a peer's inbox only after that peer's flag e - 1
 reached it, which the peer sends only once its call e - 2 (the last reader of that parity) has finished. Flags
 only grow (int64), so a flag that already moved past e also counts. The kernel needs no host-side state and
@@ -25,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
 
 SPIN_LIMIT = 1 << 26  # iterations of one flag wait before it gives up (seconds on a GPU)
@@ -45,19 +50,36 @@ def _wait_flag(flag_ptr, epoch, err_ptr, SPIN: tl.constexpr):
 @triton.jit
 def _all_reduce_add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, inbox_ptrs, flag_ptrs, epoch_ptr, err_ptr,
-    dim, plane, eps,
+    dim, plane, eps, split_stride, ps_ptr, pb_ptr,
     RANK: tl.constexpr, WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
     SPIN: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLITS: tl.constexpr, HAS_PSCALE: tl.constexpr, HAS_PBIAS: tl.constexpr,
 ):
+    # SPLITS > 0: x_ptr holds SPLITS fp32 partial sums of the row, split_stride elements apart (PartialSums).
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < dim
     at = row.to(tl.int64) * dim + offs
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait
+    if SPLITS > 0:  # weights too
+        if HAS_PSCALE:
+            p_scale = tl.load(ps_ptr + offs, mask=mask, other=0.0)
+        if HAS_PBIAS:
+            p_bias = tl.load(pb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     pdl_wait(USE_PDL)
     # This row's call count, the same on every rank; read after the wait (a previous call may still be running).
     epoch = tl.load(epoch_ptr + row) + 1
-    x = tl.load(x_ptr + at, mask=mask, other=0.0)
+    if SPLITS > 0:  # the split-K reduce's arithmetic, in its order
+        acc = tl.load(x_ptr + at, mask=mask, other=0.0)
+        for i in tl.static_range(1, SPLITS):
+            acc += tl.load(x_ptr + i * split_stride + at, mask=mask, other=0.0)
+        if HAS_PSCALE:
+            acc = acc * p_scale
+        if HAS_PBIAS:
+            acc = acc + p_bias
+        x = acc.to(new_res_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + at, mask=mask, other=0.0)
     dtype = x.dtype
     # Inbox layout: [parity][sender][plane] elements, rows at row * dim within a plane.
     parity = epoch % 2
@@ -97,7 +119,7 @@ def _all_reduce_add_rms_norm_kernel(
 
 
 def all_reduce_add_rms_norm_triton(
-    x: torch.Tensor,  # [rows, dim] this rank's partial sums, contiguous
+    x: torch.Tensor | PartialSums,  # [rows, dim] this rank's part, contiguous (or a split-K GEMM's partial sums)
     residual: torch.Tensor | None,  # [rows, dim] or None
     weight: torch.Tensor,  # [dim]
     eps: float,
@@ -112,19 +134,25 @@ def all_reduce_add_rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(sum_ranks(x) + residual) * weight, sum_ranks(x) + residual); without a residual the second is the
     reduced x. Collective: every rank of the group calls it with the same shapes, in the same order."""
+    parts = x if isinstance(x, PartialSums) else None
+    data = parts.ws if parts is not None else x
     rows, dim = x.shape
-    assert rows <= epochs.shape[0] and rows * dim <= plane and x.is_contiguous()
-    assert residual is None or (residual.is_contiguous() and residual.shape == x.shape)
-    out = torch.empty(rows, dim, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    new_res = torch.empty_like(x)
+    dtype = parts.dtype if parts is not None else data.dtype
+    assert rows <= epochs.shape[0] and rows * dim <= plane and data.is_contiguous()
+    assert residual is None or (residual.is_contiguous() and residual.shape == (rows, dim))
+    out = torch.empty(rows, dim, dtype=torch.promote_types(weight.dtype, dtype), device=data.device)
+    new_res = torch.empty(rows, dim, dtype=dtype, device=data.device)
     if rows == 0:
         return out, new_res
     block = triton.next_power_of_2(dim)
-    pdl = use_pdl(x.device)
+    pdl = use_pdl(data.device)
+    scale = parts.scale if parts is not None else None
+    bias = parts.bias if parts is not None else None
     _all_reduce_add_rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out, new_res, inbox_ptrs, flag_ptrs, epochs, err,
-        dim, plane, float(eps),
+        data, residual if residual is not None else new_res, weight, out, new_res, inbox_ptrs, flag_ptrs, epochs,
+        err, dim, plane, float(eps), rows * dim, scale if scale is not None else out, bias if bias is not None else out,
         RANK=rank, WORLD=world_size, HAS_RESIDUAL=residual is not None, BLOCK_D=block, SPIN=spin_limit,
-        USE_PDL=pdl, num_warps=min(max(block // 256, 1), 16), launch_pdl=bool(pdl),
+        USE_PDL=pdl, SPLITS=data.shape[0] if parts is not None else 0, HAS_PSCALE=scale is not None,
+        HAS_PBIAS=bias is not None, num_warps=min(max(block // 256, 1), 16), launch_pdl=bool(pdl),
     )
     return out, new_res

@@ -331,11 +331,26 @@ def _launch_small_m(kernel, operands: tuple, stride_xm: int, weight: torch.Tenso
     if split_k > 1 and defer and DEFER_REDUCE:
         return PartialSums(ws, weight_scale, bias, out.dtype)
     if split_k > 1:
-        block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            ws, scale, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block,
-            USE_PDL=pdl, HAS_SCALE=weight_scale is not None, launch_pdl=bool(pdl),
-        )
+        reduce_partial_sums_triton(PartialSums(ws, weight_scale, bias, out.dtype), out)
+    return out
+
+
+def reduce_partial_sums_triton(parts: PartialSums, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The linear's output [n, out] from a split-K GEMM's partial sums: their sum in split order, times the
+    channel scale, plus the bias, rounded to parts.dtype (into `out`, unit inner stride, when given)."""
+    splits, m, n = parts.ws.shape
+    out = torch.empty(m, n, dtype=parts.dtype, device=parts.ws.device) if out is None else out
+    if m * n == 0:
+        return out
+    block = 1024
+    pdl = use_pdl(out.device)
+    placeholder = parts.ws
+    _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+        parts.ws, parts.scale if parts.scale is not None else placeholder,
+        parts.bias if parts.bias is not None else placeholder, out, m, n, out.stride(0),
+        HAS_BIAS=parts.bias is not None, SPLIT_K=splits, BLOCK=block, USE_PDL=pdl, HAS_SCALE=parts.scale is not None,
+        launch_pdl=bool(pdl),
+    )
     return out
 
 

@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 import torch
 
+from tandem.kernels.fp8 import PartialSums
+
 logger = logging.getLogger(__name__)
 
 Path = Literal["one_shot", "two_shot", "nccl"]
@@ -104,14 +106,24 @@ class SymmetricAllReduce:
         path = self.path(x)
         return None if path == "nccl" else self.run(x, path)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+    def fuses(self, rows: int, dim: int, dtype: torch.dtype) -> bool:
+        """Whether add_rms_norm takes a [rows, dim] message of dtype (one shot's size, the fused kernel's rows)."""
+        return (self.fused and 0 < rows <= self.max_rows and rows * dim <= self.plane and dtype == self.dtype
+                and choose_path(rows * dim * dtype.itemsize, self.world_size, self.one_shot_max,
+                                self.two_shot_max) == "one_shot")
+
+    def add_rms_norm(self, x: torch.Tensor | PartialSums, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rms_norm(sum(x) + residual) * weight, sum(x) + residual) by the fused kernel, or None where it does
-        not apply (the caller all-reduces, then norms): too large for one shot, another dtype or layout."""
-        rows = x.shape[0] if x.dim() == 2 else 0
-        if (not self.fused or rows == 0 or rows > self.max_rows or x.numel() > self.plane
-                or weight.dtype != x.dtype or self.path(x) != "one_shot"
-                or (residual is not None and residual.shape != x.shape)):
+        not apply (the caller all-reduces, then norms): too large for one shot, another dtype or layout. x may
+        be a split-K GEMM's PartialSums, which the kernel adds up itself (no reduce kernel)."""
+        if isinstance(x, PartialSums):
+            laid_out = x.ws.is_contiguous()
+        else:
+            laid_out = x.is_contiguous() and x.data_ptr() % _ALIGN == 0
+        rows, dim = x.shape if len(x.shape) == 2 else (0, 0)
+        if (not laid_out or not self.fuses(rows, dim, x.dtype) or weight.dtype != x.dtype
+                or (residual is not None and residual.shape != (rows, dim))):
             return None
         from tandem.kernels.triton_all_reduce import all_reduce_add_rms_norm_triton  # lazy: CUDA only
 

@@ -19,7 +19,7 @@ from tandem.config import ModelConfig, ParallelConfig
 from tandem.kernels.fp8 import DEFER_REDUCE, FP8_DTYPE, PartialSums
 from tandem.kernels.ops import count_routed_experts, fused_moe, moe_route
 from tandem.layers.linear import Linear
-from tandem.layers.parallel import LazyTensor, Unreduced, all_reduce_or_defer, materialize, take
+from tandem.layers.parallel import LazyTensor, Unreduced, all_reduce_or_defer, defers_all_reduce, materialize, take
 from tandem.layers.quantization import quantize_weight_fp8
 
 
@@ -73,11 +73,13 @@ class FusedMoE(nn.Module):
                 reduce: bool = True) -> torch.Tensor | Unreduced | PartialSums:  # [num_tokens, hidden]
         """reduce=False leaves the cross-rank sum to the caller (who adds more partial sums first); with reduce
         the output goes only into the RMSNorm after the block, which may take it unreduced over ranks (Unreduced)
-        or, on one rank, as the pair path's unsummed rows (PartialSums, TANDEM_MOE_PAIR's "norm")."""
+        or as the pair path's unsummed rows (PartialSums, TANDEM_MOE_PAIR's "norm"), on one rank or inside
+        Unreduced."""
         weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
         if self.routed_experts is not None:
             count_routed_experts(ids, self.num_experts, self.routed_experts)
-        into_norm = reduce and self.tp.size == 1 and DEFER_REDUCE
+        # Unsummed rows go on to the norm on one rank, and across ranks where its all-reduce kernel adds them up.
+        into_norm = reduce and DEFER_REDUCE and (self.tp.size == 1 or defers_all_reduce())
         out = fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map, self.w13_scale, self.w2_scale,
                         into_norm=into_norm)
         return all_reduce_or_defer(out) if reduce and self.tp.size > 1 else out

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from tandem.config import ModelConfig, ParallelConfig
 from tandem.kernels.fp8 import PartialSums, QuantizedRows
+from tandem.kernels.ops import reduce_partial_sums
 from tandem.layers.all_reduce import SymmetricAllReduce
 from tandem.layers.linear import Embedding, Linear, lm_head_logits
 
@@ -29,20 +30,27 @@ def set_tp_group(group: Any, p2p: SymmetricAllReduce | None = None) -> None:
 
 class Unreduced(NamedTuple):
     """This rank's part of a row-parallel product whose cross-rank sum is left to the RMSNorm after it, which
-    fuses it with the residual add and the norm where it can (fused_all_reduce_add_rms_norm)."""
+    fuses it with the residual add and the norm where it can (fused_all_reduce_add_rms_norm). The part may still
+    be a split-K GEMM's partial sums, which that kernel adds up too."""
 
-    partial: torch.Tensor
+    partial: torch.Tensor | PartialSums
 
     def reduce(self) -> torch.Tensor:
-        return all_reduce(self.partial)
+        partial = self.partial
+        return all_reduce(reduce_partial_sums(partial) if isinstance(partial, PartialSums) else partial)
 
 
-def all_reduce_or_defer(x: torch.Tensor) -> torch.Tensor | Unreduced:
+def defers_all_reduce() -> bool:
+    """Whether all_reduce_or_defer may leave the all-reduce to the norm (the peer-to-peer fused kernel is on)."""
+    return _P2P is not None and _P2P.fused
+
+
+def all_reduce_or_defer(x: torch.Tensor | PartialSums) -> torch.Tensor | Unreduced:
     """For an output that goes straight into the residual add and RMSNorm: x as Unreduced where the peer-to-peer
-    kernels could fuse its all-reduce there, else all_reduce(x)."""
-    if _P2P is not None and _P2P.fused and x.dim() == 2:
+    kernels could fuse its all-reduce there, else the all-reduced x."""
+    if defers_all_reduce() and len(x.shape) == 2:
         return Unreduced(x)
-    return all_reduce(x)
+    return all_reduce(reduce_partial_sums(x) if isinstance(x, PartialSums) else x)
 
 
 def fused_all_reduce_add_rms_norm(x: Unreduced, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -202,8 +210,9 @@ class RowParallelLinear(Linear):
         """defer_reduce (the output goes only into RMSNorm's residual add): as Linear's on one rank; across ranks
         the all-reduce may be left to the norm (Unreduced)."""
         if self.tp.size > 1:
-            out = super().forward(x)
-            return all_reduce_or_defer(out) if defer_reduce else all_reduce(out)
+            # Split-K partial sums, too, may go on to the norm: its all-reduce kernel adds them up.
+            out = super().forward(x, defer_reduce and defers_all_reduce())
+            return all_reduce_or_defer(out) if defer_reduce else all_reduce(out)  # type: ignore[arg-type]
         return super().forward(x, defer_reduce)
 
     def shard_for_load(self, tensor: torch.Tensor | LazyTensor, is_bias: bool) -> torch.Tensor | None:

@@ -3,7 +3,8 @@ divergence only at a near-tie) and close log-probabilities in bf16; engines with
 within 2 s, one after another in a process that then exits 0; a killed worker fails the engine instead of
 hanging it; the Llama-3-70B shape's sharding runs (two of its layers). On four GPUs the same tests run at TP=4
 too, beside TP=2 x DP=2. Every test builds its engines in this one process, in turn: each must leave the process
-group behind it destroyed."""
+group behind it destroyed. Only a process's first tensor-parallel group takes the peer-to-peer all-reduce kernels
+(later ones take NCCL), so the tests of those kernels run in processes of their own."""
 
 from __future__ import annotations
 
@@ -195,6 +196,64 @@ def test_tp2_dead_worker_fails_cleanly(folders, tmp_path):
     assert lines and lines[0].startswith("ERRORS") and "rank 1" in lines[0], done.stdout + done.stderr[-3000:]
 
 
+WIDE_MLP_SCRIPT = """
+import json, sys
+from tandem import LLM, SamplingParams
+from tandem.layers import parallel
+if __name__ == "__main__":
+    prompts, engine = json.loads(sys.argv[2]), json.loads(sys.argv[3])
+    llm = LLM(sys.argv[1], dtype="bfloat16", tensor_parallel_size=2, **engine)
+    fused = parallel._P2P is not None and parallel._P2P.fused
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    print("RESULT " + json.dumps({"fused": fused, "outputs": [
+        [list(o.token_ids), [lp[t] for t, lp in zip(o.token_ids, o.logprobs)]] for o in outs]}), flush=True)
+    llm.shutdown()
+"""
+
+
+def test_tp2_split_k_partial_sums_into_the_fused_norm(tmp_path):
+    """A down_proj whose decode GEMM splits K (intermediate 4,096: 2,048 columns a rank) hands its partial sums
+    unreduced to the fused all-reduce + add + RMSNorm kernel: bf16 log-probabilities close to one GPU's. In a
+    fresh process, whose first tensor-parallel group takes the peer-to-peer kernels (later ones in a process take
+    NCCL)."""
+    import json
+    import subprocess
+    import sys
+
+    import transformers
+
+    from tandem.kernels.triton_quant import skinny_tile
+    from tandem.kernels.triton_launch import device_sms
+    from tests.parallel.tiny_models import COMMON
+
+    assert skinny_tile(8, 64, 2048, device_sms(torch.device("cuda")))["SPLIT_K"] > 1  # the premise
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**COMMON, "intermediate_size": 4096}, num_key_value_heads=2)
+    folder = str(tmp_path / "wide")
+    transformers.AutoModelForCausalLM.from_config(config).float().eval().save_pretrained(folder)
+    ref = _run(folder, 1, "bfloat16")
+    script = tmp_path / "wide_mlp.py"
+    script.write_text(WIDE_MLP_SCRIPT)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), folder, json.dumps(PROMPTS), json.dumps(ENGINE)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    got = json.loads(lines[0][len("RESULT "):])
+    assert got["fused"], "the peer-to-peer fused kernel was not on"
+    compared = 0
+    for a, (tokens, logprobs) in zip(ref, got["outputs"]):
+        for tok_a, lp_a, tok_b, lp_b in zip(a.token_ids, a.logprobs, tokens, logprobs):
+            if tok_a != tok_b:
+                break
+            assert abs(lp_a[tok_a] - lp_b) < 0.1, (tok_a, lp_a[tok_a], lp_b)
+            compared += 1
+    assert compared >= len(ref) * 4
+
+
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_tp_llama70b_shape_layer_subset_runs(tp):
     """The 70B shape's sharding (64 heads, 8 KV heads, vocab 128256) with 2 layers, random bf16 weights."""
@@ -214,7 +273,7 @@ def test_tp_llama70b_shape_layer_subset_runs(tp):
 def test_peer_to_peer_all_reduce_equals_nccl_and_is_deterministic(tmp_path, world):
     """scripts/bench_all_reduce.py on two (and four) GPUs: every peer-to-peer path's sum within bf16 rounding of
     NCCL's (fp32 reference), the same bits on a second run, and tandem's dispatch taking a peer-to-peer path at
-    decode sizes."""
+    decode sizes; the fused add + RMSNorm kernel gives split-K partial sums the bits of their reduce."""
     import json
     import subprocess
     import sys
@@ -231,6 +290,7 @@ def test_peer_to_peer_all_reduce_equals_nccl_and_is_deterministic(tmp_path, worl
             if key == "fused_norm_check":  # all-reduce + add + RMSNorm in one kernel against the two kernels
                 assert check["max_abs_diff_vs_two_kernels"] < 5e-2, (row["bytes"], check)
                 assert check["deterministic"] and check["barrier_timeouts"] == 0, (row["bytes"], check)
+                assert check["partial_sums_equal_reduced"], (row["bytes"], check)
             elif key.endswith("_check"):
                 assert check["max_rel_err"] < 2e-2, (row["bytes"], key, check)
                 assert check["deterministic"], (row["bytes"], key)

@@ -111,19 +111,9 @@ def test_fused_add_rms_norm_takes_partial_sums(splits, scaled, bias, dtype):
 
 def split_k_reduce(parts):
     """PartialSums through _split_k_reduce_kernel, as the GEMM would have reduced them."""
-    from tandem.kernels.triton_quant import _split_k_reduce_kernel
+    from tandem.kernels.triton_quant import reduce_partial_sums_triton
 
-    splits, m, n = parts.ws.shape
-    out = torch.empty(m, n, dtype=parts.dtype, device=parts.ws.device)
-    scale = parts.scale if parts.scale is not None else out
-    _split_k_reduce_kernel[(triton_cdiv(m * n, 1024),)](
-        parts.ws, scale, parts.bias if parts.bias is not None else scale, out, m, n, n,
-        HAS_BIAS=parts.bias is not None, SPLIT_K=splits, BLOCK=1024, USE_PDL=0, HAS_SCALE=parts.scale is not None)
-    return out
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
+    return reduce_partial_sums_triton(parts)
 
 
 @pytest.mark.skipif(CUDA, reason="16-bit operands in fp32 run TF32 dots on a GPU; the gpu test covers bf16")
