@@ -35,8 +35,9 @@ Path = Literal["one_shot", "two_shot", "nccl"]
 # One-shot moves (world - 1) x the message per rank over NVLink, two-shot 2 x (world - 1) / world x it in two
 # rounds: one-shot wins while the message is small enough that its single round's latency dominates. Two H200s
 # (2026-11-28, scripts/bench_all_reduce.py): one-shot 12.3 us against two-shot's 14.2 at 512 KiB, 15.0 against
-# 16.4 at 1 MiB (and the fused add + RMSNorm kernel, which takes one-shot sizes, 9.4 us at 1 MiB).
-ONE_SHOT_MAX_BYTES = {2: 1 << 20, 4: 128 << 10, 8: 64 << 10}
+# 16.4 at 1 MiB (and the fused add + RMSNorm kernel, which takes one-shot sizes, 9.4 us at 1 MiB). Four H200s
+# (2026-11-28): one-shot 11.0 us against two-shot's 14.2 at 256 KiB, 18.9 against 17.6 at 1 MiB.
+ONE_SHOT_MAX_BYTES = {2: 1 << 20, 4: 256 << 10, 8: 64 << 10}
 TWO_SHOT_MAX_BYTES = {2: 4 << 20, 4: 4 << 20, 8: 4 << 20}
 _ALIGN = 16  # the symm_mem kernels load 16 bytes at a time: input and buffer must agree on it
 FUSED_FLAGS = 4096  # int64 flags of the fused kernel: rows x world size at most

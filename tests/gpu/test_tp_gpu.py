@@ -280,7 +280,7 @@ def test_peer_to_peer_all_reduce_equals_nccl_and_is_deterministic(tmp_path, worl
 
     from tandem.layers.all_reduce import ONE_SHOT_MAX_BYTES
 
-    one_shot = min(262144, ONE_SHOT_MAX_BYTES[world])  # 32 rows of 4,096 on two GPUs, 16 on four
+    one_shot = min(262144, ONE_SHOT_MAX_BYTES[world])  # 32 rows of 4,096
     out = tmp_path / "all_reduce.json"
     subprocess.run([sys.executable, "scripts/bench_all_reduce.py", "--world-size", str(world),
                     "--sizes", f"8192,{one_shot},2097152,8388608", "--out", str(out)], check=True, timeout=300)
