@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.fp8 import PartialSums
+from tandem.kernels.triton_fused import sum_partials
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
 
 SPIN_LIMIT = 1 << 26  # iterations of one flag wait before it gives up (seconds on a GPU)
@@ -70,9 +71,7 @@ def _all_reduce_add_rms_norm_kernel(
     # This row's call count, the same on every rank; read after the wait (a previous call may still be running).
     epoch = tl.load(epoch_ptr + row) + 1
     if SPLITS > 0:  # the split-K reduce's arithmetic, in its order
-        acc = tl.load(x_ptr + at, mask=mask, other=0.0)
-        for i in tl.static_range(1, SPLITS):
-            acc += tl.load(x_ptr + i * split_stride + at, mask=mask, other=0.0)
+        acc = sum_partials(x_ptr + at, split_stride, mask, SPLITS)
         if HAS_PSCALE:
             acc = acc * p_scale
         if HAS_PBIAS:

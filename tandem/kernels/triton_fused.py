@@ -25,6 +25,16 @@ def _num_warps(block: int) -> int:
 
 
 @triton.jit
+def sum_partials(ptrs, split_stride, mask, SPLITS: tl.constexpr):
+    # A split-K GEMM's fp32 partial sums of a row (SPLITS of them, split_stride elements apart), added in split
+    # order as the split-K reduce kernel adds them.
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for i in tl.static_range(1, SPLITS):
+        acc += tl.load(ptrs + i * split_stride, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
     inner, dim, eps,
@@ -53,10 +63,7 @@ def _rms_norm_kernel(
             p_bias = tl.load(pb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     pdl_wait(USE_PDL)
     if SPLITS > 0:
-        part_ptrs = x_ptr + a * stride_xa + b * stride_xb + offs
-        acc = tl.load(part_ptrs, mask=mask, other=0.0)
-        for i in tl.static_range(1, SPLITS):
-            acc += tl.load(part_ptrs + i * split_stride, mask=mask, other=0.0)
+        acc = sum_partials(x_ptr + a * stride_xa + b * stride_xb + offs, split_stride, mask, SPLITS)
         if HAS_PSCALE:
             acc = acc * p_scale
         if HAS_PBIAS:
