@@ -48,9 +48,7 @@ def defers_all_reduce() -> bool:
 def all_reduce_or_defer(x: torch.Tensor | PartialSums) -> torch.Tensor | Unreduced:
     """For an output that goes straight into the residual add and RMSNorm: x as Unreduced where the peer-to-peer
     kernels could fuse its all-reduce there, else the all-reduced x."""
-    if defers_all_reduce() and len(x.shape) == 2:
-        return Unreduced(x)
-    return all_reduce(reduce_partial_sums(x) if isinstance(x, PartialSums) else x)
+    return Unreduced(x) if defers_all_reduce() and len(x.shape) == 2 else Unreduced(x).reduce()
 
 
 def fused_all_reduce_add_rms_norm(x: Unreduced, residual: torch.Tensor | None, weight: torch.Tensor,
