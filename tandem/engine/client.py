@@ -23,7 +23,7 @@ from tandem.engine.messages import (
     WireStats,
     merge_reported,
 )
-from tandem.engine.router import ReplicaRouter, work
+from tandem.engine.router import ReplicaRouter, SharedLoad, work
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
 
@@ -95,7 +95,8 @@ class AsyncEngine:
     def __init__(self, input_addrs: str | list[str], output_addr: str, *, client_index: int = 0, max_queue: int,
                  engine_pids: list[int] | None = None, on_engine_death: Callable[[str], None] | None = None,
                  block_size: int = 16, engine_timeout: float | None = DEFAULT_ENGINE_TIMEOUT_S,
-                 step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S, dead_replicas: list[int] | None = None) -> None:
+                 step_timeout: float | None = DEFAULT_STEP_TIMEOUT_S, dead_replicas: list[int] | None = None,
+                 shared_load: SharedLoad | None = None) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if engine_timeout is not None and not engine_timeout > 0:
@@ -108,7 +109,8 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.engine_pids = list(engine_pids or [])
         self.on_engine_death = on_engine_death
-        self.router = ReplicaRouter(len(self.input_addrs), block_size, first=client_index)
+        self.router = ReplicaRouter(len(self.input_addrs), block_size, first=client_index,
+                                    shared=shared_load.row(client_index) if shared_load is not None else None)
         self.engine_timeout = engine_timeout
         self.step_timeout = step_timeout if step_timeout is not None else float("inf")
         self.replica_state = [LIVE] * len(self.input_addrs)

@@ -35,6 +35,7 @@ from tandem.engine.client import DEFAULT_ENGINE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_
 from tandem.engine.launch import DEFAULT_MAX_QUEUE, Engines, EngineStartError, start_engines
 from tandem.engine.messages import EngineInfo
 from tandem.engine.process import DEFAULT_CORE, HEARTBEAT_S
+from tandem.engine.router import SharedLoad
 from tandem.engine_args import add_engine_args, engine_kwargs
 from tandem.process_utils import freeze_gc, set_process_name
 from tandem.server.limits import HttpLimits, add_limit_args, limits_from_args
@@ -81,11 +82,13 @@ class EngineEndpoints:
     pids: list[int]
     output_addr: str
     dead_replicas: list[int] = field(default_factory=list)  # replicas that died before this API process started
+    shared_load: SharedLoad | None = None  # every API process's work per replica (several API processes and replicas)
 
     @classmethod
-    def of(cls, engines: Engines, client_index: int, dead_replicas: set[int] | None = None) -> EngineEndpoints:
+    def of(cls, engines: Engines, client_index: int, dead_replicas: set[int] | None = None,
+           shared_load: SharedLoad | None = None) -> EngineEndpoints:
         return cls(engines.info, engines.input_addrs, engines.pids, engines.output_addrs[client_index],
-                   sorted(dead_replicas or ()))
+                   sorted(dead_replicas or ()), shared_load)
 
 
 def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
@@ -111,7 +114,7 @@ def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
                                max_queue=settings.max_queue, engine_pids=endpoints.pids,
                                on_engine_death=on_engine_death, block_size=settings.engine_config.block_size,
                                engine_timeout=settings.engine_timeout, step_timeout=settings.engine_step_timeout,
-                               dead_replicas=endpoints.dead_replicas)
+                               dead_replicas=endpoints.dead_replicas, shared_load=endpoints.shared_load)
     app = build_app(async_engine, load_tokenizer(settings.engine_config), model_names=settings.model_names,
                     max_model_len=info.max_model_len, vocab_size=info.vocab_size, api_key=settings.api_key,
                     api_restarts=api_restarts, tool_call_parser=settings.tool_call_parser,
@@ -243,10 +246,13 @@ def _serve_with_api_processes(settings: ApiSettings, engines: Engines, count: in
     ctx = mp.get_context("spawn")
     dead_engines: set[int] = set()
     num_restarts = 0
+    # With several replicas each API process routes by every API process's load, not only its own.
+    shared_load = SharedLoad(count, len(engines.replicas)) if len(engines.replicas) > 1 else None
 
     def start_api(i: int) -> BaseProcess:
+        endpoints = EngineEndpoints.of(engines, i, dead_engines, shared_load)
         proc = ctx.Process(target=_api_process_main, name=f"tandem-api-{i}",
-                           args=(settings, EngineEndpoints.of(engines, i, dead_engines), i, socks[i], num_restarts))
+                           args=(settings, endpoints, i, socks[i], num_restarts))
         proc.start()  # the child gets its own descriptor of socks[i] at spawn
         return proc
 

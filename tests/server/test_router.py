@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import random
+
 import pytest
 
-from tandem.engine.router import ReplicaRouter
+from tandem.engine.router import ReplicaRouter, SharedLoad, SharedLoadRow
 
 PREFIX = list(range(100, 164))  # 4 full blocks of 16
 
@@ -97,3 +100,58 @@ def test_api_processes_break_ties_on_different_replicas():
             same_first[router.pick([15496, 11, 995], max_new_tokens=256)] += 1
     assert same_first == [1025, 1023]
     assert ReplicaRouter(3, block_size=16, first=4).pick([1]) == 1  # first is taken modulo the replicas
+
+
+def _uneven_shares_routed(shared: SharedLoad | None, seed: int = 3) -> list[int]:
+    """Eight API processes over four replicas, taking 4,096 equal requests in shares of different sizes, in an
+    interleaved order (as connections arrive): how many each replica gets."""
+    rng = random.Random(seed)
+    shares = [300, 301, 702, 499, 905, 897, 250, 242]
+    routers = [ReplicaRouter(4, block_size=16, first=i, shared=shared.row(i) if shared else None)
+               for i in range(len(shares))]
+    arrivals = [i for i, n in enumerate(shares) for _ in range(n)]
+    rng.shuffle(arrivals)
+    totals = [0] * 4
+    for i in arrivals:
+        totals[routers[i].pick([15496, 11, 995, 318, 257], max_new_tokens=256)] += 1
+    return totals
+
+
+def test_api_processes_balance_every_request_with_a_shared_load():
+    """Alone, each API process evens out only its own share, and the leftovers of eight shares put more than
+    1,024 of 4,096 equal requests on some replica (a fifth wave it runs alone). Sharing their loads, the
+    replicas get 1,024 each; released requests leave every row at zero."""
+    alone = _uneven_shares_routed(None)
+    assert sum(alone) == 4096 and max(alone) > 1024
+    shared = SharedLoad(8, 4)
+    assert _uneven_shares_routed(shared) == [1024] * 4
+    assert shared.totals() == ([1024] * 4, [1024 * 256] * 4)
+
+    router = ReplicaRouter(4, block_size=16, first=1, shared=shared.row(1))  # a replacement API process 1
+    requests, _ = shared.totals()
+    assert sum(requests) < 4096  # its predecessor's row was cleared: those requests were aborted
+    replica = router.pick([1, 2, 3], max_new_tokens=10)
+    router.release(replica, tokens=10)
+    assert router.load == [0] * 4 and sum(shared.totals()[0]) == sum(requests)
+    with pytest.raises(ValueError, match="replicas"):
+        ReplicaRouter(2, block_size=16, shared=shared.row(0))
+    with pytest.raises(ValueError, match="API processes"):
+        shared.row(8)
+
+
+def _pick_in_child(row: SharedLoadRow, picks: int) -> None:
+    router = ReplicaRouter(2, block_size=16, shared=row)
+    for _ in range(picks):
+        router.pick([7, 8, 9], max_new_tokens=100)
+
+
+def test_a_spawned_api_process_writes_the_shared_load():
+    """The launcher's SharedLoad reaches API processes started with "spawn": what one picks, the others see."""
+    shared = SharedLoad(2, 2)
+    child = mp.get_context("spawn").Process(target=_pick_in_child, args=(shared.row(1), 3))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert shared.totals() == ([2, 1], [200, 100])
+    router = ReplicaRouter(2, block_size=16, shared=shared.row(0))
+    assert router.pick([7, 8, 9], max_new_tokens=100) == 1  # the child's picks count
