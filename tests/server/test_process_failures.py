@@ -171,3 +171,41 @@ def test_api_and_engine_process_failures_are_contained(tiny_llama, tmp_path):
             "a child of tandem serve outlived it"
     finally:
         server.close()
+
+
+def test_tensor_parallel_replicas_behind_one_server(tiny_llama, tmp_path):
+    """`--tensor-parallel-size 2 --data-parallel-size 2`: four gloo ranks, two replicas of two behind two API
+    processes, give eight concurrent requests (routed by load over the replicas) the greedy tokens of one
+    offline engine, and SIGTERM stops every rank (exit 0, no process left)."""
+    from tandem import LLM, SamplingParams
+
+    prompts = [[(5 * i + j) % 60 + 4 for j in range(3 + i)] for i in range(8)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(tiny_llama, device="cpu", max_model_len=256, num_kv_blocks=128) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    server = ServeProcess(str(tmp_path / "server.log"), "--model", tiny_llama, "--tensor-parallel-size", "2",
+                          "--data-parallel-size", "2")
+    try:
+        server.wait_healthy()
+        assert httpx.get(f"{server.url}/health", timeout=10).json()["replicas"] == {"live": 2, "total": 2}
+        children = server.descendants()
+        assert server.read_log(tail=None).count("engine core ready") == 2
+        got: dict[int, list[int]] = {}
+
+        def one(i: int) -> None:
+            body = {"prompt": prompts[i], "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            got[i] = r.json()["choices"][0]["token_ids"]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert [got.get(i) for i in range(len(prompts))] == expected
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=90) == 0, server.read_log()
+        assert not wait_gone(children), "a rank or API process of tandem serve outlived it"
+    finally:
+        server.close()
