@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.fp8 import PartialSums
-from tandem.kernels.triton_fused import sum_partials
+from tandem.kernels.triton_fused import partial_channels, sum_partials
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
 
 SPIN_LIMIT = 1 << 26  # iterations of one flag wait before it gives up (seconds on a GPU)
@@ -62,20 +62,12 @@ def _all_reduce_add_rms_norm_kernel(
     mask = offs < dim
     at = row.to(tl.int64) * dim + offs
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait
-    if SPLITS > 0:  # weights too
-        if HAS_PSCALE:
-            p_scale = tl.load(ps_ptr + offs, mask=mask, other=0.0)
-        if HAS_PBIAS:
-            p_bias = tl.load(pb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p_scale, p_bias = partial_channels(ps_ptr, pb_ptr, offs, mask, SPLITS, HAS_PSCALE, HAS_PBIAS)  # weights too
     pdl_wait(USE_PDL)
     # This row's call count, the same on every rank; read after the wait (a previous call may still be running).
     epoch = tl.load(epoch_ptr + row) + 1
     if SPLITS > 0:  # the split-K reduce's arithmetic, in its order
-        acc = sum_partials(x_ptr + at, split_stride, mask, SPLITS)
-        if HAS_PSCALE:
-            acc = acc * p_scale
-        if HAS_PBIAS:
-            acc = acc + p_bias
+        acc = sum_partials(x_ptr + at, split_stride, mask, p_scale, p_bias, SPLITS, HAS_PSCALE, HAS_PBIAS)
         x = acc.to(new_res_ptr.dtype.element_ty)
     else:
         x = tl.load(x_ptr + at, mask=mask, other=0.0)

@@ -25,12 +25,32 @@ def _num_warps(block: int) -> int:
 
 
 @triton.jit
-def sum_partials(ptrs, split_stride, mask, SPLITS: tl.constexpr):
+def partial_channels(ps_ptr, pb_ptr, offs, mask, SPLITS: tl.constexpr, HAS_PSCALE: tl.constexpr,
+                     HAS_PBIAS: tl.constexpr):
+    # The channel scale and bias (fp32) that sum_partials applies: weights, so a kernel may load them before its
+    # PDL wait. Placeholders where there are none (sum_partials then uses neither).
+    p_scale = 1.0
+    p_bias = 0.0
+    if SPLITS > 0:
+        if HAS_PSCALE:
+            p_scale = tl.load(ps_ptr + offs, mask=mask, other=0.0)
+        if HAS_PBIAS:
+            p_bias = tl.load(pb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return p_scale, p_bias
+
+
+@triton.jit
+def sum_partials(ptrs, split_stride, mask, p_scale, p_bias, SPLITS: tl.constexpr, HAS_PSCALE: tl.constexpr,
+                 HAS_PBIAS: tl.constexpr):
     # A split-K GEMM's fp32 partial sums of a row (SPLITS of them, split_stride elements apart), added in split
-    # order as the split-K reduce kernel adds them.
+    # order, times the channel scale, plus the bias (from partial_channels): _split_k_reduce_kernel's arithmetic.
     acc = tl.load(ptrs, mask=mask, other=0.0)
     for i in tl.static_range(1, SPLITS):
         acc += tl.load(ptrs + i * split_stride, mask=mask, other=0.0)
+    if HAS_PSCALE:
+        acc = acc * p_scale
+    if HAS_PBIAS:
+        acc = acc + p_bias
     return acc
 
 
@@ -56,18 +76,11 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK_D)
     mask = offs < dim
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait
-    if SPLITS > 0:
-        if HAS_PSCALE:
-            p_scale = tl.load(ps_ptr + offs, mask=mask, other=0.0)
-        if HAS_PBIAS:
-            p_bias = tl.load(pb_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p_scale, p_bias = partial_channels(ps_ptr, pb_ptr, offs, mask, SPLITS, HAS_PSCALE, HAS_PBIAS)  # weights too
     pdl_wait(USE_PDL)
     if SPLITS > 0:
-        acc = sum_partials(x_ptr + a * stride_xa + b * stride_xb + offs, split_stride, mask, SPLITS)
-        if HAS_PSCALE:
-            acc = acc * p_scale
-        if HAS_PBIAS:
-            acc = acc + p_bias
+        acc = sum_partials(x_ptr + a * stride_xa + b * stride_xb + offs, split_stride, mask, p_scale, p_bias,
+                           SPLITS, HAS_PSCALE, HAS_PBIAS)
         x = acc.to(res_ptr.dtype.element_ty)
     else:
         x = tl.load(x_ptr + a * stride_xa + b * stride_xb + offs, mask=mask, other=0.0)
