@@ -1,5 +1,5 @@
 """All-reduce latency per message size on every local GPU: NCCL, the symmetric-memory one-shot and two-shot
-kernels, and tandem's dispatch (tandem.layers.parallel.all_reduce), each as 64 calls captured in one CUDA graph.
+kernels, and tandem's dispatch (TPGroup.all_reduce), each as 64 calls captured in one CUDA graph.
 
     python3 scripts/bench_all_reduce.py [--world-size N] [--sizes 8192,65536,...] [--out all_reduce.json]
 
@@ -31,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tandem.kernels.fp8 import PartialSums  # noqa: E402
 from tandem.kernels.triton_quant import reduce_partial_sums_triton  # noqa: E402
-from tandem.layers import parallel  # noqa: E402
-from tandem.layers.all_reduce import SymmetricAllReduce  # noqa: E402
-from tandem.runner.tensor_parallel import NCCL_ENV  # noqa: E402
+from tandem.config import ParallelConfig  # noqa: E402
+from tandem.distributed.all_reduce import SymmetricAllReduce  # noqa: E402
+from tandem.distributed.group import TPGroup  # noqa: E402
+from tandem.distributed.ranks import NCCL_ENV  # noqa: E402
 
 CALLS = 64  # all-reduces in one captured graph: a decode step of a 32-layer model makes 64 (+1)
 DEFAULT_SIZES = [8 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20]
@@ -41,13 +42,13 @@ DTYPE = torch.bfloat16
 NORM_DIM = 4096  # hidden size of the rows the norm paths take (Llama-2-7B, Llama-3-8B)
 
 
-def _paths(comm: SymmetricAllReduce) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+def _paths(comm: SymmetricAllReduce, tp: TPGroup) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     def nccl(x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
         return x
 
     return {"nccl": nccl, "one_shot": lambda x: comm.run(x, "one_shot"), "two_shot": lambda x: comm.run(x, "two_shot"),
-            "tandem": parallel.all_reduce}
+            "tandem": tp.all_reduce}
 
 
 def _graph_us(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, replays: int = 20) -> float:
@@ -116,13 +117,14 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], out: str | None)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=device)
     comm = SymmetricAllReduce(dist.group.WORLD, device, DTYPE, max(sizes))
-    parallel.set_tp_group(None, comm)
+    tp = TPGroup(ParallelConfig(dist.get_rank(), dist.get_world_size()))  # the engine's dispatch over this buffer
+    tp.p2p = comm
     rows = []
     for size in sizes:
         numel = size // DTYPE.itemsize
         x = torch.zeros(numel, device=device, dtype=DTYPE)
         row: dict[str, Any] = {"bytes": size, "tandem_path": comm.path(x)}
-        for name, fn in _paths(comm).items():
+        for name, fn in _paths(comm, tp).items():
             if name in ("one_shot", "two_shot") and size > comm.max_bytes:
                 continue
             row[f"{name}_us"] = round(_graph_us(fn, x), 2)
@@ -163,7 +165,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], out: str | None)
         if out:
             with open(out, "w") as f:
                 json.dump(result, f, indent=2)
-    parallel.set_tp_group(None)
+    tp.release()
     del comm
     dist.barrier()
     dist.destroy_process_group()

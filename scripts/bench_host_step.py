@@ -65,7 +65,7 @@ def main() -> None:
         t0 = time.perf_counter()
         sched = scheduler.schedule()
         t1 = time.perf_counter()
-        runner._prepare(sched, step % 2, len(sched.scheduled))
+        runner.prepare(sched)
         t2 = time.perf_counter()
         engine._update(sched, [rng.randrange(1, 500) for _ in sched.scheduled], None)
         t3 = time.perf_counter()

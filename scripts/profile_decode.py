@@ -138,7 +138,7 @@ def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool, qu
         raise RuntimeError("CUDA graphs are off; the profile is of graph replays")
     build_s = time.perf_counter() - t0
     decode_a_few_steps(llm, batch, context, greedy)
-    slot = (runner._step_index - 1) % 2
+    slot = (runner.step_index - 1) % 2
     num_seqs = len(engine.scheduler.running)  # all decoding: the last step's batch
     graph_bs = graphs.padded_size(num_seqs)
     buf = runner.buffers[slot]
@@ -178,8 +178,8 @@ def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool, qu
         # The same work launched kernel by kernel (only if the profiler cannot see inside graph replays).
         with torch.cuda.stream(stream), torch.inference_mode():
             buf.upload(graph_bs)
-            logits = runner._forward(slot, graph_bs, graph_bs, 1, runner.max_model_len, all_rows=True)
-            runner._sample_into(slot, logits, graph_bs, not variant.random, variant.top_k_top_p, -1)
+            logits = runner.executor.forward(slot, graph_bs, graph_bs, 1, runner.max_model_len, all_rows=True)
+            runner.executor.sample_into(slot, logits, graph_bs, not variant.random, variant.top_k_top_p, -1)
 
     mode = "graph"
     layers = runner.model_config.num_layers if BY_POSITION else 0

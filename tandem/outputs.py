@@ -7,10 +7,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from tandem.request import FinishReason
-
-# One output token's log-probabilities as the runner reports them: (chosen logprob, [(token id, logprob)] top-n).
-Logprobs = tuple[float, list[tuple[int, float]]]
+from tandem.request import FinishReason, Logprobs
 
 # Per output token: {token_id: logprob} holding the chosen token and the top-n alternatives.
 SampleLogprobs = list[dict[int, float]]

@@ -9,6 +9,9 @@ from typing import Any
 
 from tandem.sampling_params import SamplingParams
 
+# One sampled token's log-probability and the top-n (token id, log-probability) pairs beside it.
+Logprobs = tuple[float, list[tuple[int, float]]]
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"

@@ -25,6 +25,9 @@ def _lint(root: Path) -> subprocess.CompletedProcess[str]:
 def _copy_tree(tmp_path: Path) -> Path:
     shutil.copytree(ROOT / "tandem", tmp_path / "tandem", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "tests").mkdir()
+    for name in ("__init__.py", "import_contracts.py"):  # the contract type pyproject.toml names
+        shutil.copy(ROOT / "tests" / name, tmp_path / "tests" / name)
     return tmp_path
 
 
@@ -44,6 +47,11 @@ def test_contracts_hold() -> None:
      "tandem.runner is not allowed to import tandem.engine"),
     # the scheduler importing torch, however indirectly
     ("tandem/scheduler/output.py", "import torch  # noqa: F401", "tandem.scheduler is not allowed to import torch"),
+    # collectives outside tandem.distributed, in either spelling
+    ("tandem/layers/norm.py", "import torch.distributed as dist  # noqa: F401",
+     "tandem.layers.norm imports torch.distributed"),
+    ("tandem/runner/streams.py", "def _f():\n    from torch import distributed  # noqa: F401",
+     "tandem.runner.streams imports torch.distributed"),
 ])
 def test_an_upward_import_breaks_the_contracts(tmp_path: Path, module: str, line: str, broken: str) -> None:
     root = _copy_tree(tmp_path)

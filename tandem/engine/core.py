@@ -1,8 +1,8 @@
 """EngineCore: add/abort requests and step() the overlap loop that glues scheduler and runner.
 
-One step in overlap mode (DESIGN.md "One engine step"): schedule N+1, launch it, then wait for
-N's tokens and update the requests. With overlap off the same code finishes each step before
-scheduling the next. Both produce identical tokens under greedy sampling.
+One step (docs/architecture.md, "One engine step"): schedule N+1, prepare it, launch it, then collect N (wait for
+its tokens, update the requests). With overlap off the same code collects the step it just launched. Both produce
+identical tokens under greedy sampling.
 """
 
 from __future__ import annotations
@@ -12,24 +12,20 @@ import logging
 import random
 import time
 from collections.abc import Container
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
+from functools import partial
 
 from tandem.config import EngineConfig
 from tandem.outputs import EngineOutput
 from tandem.profiling.timeline import Timeline
-from tandem.request import FinishReason, Request, RequestStatus
-from tandem.runner.model_runner import Logprobs, ModelRunner, StepHandle
-from tandem.runner.tp_worker import exit_worker, run_worker, start_tensor_parallel
+from tandem.request import FinishReason, Logprobs, Request, RequestStatus
+from tandem.runner.model_runner import ModelRunner
+from tandem.runner.step_plan import StepHandle
+from tandem.runner.worker import engine_runner
 from tandem.sampling_params import SamplingParams
 from tandem.scheduler.output import SchedulerOutput
 from tandem.scheduler.scheduler import Scheduler, SchedulerConfig
-from tandem.structured.grammar import BACKENDS as STRUCTURED_BACKENDS
-from tandem.structured.grammar import GrammarCache
-from tandem.structured.grammar import backend as structured_backend
-from tandem.structured.grammar import validate as validate_structured
-from tandem.structured.matcher import HostMask
+from tandem.structured.pipeline import GrammarPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -105,56 +101,32 @@ def bad_word_token_ids(tokenizer: object, words: tuple[str, ...]) -> tuple[tuple
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        # tensor_parallel_size > 1: this process is rank 0 (spawning ranks 1..N-1), or under torchrun any rank.
-        group = start_tensor_parallel(config)
-        if group is not None and group.rank != 0:
-            run_worker(config, group)  # a torchrun rank other than 0 serves rank 0's steps, then its process ends
-            exit_worker()
-        try:
-            self.runner = ModelRunner(config, group)
-        except BaseException:
-            if group is not None:
-                group.abort()
-            raise
-        if group is not None:
+        # Rank 0's runner (spawning ranks 1..N-1 for tensor parallelism; under torchrun the other ranks never
+        # return from this call: worker.py serves rank 0's steps in their processes, then ends them).
+        self.runner: ModelRunner = engine_runner(config)
+        if self.runner.group is not None:
             # Before interpreter teardown, which would otherwise destroy the communicators after (or while)
             # the CUDA graphs holding them are freed; registered after multiprocessing's hook, so it runs first.
             atexit.register(self.shutdown)
         self.tokenizer = self.runner.tokenizer
         self.model_config = self.runner.model_config
         # A request can never grow past what the whole KV pool holds (block 0 is reserved).
-        pool_tokens = (self.runner.num_blocks - 1) * config.block_size
-        self.max_model_len = min(self.runner.max_model_len, pool_tokens)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                block_size=config.block_size,
-                num_blocks=self.runner.num_blocks,
-                enable_prefix_caching=config.enable_prefix_caching,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-            )
-        )
+        self.max_model_len = min(self.runner.max_model_len, (self.runner.num_blocks - 1) * config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, block_size=config.block_size, num_blocks=self.runner.num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching, enable_chunked_prefill=config.enable_chunked_prefill,
+        ))
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
+        self.grammar = GrammarPipeline(self.tokenizer, self.model_config.vocab_size, sorted(eos),
+                                       config.grammar_backend)
         self.overlap = config.overlap
         self._rng = random.Random(config.seed)
         self._requests: dict[str, Request] = {}  # unfinished requests
-        self._inflight: StepHandle | None = None
-        self._grammars: GrammarCache | None = None  # built at the first structured request
-        # --grammar-backend, else TANDEM_STRUCTURED_BACKEND when the engine was built
-        self.structured_backend = config.grammar_backend or structured_backend()
-        self._compiling: dict[str, tuple[Request, Future]] = {}  # waiting for their grammar
-        self._host_masks: dict[str, Request] = {}  # requests with a HostMask
-        self.mask_time_s = 0.0  # CPU time filling grammar bitmasks (and enqueuing the sampling after them)
-        # With overlap a step's grammar rows are filled on a worker thread (started once the previous step's tokens
-        # reached the matchers) while this thread returns outputs and schedules and prepares the next step.
-        self._mask_pool: ThreadPoolExecutor | None = None
-        self._mask_fill: tuple[StepHandle, Future[float]] | None = None
-        self.num_mask_steps = 0
+        self._inflight: StepHandle | None = None  # step N while step N+1 is being scheduled (overlap)
         self.num_grammar_rejections = 0  # sampled tokens a request's grammar refused (a masking bug if ever > 0)
         self.timeline: Timeline | None = None
         self.step_log: list[tuple[int, int, int]] | None = None  # (seqs, tokens, context tokens) per step
@@ -174,15 +146,11 @@ class EngineCore:
                              "tensor_parallel_size > 1")
         banned, bad_seqs = bad_word_token_ids(self.tokenizer, params.bad_words)
         spec = params.structured_output
-        future = None
         if spec is not None:
             if self.config.tensor_parallel_size > 1:
                 raise ValueError("structured output is not supported with tensor_parallel_size > 1")
             if self.tokenizer is None and self.config.load_format != "dummy":
                 raise ValueError("structured output needs a tokenizer, and this model has none")
-            validate_structured(spec, self.structured_backend)  # a quick ValueError with the compiler's message; the compile runs on a thread
-            future = self._grammar_cache().submit(spec)
-        num_prompt = len(prompt_token_ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = Request(
             request_id=request_id,
@@ -194,22 +162,21 @@ class EngineCore:
             banned_token_ids=banned,
             bad_word_ids=bad_seqs,
         )
-        if future is not None:
-            # Scheduled once its grammar is compiled (at once for a spec seen before).
-            self._compiling[request_id] = (request, future)
+        if spec is not None:
+            self.grammar.submit(request, spec)  # scheduled once its grammar is compiled (at once if seen before)
         else:
             self.scheduler.add_request(request)  # raises ValueError if it can never fit the KV pool
             if bad_seqs:
-                self._attach_mask(request, None)
+                self.grammar.attach(request, None)
         self._requests[request_id] = request
-        self.num_prompt_tokens += num_prompt
+        self.num_prompt_tokens += len(prompt_token_ids)
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
                       stop_reason: int | str | None = None) -> None:
         """Ends a request now (abort, or a stop string the caller matched); unknown ids are ignored."""
         if request_id not in self._requests:
             return
-        compiling = self._compiling.pop(request_id, None)
+        compiling = self.grammar.compiling.pop(request_id, None)
         if compiling is not None:
             request = compiling[0]
             request.status, request.finish_reason, request.stop_reason = RequestStatus.FINISHED, reason, stop_reason
@@ -227,98 +194,85 @@ class EngineCore:
     def _forget(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
         if request is not None and request.host_mask is not None:
-            self._drop_mask(request)
+            self.grammar.drop(request)
 
-    # ---------------------------------------------------------------- grammars and host masks
+    # ---------------------------------------------------------------- structured output
 
-    def _grammar_cache(self) -> GrammarCache:
-        if self._grammars is None:
-            self._grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
-                                          backend_name=self.structured_backend)
-        return self._grammars
+    @property
+    def structured_backend(self) -> str:
+        return self.grammar.backend
 
     def use_structured_backend(self, name: str) -> None:
-        """Compiles later structured requests with backend `name` (xgrammar or llguidance); requests already under
-        a grammar keep theirs. Meant for between runs: the old backend's cache is dropped, and a compile still in
-        flight there is cancelled (its request fails)."""
-        if name not in STRUCTURED_BACKENDS:
-            raise ValueError(f"structured-output backend must be one of {STRUCTURED_BACKENDS}, got {name!r}")
-        if name != self.structured_backend and self._grammars is not None:
-            self._grammars.shutdown()
-            self._grammars = None
-        self.structured_backend = name
-
-    def _attach_mask(self, request: Request, compiled: object | None) -> None:
-        request.host_mask = HostMask(compiled, request.bad_word_ids)
-        self._host_masks[request.request_id] = request
-        self.runner.any_host_masks = True
-
-    def _drop_mask(self, request: Request) -> None:
-        request.host_mask = None
-        self._host_masks.pop(request.request_id, None)
-        self.runner.any_host_masks = bool(self._host_masks)
+        """Compiles later structured requests with backend `name` (xgrammar or llguidance); meant for between runs."""
+        self.grammar.use_backend(name)
 
     def num_host_masks(self) -> int:
         """Requests holding grammar / bad-word state now (0 once every constrained request has ended)."""
-        return len(self._host_masks)
+        return len(self.grammar.masks)
 
-    def _admit_compiled(self, block: bool) -> list[EngineOutput]:
-        """Moves requests whose grammar is compiled into the scheduler; a failed compile fails its request.
-        With `block` (nothing else to do) waits a little for the first compile instead of spinning."""
-        if block:
-            futures_wait([f for _, f in self._compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
-        outputs: list[EngineOutput] = []
-        for rid, (request, future) in list(self._compiling.items()):
-            if not future.done():
-                continue
-            del self._compiling[rid]
-            try:
-                compiled = future.result()
-                self.scheduler.add_request(request)
-            except Exception as exc:
-                message = f"structured output: {exc}"
-                request.status, request.finish_reason, request.error = RequestStatus.FINISHED, FinishReason.ABORT, message
-                self._requests.pop(rid, None)
-                outputs.append(EngineOutput(rid, [], None, True, FinishReason.ABORT, None, request.num_prompt_tokens,
-                                            0, error=message))
-                continue
-            self._attach_mask(request, compiled)
+    @property
+    def mask_time_s(self) -> float:
+        """CPU time filling grammar bitmasks (and enqueuing the sampling after them)."""
+        return self.grammar.fill_time_s
+
+    @property
+    def num_mask_steps(self) -> int:
+        return self.grammar.num_fills
+
+    def _admit_compiled(self) -> list[EngineOutput]:
+        """Moves requests whose grammar compiled into the scheduler; a failed compile fails its request."""
+        idle = self._inflight is None and not self.scheduler.num_running() and not self.scheduler.num_waiting()
+        outputs = []
+        for request, exc in self.grammar.admit(self.scheduler.add_request, block=idle):
+            message = f"structured output: {exc}"
+            request.status, request.finish_reason, request.error = RequestStatus.FINISHED, FinishReason.ABORT, message
+            self._requests.pop(request.request_id, None)
+            outputs.append(EngineOutput(request.request_id, [], None, True, FinishReason.ABORT, None,
+                                        request.num_prompt_tokens, 0, error=message))
         return outputs
 
     # ---------------------------------------------------------------- the loop
 
     def step(self) -> list[EngineOutput]:
+        """One turn of the pipeline: admit requests whose grammar compiled, schedule and launch step N+1, then
+        collect step N. Without overlap, the step just launched is the one collected."""
         self._check_open()
         if not self.overlap and self._inflight is not None:
-            # Overlap was switched off with a step in flight: finish that one first.
+            # Overlap was switched off with a step in flight: collect that one first.
             previous, self._inflight = self._inflight, None
-            if previous.pending is not None:
-                failed = self._launch_sampling(previous)
-                if failed:
-                    return failed
-            return self._finish(previous)
-        admitted: list[EngineOutput] = []
-        if self._compiling:
-            idle = self._inflight is None and not self.scheduler.num_running() and not self.scheduler.num_waiting()
-            admitted = self._admit_compiled(block=idle)
-        outputs = self._step()
-        return admitted + outputs if admitted else outputs
-
-    def _step(self) -> list[EngineOutput]:
-        tl = self.timeline
-        if tl is not None:
-            tl.step = self.num_steps
+            return self._collect(previous)
+        outputs = self._admit_compiled() if self.grammar.compiling else []
+        if self.timeline is not None:
+            self.timeline.step = self.num_steps
         self.num_steps += 1
+        launched, failed = self._launch()
+        if failed:
+            return outputs + failed
+        previous = launched
+        if self.overlap:
+            previous, self._inflight = self._inflight, launched
+        if previous is not None:
+            outputs += self._collect(previous)
+        inflight = self._inflight
+        if inflight is not None and inflight.sampling_pending:
+            # Its grammar rows need step N's tokens, which the matchers have now: they fill on a worker while the
+            # caller takes the outputs and step N+2 is scheduled and prepared.
+            self.grammar.start_fill(inflight, partial(self.runner.fill_masks, inflight))
+        return outputs
+
+    def _launch(self) -> tuple[StepHandle | None, list[EngineOutput]]:
+        """Schedules, prepares and enqueues step N+1 behind step N, whose sampling (held back for its grammar rows)
+        goes to the GPU first; (the launched step or None, the outputs of requests failed by a launch error)."""
         sched: SchedulerOutput | None = None
         previous = self._inflight
         try:
             sched = self._timed("schedule", self.scheduler.schedule)
-            prepared = self._timed("prepare", lambda: self.runner.prepare(sched)) if sched.scheduled else None
-            if self.overlap and previous is not None and previous.pending is not None:
-                # The previous step's grammar rows (filled on the worker meanwhile); its sampling and this step's
-                # forward go to the GPU back to back.
-                self._fill_masks(previous)
-            handle = self._timed("launch", lambda: self.runner.enqueue(prepared)) if prepared is not None else None
+            prepared = None
+            if sched.scheduled:
+                prepared = self._timed("prepare", lambda: self.runner.prepare(sched, self.grammar.active))
+            if previous is not None and previous.sampling_pending:
+                self._launch_sampling(previous)
+            return (self._timed("launch", lambda: self.runner.enqueue(prepared)) if prepared is not None else None), []
         except Exception as exc:  # a failure to build or launch the step fails its requests, not the engine
             logger.exception("engine step failed at launch")
             failed = self._fail(sched.scheduled if sched is not None else [], exc)
@@ -326,69 +280,25 @@ class EngineCore:
                 failed += self._fail(previous.sched.scheduled, exc)
                 self._drop(previous)
                 self._inflight = None
-            return failed
-        if not self.overlap:
-            if handle is not None and handle.pending is not None:
-                failed = self._launch_sampling(handle)
-                if failed:
-                    return failed
-            return self._finish(handle) if handle is not None else []
-        self._inflight = handle
-        # This step's grammar rows need the previous step's tokens, which _finish gives the matchers now; they are
-        # filled on a worker while the caller takes the outputs and the next step is scheduled and prepared, and
-        # its sampling is enqueued right before that step's forward (or, with nothing scheduled, on the next call).
-        outputs = self._finish(previous) if previous is not None else []
-        if handle is not None and handle.pending is not None and self._inflight is handle:
-            self._start_mask_fill(handle)
-        return outputs
+            return None, failed
 
-    def _start_mask_fill(self, handle: StepHandle) -> None:
-        if self._mask_pool is None:
-            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
-        self._mask_fill = (handle, self._mask_pool.submit(self._timed_mask_fill, handle))
+    def _launch_sampling(self, handle: StepHandle) -> None:
+        """Fills a step's grammar bitmask rows (or joins the worker filling them) and enqueues its sampling."""
+        fill, launch = partial(self.runner.fill_masks, handle), partial(self.runner.launch_sampling, handle)
+        self._timed("mask", lambda: self.grammar.finish(handle, fill, launch))
 
-    def _timed_mask_fill(self, handle: StepHandle) -> float:
-        t0 = time.perf_counter()
-        self.runner.fill_masks(handle)
-        return time.perf_counter() - t0
-
-    def _join_mask_fill(self, handle: StepHandle) -> float | None:
-        """Waits for the worker filling `handle`'s rows: the seconds it took (raising what it raised), or None
-        where no worker fills them."""
-        job = self._mask_fill
-        if job is None or job[0] is not handle:
-            return None
-        self._mask_fill = None
-        return job[1].result()
-
-    def _fill_masks(self, handle: StepHandle) -> None:
-        """Fills a step's grammar bitmask rows (or waits for the worker filling them) and enqueues its sampling;
-        raises on failure."""
-        def fill_and_enqueue() -> float:
-            seconds = self._join_mask_fill(handle)
-            if seconds is None:
-                seconds = self._timed_mask_fill(handle)
-            t0 = time.perf_counter()
-            self.runner.launch_sampling(handle)
-            return seconds + time.perf_counter() - t0
-
-        self.mask_time_s += self._timed("mask", fill_and_enqueue)
-        self.num_mask_steps += 1
-
-    def _launch_sampling(self, handle: StepHandle) -> list[EngineOutput]:
-        """_fill_masks for a step no other step waits behind; [] or the failed requests' outputs."""
-        try:
-            self._fill_masks(handle)
-        except Exception as exc:
-            logger.exception("engine step failed filling grammar masks")
-            if self._inflight is handle:
-                self._inflight = None
-            self._drop(handle)
-            return self._fail(handle.sched.scheduled, exc)
-        return []
-
-    def _finish(self, handle: StepHandle) -> list[EngineOutput]:
-        """Waits for a launched step's tokens and applies them to the requests."""
+    def _collect(self, handle: StepHandle) -> list[EngineOutput]:
+        """Waits for a launched step's tokens (enqueuing its sampling first where its grammar rows held it back)
+        and applies them to the requests."""
+        if handle.sampling_pending:
+            try:
+                self._launch_sampling(handle)
+            except Exception as exc:
+                logger.exception("engine step failed filling grammar masks")
+                if self._inflight is handle:
+                    self._inflight = None
+                self._drop(handle)
+                return self._fail(handle.sched.scheduled, exc)
         try:
             result = self._timed("wait", lambda: self.runner.wait(handle))
         except Exception as exc:
@@ -432,7 +342,7 @@ class EngineCore:
             if finished:
                 del requests[rid]
                 if host_mask is not None:
-                    self._drop_mask(req)
+                    self.grammar.drop(req)
         self.num_generation_tokens += len(outputs)
         return outputs
 
@@ -460,7 +370,7 @@ class EngineCore:
     def _drop(self, handle: StepHandle) -> None:
         """Waits out a step whose results are discarded, so its slot is free before it is rewritten."""
         try:
-            self._join_mask_fill(handle)
+            self.grammar.join(handle)
         except Exception:  # the step is dropped: what its rows' fill raised no longer matters
             logger.exception("filling a dropped step's grammar rows failed")
         try:
@@ -487,17 +397,13 @@ class EngineCore:
         atexit.unregister(self.shutdown)
         if self._inflight is not None:
             try:
-                self._join_mask_fill(self._inflight)
+                self.grammar.join(self._inflight)
             except Exception:
                 logger.exception("filling grammar rows failed during shutdown")
-        if self._mask_pool is not None:
-            self._mask_pool.shutdown(wait=True)
-            self._mask_pool = None
+        self.grammar.shutdown()
         self._inflight = None  # the runner finishes (or, after a failure, aborts) what is still on the device
         self._requests.clear()
         self.runner.shutdown()
-        if self._grammars is not None:
-            self._grammars.shutdown()
 
     # ---------------------------------------------------------------- profiling and stats
 

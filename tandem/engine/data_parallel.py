@@ -42,7 +42,7 @@ class DataParallelEngine:
     def __init__(self, config: EngineConfig) -> None:
         from tandem.engine.launch import start_engines
         from tandem.models.loader import resolve_source
-        from tandem.runner.tensor_parallel import torchrun_rank
+        from tandem.distributed.ranks import torchrun_rank
 
         if torchrun_rank() is not None:
             raise ValueError("data_parallel_size > 1 starts its own engine processes; it cannot run under "

@@ -165,7 +165,7 @@ def replica_env(config: EngineConfig, replica: int, data_parallel_size: int) -> 
         if "OMP_NUM_THREADS" in os.environ:
             return {}
         return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (data_parallel_size * tp)))}
-    from tandem.runner.tensor_parallel import NCCL_ENV
+    from tandem.distributed.ranks import NCCL_ENV
 
     env = {key: value for key, value in NCCL_ENV.items() if key not in os.environ}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -15,11 +15,12 @@ import os
 import torch
 from torch import nn
 
-from tandem.config import ModelConfig, ParallelConfig
+from tandem.config import ModelConfig
+from tandem.distributed.group import TPGroup, Unreduced
 from tandem.kernels.fp8 import DEFER_REDUCE, FP8_DTYPE, PartialSums
 from tandem.kernels.ops import count_routed_experts, fused_moe, moe_route
 from tandem.layers.linear import Linear
-from tandem.layers.parallel import LazyTensor, Unreduced, all_reduce_or_defer, defers_all_reduce, materialize, take
+from tandem.layers.parallel import LazyTensor, materialize, take
 from tandem.layers.quantization import quantize_weight_fp8
 
 
@@ -35,7 +36,7 @@ class FusedMoE(nn.Module):
     """Routed experts: w13 [local experts, 2 * local inter, hidden] (gate rows, then up rows) and
     w2 [local experts, hidden, local inter]; FP8 after quantize_fp8_() with per-output-channel scales."""
 
-    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
         self.num_experts = config.num_experts
@@ -79,10 +80,10 @@ class FusedMoE(nn.Module):
         if self.routed_experts is not None:
             count_routed_experts(ids, self.num_experts, self.routed_experts)
         # Unsummed rows go on to the norm on one rank, and across ranks where its all-reduce kernel adds them up.
-        into_norm = reduce and DEFER_REDUCE and (self.tp.size == 1 or defers_all_reduce())
+        into_norm = reduce and DEFER_REDUCE and (self.tp.size == 1 or self.tp.defers_all_reduce())
         out = fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map, self.w13_scale, self.w2_scale,
                         into_norm=into_norm)
-        return all_reduce_or_defer(out) if reduce and self.tp.size > 1 else out
+        return self.tp.all_reduce_or_defer(out) if reduce and self.tp.size > 1 else out
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor | LazyTensor) -> tuple[str, int]:
         """Copies one checkpoint expert matrix (proj: gate, up or down; Hugging Face [out, in]) into this rank's

@@ -8,7 +8,7 @@ from torch import nn
 
 from tandem.kernels.fp8 import PartialSums, QuantizedRows, fp8_quantizes_activations
 from tandem.kernels.ops import use_triton
-from tandem.layers.parallel import Unreduced, fused_all_reduce_add_rms_norm
+from tandem.distributed.group import Unreduced
 
 
 class RMSNorm(nn.Module):
@@ -28,8 +28,7 @@ class RMSNorm(nn.Module):
         the same kernel where the peer-to-peer all-reduce allows."""
         if isinstance(x, Unreduced):
             quantize = fp8_out and fp8_quantizes_activations(x.partial.shape[0])
-            fused = None if quantize or residual is None else fused_all_reduce_add_rms_norm(
-                x, residual, self.weight, self.eps)
+            fused = None if quantize or residual is None else x.group.add_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused
             x = x.reduce()

@@ -2,82 +2,22 @@
 
 Every rank holds a slice of each sharded weight. A column-parallel layer keeps whole output rows (its
 input is replicated, its output is this rank's part); a row-parallel layer keeps input columns and ends
-with one all-reduce. The collectives run on the group set by `set_tp_group` (the default process group
-when none is set); with one rank every layer is exactly its base class.
+with one all-reduce. The collectives run in the TPGroup the layer was built with (tandem/distributed/); with
+one rank every layer is exactly its base class.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from tandem.config import ModelConfig, ParallelConfig
+from tandem.distributed.group import TPGroup, Unreduced
 from tandem.kernels.fp8 import PartialSums, QuantizedRows
-from tandem.kernels.ops import reduce_partial_sums
-from tandem.layers.all_reduce import SymmetricAllReduce
 from tandem.layers.linear import Embedding, Linear, lm_head_logits
 
-_GROUP: Any = None  # the tensor-parallel process group (None: the default group)
-_P2P: SymmetricAllReduce | None = None  # the group's peer-to-peer all-reduce for small messages, if any
-
-
-def set_tp_group(group: Any, p2p: SymmetricAllReduce | None = None) -> None:
-    global _GROUP, _P2P
-    _GROUP, _P2P = group, p2p
-
-
-class Unreduced(NamedTuple):
-    """This rank's part of a row-parallel product whose cross-rank sum is left to the RMSNorm after it, which
-    fuses it with the residual add and the norm where it can (fused_all_reduce_add_rms_norm). The part may still
-    be a split-K GEMM's partial sums, which that kernel adds up too."""
-
-    partial: torch.Tensor | PartialSums
-
-    def reduce(self) -> torch.Tensor:
-        partial = self.partial
-        return all_reduce(reduce_partial_sums(partial) if isinstance(partial, PartialSums) else partial)
-
-
-def defers_all_reduce() -> bool:
-    """Whether all_reduce_or_defer may leave the all-reduce to the norm (the peer-to-peer fused kernel is on)."""
-    return _P2P is not None and _P2P.fused
-
-
-def all_reduce_or_defer(x: torch.Tensor | PartialSums) -> torch.Tensor | Unreduced:
-    """For an output that goes straight into the residual add and RMSNorm: x as Unreduced where the peer-to-peer
-    kernels could fuse its all-reduce there, else the all-reduced x."""
-    return Unreduced(x) if defers_all_reduce() and len(x.shape) == 2 else Unreduced(x).reduce()
-
-
-def fused_all_reduce_add_rms_norm(x: Unreduced, residual: torch.Tensor | None, weight: torch.Tensor,
-                                  eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(norm(sum + residual) * weight, sum + residual) in one kernel, or None (reduce x, then norm it)."""
-    return _P2P.add_rms_norm(x.partial, residual, weight, eps) if _P2P is not None else None
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of x over the ranks: decode-sized messages through the peer-to-peer kernels (a new tensor),
-    others through NCCL, in place. Either captures into CUDA graphs."""
-    if _P2P is not None:
-        out = _P2P(x)
-        if out is not None:
-            return out
-    dist.all_reduce(x, group=_GROUP)
-    return x
-
-
-def all_gather_last_dim(x: torch.Tensor, size: int) -> torch.Tensor:
-    """[n, d] per rank -> [n, size * d], rank r's columns at [r * d, (r + 1) * d)."""
-    if x.device.type == "cuda":
-        out = torch.empty(size, *x.shape, dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=_GROUP)
-    else:  # gloo: the list form
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=_GROUP)
-        out = torch.stack(parts)
-    return out.permute(1, 0, 2).reshape(x.shape[0], size * x.shape[1])
+Ranks = ParallelConfig | TPGroup  # what the shape helpers read: rank and size
 
 
 # ---------------------------------------------------------------- shapes
@@ -110,12 +50,12 @@ def check_tp_shape(config: ModelConfig, tp: ParallelConfig) -> None:
                          f"not divisible by tensor_parallel_size={n}")
 
 
-def local_kv_heads(config: ModelConfig, tp: ParallelConfig) -> int:
+def local_kv_heads(config: ModelConfig, tp: Ranks) -> int:
     """KV heads this rank holds: split when there are at least as many as ranks, else one replicated head."""
     return max(config.num_kv_heads // tp.size, 1)
 
 
-def kv_head_start(config: ModelConfig, tp: ParallelConfig) -> int:
+def kv_head_start(config: ModelConfig, tp: Ranks) -> int:
     """Index of the first KV head of this rank (ranks r*kv//n share head r*kv//n when kv < n)."""
     if config.num_kv_heads >= tp.size:
         return tp.rank * (config.num_kv_heads // tp.size)
@@ -183,7 +123,7 @@ class ColumnParallelLinear(Linear):
         return take(tensor, 0, start, rows), offset
 
 
-def column_parts(full_sizes: list[int], tp: ParallelConfig, fused_source: bool) -> list[tuple[int, int]]:
+def column_parts(full_sizes: list[int], tp: Ranks, fused_source: bool) -> list[tuple[int, int]]:
     """Even split of each sub-projection: rank r keeps rows [r * s / n, (r + 1) * s / n) of each. Source rows
     count from the start of the fused checkpoint tensor (fused_source, GPT-2's c_attn) or of each part's own."""
     parts, base = [], 0
@@ -198,7 +138,7 @@ class RowParallelLinear(Linear):
     """Input columns split over ranks; the partial products are summed by one all-reduce. The bias lives
     on rank 0 only, so it is added exactly once."""
 
-    def __init__(self, in_features: int, out_features: int, tp: ParallelConfig, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False) -> None:
         super().__init__(in_features // tp.size, out_features, bias=bias and tp.rank == 0)
         self.tp = tp
         self.has_bias = bias
@@ -209,8 +149,8 @@ class RowParallelLinear(Linear):
         the all-reduce may be left to the norm (Unreduced)."""
         if self.tp.size > 1:
             # Split-K partial sums, too, may go on to the norm: its all-reduce kernel adds them up.
-            out = super().forward(x, defer_reduce and defers_all_reduce())
-            return all_reduce_or_defer(out) if defer_reduce else all_reduce(out)  # type: ignore[arg-type]
+            out = super().forward(x, defer_reduce and self.tp.defers_all_reduce())
+            return self.tp.all_reduce_or_defer(out) if defer_reduce else self.tp.all_reduce(out)  # type: ignore[arg-type]
         return super().forward(x, defer_reduce)
 
     def shard_for_load(self, tensor: torch.Tensor | LazyTensor, is_bias: bool) -> torch.Tensor | None:
@@ -221,11 +161,11 @@ class RowParallelLinear(Linear):
         return take(tensor, 1, self.tp.rank * cols, cols)
 
 
-def _vocab_rows(vocab_size: int, tp: ParallelConfig) -> int:
+def _vocab_rows(vocab_size: int, tp: Ranks) -> int:
     return -(-vocab_size // tp.size)  # ceil: the last rank's tail rows are zero padding
 
 
-def _vocab_shard(tensor: torch.Tensor | LazyTensor, vocab_size: int, tp: ParallelConfig) -> torch.Tensor:
+def _vocab_shard(tensor: torch.Tensor | LazyTensor, vocab_size: int, tp: Ranks) -> torch.Tensor:
     rows = _vocab_rows(vocab_size, tp)
     start = tp.rank * rows
     n = max(min(rows, vocab_size - start), 0)
@@ -241,7 +181,7 @@ class VocabParallelEmbedding(Embedding):
     """Rows [r * ceil(V / n), (r + 1) * ceil(V / n)) of the table on rank r; lookups outside them give
     zeros, and one all-reduce assembles the embeddings."""
 
-    def __init__(self, vocab_size: int, embedding_dim: int, tp: ParallelConfig) -> None:
+    def __init__(self, vocab_size: int, embedding_dim: int, tp: TPGroup) -> None:
         rows = _vocab_rows(vocab_size, tp)
         super().__init__(rows, embedding_dim)
         self.tp = tp
@@ -254,7 +194,7 @@ class VocabParallelEmbedding(Embedding):
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = super().forward(local.masked_fill(outside, 0))
-        return all_reduce(out.masked_fill_(outside[:, None], 0.0))
+        return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0.0))
 
     def shard_for_load(self, tensor: torch.Tensor | LazyTensor) -> torch.Tensor:
         return _vocab_shard(tensor, self.vocab_size, self.tp)
@@ -264,13 +204,13 @@ class ParallelLMHead(Linear):
     """The untied output projection, vocabulary rows split like VocabParallelEmbedding (in FP8 once
     quantize_fp8_() ran: quantize_lm_head)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, tp: ParallelConfig) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, tp: TPGroup) -> None:
         super().__init__(hidden_size, _vocab_rows(vocab_size, tp))
         self.tp = tp
         self.vocab_size = vocab_size
 
     @classmethod
-    def tied_copy(cls, embedding: VocabParallelEmbedding, vocab_size: int, tp: ParallelConfig) -> ParallelLMHead:
+    def tied_copy(cls, embedding: VocabParallelEmbedding, vocab_size: int, tp: TPGroup) -> ParallelLMHead:
         """A head over the same rows as a tied embedding table (sharing its storage until quantize_fp8_()
         replaces the weight by an FP8 copy; the embedding keeps its own for lookups)."""
         with torch.device("meta"):
@@ -285,11 +225,11 @@ class ParallelLMHead(Linear):
         return parallel_logits(hidden, self.weight, self.vocab_size, self.tp, out, self.weight_scale)
 
 
-def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: ParallelConfig,
+def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup,
                     out: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """[n, hidden] against this rank's vocabulary rows (FP8 with weight_scale), all-gathered: [n, vocab] in the
     model dtype, the same on every rank."""
     if tp.size == 1:
         return lm_head_logits(hidden, weight, out, weight_scale)
-    logits = all_gather_last_dim(lm_head_logits(hidden, weight, weight_scale=weight_scale), tp.size)[:, :vocab_size]
+    logits = tp.all_gather_last_dim(lm_head_logits(hidden, weight, weight_scale=weight_scale))[:, :vocab_size]
     return logits if out is None else out.copy_(logits)

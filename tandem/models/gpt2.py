@@ -7,7 +7,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tandem.config import ModelConfig, ParallelConfig
+from tandem.config import ModelConfig
+from tandem.distributed.group import TPGroup
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.layers.activation import activation_fn
 from tandem.layers.attention import Attention
@@ -32,7 +33,7 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.num_heads = config.num_heads // tp.size  # this rank's heads
         self.head_dim = config.head_dim
@@ -51,7 +52,7 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         inter = config.intermediate_size
         self.c_fc = ColumnParallelLinear(config.hidden_size, column_parts([inter], tp, fused_source=True), bias=True)
@@ -63,7 +64,7 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.ln_1 = LayerNorm(config.hidden_size, config.norm_eps)
         self.attn = GPT2Attention(config, tp)
@@ -78,7 +79,7 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.wpe = Embedding(config.max_position_embeddings, config.hidden_size)  # replicated
@@ -87,12 +88,12 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: ParallelConfig | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         if config.num_kv_heads != config.num_heads:
             raise ValueError("gpt2 has no grouped-query attention: num_kv_heads must equal num_heads")
-        tp = tp or ParallelConfig()
-        check_tp_shape(config, tp)
+        tp = tp or TPGroup()
+        check_tp_shape(config, tp.parallel)
         self.config = config
         self.tp = tp
         self.transformer = GPT2Model(config, tp)

@@ -7,7 +7,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tandem.config import ModelConfig, ParallelConfig
+from tandem.config import ModelConfig
+from tandem.distributed.group import TPGroup
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.fp8 import QuantizedRows
 from tandem.layers.attention import Attention
@@ -39,7 +40,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         # This rank's heads: a 1/tp share of the query heads, and its KV heads (split, or one replicated).
         self.num_heads = config.num_heads // tp.size
@@ -83,7 +84,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: ParallelConfig, intermediate_size: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup, intermediate_size: int | None = None) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"{config.architecture}: unsupported hidden_act {config.hidden_act!r} (expected silu)")
@@ -99,7 +100,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: ParallelConfig, mlp: nn.Module | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, tp)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, tp)  # a MoE block in the MoE families
@@ -131,7 +132,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: ParallelConfig, make_mlp=lambda config, tp, layer: None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup, make_mlp=lambda config, tp, layer: None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, make_mlp(config, tp, i))
@@ -144,10 +145,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, tp: ParallelConfig | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        tp = tp or ParallelConfig()
-        check_tp_shape(config, tp)
+        tp = tp or TPGroup()
+        check_tp_shape(config, tp.parallel)
         self.config = config
         self.tp = tp
         self.model = LlamaModel(config, tp, self.make_mlp)
@@ -171,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def make_mlp(self, config: ModelConfig, tp: ParallelConfig, layer: int) -> nn.Module | None:
+    def make_mlp(self, config: ModelConfig, tp: TPGroup, layer: int) -> nn.Module | None:
         """Layer `layer`'s MLP; None: the dense LlamaMLP (the MoE families override this)."""
         return None
 

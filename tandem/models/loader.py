@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tandem.config import EngineConfig, ModelConfig, ParallelConfig
+from tandem.distributed.group import TPGroup
 from tandem.layers.linear import Embedding, Linear
 from tandem.layers.moe import FusedMoE
 from tandem.layers.quantization import checkpoint_fp8_config, dequantize_fp8_checkpoint
@@ -116,7 +117,7 @@ def model_max_len(model_config: ModelConfig, requested: int | None = None) -> in
 
 
 def load_model_and_tokenizer(
-    config: EngineConfig, device: torch.device | str, dtype: torch.dtype, tp: ParallelConfig | None = None,
+    config: EngineConfig, device: torch.device | str, dtype: torch.dtype, tp: TPGroup | ParallelConfig | None = None,
     load_tokenizer: bool = True,
 ) -> tuple[nn.Module, ModelConfig, Any]:
     """Returns (model in eval mode on device/dtype, its ModelConfig, tokenizer or None for a named shape).
@@ -124,7 +125,7 @@ def load_model_and_tokenizer(
     With tp.size > 1 the model holds rank tp.rank's shard: safetensors are read slice by slice, GGUF
     tensors are sliced after dequantizing, and dummy weights are drawn at the shard's shape."""
     device = torch.device(device)
-    tp = tp or ParallelConfig()
+    tp = tp if isinstance(tp, TPGroup) else TPGroup(tp)  # a bare ParallelConfig: the default process group
     source = resolve_source(config)
     hf_config = _hf_config(source, config.hf_overrides)
     model_config = model_config_from_hf(hf_config, _generation_eos_ids(source))

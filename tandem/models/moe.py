@@ -8,10 +8,11 @@ import re
 import torch
 from torch import nn
 
-from tandem.config import ModelConfig, ParallelConfig
+from tandem.config import ModelConfig
+from tandem.distributed.group import TPGroup, Unreduced
 from tandem.layers.linear import Linear
 from tandem.layers.moe import FusedMoE, RouterLinear
-from tandem.layers.parallel import Unreduced, all_reduce_or_defer, materialize
+from tandem.layers.parallel import materialize
 from tandem.models.llama import LlamaForCausalLM, LlamaMLP
 from tandem.models.weights import WeightLoader
 
@@ -26,7 +27,7 @@ _PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj":
 class Qwen2MoeSparseBlock(FusedMoE):
     """Routed experts plus a shared expert for every token, scaled by sigmoid(shared_expert_gate(x))."""
 
-    def __init__(self, config: ModelConfig, tp: ParallelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__(config, tp)
         self.shared_expert = LlamaMLP(config, tp, config.shared_expert_intermediate_size)
         self.shared_expert_gate = RouterLinear(config.hidden_size, 1)
@@ -38,7 +39,7 @@ class Qwen2MoeSparseBlock(FusedMoE):
         # cross-rank sum, so one all-reduce covers routed and shared experts.
         partial = Linear.forward(shared.down_proj, shared.gate_up_proj.forward_silu_and_mul(x))
         out = routed + torch.sigmoid(self.shared_expert_gate(x)) * partial
-        return all_reduce_or_defer(out) if reduce and self.tp.size > 1 else out
+        return self.tp.all_reduce_or_defer(out) if reduce and self.tp.size > 1 else out
 
 
 class MoEForCausalLM(LlamaForCausalLM):
@@ -46,7 +47,7 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     block_cls: type[FusedMoE] = FusedMoE
 
-    def make_mlp(self, config: ModelConfig, tp: ParallelConfig, layer: int) -> nn.Module | None:
+    def make_mlp(self, config: ModelConfig, tp: TPGroup, layer: int) -> nn.Module | None:
         if config.num_experts == 0 or config.num_experts_per_tok == 0:
             raise ValueError(f"{config.architecture}: num_experts and num_experts_per_tok must be positive")
         return self.block_cls(config, tp) if config.is_moe_layer(layer) else None
@@ -80,7 +81,7 @@ class MixtralForCausalLM(MoEForCausalLM):
 
 
 class Qwen2MoeForCausalLM(MoEForCausalLM):
-    def __init__(self, config: ModelConfig, tp: ParallelConfig | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         if not config.attention_bias:
             raise ValueError("qwen2_moe requires attention_bias=True (q/k/v projections carry a bias)")
         # Without a shared expert (shared_expert_intermediate_size 0) the block is the routed experts alone.
@@ -89,7 +90,7 @@ class Qwen2MoeForCausalLM(MoEForCausalLM):
 
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):
-    def __init__(self, config: ModelConfig, tp: ParallelConfig | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         if not config.qk_norm:
             raise ValueError("qwen3_moe requires qk_norm=True (per-head RMSNorm on q and k)")
         super().__init__(config, tp)

@@ -7,13 +7,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.request import FinishReason, Request, RequestStatus
+from tandem.request import FinishReason, Logprobs, Request, RequestStatus
 from tandem.scheduler.kv_cache_manager import KVCacheManager
 from tandem.scheduler.output import ScheduledRequest, SchedulerOutput
 
 PLACEHOLDER_TOKEN_ID = 0  # input id of a pending position; the runner adds the carried token on the GPU
-
-Logprobs = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -152,19 +152,22 @@ def _calls(fn) -> list[tuple[str, str]]:
 def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
     from tandem.engine.core import EngineCore
     from tandem.runner.cuda_graphs import DecodeGraphs
-    from tandem.runner.input_buffers import StepBuffers, write_step
+    from tandem.runner.executor import ModelExecutor
     from tandem.runner.host_masks import HostMaskBuffers
+    from tandem.runner.input_buffers import StepBuffers, write_step
     from tandem.runner.logits_state import LogitsState
     from tandem.runner.model_runner import ModelRunner
     from tandem.runner.sampler import sample
+    from tandem.structured.pipeline import GrammarPipeline
 
-    hot = [ModelRunner.prepare, ModelRunner.enqueue, ModelRunner._prepare, write_step, ModelRunner._forward,
-           StepBuffers.upload, StepBuffers.download, DecodeGraphs.replay, DecodeGraphs.replay_sample,
-           ModelRunner._sample_into, sample, EngineCore.step, EngineCore._update, LogitsState.prepare,
-           LogitsState.upload, LogitsState.apply, LogitsState.count, ModelRunner.launch_sampling,
-           ModelRunner._enqueue_sampling, HostMaskBuffers.fill, HostMaskBuffers.upload, HostMaskBuffers.apply,
-           EngineCore._step, EngineCore._launch_sampling, EngineCore._fill_masks, EngineCore._start_mask_fill,
-           EngineCore._timed_mask_fill, EngineCore._join_mask_fill, ModelRunner.fill_masks]
+    hot = [ModelRunner.prepare, ModelRunner.enqueue, ModelRunner.enqueue_plan, ModelRunner._enqueue_sampling,
+           ModelRunner.launch_sampling, ModelRunner.fill_masks, write_step, ModelExecutor.run, ModelExecutor.sample,
+           ModelExecutor.forward, ModelExecutor.hidden, ModelExecutor.logits, ModelExecutor.sample_into,
+           StepBuffers.upload, StepBuffers.download, DecodeGraphs.replay, DecodeGraphs.replay_sample, sample,
+           LogitsState.prepare, LogitsState.upload, LogitsState.apply, LogitsState.count, HostMaskBuffers.fill,
+           HostMaskBuffers.upload, HostMaskBuffers.apply, EngineCore.step, EngineCore._launch,
+           EngineCore._launch_sampling, EngineCore._collect, EngineCore._update, GrammarPipeline.start_fill,
+           GrammarPipeline.finish, GrammarPipeline.join]
     for fn in hot:
         assert _calls(fn) == [], f"{fn.__qualname__} syncs with the GPU: {_calls(fn)}"
     # wait(): exactly one synchronize, on the step's d2h_done event; .tolist() only on host numpy views.

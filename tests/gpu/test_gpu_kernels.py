@@ -49,12 +49,12 @@ def test_sampling_graphs_equal_eager_sampling_bitwise(checkpoint):
             for slot in (0, 1):
                 buf = runner.buffers[slot]
                 _fill_params(runner, slot, bs, variant, gen)
-                runner._graph_logits[:bs].copy_(3 * torch.randn(bs, runner._graph_logits.shape[1], generator=gen))
+                runner.executor.graph_logits[:bs].copy_(3 * torch.randn(bs, runner.executor.graph_logits.shape[1], generator=gen))
                 graphs.replay_sample(slot, bs, variant)
                 got = (buf.out_tokens[:bs].clone(), buf.out_logprob[:bs].clone(), buf.out_top_ids[:bs].clone(),
                        buf.out_top_lp[:bs].clone())
                 buf.out_tokens.zero_(), buf.out_logprob.zero_(), buf.out_top_ids.zero_(), buf.out_top_lp.zero_()
-                runner._sample_into(slot, runner._graph_logits[:bs], bs, not variant.random, variant.top_k_top_p,
+                runner.executor.sample_into(slot, runner.executor.graph_logits[:bs], bs, not variant.random, variant.top_k_top_p,
                                     MAX_LOGPROBS if variant.logprobs else -1)
                 label = f"bs {bs} {variant} slot {slot}"
                 assert torch.equal(got[0], buf.out_tokens[:bs]), label
@@ -63,7 +63,7 @@ def test_sampling_graphs_equal_eager_sampling_bitwise(checkpoint):
                     assert torch.equal(got[2], buf.out_top_ids[:bs]), label
                     assert torch.equal(got[3], buf.out_top_lp[:bs]), label
                 if not variant.random:
-                    assert torch.equal(got[0], runner._graph_logits[:bs].argmax(-1)), label
+                    assert torch.equal(got[0], runner.executor.graph_logits[:bs].argmax(-1)), label
 
 
 @pytest.mark.gpu

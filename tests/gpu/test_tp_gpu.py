@@ -199,11 +199,10 @@ def test_tp2_dead_worker_fails_cleanly(folders, tmp_path):
 WIDE_MLP_SCRIPT = """
 import json, sys
 from tandem import LLM, SamplingParams
-from tandem.layers import parallel
 if __name__ == "__main__":
     prompts, engine = json.loads(sys.argv[2]), json.loads(sys.argv[3])
     llm = LLM(sys.argv[1], dtype="bfloat16", tensor_parallel_size=2, **engine)
-    fused = parallel._P2P is not None and parallel._P2P.fused
+    fused = llm.engine.runner.tp.defers_all_reduce()
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True, logprobs=2)
               for i in range(len(prompts))]
     outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -216,8 +215,7 @@ if __name__ == "__main__":
 def test_tp2_split_k_partial_sums_into_the_fused_norm(tmp_path):
     """A down_proj whose decode GEMM splits K (intermediate 4,096: 2,048 columns a rank) hands its partial sums
     unreduced to the fused all-reduce + add + RMSNorm kernel: bf16 log-probabilities close to one GPU's. In a
-    fresh process, whose first tensor-parallel group takes the peer-to-peer kernels (later ones in a process take
-    NCCL)."""
+    fresh process of its own."""
     import json
     import subprocess
     import sys
@@ -278,7 +276,7 @@ def test_peer_to_peer_all_reduce_equals_nccl_and_is_deterministic(tmp_path, worl
     import subprocess
     import sys
 
-    from tandem.layers.all_reduce import ONE_SHOT_MAX_BYTES
+    from tandem.distributed.all_reduce import ONE_SHOT_MAX_BYTES
 
     one_shot = min(262144, ONE_SHOT_MAX_BYTES[world])  # 32 rows of 4,096
     out = tmp_path / "all_reduce.json"

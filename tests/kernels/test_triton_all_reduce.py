@@ -135,6 +135,7 @@ def test_row_parallel_split_k_partials_reach_the_fused_norm(monkeypatch):
     unreduced; the norm's all-reduce kernel adds them up: the bits of reduce, all-reduce, add + RMSNorm. Where
     the fused kernel is off the linear reduces them as before."""
     from tandem.config import ParallelConfig
+    from tandem.distributed.group import TPGroup, Unreduced
     from tandem.layers import parallel
     from tandem.layers.norm import RMSNorm
 
@@ -143,17 +144,18 @@ def test_row_parallel_split_k_partials_reach_the_fused_norm(monkeypatch):
     rows, dim = 6, 128
     x = torch.randn(rows, 1024, generator=gen)
     residual = torch.randn(rows, dim, generator=gen)
-    lin = parallel.RowParallelLinear(2048, dim, ParallelConfig(rank=0, size=2), bias=True)
+    tp = TPGroup(ParallelConfig(rank=0, size=2))
+    lin = parallel.RowParallelLinear(2048, dim, tp, bias=True)
     lin.weight.data = torch.randn(dim, 1024, generator=gen) * 0.05
     lin.bias.data = torch.randn(dim, generator=gen)
     norm = RMSNorm(dim)
     norm.weight.data = torch.rand(dim, generator=gen) + 0.5
-    monkeypatch.setattr(parallel, "_P2P", _OneRankP2P(rows, dim))
+    tp.p2p = _OneRankP2P(rows, dim)  # type: ignore[assignment]
     deferred = lin(x, defer_reduce=True)
-    assert isinstance(deferred, parallel.Unreduced) and isinstance(deferred.partial, PartialSums)
+    assert isinstance(deferred, Unreduced) and isinstance(deferred.partial, PartialSums)
     reduced = lin(x)
     assert isinstance(reduced, torch.Tensor) and torch.equal(deferred.reduce(), reduced)
     got, want = norm(deferred, residual), norm(reduced, residual)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    monkeypatch.setattr(parallel._P2P, "fused", False)
+    tp.p2p.fused = False
     assert torch.equal(lin(x, defer_reduce=True), reduced)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.layers.all_reduce import ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, choose_path, create_symmetric_all_reduce
+from tandem.distributed.all_reduce import ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, choose_path, create_symmetric_all_reduce
 
 
 @pytest.mark.parametrize("world", sorted(ONE_SHOT_MAX_BYTES))

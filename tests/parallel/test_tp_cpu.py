@@ -190,13 +190,14 @@ def test_step_header_round_trip():
     """The header rank 0 broadcasts carries every field a worker launches from, the piecewise bucket included."""
     import numpy as np
 
-    from tandem.runner.tensor_parallel import _HEADER_LEN, StepPlan
+    from tandem.distributed.ranks import STEP_FIELDS
+    from tandem.runner.step_plan import StepPlan
 
-    header = np.zeros(_HEADER_LEN, dtype=np.int64)
     for plan in (StepPlan(1, 3, 40, None, False, True, 2, 37, 90, 11, True, 2, 64),
                  StepPlan(0, 5, 5, 8, True, False, -1, 1, 33, 12, False, 5, None)):
-        plan.encode(header)
-        assert StepPlan.decode(header) == plan
+        header = np.array(plan.fields(), dtype=np.int64)  # as the gloo broadcast carries it
+        assert header.shape == (STEP_FIELDS,)
+        assert StepPlan.from_fields(header) == plan
 
 
 def test_an_all_reduce_that_gave_up_fails_the_group(tiny_folders):
@@ -211,7 +212,7 @@ def test_an_all_reduce_that_gave_up_fails_the_group(tiny_folders):
         assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 20
         assert engine.fatal_error is None
         runner = engine.runner
-        runner._all_reduce_timeout = (torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+        runner._timeout_flag = (torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
         engine.add_request("a", [5, 6, 7, 8], params)
         errors = []
         deadline = time.monotonic() + 30

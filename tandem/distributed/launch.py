@@ -1,7 +1,7 @@
-"""Tensor-parallel ranks' lives: creating or joining the group (spawned workers or torchrun), and a worker's loop.
+"""Tensor-parallel ranks' lives: creating or joining the group (spawned workers or torchrun) and leaving a process.
 
-Rank 0 (the engine's process) calls start_tensor_parallel; ranks 1..N-1 run run_worker, replaying rank 0's
-steps through their own ModelRunner until rank 0 says stop or goes away.
+Rank 0 (the engine's process) calls start_tensor_parallel with the function each spawned rank runs (the runner's
+worker loop, which replays rank 0's steps until it says stop or goes away); under torchrun every process joins.
 """
 
 from __future__ import annotations
@@ -13,16 +13,27 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from tandem.config import EngineConfig, ParallelConfig
-from tandem.layers.parallel import check_tp_shape, set_tp_group
-from tandem.models.loader import load_model_config
-from tandem.runner.model_runner import ModelRunner
-from tandem.runner.tensor_parallel import INIT_TIMEOUT, NCCL_ENV, TensorParallelGroup, torchrun_rank
+from tandem.config import EngineConfig
+from tandem.distributed.ranks import INIT_TIMEOUT, NCCL_ENV, TensorParallelGroup, torchrun_rank
+
+WorkerMain = Callable[[EngineConfig, TensorParallelGroup], None]  # a spawned rank's life once it joined
+
+
+class _ProcessGroups:
+    """How many tensor-parallel groups this process has made (a fact about the process, not a setting)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+_MADE = _ProcessGroups()
+_NAMES_PER_GROUP = 1000  # torch names a group's process groups from a counter; each tensor-parallel group gets its own range
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +56,17 @@ def _rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def start_tensor_parallel(config: EngineConfig) -> TensorParallelGroup | None:
-    """Joins (torchrun) or creates (spawning ranks 1..N-1) the tensor-parallel group; None for one rank."""
+def start_tensor_parallel(config: EngineConfig, worker_main: WorkerMain) -> TensorParallelGroup | None:
+    """Joins (torchrun) or creates (spawning ranks 1..N-1, each running worker_main) the tensor-parallel group;
+    None for one rank. The caller has checked that the model splits over the ranks."""
     size = config.tensor_parallel_size
     launched = torchrun_rank()
     if launched is None and size == 1:
         return None
     for key, value in NCCL_ENV.items():
         os.environ.setdefault(key, value)  # inherited by the spawned workers too
-    # Before any process starts: a model that cannot be split is a ValueError here, not in N processes.
-    check_tp_shape(load_model_config(config), ParallelConfig(0, size, config.enable_expert_parallel))
+    names_from = _MADE.count * _NAMES_PER_GROUP
+    _MADE.count += 1
     procs: list[Any] = []
     if launched is not None:
         rank, world, local_rank = launched
@@ -74,15 +86,16 @@ def start_tensor_parallel(config: EngineConfig) -> TensorParallelGroup | None:
         init_method = f"tcp://127.0.0.1:{port}"
         ctx = multiprocessing.get_context("spawn")
         for r in range(1, size):
-            proc = ctx.Process(target=_spawned_worker_main, args=(config, r, size, init_method, os.getpid()),
+            proc = ctx.Process(target=_spawned_worker_main,
+                               args=(config, r, size, init_method, names_from, worker_main, os.getpid()),
                                name=f"tandem-tp-rank{r}", daemon=True)
             proc.start()
             procs.append(proc)
     device = _rank_device(config, local_rank)
-    return _init_group(device, rank, size, init_method, procs, config.enable_expert_parallel)
+    return _init_group(device, rank, size, init_method, procs, names_from, config.enable_expert_parallel)
 
 
-def _init_group(device: torch.device, rank: int, size: int, init_method: str, procs: list[Any],
+def _init_group(device: torch.device, rank: int, size: int, init_method: str, procs: list[Any], names_from: int,
                 expert_parallel: bool = False) -> TensorParallelGroup:
     backend = "nccl" if device.type == "cuda" else "gloo"
     threads = torch.get_num_threads()
@@ -93,6 +106,10 @@ def _init_group(device: torch.device, rank: int, size: int, init_method: str, pr
     if device.type == "cuda":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device  # eager NCCL communicator: created before any graph capture
+    # torch names process groups "0", "1", ... and counts again from 0 once the default group is destroyed, while
+    # its symmetric memory keeps per-name state for the life of the process: every rank of this group starts
+    # counting at the same fresh base, so that a later engine of rank 0's process never reuses a name.
+    dist.distributed_c10d._world.group_count = names_from
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=INIT_TIMEOUT,
                                 **kwargs)
@@ -101,7 +118,6 @@ def _init_group(device: torch.device, rank: int, size: int, init_method: str, pr
             proc.kill()
         torch.set_num_threads(threads)
         raise
-    set_tp_group(None)  # the default group is the tensor-parallel group
     return TensorParallelGroup(rank, size, device, procs, threads, expert_parallel)
 
 
@@ -117,11 +133,12 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="tandem-tp-parent-watch", daemon=True).start()
 
 
-def _spawned_worker_main(config: EngineConfig, rank: int, size: int, init_method: str, parent_pid: int) -> None:
+def _spawned_worker_main(config: EngineConfig, rank: int, size: int, init_method: str, names_from: int,
+                         worker_main: WorkerMain, parent_pid: int) -> None:
     _exit_with_parent(parent_pid)
     device = _rank_device(config, rank)
-    group = _init_group(device, rank, size, init_method, [], config.enable_expert_parallel)
-    run_worker(config, group)
+    group = _init_group(device, rank, size, init_method, [], names_from, config.enable_expert_parallel)
+    worker_main(config, group)
     exit_worker()
 
 
@@ -131,25 +148,3 @@ def exit_worker(code: int = 0) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
-
-
-def run_worker(config: EngineConfig, group: TensorParallelGroup) -> None:
-    """Ranks 1..N-1: build this rank's runner, then replay rank 0's steps until it says stop or goes away."""
-    runner = ModelRunner(config, group)
-    try:
-        while True:
-            plan = group.recv_plan()
-            if plan is None:
-                break
-            if plan == "report":
-                group.send_spans(runner.take_worker_spans())
-                continue
-            if plan == "bench":
-                continue
-            runner.launch_remote(plan)
-    except Exception:
-        # Rank 0 gone (its socket closed) or this rank failed: rank 0 sees this process exit.
-        logger.exception("tensor-parallel rank %d stops", group.rank)
-        exit_worker(1)
-    # Rank 0 said stop and is doing the same: finish this GPU's work, release the graphs, destroy the group.
-    runner.shutdown()

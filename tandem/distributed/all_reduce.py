@@ -147,7 +147,7 @@ class SymmetricAllReduce:
 def create_symmetric_all_reduce(group: Any, device: torch.device, dtype: torch.dtype,
                                 max_bytes: int) -> SymmetricAllReduce | None:
     """The peer-to-peer all-reduce for this group, or None (NCCL everywhere) where it cannot run: not CUDA,
-    TANDEM_ALL_REDUCE=nccl, a world size the kernels do not take, a process that made one before, or no
+    TANDEM_ALL_REDUCE=nccl, a world size the kernels do not take, a group name used before, or no
     symmetric memory (no P2P access, an older torch). Collective: every rank calls it at the same point and
     gets the same answer."""
     import torch.distributed as dist
@@ -156,15 +156,17 @@ def create_symmetric_all_reduce(group: Any, device: torch.device, dtype: torch.d
     if (device.type != "cuda" or os.environ.get("TANDEM_ALL_REDUCE", "auto") == "nccl"
             or world not in ONE_SHOT_MAX_BYTES or dtype not in (torch.bfloat16, torch.float16, torch.float32)):
         return None
-    # torch keeps symmetric-memory state per process group name for the life of the process, and a process
-    # group made after an earlier one was destroyed may reuse its name: a second tensor-parallel engine in one
-    # process (rank 0's; its workers are new processes) takes NCCL. All ranks agree before any allocation.
-    fresh = torch.tensor([0.0 if _STATE.created else 1.0], device=device)
+    # torch keeps symmetric-memory state per process group name for the life of the process: a name must not
+    # come back. tandem names each tensor-parallel group's process groups afresh (launch.py), so a second
+    # engine in one process gets the peer-to-peer path too; a name seen before (a group made some other way)
+    # takes NCCL. All ranks agree before any allocation.
+    name = str(group.group_name)
+    fresh = torch.tensor([0.0 if name in _STATE.group_names else 1.0], device=device)
     dist.all_reduce(fresh, op=dist.ReduceOp.MIN, group=group)
     if not bool(fresh.item()):  # start-up only: one host read
-        logger.info("a tensor-parallel group of this process used symmetric memory before: NCCL for every message")
+        logger.info("process group %r used symmetric memory before in this process: NCCL for every message", name)
         return None
-    _STATE.created = True
+    _STATE.group_names.add(name)
     try:
         comm = SymmetricAllReduce(group, device, dtype, max_bytes)
         ok = torch.ones(1, device=device)
@@ -178,7 +180,8 @@ def create_symmetric_all_reduce(group: Any, device: torch.device, dtype: torch.d
 class _ProcessState:
     """What this process has done with torch's symmetric memory (a fact about the process, not a setting)."""
 
-    created: bool = False
+    def __init__(self) -> None:
+        self.group_names: set[str] = set()  # process groups that rendezvoused symmetric memory
 
 
 _STATE = _ProcessState()

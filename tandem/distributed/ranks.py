@@ -1,10 +1,10 @@
-"""Tensor-parallel group: this rank's place in it, and rank 0's per-step message to the other ranks.
+"""Tensor-parallel ranks: this process's place among them, its liveness checks, and rank 0's per-step message.
 
 Rank 0 is the engine's own process: it schedules, prepares each step into its pinned slot buffers and
-broadcasts those buffers (a fixed int64 header, then the int32/int64/float32 regions packed) on a CPU gloo
-group before launching the step on its own GPU. Ranks 1..N-1 (spawned by tp_worker.py, or started by torchrun)
-receive the same bytes into their own slot buffers and launch the same H2D/compute sequence; the model's all-reduces tie the GPUs together, so rank 0 never waits on another rank's GPU, only on its own
-d2h_done. A dead worker is seen through its process sentinel; a worker exits when rank 0 goes away. Shutdown
+broadcasts a fixed int64 header and those buffers' bytes packed on a CPU gloo group before launching the
+step on its own GPU. Ranks 1..N-1 (spawned by launch.py, or started by torchrun) receive the same bytes into
+their own slot buffers and launch the same H2D/compute sequence; the model's all-reduces (its TPGroup, group.py)
+tie the GPUs together, so rank 0 never waits on another rank's GPU, only on its own d2h_done. A dead worker is seen through its process sentinel; a worker exits when rank 0 goes away. Shutdown
 (stop_workers, then close once the CUDA graphs are gone) destroys the groups on every rank, or aborts them.
 """
 
@@ -14,18 +14,16 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from tandem.config import ParallelConfig
-
-if TYPE_CHECKING:
-    from tandem.runner.input_buffers import StepBuffers
+from tandem.distributed.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -36,42 +34,12 @@ INIT_TIMEOUT = timedelta(minutes=10)  # weight loading of a 70B shard can take m
 LEAVE_TIMEOUT_S = 10.0  # a clean leave takes well under a second; past this the process is left as it is
 _IDLE_TIMEOUT = timedelta(days=365)
 _OP_STEP, _OP_STOP, _OP_REPORT, _OP_ALL_REDUCE_BENCH = 1, 2, 3, 4
-_HEADER_LEN = 15
+STEP_FIELDS = 13  # ints a step's header carries between the op code and the payload's byte count
+_HEADER_LEN = STEP_FIELDS + 2
 
 
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel rank is gone: the group cannot run another step."""
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """What a rank needs besides the slot buffers to launch a step: the message header."""
-
-    slot: int
-    num_seqs: int
-    num_tokens: int
-    graph_bs: int | None  # None: eager
-    all_greedy: bool
-    any_top_k_top_p: bool
-    num_logprobs: int  # -1: none
-    max_query_len: int
-    max_seq_len: int
-    step_index: int
-    timing: bool = False  # ranks record their steps' GPU spans for the timeline
-    num_decodes: int = 0  # leading one-token rows (AttentionMetadata.num_decodes)
-    piece_tokens: int | None = None  # piecewise graphs: the padded token count; None: a decode graph or eager
-
-    def encode(self, out: np.ndarray) -> None:
-        # The last field is the payload's byte count, set by send_step.
-        out[:] = (_OP_STEP, self.slot, self.num_seqs, self.num_tokens, self.graph_bs or 0, self.all_greedy,
-                  self.any_top_k_top_p, self.num_logprobs, self.max_query_len, self.max_seq_len, self.step_index,
-                  self.timing, self.num_decodes, self.piece_tokens or 0, 0)
-
-    @staticmethod
-    def decode(h: np.ndarray) -> StepPlan:
-        v = [int(x) for x in h]
-        return StepPlan(v[1], v[2], v[3], v[4] or None, bool(v[5]), bool(v[6]), v[7], v[8], v[9], v[10], bool(v[11]),
-                        v[12], v[13] or None)
 
 
 def torchrun_rank() -> tuple[int, int, int] | None:
@@ -83,11 +51,13 @@ def torchrun_rank() -> tuple[int, int, int] | None:
 
 
 class TensorParallelGroup:
-    """This process's rank, the gloo group that carries step messages, and (on rank 0) the spawned workers."""
+    """This process's rank, its model's TPGroup (`comm`), the gloo group that carries step messages, and (on rank 0)
+    the spawned workers."""
 
     def __init__(self, rank: int, size: int, device: torch.device, procs: list[Any], saved_num_threads: int,
                  expert_parallel: bool = False) -> None:
         self.parallel = ParallelConfig(rank, size, expert_parallel)
+        self.comm = TPGroup(self.parallel)  # the default process group: the model's collectives
         self.device = device
         self.procs = procs  # rank 0 of a spawned group: the workers; else empty
         # Workers block on this group between steps: an idle server must not time them out.
@@ -153,13 +123,14 @@ class TensorParallelGroup:
 
     # ---------------------------------------------------------------- step messages
 
-    def send_step(self, plan: StepPlan, buf: StepBuffers) -> None:
-        """Rank 0: the header, then the slot's filled host regions, to every worker (CPU to CPU only)."""
+    def send_step(self, fields: Sequence[int], regions: list[torch.Tensor]) -> None:
+        """Rank 0: a step's header fields, then its filled host regions packed, to every worker (CPU to CPU only)."""
         self.check_alive()
-        plan.encode(self._header_np)
-        stage = self._staging(buf)
+        self._header_np[0] = _OP_STEP
+        self._header_np[1:-1] = fields
+        stage = self._staging(regions)
         offset = 0
-        for region in _regions(buf, plan):  # one packed payload: two gloo broadcasts per step in all
+        for region in regions:  # one packed payload: two gloo broadcasts per step in all
             raw = region.numpy().view(np.uint8)
             stage[offset : offset + raw.size] = raw
             offset += raw.size
@@ -170,8 +141,8 @@ class TensorParallelGroup:
         except Exception as exc:
             self.raise_failure(exc)
 
-    def recv_plan(self) -> StepPlan | str | None:
-        """Worker: the next step's header, "report" when rank 0 asks for GPU spans, None when it says stop."""
+    def recv_step(self) -> np.ndarray | str | None:
+        """Worker: the next step's header fields, "report" when rank 0 asks for GPU spans, None when it says stop."""
         dist.broadcast(self._header, src=0, group=self.cpu_group)
         op = int(self._header_np[0])
         if op == _OP_STOP:
@@ -182,7 +153,7 @@ class TensorParallelGroup:
             num_tokens, hidden, count, reps = (int(x) for x in self._header_np[1:5])
             self._all_reduce_loop(num_tokens, hidden, count, reps)
             return "bench"
-        return StepPlan.decode(self._header_np)
+        return self._header_np[1:-1]
 
     def measure_all_reduce(self, num_tokens: int, hidden: int, count: int, reps: int = 5) -> float:
         """Rank 0, between steps: milliseconds of `count` back-to-back eager all-reduces of [num_tokens, hidden]
@@ -194,8 +165,7 @@ class TensorParallelGroup:
         return self._all_reduce_loop(num_tokens, hidden, count, reps)
 
     def _all_reduce_loop(self, num_tokens: int, hidden: int, count: int, reps: int) -> float:
-        from tandem.layers.parallel import all_reduce
-
+        all_reduce = self.comm.all_reduce
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         x = torch.zeros(num_tokens, hidden, dtype=dtype, device=self.device)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
@@ -231,23 +201,23 @@ class TensorParallelGroup:
         if spans:
             dist.send(torch.tensor(spans, dtype=torch.float64), dst=0, group=self.cpu_group)
 
-    def recv_payload(self, plan: StepPlan, buf: StepBuffers) -> None:
-        """Worker: the slot's host regions, written in place into this rank's pinned buffers."""
-        stage = self._staging(buf)
+    def recv_payload(self, regions: list[torch.Tensor]) -> None:
+        """Worker: the step's host regions, written in place into this rank's pinned buffers."""
+        stage = self._staging(regions)
         size = int(self._header_np[-1])
         dist.broadcast(self._stage[:size], src=0, group=self.cpu_group)
         offset = 0
-        for region in _regions(buf, plan):
+        for region in regions:
             raw = region.numpy().view(np.uint8)
             raw[:] = stage[offset : offset + raw.size]
             offset += raw.size
         if offset != size:
             raise RuntimeError(f"tensor-parallel step message of {size} bytes, expected {offset}")
 
-    def _staging(self, buf: StepBuffers) -> np.ndarray:
-        """The packed-payload byte buffer (allocated once, as large as a slot's host regions)."""
-        if self._stage is None:
-            total = sum(b.cpu.numel() * b.cpu.element_size() for b in (buf.ints, buf.longs, buf.floats))
+    def _staging(self, regions: list[torch.Tensor]) -> np.ndarray:
+        """The packed-payload byte buffer (grown to the largest step's regions, so allocated once in practice)."""
+        total = sum(r.numel() * r.element_size() for r in regions)
+        if self._stage is None or self._stage.numel() < total:
             self._stage = torch.empty(total, dtype=torch.uint8)
             self._stage_np = self._stage.numpy()
         return self._stage_np
@@ -335,10 +305,3 @@ def leave_process_group(cpu_group: Any, healthy: bool, timeout_s: float = LEAVE_
                      "destroyed" if healthy else "aborted", timeout_s)
         return False
     return True
-
-
-def _regions(buf: StepBuffers, plan: StepPlan) -> list[torch.Tensor]:
-    """The host tensors one step fills: ints up to the used block-table rows, all longs and floats."""
-    rows = plan.graph_bs or plan.num_seqs
-    used_ints = buf.ints.offsets["block_tables"] + rows * buf.max_blocks_per_seq
-    return [buf.ints.cpu[:used_ints], buf.longs.cpu, buf.floats.cpu]

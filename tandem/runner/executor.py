@@ -1,0 +1,229 @@
+"""ModelExecutor: one rank's forward and sampling on the slots' static device buffers, eager or from CUDA graphs.
+
+It owns what a step computes on the GPU (carry-over, the model's forward, the logits rows, sampling into the slot's
+output buffers) and the graphs that replay it: decode graphs per (slot, batch size) with their sampling graphs, and
+piecewise graphs for steps that mix prefills into the decodes. It never touches host memory or streams' ordering:
+ModelRunner enqueues its calls on the compute stream between the step's events.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.runner.cuda_graphs import (
+    DecodeGraphs,
+    PiecewiseGraphs,
+    SamplerVariant,
+    graph_batch_sizes,
+    piecewise_sizes,
+    sampler_variant,
+)
+from tandem.runner.input_buffers import StepBuffers
+from tandem.runner.sampler import sample
+from tandem.runner.step_plan import StepPlan
+from tandem.sampling_params import MAX_LOGPROBS
+
+logger = logging.getLogger(__name__)
+
+
+class ModelExecutor:
+    """The model, its KV cache and the two slots' device buffers; `graphs` / `piecewise` are None where steps run
+    eagerly (CPU, cuda_graph off, or switched off by a caller to compare)."""
+
+    def __init__(self, model: nn.Module, kv_cache: torch.Tensor, buffers: list[StepBuffers], max_model_len: int,
+                 num_heads: int, num_kv_heads: int, num_sms: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache  # [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+        self.buffers = buffers
+        self.device = kv_cache.device
+        self.max_model_len = max_model_len
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads  # this rank's
+        self.num_sms = num_sms  # the SMs one decode wave fills (CUDA only: the decode program order)
+        self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
+        self.graph_logits = torch.empty(0, device=self.device)  # [max_num_seqs, vocab] once decode graphs exist
+
+    # ---------------------------------------------------------------- one step
+
+    def run(self, plan: StepPlan, rows_view: bool) -> torch.Tensor:
+        """Enqueues carry-over, forward and logits of a planned step on the current stream: [num_seqs, vocab] logits
+        (the static graph rows, all of them unless rows_view, when a caller edits the step's rows in place)."""
+        slot, num_seqs, num_tokens = plan.slot, plan.num_seqs, plan.num_tokens
+        if plan.graph_bs is not None:
+            self.graphs.replay(slot, plan.graph_bs)  # type: ignore[union-attr]
+            return self.graph_logits[:num_seqs] if rows_view else self.graph_logits
+        meta = self.meta(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len, plan.num_decodes)
+        if plan.piece_tokens is not None:
+            hidden = self.piecewise.replay(slot, num_tokens, plan.piece_tokens, meta)  # type: ignore[union-attr]
+            return self.logits(slot, hidden, num_seqs, all_rows=False)
+        hidden = self.hidden(slot, num_tokens, meta)
+        return self.logits(slot, hidden, num_seqs, all_rows=num_tokens == num_seqs)
+
+    def sample(self, plan: StepPlan, logits: torch.Tensor) -> None:
+        """Enqueues the step's sampling into its slot's output buffers: a sampling graph after a decode graph."""
+        if plan.graph_bs is not None:
+            variant = sampler_variant(plan.all_greedy, plan.any_top_k_top_p, plan.num_logprobs)
+            self.graphs.replay_sample(plan.slot, plan.graph_bs, variant)  # type: ignore[union-attr]
+        else:
+            # Every rank samples from the same all-gathered logits with the same counter-based noise, so each
+            # holds the same tokens for its own carry-over.
+            self.sample_into(plan.slot, logits, plan.num_seqs, plan.all_greedy, plan.any_top_k_top_p,
+                             plan.num_logprobs)
+
+    def meta(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
+             num_decodes: int = 0) -> AttentionMetadata:
+        ints, longs = self.buffers[slot].ints.dev, self.buffers[slot].longs.dev
+        # More decode programs than one wave: they start longest context first (write_step's order).
+        order = None
+        if self.device.type == "cuda" and num_decodes * self.num_kv_heads > self.num_sms:
+            order = ints["decode_order"][:num_decodes]
+        return AttentionMetadata(
+            slot_mapping=longs["slot_mapping"][:num_tokens],
+            query_start_loc=ints["query_start_loc"][: num_seqs + 1],
+            seq_lens=ints["seq_lens"][:num_seqs],
+            block_tables=ints["block_tables"][:num_seqs],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            num_decodes=num_decodes,
+            decode_order=order,
+        )
+
+    def hidden(self, slot: int, num_tokens: int, meta: AttentionMetadata) -> torch.Tensor:
+        """Carry-over and the model's forward on the slot's static device buffers: [num_tokens, hidden]."""
+        buf, prev = self.buffers[slot], self.buffers[1 - slot]
+        ints, carry_src = buf.ints.dev, buf.longs.dev["carry_src"][:num_tokens]
+        input_ids = ints["input_ids"][:num_tokens]
+        # Carry-over (seed 002): gather the previous step's sampled tokens, zero the rows that carry
+        # nothing, and add them onto this step's placeholder zeros.
+        carried = prev.out_tokens.index_select(0, carry_src.clamp(min=0)) * (carry_src >= 0)
+        input_ids.add_(carried.to(input_ids.dtype))
+        return self.model(input_ids, ints["positions"][:num_tokens], self.kv_cache, meta)
+
+    def forward(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
+                all_rows: bool, logits_out: torch.Tensor | None = None, num_decodes: int = 0) -> torch.Tensor:
+        """Carry-over, forward and logits on the slot's static device buffers; returns [num_seqs, vocab]
+        (written into `logits_out` when given)."""
+        meta = self.meta(slot, num_tokens, num_seqs, max_query_len, max_seq_len, num_decodes)
+        hidden = self.hidden(slot, num_tokens, meta)
+        return self.logits(slot, hidden, num_seqs, all_rows, logits_out)
+
+    def logits(self, slot: int, hidden: torch.Tensor, num_seqs: int, all_rows: bool,
+               logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        if not all_rows:
+            hidden = hidden.index_select(0, self.buffers[slot].ints.dev["logits_indices"][:num_seqs])
+        return self.model.compute_logits(hidden, logits_out)
+
+    def sample_into(self, slot: int, logits: torch.Tensor, num_rows: int, all_greedy: bool,
+                    any_top_k_top_p: bool, num_logprobs: int) -> None:
+        """Samples logits [num_rows, vocab] with the slot's static per-row parameters into its output buffers.
+
+        Any top-n request computes the top MAX_LOGPROBS (the host reads the first n columns), so eager steps
+        and captured graphs, which cannot know n, run the same ops.
+        """
+        buf = self.buffers[slot]
+        ints, longs, floats = buf.ints.dev, buf.longs.dev, buf.floats.dev
+        top_n = MAX_LOGPROBS if num_logprobs > 0 else num_logprobs
+        out = sample(
+            logits, floats["temperature"][:num_rows], ints["top_k"][:num_rows], floats["top_p"][:num_rows],
+            longs["seeds"][:num_rows], longs["sample_pos"][:num_rows],
+            all_greedy=all_greedy, any_top_k_top_p=any_top_k_top_p, num_logprobs=top_n,
+            min_p=floats["min_p"][:num_rows],
+        )
+        buf.out_tokens[:num_rows].copy_(out.token_ids)
+        if out.logprobs is not None:
+            buf.out_logprob[:num_rows].copy_(out.logprobs)
+        if out.top_ids is not None and out.top_logprobs is not None:
+            buf.out_top_ids[:num_rows, :top_n].copy_(out.top_ids)
+            buf.out_top_lp[:num_rows, :top_n].copy_(out.top_logprobs)
+
+    # ---------------------------------------------------------------- start-up: warm-up and capture
+
+    def warm_mixed_attention(self, max_num_seqs: int, max_num_tokens: int, dtype: torch.dtype) -> None:
+        """Compiles a mixed step's attention kernels (the decode kernel's variant for its leading one-token
+        sequences, the prefill kernel's for the rest) before the first request, which would otherwise wait for
+        them in its first step with prefills behind decodes. Triton specializes on pointer alignment and on
+        strides equal to 1, so this runs on slot 0's own metadata buffers (overwritten by the first step) and
+        on q as a strided view of a fused projection, as the models pass it: one decode row and one two-token
+        prefill on block 0 (never a request's) of layer 0."""
+        from tandem.kernels import ops
+
+        if max_num_seqs < 2 or max_num_tokens < 3:
+            return  # no step can hold a decode and a prefill
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.kv_cache.shape[-1]
+        ints = self.buffers[0].ints.dev
+        ints["query_start_loc"][:3] = torch.tensor([0, 1, 3], dtype=torch.int32)
+        ints["seq_lens"][:2] = torch.tensor([1, 2], dtype=torch.int32)
+        ints["block_tables"][:2].zero_()
+        meta = self.meta(0, 3, 2, max_query_len=2, max_seq_len=2, num_decodes=1)
+        qkv = torch.zeros(3, (heads + 2 * kv_heads) * dim, dtype=dtype, device=self.device)
+        q = qkv[:, : heads * dim].view(3, heads, dim)
+        ops.paged_attention(q, self.kv_cache[0, 0], self.kv_cache[0, 1], meta, dim**-0.5)
+        if max_num_seqs * self.num_kv_heads > self.num_sms:
+            # Decodes beyond a wave start longest first (meta's decode_order): that variant too. (The decode
+            # graphs' warm-up does not compile it: their attention is the decode kernel with fused rotary.)
+            ints["decode_order"][:1] = 0
+            meta = replace(meta, decode_order=ints["decode_order"][:1])
+            ops.paged_attention(q, self.kv_cache[0, 0], self.kv_cache[0, 1], meta, dim**-0.5)
+
+    def capture(self, max_num_seqs: int, max_num_tokens: int, piecewise_max_tokens: int | None,
+                vocab_size: int, dtype: torch.dtype, stream: torch.cuda.Stream) -> None:
+        """Captures the decode graphs (and their sampling graphs), then the piecewise graphs of mixed steps up to
+        piecewise_max_tokens tokens (None: every step's; 0: none). Every rank captures the same buckets in the
+        same order (their collectives meet)."""
+        # [max_num_seqs, vocab] in the model dtype, outside the graph pool: every graph writes its rows here.
+        self.graph_logits = torch.empty(max_num_seqs, vocab_size, dtype=dtype, device=self.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(self._decode_step_fn, graph_batch_sizes(max_num_seqs), stream,
+                                       sample_fn=self._decode_sample_fn)
+        logger.info("captured %d decode + %d sampling CUDA graphs in %.1f s", len(self.graphs.graphs),
+                    len(self.graphs.sample_graphs), time.perf_counter() - t0)
+        # Every step's tokens by default: an eager step launches each layer's kernels from Python, which for a
+        # small model takes longer than the GPU needs for them (Qwen3-0.6B: a 4096-token chunk took 23 ms on an
+        # H200 eagerly).
+        max_pieces = min(max_num_tokens if piecewise_max_tokens is None else piecewise_max_tokens, max_num_tokens)
+        if max_pieces > 0:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                self.piecewise = PiecewiseGraphs(self._hidden_fn, piecewise_sizes(max_pieces), stream,
+                                                 self.graphs.pool)
+            logger.info("captured %d piecewise CUDA graphs (mixed steps up to %d tokens) in %.1f s",
+                        self.piecewise.num_graphs, max_pieces, time.perf_counter() - t0)
+
+    def _hidden_fn(self, slot: int, num_tokens: int) -> torch.Tensor:
+        # Piecewise capture: only the pieces run, and they read nothing of the metadata but the slot mapping
+        # (the attention between them gets each step's own metadata at replay).
+        return self.hidden(slot, num_tokens, self.meta(slot, num_tokens, 1, num_tokens, num_tokens))
+
+    def _decode_step_fn(self, slot: int, batch_size: int) -> torch.Tensor:
+        # The lm_head GEMM writes straight into the static logits rows the sampling graphs read.
+        return self.forward(slot, batch_size, batch_size, 1, self.max_model_len, all_rows=True,
+                            logits_out=self.graph_logits[:batch_size], num_decodes=batch_size)
+
+    def _decode_sample_fn(self, slot: int, batch_size: int, variant: SamplerVariant) -> None:
+        # All batch_size rows are sampled (padding rows too: their outputs are never downloaded or carried).
+        self.sample_into(slot, self.graph_logits[:batch_size], batch_size, all_greedy=not variant.random,
+                         any_top_k_top_p=variant.top_k_top_p, num_logprobs=MAX_LOGPROBS if variant.logprobs else -1)
+
+    # ---------------------------------------------------------------- shutdown
+
+    def drop_graphs(self) -> None:
+        """Destroys every graph now (the device must be idle)."""
+        for graphs in (self.graphs, self.piecewise):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.piecewise = None
+        self.graph_logits = torch.empty(0, device=self.device)
+
+    def release(self) -> None:
+        """Drops the graphs, the KV cache and the weights, so that their memory can go back to the device."""
+        self.drop_graphs()
+        self.kv_cache = torch.empty(0, device=self.device)
+        self.model = None  # type: ignore[assignment]
+        self.buffers = []

@@ -1,0 +1,101 @@
+"""A step as the runner carries it: its plan (what every rank needs besides the slot buffers), the prepared step,
+the launched step's handle and the tokens it brings back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.request import Logprobs
+from tandem.runner.input_buffers import StepBuffers
+from tandem.runner.streams import StepEvents
+from tandem.scheduler.output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """A step's shape and sampling choices, decided on rank 0's host; the header of its message to the other ranks."""
+
+    slot: int
+    num_seqs: int
+    num_tokens: int
+    graph_bs: int | None  # None: eager
+    all_greedy: bool
+    any_top_k_top_p: bool
+    num_logprobs: int  # -1: none
+    max_query_len: int
+    max_seq_len: int
+    step_index: int
+    timing: bool = False  # ranks record their steps' GPU spans for the timeline
+    num_decodes: int = 0  # leading one-token rows (AttentionMetadata.num_decodes)
+    piece_tokens: int | None = None  # piecewise graphs: the padded token count; None: a decode graph or eager
+
+    def fields(self) -> tuple[int, ...]:
+        """The plan as the ints of its message header (distributed.ranks.STEP_FIELDS of them)."""
+        return (self.slot, self.num_seqs, self.num_tokens, self.graph_bs or 0, self.all_greedy, self.any_top_k_top_p,
+                self.num_logprobs, self.max_query_len, self.max_seq_len, self.step_index, self.timing,
+                self.num_decodes, self.piece_tokens or 0)
+
+    @staticmethod
+    def from_fields(h: Any) -> StepPlan:
+        v = [int(x) for x in h]
+        return StepPlan(v[0], v[1], v[2], v[3] or None, bool(v[4]), bool(v[5]), v[6], v[7], v[8], v[9], bool(v[10]),
+                        v[11], v[12] or None)
+
+    def regions(self, buf: StepBuffers) -> list[torch.Tensor]:
+        """The host tensors the step fills: ints up to the used block-table rows, all longs and floats."""
+        rows = self.graph_bs or self.num_seqs
+        used_ints = buf.ints.offsets["block_tables"] + rows * buf.max_blocks_per_seq
+        return [buf.ints.cpu[:used_ints], buf.longs.cpu, buf.floats.cpu]
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step written into its slot's host buffers and not yet enqueued (ModelRunner.prepare)."""
+
+    sched: SchedulerOutput
+    plan: StepPlan
+    num_context_tokens: int
+    mask_rows: list[tuple[int, Any]]  # (batch row, request) of the rows a host mask constrains
+
+
+@dataclass(slots=True)
+class StepHandle:
+    """A launched step: what the CPU needs to read its results once d2h_done fires."""
+
+    sched: SchedulerOutput
+    plan: StepPlan
+    events: StepEvents
+    num_context_tokens: int = 0  # sum of the sequences' context lengths: KV the step reads
+    # Rows whose sampling waits for their grammar bitmask, and the logits it will mask; empty once enqueued.
+    mask_rows: list[tuple[int, Any]] | None = None
+    logits: torch.Tensor | None = None
+
+    @property
+    def slot(self) -> int:
+        return self.plan.slot
+
+    @property
+    def num_seqs(self) -> int:
+        return self.plan.num_seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return self.plan.num_tokens
+
+    @property
+    def step_index(self) -> int:
+        return self.plan.step_index
+
+    @property
+    def sampling_pending(self) -> bool:
+        """The forward is enqueued, the sampling not yet (it waits for the grammar rows: launch_sampling)."""
+        return self.mask_rows is not None
+
+
+@dataclass(slots=True)
+class StepResult:
+    token_ids: list[int]
+    logprobs: list[Logprobs] | None

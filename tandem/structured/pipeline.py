@@ -1,0 +1,129 @@
+"""GrammarPipeline: everything host-side that constrained decoding needs, in the order the engine meets it.
+
+Admission: a structured request's grammar compiles on the cache's worker (each distinct spec once) while the request
+waits here; `admit` hands compiled ones to the scheduler. Masks: a constrained request holds a HostMask (its matcher,
+and multi-token bad words) from admission to its end. Per step: the bitmask rows of a launched step are filled from
+the matchers once the previous step's tokens have reached them, on a worker thread while the engine schedules and
+prepares the next step (`start_fill`), and `finish` joins that fill (or runs it here) and enqueues the step's sampling.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from typing import Any
+
+from tandem.request import Request
+from tandem.sampling_params import StructuredOutputParams
+from tandem.structured.grammar import BACKENDS, GrammarCache
+from tandem.structured.grammar import backend as default_backend
+from tandem.structured.grammar import validate
+from tandem.structured.matcher import HostMask
+
+
+class GrammarPipeline:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], backend: str | None) -> None:
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self.backend = backend or default_backend()  # --grammar-backend, else TANDEM_STRUCTURED_BACKEND
+        self._cache: GrammarCache | None = None  # built at the first structured request
+        self.compiling: dict[str, tuple[Request, Future]] = {}  # waiting for their grammar
+        self.masks: dict[str, Request] = {}  # requests holding a HostMask
+        self._pool: ThreadPoolExecutor | None = None
+        self._fill: tuple[object, Future[float]] | None = None  # (the step being filled, its job)
+        self.fill_time_s = 0.0  # CPU time filling bitmasks (and enqueuing the sampling after them)
+        self.num_fills = 0
+
+    # ---------------------------------------------------------------- admission
+
+    def submit(self, request: Request, spec: StructuredOutputParams) -> None:
+        """Validates the spec (a quick ValueError with the compiler's message) and starts its compile; the request
+        waits here until `admit` finds it compiled."""
+        validate(spec, self.backend)
+        if self._cache is None:
+            self._cache = GrammarCache(self.tokenizer, self.vocab_size, self.stop_token_ids, backend_name=self.backend)
+        self.compiling[request.request_id] = (request, self._cache.submit(spec))
+
+    def admit(self, schedule: Callable[[Request], None], block: bool) -> list[tuple[Request, Exception]]:
+        """Passes requests whose grammar compiled to `schedule` (and gives them their mask); returns those whose
+        compile (or scheduling) failed. With `block` (nothing else to do) waits a little for the first compile."""
+        if block:
+            futures_wait([f for _, f in self.compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        failed: list[tuple[Request, Exception]] = []
+        for rid, (request, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[rid]
+            try:
+                compiled = future.result()
+                schedule(request)
+            except Exception as exc:
+                failed.append((request, exc))
+                continue
+            self.attach(request, compiled)
+        return failed
+
+    def use_backend(self, name: str) -> None:
+        """Compiles later requests with backend `name`; requests already under a grammar keep theirs. The old
+        backend's cache is dropped, and a compile still in flight there is cancelled (its request fails)."""
+        if name not in BACKENDS:
+            raise ValueError(f"structured-output backend must be one of {BACKENDS}, got {name!r}")
+        if name != self.backend and self._cache is not None:
+            self._cache.shutdown()
+            self._cache = None
+        self.backend = name
+
+    # ---------------------------------------------------------------- masks
+
+    def attach(self, request: Request, compiled: object | None) -> None:
+        """Gives a request its HostMask (compiled grammar, or None for bad words alone)."""
+        request.host_mask = HostMask(compiled, request.bad_word_ids)
+        self.masks[request.request_id] = request
+
+    def drop(self, request: Request) -> None:
+        request.host_mask = None
+        self.masks.pop(request.request_id, None)
+
+    @property
+    def active(self) -> bool:
+        """Whether some request holds a mask: a prepared step then looks for constrained rows."""
+        return bool(self.masks)
+
+    # ---------------------------------------------------------------- per step
+
+    def start_fill(self, step: object, fill: Callable[[], None]) -> None:
+        """Runs `fill` (the step's bitmask rows from the matchers) on the worker thread."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        self._fill = (step, self._pool.submit(_timed, fill))
+
+    def finish(self, step: object, fill: Callable[[], None], launch: Callable[[], None]) -> None:
+        """Joins the worker filling `step`'s rows (raising what it raised), or fills them here where none does, then
+        calls `launch` (enqueue the step's sampling); raises on failure."""
+        seconds = self.join(step)
+        if seconds is None:
+            seconds = _timed(fill)
+        self.fill_time_s += seconds + _timed(launch)
+        self.num_fills += 1
+
+    def join(self, step: object) -> float | None:
+        """Waits for the worker filling `step`'s rows: the seconds it took, or None where no worker fills them."""
+        job = self._fill
+        if job is None or job[0] is not step:
+            return None
+        self._fill = None
+        return job[1].result()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._cache is not None:
+            self._cache.shutdown()
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
