@@ -80,7 +80,7 @@ class SymmetricAllReduce:
         self.max_bytes = min(max_bytes, max(self.one_shot_max, self.two_shot_max))
         numel = -(-self.max_bytes // dtype.itemsize)
         self.buffer = symm_mem.empty(numel, dtype=dtype, device=device)  # [numel] this rank's share of the mapping
-        symm_mem.rendezvous(self.buffer, self.group_name)
+        _rendezvous(self.buffer, self.group_name)
         self.rank = dist.get_rank(group)
         self.fused = os.environ.get("TANDEM_FUSED_ALL_REDUCE_NORM", "1") != "0" and self.one_shot_max > 0
         if self.fused:  # the fused kernel's inbox, flags and per-row call counts, zero on every rank before use
@@ -88,7 +88,7 @@ class SymmetricAllReduce:
             self.max_rows = FUSED_FLAGS // self.world_size
             self.inbox = symm_mem.empty(2 * self.world_size * self.plane, dtype=dtype, device=device)
             self.flags = symm_mem.empty(self.max_rows * self.world_size, dtype=torch.int64, device=device).zero_()
-            ptrs = [symm_mem.rendezvous(t, self.group_name).buffer_ptrs for t in (self.inbox, self.flags)]
+            ptrs = [_rendezvous(t, self.group_name).buffer_ptrs for t in (self.inbox, self.flags)]
             self.inbox_ptrs = torch.tensor(ptrs[0], dtype=torch.int64, device=device)  # [world] each rank's inbox
             self.flag_ptrs = torch.tensor(ptrs[1], dtype=torch.int64, device=device)  # [world] each rank's flags
             self.epochs = torch.zeros(self.max_rows, dtype=torch.int64, device=device)
@@ -156,10 +156,10 @@ def create_symmetric_all_reduce(group: Any, device: torch.device, dtype: torch.d
     if (device.type != "cuda" or os.environ.get("TANDEM_ALL_REDUCE", "auto") == "nccl"
             or world not in ONE_SHOT_MAX_BYTES or dtype not in (torch.bfloat16, torch.float16, torch.float32)):
         return None
-    # torch keeps symmetric-memory state per process group name for the life of the process: a name must not
-    # come back. tandem names each tensor-parallel group's process groups afresh (launch.py), so a second
-    # engine in one process gets the peer-to-peer path too; a name seen before (a group made some other way)
-    # takes NCCL. All ranks agree before any allocation.
+    # torch keeps symmetric-memory state per process group name, and numbers its exchanges per process, for the
+    # life of the process: a name must not come back (tandem names each tensor-parallel group's process groups
+    # afresh, launch.py; a name seen before takes NCCL), and the ranks' counts are aligned first. So a second
+    # engine in one process gets the peer-to-peer path too. All ranks agree before any allocation.
     name = str(group.group_name)
     fresh = torch.tensor([0.0 if name in _STATE.group_names else 1.0], device=device)
     dist.all_reduce(fresh, op=dist.ReduceOp.MIN, group=group)
@@ -168,6 +168,8 @@ def create_symmetric_all_reduce(group: Any, device: torch.device, dtype: torch.d
         return None
     _STATE.group_names.add(name)
     try:
+        if not _align_exchanges(group, device):
+            raise RuntimeError("the ranks' symmetric-memory exchange counts cannot be aligned")
         comm = SymmetricAllReduce(group, device, dtype, max_bytes)
         ok = torch.ones(1, device=device)
     except Exception as exc:  # every rank must agree: a rank that failed tells the others below
@@ -177,11 +179,53 @@ def create_symmetric_all_reduce(group: Any, device: torch.device, dtype: torch.d
     return comm if bool(ok.item()) else None
 
 
+def _rendezvous(tensor: torch.Tensor, group_name: str) -> Any:
+    """torch's rendezvous of a fresh symmetric allocation, counted (see _align_exchanges)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    handle = symm_mem.rendezvous(tensor, group_name)
+    _STATE.rendezvous += 1
+    return handle
+
+
+def _align_exchanges(group: Any, device: torch.device) -> bool:
+    """Brings every rank's count of symmetric-memory rendezvous to the highest, so that the next ones meet.
+
+    torch numbers the store exchanges of its rendezvous with one counter per process, and a rank's keys only meet
+    its peers' at the same number. The workers of a second tensor-parallel engine are fresh processes, while rank 0
+    has counted the first engine's rendezvous: the ranks behind (all by the same count, or this gives up) run that
+    many rendezvous of a small allocation among themselves, which advances their counter as rank 0's advanced.
+    Collective over `group`; False where the counts cannot be aligned."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = torch.tensor([_STATE.rendezvous], dtype=torch.int64, device=device)
+    counts = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(counts, mine, group=group)
+    values = [int(c.item()) for c in counts]  # start-up only: host reads
+    top = max(values)
+    behind = [r for r in range(world) if values[r] < top]
+    if not behind:
+        return True
+    if len({values[r] for r in behind}) > 1:
+        return False
+    lagging = dist.new_group([dist.get_global_rank(group, r) for r in behind])  # every rank makes it
+    if rank in behind:
+        for _ in range(top - values[rank]):
+            probe = symm_mem.empty(16, dtype=torch.uint8, device=device)
+            _rendezvous(probe, lagging.group_name)
+            del probe
+    dist.barrier(group=group)
+    return True
+
+
 class _ProcessState:
     """What this process has done with torch's symmetric memory (a fact about the process, not a setting)."""
 
     def __init__(self) -> None:
         self.group_names: set[str] = set()  # process groups that rendezvoused symmetric memory
+        self.rendezvous = 0  # rendezvous of fresh allocations, each a fixed number of torch's store exchanges
 
 
 _STATE = _ProcessState()

@@ -312,7 +312,7 @@ class EngineCore:
         if self.step_log is not None:
             self.step_log.append((handle.num_seqs, handle.num_tokens, handle.num_context_tokens))
         if self.timeline is not None:
-            for name, start, end in self.runner.step_gpu_spans(handle, self._timeline_base):
+            for name, start, end in handle.events.gpu_spans(self._timeline_base):
                 self.timeline.add_gpu(name, start, end, handle.step_index)
         return self._timed("update", lambda: self._update(handle.sched, result.token_ids, result.logprobs))
 

@@ -9,7 +9,7 @@ import triton.language as tl
 from tandem.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, PartialSums, QuantizedRows
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
 from tandem.kernels.triton_quant import store_quantized_row
-from tandem.kernels.triton_rotary_kv import token_rows
+from tandem.kernels.triton_rotary_kv import norm_rotate, token_rows
 
 # Math is fp32; values are rounded to the storage dtype exactly where the eager PyTorch layers round
 # (norm before the weight multiply, each rotary product), so GPU results track the eager path and HF.
@@ -183,26 +183,6 @@ def fused_add_rms_norm_triton(
 
 
 @triton.jit
-def _rotate_heads(base_ptr, stride_h, stride_d, num_heads, c, s, offs_d, d_mask,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    # Rotates pairs (i, i + HALF) of every head of one token in place; c, s are [1, BLOCK_HALF] fp32.
-    offs_h = tl.arange(0, BLOCK_H)
-    mask = (offs_h[:, None] < num_heads) & d_mask[None, :]
-    ptrs1 = base_ptr + offs_h[:, None] * stride_h + offs_d[None, :] * stride_d
-    ptrs2 = ptrs1 + HALF * stride_d
-    x1 = tl.load(ptrs1, mask=mask, other=0.0)
-    x2 = tl.load(ptrs2, mask=mask, other=0.0)
-    dt = x1.dtype
-    f1 = x1.to(tl.float32)
-    f2 = x2.to(tl.float32)
-    # Each product is rounded like the eager `x1 * cos - x2 * sin` (a no-op in fp32).
-    o1 = (f1 * c).to(dt).to(tl.float32) - (f2 * s).to(dt).to(tl.float32)
-    o2 = (f2 * c).to(dt).to(tl.float32) + (f1 * s).to(dt).to(tl.float32)
-    tl.store(ptrs1, o1.to(dt), mask=mask)
-    tl.store(ptrs2, o2.to(dt), mask=mask)
-
-
-@triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr,
     num_q_heads, num_k_heads,
@@ -218,8 +198,13 @@ def _rotary_kernel(
     d_mask = offs_d < HALF
     c = tl.load(cos_ptr + t * stride_ct + offs_d * stride_cd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + t * stride_st + offs_d * stride_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    _rotate_heads(q_ptr + t * stride_qt, stride_qh, stride_qd, num_q_heads, c, s, offs_d, d_mask, HALF, BLOCK_HQ)
-    _rotate_heads(k_ptr + t * stride_kt, stride_kh, stride_kd, num_k_heads, c, s, offs_d, d_mask, HALF, BLOCK_HK)
+    # In place, no norm (its weight pointer and eps are unused): the rotary half of the fused kernel's body.
+    q = q_ptr + t * stride_qt
+    norm_rotate(q, stride_qh, stride_qd, num_q_heads, q, 0.0, c, s, offs_d, d_mask, HALF, BLOCK_HQ, False,
+                q, stride_qh, stride_qd)
+    k = k_ptr + t * stride_kt
+    norm_rotate(k, stride_kh, stride_kd, num_k_heads, k, 0.0, c, s, offs_d, d_mask, HALF, BLOCK_HK, False,
+                k, stride_kh, stride_kd)
 
 
 def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

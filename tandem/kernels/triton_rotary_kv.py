@@ -14,7 +14,7 @@ from tandem.kernels.triton_launch import pdl_wait, use_pdl
 
 
 @triton.jit
-def _norm_rotate(base_ptr, stride_h, stride_d, num_heads, w_ptr, eps, c, s, offs_d, d_mask,
+def norm_rotate(base_ptr, stride_h, stride_d, num_heads, w_ptr, eps, c, s, offs_d, d_mask,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
                  out_ptr, out_stride_h, out_stride_d):
     # Loads all heads of one token ([BLOCK_H, BLOCK_HALF] per half), RMS-normalizes each head over its
@@ -63,9 +63,9 @@ def _rotary_write_kv_kernel(
     d_mask = offs_d < HALF
     c = tl.load(cos_ptr + t * stride_ct + offs_d * stride_cd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + t * stride_st + offs_d * stride_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    _norm_rotate(q_ptr + t * stride_qt, stride_qh, stride_qd, num_q_heads, qw_ptr, eps, c, s, offs_d, d_mask,
+    norm_rotate(q_ptr + t * stride_qt, stride_qh, stride_qd, num_q_heads, qw_ptr, eps, c, s, offs_d, d_mask,
                  HALF, BLOCK_HQ, HAS_NORM, q_out_ptr + t * stride_oqt, stride_oqh, stride_oqd)
-    k1, k2 = _norm_rotate(k_ptr + t * stride_kt, stride_kh, stride_kd, num_kv_heads, kw_ptr, eps, c, s, offs_d,
+    k1, k2 = norm_rotate(k_ptr + t * stride_kt, stride_kh, stride_kd, num_kv_heads, kw_ptr, eps, c, s, offs_d,
                           d_mask, HALF, BLOCK_HK, HAS_NORM, k_ptr + t * stride_kt, stride_kh, stride_kd)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # -1: padding token, nothing written

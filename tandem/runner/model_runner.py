@@ -268,26 +268,6 @@ class ModelRunner:
                              "waiting for a peer (a rank stalled or died mid-step); this group's results are invalid")
         raise WorkerDiedError(group.failure)
 
-    def step_gpu_spans(self, handle: StepHandle, base: tuple[object, float] | None) -> list[tuple[str, float, float]]:
-        """(name, start, end) of the step's GPU work on the perf_counter clock; call after wait(). One "compute"
-        span, or for a step whose sampling waited for a grammar bitmask, "compute" (the forward) and "sample"."""
-        ev = handle.events
-        if not ev.timing:  # launched before timing was turned on
-            return []
-        if self.device.type != "cuda":
-            return [("compute", ev.compute_start.time, ev.compute_done.time)]  # type: ignore[attr-defined]
-        if base is None:
-            return []
-        base_event, base_time = base
-
-        def at(event: object) -> float:
-            return base_time + base_event.elapsed_time(event) / 1000.0  # type: ignore[attr-defined]
-
-        if ev.deferred:
-            return [("compute", at(ev.compute_start), at(ev.forward_done)),
-                    ("sample", at(ev.sample_start), at(ev.compute_done))]
-        return [("compute", at(ev.compute_start), at(ev.compute_done))]
-
     def drain(self, handle: StepHandle) -> None:
         """Waits out a step whose results are discarded (returns at once when a rank is dead)."""
         if self.group is not None:

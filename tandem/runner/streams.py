@@ -29,7 +29,7 @@ class StepEvents:
 
     def __init__(self, device: torch.device, timing: bool) -> None:
         self.timing = timing
-        cuda = device.type == "cuda"
+        self.cuda = cuda = device.type == "cuda"
         make = (lambda t: torch.cuda.Event(enable_timing=t)) if cuda else (lambda t: _NullEvent())
         self.h2d_done = make(False)
         self.mask_done = make(False)  # a constrained step's grammar bitmask is on the device
@@ -42,6 +42,26 @@ class StepEvents:
         self.forward_done = make(timing)
         self.sample_start = make(timing)
         self.deferred = False
+
+    def gpu_spans(self, base: tuple[object, float] | None) -> list[tuple[str, float, float]]:
+        """(name, start, end) of the step's GPU work on the perf_counter clock (a CUDA `base` event and the clock's
+        reading when it fired); call once the step is waited for. One "compute" span, or for a step whose sampling
+        waited for a grammar bitmask, "compute" (the forward) and "sample"."""
+        if not self.timing:  # recorded before timing was turned on
+            return []
+        if not self.cuda:
+            return [("compute", self.compute_start.time, self.compute_done.time)]  # type: ignore[attr-defined]
+        if base is None:
+            return []
+        base_event, base_time = base
+
+        def at(event: object) -> float:
+            return base_time + base_event.elapsed_time(event) / 1000.0  # type: ignore[attr-defined]
+
+        if self.deferred:
+            return [("compute", at(self.compute_start), at(self.forward_done)),
+                    ("sample", at(self.sample_start), at(self.compute_done))]
+        return [("compute", at(self.compute_start), at(self.compute_done))]
 
 
 class DeviceStreams:

@@ -568,14 +568,14 @@ def test_overlap_step_returns_while_the_gpu_still_computes(record_property):
                     continue
                 if previous is not None:  # waited for by the step() just made; its slot is not reused yet
                     handle, returned_at = previous
-                    spans = engine.runner.step_gpu_spans(handle, engine._timeline_base)
+                    spans = handle.events.gpu_spans(engine._timeline_base)
                     gpu_start, gpu_end = spans[0][1], spans[-1][2]
                     gpu_seconds.append(gpu_end - gpu_start)
-                    if handle.graph_batch_size is not None:
+                    if handle.plan.graph_bs is not None:
                         returned_early += returned_at < gpu_end
                 handle = engine._inflight
                 previous = (handle, returned) if handle is not None else None
-                if handle is not None and handle.graph_batch_size is not None:
+                if handle is not None and handle.plan.graph_bs is not None:
                     decode_steps += 1
                     still_running += not handle.events.d2h_done.query()
             engine.stop_timeline()

@@ -3,8 +3,7 @@ divergence only at a near-tie) and close log-probabilities in bf16; engines with
 within 2 s, one after another in a process that then exits 0; a killed worker fails the engine instead of
 hanging it; the Llama-3-70B shape's sharding runs (two of its layers). On four GPUs the same tests run at TP=4
 too, beside TP=2 x DP=2. Every test builds its engines in this one process, in turn: each must leave the process
-group behind it destroyed. Only a process's first tensor-parallel group takes the peer-to-peer all-reduce kernels
-(later ones take NCCL), so the tests of those kernels run in processes of their own."""
+group behind it destroyed, and every one of them takes the peer-to-peer all-reduce kernels again."""
 
 from __future__ import annotations
 
@@ -194,6 +193,47 @@ def test_tp2_dead_worker_fails_cleanly(folders, tmp_path):
                           timeout=300, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith(("ERRORS", "UNFINISHED"))]
     assert lines and lines[0].startswith("ERRORS") and "rank 1" in lines[0], done.stdout + done.stderr[-3000:]
+
+
+TWO_ENGINES_SCRIPT = """
+import json, sys
+from tandem import LLM, SamplingParams
+if __name__ == "__main__":
+    rows = []
+    for _ in range(2):
+        llm = LLM(sys.argv[1], dtype="bfloat16", tensor_parallel_size=2, **json.loads(sys.argv[2]))
+        runner = llm.engine.runner
+        hidden = llm.engine.model_config.hidden_size
+        # The bench's figure: a decode step's all-reduces (2 a layer + the embedding's) at 8 rows, in ms.
+        ms = runner.group.measure_all_reduce(8, hidden, 2 * llm.engine.model_config.num_layers + 1, reps=20)
+        outs = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                            use_tqdm=False)
+        rows.append({"p2p": runner.tp.p2p is not None, "fused": runner.tp.defers_all_reduce(), "ms": ms,
+                     "tokens": list(outs[0].outputs[0].token_ids)})
+        llm.shutdown()
+    print("RESULT " + json.dumps(rows), flush=True)
+"""
+
+
+def test_every_tp_group_of_a_process_takes_the_peer_to_peer_all_reduce(folders, tmp_path):
+    """Two TP=2 engines one after the other in one fresh process: both rendezvous their own symmetric memory
+    (fresh process-group names), so the second's all-reduces cost what the first's did, not NCCL's."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "two_engines.py"
+    script.write_text(TWO_ENGINES_SCRIPT)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script), folders["llama"], json.dumps(ENGINE)], capture_output=True,
+                          text=True, timeout=300, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stdout + done.stderr[-3000:]
+    first, second = json.loads(lines[0][len("RESULT "):])
+    assert first["p2p"] and second["p2p"] and first["fused"] == second["fused"], (first, second)
+    assert second["ms"] <= 1.5 * first["ms"] + 0.02, (first["ms"], second["ms"])
+    assert first["tokens"] == second["tokens"]
 
 
 WIDE_MLP_SCRIPT = """
