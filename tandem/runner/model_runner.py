@@ -52,9 +52,9 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or min(model_max_len(self.model_config), 8192)
         self.block_size, self.max_num_seqs = config.block_size, config.max_num_seqs
         self.max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.streams = DeviceStreams(self.device)
-        self.buffers = [StepBuffers(self.max_num_tokens, self.max_num_seqs, max_blocks_per_seq, MAX_LOGPROBS,
+        self.buffers = [StepBuffers(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, MAX_LOGPROBS,
                                     self.device) for _ in range(2)]
         vocab = self.model_config.vocab_size
         self.logits_state = LogitsState(self.max_num_seqs, vocab, self.device)
@@ -63,7 +63,7 @@ class ModelRunner:
         layout = KVLayout(self.model_config.num_layers, self.block_size, self.num_kv_heads,
                           self.model_config.head_dim, loaded.kv_cache_dtype)
         self.num_blocks = config.num_kv_blocks or num_blocks_from_memory(
-            config, layout, loaded.model, self.device, self.max_num_tokens, max_blocks_per_seq)
+            config, layout, loaded.model, self.device, self.max_num_tokens, self.max_blocks_per_seq)
         if group is not None and config.num_kv_blocks is None:
             # One scheduler drives every rank: all KV shards get the block count of the tightest GPU.
             self.num_blocks = group.min_over_ranks(self.num_blocks)
