@@ -17,7 +17,7 @@ from tandem.kernels.fp8 import (
     group_block_k,
 )
 from tandem.kernels.moe_align import fused_moe_ref, route_topk
-from tandem.kernels.reference import paged_attention_ref, write_kv_ref
+from tandem.kernels.reference import dequantize_int_weight, paged_attention_ref, write_kv_ref
 
 if TYPE_CHECKING:
     from tandem.kernels.triton_attention import NewTokens
@@ -245,3 +245,27 @@ def fused_moe(
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale,
                                 into_norm=into_norm)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
+
+
+def int_weight_linear(
+    x: torch.Tensor,  # [..., K] in the activation dtype
+    qweight: torch.Tensor,  # uint8 [N, K // 2] (4 bits) or [N, K] (8 bits), the tandem int-N layout
+    scales: torch.Tensor,  # [N, K // group_size] in x's dtype
+    zeros: torch.Tensor,  # [N, K // group_size] in x's dtype
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [..., N] in x's dtype
+    """x W^T + b for a 4- or 8-bit weight (W = (q - zero) * scale per group): on CUDA the Triton kernels of
+    kernels/triton_int_weight.py (the GEMV up to a few rows, the tile GEMM above), dequantized inside them;
+    elsewhere the reference dequantization and a matmul."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if use_triton(x2):
+        from tandem.kernels.triton_int_weight import int_weight_matmul_triton  # lazy: CPU runs never import Triton
+
+        out = int_weight_matmul_triton(x2, qweight, scales, zeros, bits, group_size, bias)
+    else:
+        weight = dequantize_int_weight(qweight, scales, zeros, bits, group_size).to(x.dtype)
+        out = torch.nn.functional.linear(x2, weight, bias)
+    return out.view(*lead, out.shape[-1])

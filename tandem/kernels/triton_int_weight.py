@@ -1,0 +1,272 @@
+"""W4A16 / W8A16 Triton kernels over the tandem int-N weight layout: a weight-streaming GEMV for a few decode rows
+(dequantized in registers, CUDA cores) and a tile GEMM that dequantizes weight tiles into the activation dtype
+for the tensor cores (more rows, prefill)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels.fp8 import PartialSums
+from tandem.kernels.reference import check_int_weight
+from tandem.kernels.triton_launch import device_sms, pdl_wait, use_pdl
+from tandem.kernels.triton_quant import reduce_partial_sums_triton, split_k_until
+
+# The kernels read qweight through an int32 view: a word holds 32 // bits consecutive elements of a row,
+# element i of the word in bits [bits * i, bits * (i + 1)) (little-endian bytes, low nibble first), so the
+# tandem layout needs no repack, and K must be a multiple of 8 (4 bits) or 4 (8 bits).
+WORD_BITS = 32
+
+
+@triton.jit
+def _codes_plus_one(words, shifts, BITS: tl.constexpr):
+    # int32 words [..., 1] and shifts [..., PER_WORD] (bits * element index) -> fp32 1 + q / 2**BITS for each
+    # code q: the code is placed in the top mantissa bits of 1.0 (one shift and one and-or per element, no
+    # int -> float conversion, which issues at a quarter of the FMA rate), exactly.
+    q = (words >> shifts) & ((1 << BITS) - 1)
+    return ((q << (23 - BITS)) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
+    M, N, K, K_SPLIT, GROUP, stride_xm, stride_wn, stride_sn, stride_om,
+    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, MASK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # Program = BLOCK_N output channels for all M (<= BLOCK_M) rows over K range [pid_k * K_SPLIT, +K_SPLIT).
+    # A K step is TG group parts of GW words (GK = GW * PER_WORD elements, one group or a part of one), so a
+    # step reads one scale and zero per (channel, part). With f = 1 + q / 2**B (_codes_plus_one) a part's sum
+    # is sum_k x_k (q_k - z) s = s (2**B F - (2**B + z) X), F = sum_k x_k f_k and X = sum_k x_k: per element
+    # one shift, one and-or and one FMA, no scale. Sums stay per word ([M, N, TG, GW]) until after the loop,
+    # so no cross-thread reduction runs inside it.
+    PER_WORD: tl.constexpr = 32 // BITS
+    GK: tl.constexpr = GW * PER_WORD
+    QSCALE: tl.constexpr = 1 << BITS
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)[:, None, None, None]  # [BLOCK_M, 1, 1, 1]
+    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None, None]  # [1, BLOCK_N, 1, 1]
+    offs_g = tl.arange(0, TG)[None, None, :, None]  # [1, 1, TG, 1]
+    offs_w = tl.arange(0, GW)[None, None, None, :]  # [1, 1, 1, GW]
+    offs_e = tl.arange(0, PER_WORD)[None, None, None, None, :]  # [1, 1, 1, 1, PER_WORD]
+    n_mask = offs_n < N
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    part = k_begin + offs_g * GK  # first element of each group part in the first step
+    w_ptrs = w_ptr + offs_n.to(tl.int64) * stride_wn + (part // PER_WORD + offs_w)  # [1, BLOCK_N, TG, GW]
+    x_ptrs = (x_ptr + (offs_m.to(tl.int64) * stride_xm + (part + offs_w * PER_WORD))[:, :, :, :, None]
+              + offs_e)  # [BLOCK_M, 1, TG, GW, PER_WORD]
+    x_rows = (offs_m < M)[:, :, :, :, None]
+    shifts = offs_e * BITS
+    acc = tl.zeros([BLOCK_M, BLOCK_N, TG, GW], dtype=tl.float32)
+    pdl_wait(USE_PDL)
+    for k0 in range(k_begin, k_end, TG * GK):
+        start = k0 + offs_g * GK  # [1, 1, TG, 1]
+        g_mask = start < k_end  # whole group parts: K, K_SPLIT and the groups are multiples of GK
+        sz_offs = offs_n.to(tl.int64) * stride_sn + start // GROUP  # [1, BLOCK_N, TG, 1]
+        words = tl.load(w_ptrs, mask=n_mask & g_mask, other=0)
+        s = tl.load(s_ptr + sz_offs, mask=n_mask & g_mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + sz_offs, mask=n_mask & g_mask, other=0.0).to(tl.float32)
+        x_mask = g_mask[:, :, :, :, None] & x_rows if MASK_M else g_mask[:, :, :, :, None]
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+        f = _codes_plus_one(words[:, :, :, :, None], shifts, BITS)  # [1, BLOCK_N, TG, GW, PER_WORD]
+        fx = tl.sum(x * f, axis=4)  # [BLOCK_M, BLOCK_N, TG, GW]
+        xs = tl.sum(x, axis=4)  # [BLOCK_M, 1, TG, GW]
+        acc += (s * QSCALE) * fx - (s * (z + QSCALE)) * xs
+        w_ptrs += TG * GK // PER_WORD
+        x_ptrs += TG * GK
+    y = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BLOCK_M, BLOCK_N]
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    mask = (rows < M) & (cols < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows.to(tl.int64) * stride_om + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptr + (pid_k * M + rows).to(tl.int64) * N + cols, y, mask=mask)
+
+
+@triton.jit
+def _int_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
+    M, N, K, K_SPLIT, GROUP, stride_xm, stride_wn, stride_sn, stride_om,
+    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # Program = a BLOCK_M x BLOCK_N output tile over K range [pid_k * K_SPLIT, +K_SPLIT), in K steps of TG
+    # group parts of GW words (as in _int_gemv_kernel). Each step dequantizes its [BLOCK_N, BLOCK_K] weight
+    # tile in fp32 ((q - z) * s, rounded once to x's dtype, as dequantize_int_weight rounds) and multiplies on
+    # the tensor cores with fp32 accumulation. Tiles are visited GROUP_M row tiles at a time so that a weight
+    # column block is read from HBM once per GROUP_M row tiles (L2 reuse). SWAP_AB (few rows): the weight
+    # tile is the MMA's A operand (BLOCK_N fills its 64-row height) and the rows its narrow N.
+    PER_WORD: tl.constexpr = 32 // BITS
+    GK: tl.constexpr = GW * PER_WORD
+    BLOCK_K: tl.constexpr = TG * GK
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * tiles_n
+    first_m = (pid // in_group) * GROUP_M
+    rows_here = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % rows_here
+    pid_n = (pid % in_group) // rows_here
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    wn = offs_n[:, None, None, None]
+    wg = tl.arange(0, TG)[None, :, None, None]
+    ww = tl.arange(0, GW)[None, None, :, None]
+    shifts = tl.arange(0, PER_WORD)[None, None, None, :] * BITS
+    offs_k = tl.arange(0, BLOCK_K)
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_begin + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + wn.to(tl.int64) * stride_wn + ((k_begin + wg * GK) // PER_WORD + ww)  # [BLOCK_N, TG, GW, 1]
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
+    pdl_wait(USE_PDL)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        start = k0 + wg * GK  # [1, TG, 1, 1]
+        g_mask = start < k_end
+        sz_ptrs = wn.to(tl.int64) * stride_sn + start // GROUP  # [BLOCK_N, TG, 1, 1]
+        words = tl.load(w_ptrs, mask=(wn < N) & g_mask, other=0)
+        s = tl.load(s_ptr + sz_ptrs, mask=(wn < N) & g_mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + sz_ptrs, mask=(wn < N) & g_mask, other=0.0).to(tl.float32)
+        # (f - (1 + z / 2**B)) * (s * 2**B) = (q - z) * s: f - 1 - z / 2**B is exact for integer zeros, and
+        # within an fp32 rounding for any other.
+        f = _codes_plus_one(words, shifts, BITS)  # [BLOCK_N, TG, GW, PER_WORD]
+        w = (f - (1.0 + z * (1.0 / (1 << BITS)))) * (s * (1 << BITS))
+        w = tl.reshape(w.to(x_ptr.dtype.element_ty), [BLOCK_N, BLOCK_K])
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & ((k0 + offs_k) < k_end)[None, :], other=0.0)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // PER_WORD
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    rows = offs_m[:, None]
+    cols = offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + cols, mask=n_mask[None, :], other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptr + (pid_k * M + rows).to(tl.int64) * N + cols, acc, mask=mask)
+
+
+GEMV_STEP_BYTES = 1024  # bytes of each weight row a GEMV program reads per K step
+
+
+def part_elements(block_k: int, group_size: int, bits: int) -> int:
+    """GK: elements of one group part of a K step: the largest power of two (at least one int32 word) that
+    divides group_size, at most block_k. Parts never straddle a group, so a part has one scale and zero."""
+    per_word = WORD_BITS // bits
+    gk = per_word
+    while gk * 2 <= block_k and group_size % (gk * 2) == 0:
+        gk *= 2
+    return gk
+
+
+def int_gemv_config(m: int, n: int, k: int, bits: int, group_size: int, sms: int) -> dict[str, int]:
+    """The GEMV's tile from the shape alone (graph-safe; a row's result never depends on its batch):
+    GEMV_STEP_BYTES of each of BLOCK_N channels per K step (four 16-byte loads per thread per step with 4 warps
+    at BLOCK_N 4), fewer channels per program where N would leave SMs idle, and K split (into fp32 partial sums
+    added by a second kernel) only where even one channel a program leaves fewer programs than SMs."""
+    block_k = GEMV_STEP_BYTES * 8 // bits
+    while block_k > 64 and block_k >= 2 * k:  # small models: no step mostly past the end of K
+        block_k //= 2
+    block_n = 4 if m == 1 else 2
+    while block_n > 1 and triton.cdiv(n, block_n) < 2 * sms:
+        block_n //= 2
+    split_k = 1
+    if triton.cdiv(n, block_n) < sms:
+        split_k = split_k_until(n, block_n, triton.cdiv(k, block_k), 2 * sms, max_split=8)
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 1}
+
+
+def int_gemm_config(m: int, n: int, k: int, bits: int, group_size: int, sms: int) -> dict[str, int]:
+    """The tile GEMM's tile from the shape alone. Up to 16 rows: swap AB (64 weight channels fill the MMA's
+    height, the rows its N), K split until ~2 programs per SM (the weight stream is the cost); up to 64 rows:
+    64 x 128 tiles; above, 128 x 128 tiles of 8 warps (the prefill shape, tensor-core bound)."""
+    if m <= 16:
+        split_k = split_k_until(n, 64, triton.cdiv(k, 128), 2 * sms, max_split=8)
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split_k, "SWAP_AB": True,
+                "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
+    if m <= 64:
+        split_k = split_k_until(n, 128, triton.cdiv(k, 64), 2 * sms, max_split=4)
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": split_k, "SWAP_AB": False,
+                "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "SWAP_AB": False, "GROUP_M": 8,
+            "num_warps": 8, "num_stages": 3}
+
+
+def int_weight_matmul_triton(
+    x: torch.Tensor,  # [M, K] bf16/fp16 (fp32 in the interpreter)
+    qweight: torch.Tensor,  # uint8 [N, K // 2] (4 bits) or [N, K] (8 bits), the tandem int-N layout
+    scales: torch.Tensor,  # [N, K // group_size] in x's dtype
+    zeros: torch.Tensor,  # [N, K // group_size] in x's dtype
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,  # [N]
+    gemv: bool | None = None,  # the GEMV (True) or the tile GEMM (False); None: by M (use_int_gemv)
+    config: dict[str, int] | None = None,  # overrides the config's entries (benchmarks, tests)
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """x W^T + b with W = (q - zero) * scale dequantized inside the kernel: the GEMV for a few rows, the
+    tile GEMM otherwise. No host sync, grid and workspace from the shape alone: captures in CUDA graphs."""
+    n, k = check_int_weight(qweight, scales, zeros, bits, group_size)
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}] for this weight, got {tuple(x.shape)}")
+    per_word = WORD_BITS // bits
+    if k % per_word or group_size % per_word:
+        raise ValueError(f"{bits}-bit kernels need K and group_size multiples of {per_word}, got K {k} and "
+                         f"group_size {group_size}")
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    words = qweight.contiguous().view(torch.int32)  # [N, K // per_word]
+    scales, zeros = scales.contiguous(), zeros.contiguous()
+    sms = device_sms(x.device)
+    use_gemv = use_int_gemv(m) if gemv is None else gemv
+    make = int_gemv_config if use_gemv else int_gemm_config
+    cfg = {**make(m, n, k, bits, group_size, sms), **(config or {})}
+    block_k = cfg.pop("BLOCK_K")
+    gk = part_elements(block_k, group_size, bits)
+    tg = block_k // gk
+    split_k = cfg.pop("SPLIT_K")
+    k_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
+    split_k = triton.cdiv(k, k_split)  # whole steps per split can leave fewer splits
+    ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    pdl = use_pdl(x.device)
+    args = (x, words, scales, zeros, bias if bias is not None else scales, out, ws,
+            m, n, k, k_split, group_size, x.stride(0), words.stride(0), scales.stride(0), out.stride(0))
+    common = dict(BITS=bits, HAS_BIAS=bias is not None, SPLIT_K=split_k, TG=tg, GW=gk // per_word, USE_PDL=pdl,
+                  launch_pdl=bool(pdl))
+    if use_gemv:
+        block_m = triton.next_power_of_2(m)
+        block_n = cfg.pop("BLOCK_N")
+        _int_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
+            *args, MASK_M=m != block_m, BLOCK_M=block_m, BLOCK_N=block_n, **common, **cfg)
+    else:
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split_k)
+        _int_gemm_kernel[grid](*args, **common, **cfg)
+    if split_k > 1:
+        reduce_partial_sums_triton(PartialSums(ws, None, bias, out.dtype), out)
+    return out
+
+
+INT_GEMV_MAX_ROWS = 4  # rows up to which the CUDA-core GEMV runs; above, the tile GEMM (tensor cores)
+
+
+def use_int_gemv(m: int) -> bool:
+    """Whether m rows run the GEMV: per element it spends one FMA per row beside the dequantization, so past a
+    few rows the tensor-core GEMM, which dequantizes once for all rows, is faster."""
+    return m <= INT_GEMV_MAX_ROWS
