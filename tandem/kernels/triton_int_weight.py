@@ -17,21 +17,24 @@ from tandem.kernels.triton_quant import reduce_partial_sums_triton, split_k_unti
 # element i of the word in bits [bits * i, bits * (i + 1)) (little-endian bytes, low nibble first), so the
 # tandem layout needs no repack, and K must be a multiple of 8 (4 bits) or 4 (8 bits).
 WORD_BITS = 32
+ONE_BITS = 0x3F800000  # the bits of 1.0f
 
 
 @triton.jit
-def _codes_plus_one(words, shifts, BITS: tl.constexpr):
+def _codes_plus_one(words, shifts, one_bits, BITS: tl.constexpr):
     # int32 words [..., 1] and shifts [..., PER_WORD] (bits * element index) -> fp32 1 + q / 2**BITS for each
     # code q: the code is placed in the top mantissa bits of 1.0 (one shift and one and-or per element, no
-    # int -> float conversion, which issues at a quarter of the FMA rate), exactly.
+    # int -> float conversion, which issues at a quarter of the FMA rate), exactly. one_bits is 0x3F800000
+    # (1.0f), passed at run time so that it sits in a register and the and-or is one LOP3 (ptxas does not
+    # fuse an and and an or of two immediates).
     q = (words >> shifts) & ((1 << BITS) - 1)
-    return ((q << (23 - BITS)) | 0x3F800000).to(tl.float32, bitcast=True)
+    return ((q << (23 - BITS)) | one_bits).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _int_gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
-    M, N, K, K_SPLIT, GROUP, stride_xm, stride_wn, stride_sn, stride_om,
+    M, N, K, K_SPLIT, GROUP, ONE_BITS, stride_xm, stride_wn, stride_sn, stride_om,
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, MASK_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -70,7 +73,7 @@ def _int_gemv_kernel(
         z = tl.load(z_ptr + sz_offs, mask=n_mask & g_mask, other=0.0).to(tl.float32)
         x_mask = g_mask[:, :, :, :, None] & x_rows if MASK_M else g_mask[:, :, :, :, None]
         x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-        f = _codes_plus_one(words[:, :, :, :, None], shifts, BITS)  # [1, BLOCK_N, TG, GW, PER_WORD]
+        f = _codes_plus_one(words[:, :, :, :, None], shifts, ONE_BITS, BITS)  # [1, BLOCK_N, TG, GW, PER_WORD]
         fx = tl.sum(x * f, axis=4)  # [BLOCK_M, BLOCK_N, TG, GW]
         xs = tl.sum(x, axis=4)  # [BLOCK_M, 1, TG, GW]
         acc += (s * QSCALE) * fx - (s * (z + QSCALE)) * xs
@@ -91,7 +94,7 @@ def _int_gemv_kernel(
 @triton.jit
 def _int_gemm_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
-    M, N, K, K_SPLIT, GROUP, stride_xm, stride_wn, stride_sn, stride_om,
+    M, N, K, K_SPLIT, GROUP, ONE_BITS, stride_xm, stride_wn, stride_sn, stride_om,
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr, GROUP_M: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -138,7 +141,7 @@ def _int_gemm_kernel(
         z = tl.load(z_ptr + sz_ptrs, mask=(wn < N) & g_mask, other=0.0).to(tl.float32)
         # (f - (1 + z / 2**B)) * (s * 2**B) = (q - z) * s: f - 1 - z / 2**B is exact for integer zeros, and
         # within an fp32 rounding for any other.
-        f = _codes_plus_one(words, shifts, BITS)  # [BLOCK_N, TG, GW, PER_WORD]
+        f = _codes_plus_one(words, shifts, ONE_BITS, BITS)  # [BLOCK_N, TG, GW, PER_WORD]
         w = (f - (1.0 + z * (1.0 / (1 << BITS)))) * (s * (1 << BITS))
         w = tl.reshape(w.to(x_ptr.dtype.element_ty), [BLOCK_N, BLOCK_K])
         x = tl.load(x_ptrs, mask=m_mask[:, None] & ((k0 + offs_k) < k_end)[None, :], other=0.0)
@@ -185,9 +188,9 @@ def int_gemv_config(m: int, n: int, k: int, bits: int, group_size: int, sms: int
     block_n = 4 if m == 1 else 2
     while block_n > 1 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
-    split_k = 1
-    if triton.cdiv(n, block_n) < sms:
-        split_k = split_k_until(n, block_n, triton.cdiv(k, block_k), 2 * sms, max_split=8)
+    split_k, steps = 1, triton.cdiv(k, block_k)
+    while triton.cdiv(n, block_n) * split_k < sms and split_k < 8 and steps >= 2 * split_k:
+        split_k *= 2
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 1}
 
 
@@ -247,7 +250,7 @@ def int_weight_matmul_triton(
     ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     pdl = use_pdl(x.device)
     args = (x, words, scales, zeros, bias if bias is not None else scales, out, ws,
-            m, n, k, k_split, group_size, x.stride(0), words.stride(0), scales.stride(0), out.stride(0))
+            m, n, k, k_split, group_size, ONE_BITS, x.stride(0), words.stride(0), scales.stride(0), out.stride(0))
     common = dict(BITS=bits, HAS_BIAS=bias is not None, SPLIT_K=split_k, TG=tg, GW=gk // per_word, USE_PDL=pdl,
                   launch_pdl=bool(pdl))
     if use_gemv:

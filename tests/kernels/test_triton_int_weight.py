@@ -1,0 +1,196 @@
+"""The W4A16 / W8A16 kernels (GEMV and tile GEMM over the tandem int-N layout) against the reference
+dequantization and a matmul: in the Triton interpreter on CPU (fp32 / fp16), compiled on a GPU (bf16, CUDA
+graphs); and ops.int_weight_linear's dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels import ops
+from tandem.kernels.reference import dequantize_int_weight
+from tandem.kernels.triton_int_weight import (
+    int_gemm_config,
+    int_gemv_config,
+    int_weight_matmul_triton,
+    part_elements,
+)
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def make_weight(n: int, k: int, bits: int, group_size: int, dtype: torch.dtype, seed: int, integer_zeros: bool = True):
+    """Random codes, positive scales and zeros in the tandem layout (4 bits: two codes a byte, even k low)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
+    qweight = codes[:, 0::2] | (codes[:, 1::2] << 4) if bits == 4 else codes
+    groups = k // group_size
+    scales = (torch.rand(n, groups, generator=gen) * 0.02 + 0.005).to(dtype)
+    zeros = torch.randint(0, 2**bits, (n, groups), generator=gen).float()
+    if not integer_zeros:
+        zeros = zeros + torch.rand(n, groups, generator=gen)
+    return qweight.to(DEVICE), scales.to(DEVICE), zeros.to(dtype).to(DEVICE), codes
+
+
+def reference(x, qweight, scales, zeros, bits, group_size, bias=None):
+    w = dequantize_int_weight(qweight, scales, zeros, bits, group_size).float()
+    return F.linear(x.float(), w, None if bias is None else bias.float())
+
+
+def test_dequantize_reads_the_layout():
+    """Element k of a row: byte k // 2, low nibble for even k; (q - zero) * scale of its group."""
+    qweight, scales, zeros, codes = make_weight(3, 64, 4, 32, torch.float32, 0)
+    w = dequantize_int_weight(qweight.cpu(), scales.cpu(), zeros.cpu(), 4, 32)
+    for n, k in [(0, 0), (0, 1), (1, 33), (2, 62), (2, 63)]:
+        g = k // 32
+        expected = (codes[n, k].float() - zeros[n, g].cpu()) * scales[n, g].cpu()
+        assert w[n, k] == expected
+    assert int(qweight[1, 16]) & 0xF == int(codes[1, 32]) and int(qweight[1, 16]) >> 4 == int(codes[1, 33])
+
+
+def test_bad_weights_are_refused():
+    qweight, scales, zeros, _ = make_weight(8, 64, 4, 32, torch.float32, 1)
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        dequantize_int_weight(qweight, scales, zeros, 3, 32)
+    with pytest.raises(ValueError, match="does not divide"):
+        dequantize_int_weight(qweight, scales, zeros, 4, 48)
+    with pytest.raises(ValueError, match="scales and zeros must be"):
+        dequantize_int_weight(qweight, scales[:, :1], zeros, 4, 32)
+    with pytest.raises(ValueError, match="uint8"):
+        dequantize_int_weight(qweight.to(torch.int32), scales, zeros, 4, 32)
+    with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
+        int_weight_matmul_triton(torch.randn(2, 32, device=DEVICE), qweight, scales, zeros, 4, 32)
+    odd = torch.zeros(8, 6, dtype=torch.uint8, device=DEVICE)  # K = 12: not whole int32 words
+    s = torch.ones(8, 1, device=DEVICE)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        int_weight_matmul_triton(torch.randn(1, 12, device=DEVICE), odd, s, s, 4, 12)
+
+
+# Interpreter cases stay small: N 48 (masked channel tiles), K 256, every group size the formats use.
+GROUPS = [32, 64, 128, None]  # None: one group per row (per-channel)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", GROUPS, ids=lambda g: f"g{g or 'K'}")
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+def test_matches_reference(bits, group, m):
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    n, k = 48, 256
+    group_size = group or k
+    qweight, scales, zeros, _ = make_weight(n, k, bits, group_size, dtype, seed=bits * 1000 + group_size + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+    bias = torch.randn(n).to(DEVICE, dtype) if m == 3 else None
+    ref = reference(x, qweight, scales, zeros, bits, group_size, bias)
+    # The GEMV at its largest rows with several channels a program (interpreter time), and the default path.
+    gemv = None if m > 4 else {"BLOCK_N": 16, "BLOCK_K": 128}
+    out = int_weight_matmul_triton(x, qweight, scales, zeros, bits, group_size, bias, config=gemv)
+    assert out.shape == (m, n) and out.dtype == dtype
+    # bf16 on a GPU: the output's rounding (2**-8 relative) over sums of ~|ref|; fp32 in the interpreter: the
+    # kernels' sums in another order than the reference's.
+    tol = dict(atol=2e-2, rtol=1e-2) if CUDA else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.float(), ref, **tol)
+
+
+@pytest.mark.parametrize("gemv", [True, False], ids=["gemv", "gemm"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_split_k_and_masked_tails(gemv, bits):
+    """K split over programs (partial sums added by the reduce kernel, bias there), a K step that runs past the
+    end of K (K 320 = 5 groups of 64 under 128-wide steps) and fp16 activations with non-integer zeros."""
+    n, k, group_size = 24, 320, 64
+    qweight, scales, zeros, _ = make_weight(n, k, bits, group_size, torch.float16, seed=7, integer_zeros=False)
+    x = torch.randn(2 if gemv else 5, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.float16)
+    bias = torch.randn(n).to(DEVICE, torch.float16)
+    ref = reference(x, qweight, scales, zeros, bits, group_size, bias)
+    cfg = {"BLOCK_N": 8, "BLOCK_K": 128, "SPLIT_K": 2} if gemv else {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128,
+                                                                     "SPLIT_K": 2}
+    out = int_weight_matmul_triton(x, qweight, scales, zeros, bits, group_size, bias, gemv=gemv, config=cfg)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)  # fp16 output rounding
+
+
+def test_part_elements_never_straddle_a_group():
+    assert part_elements(2048, 128, 4) == 128
+    assert part_elements(2048, 4096, 4) == 2048
+    assert part_elements(2048, 14336, 4) == 2048  # per-channel down_proj: 14336 = 7 * 2048
+    assert part_elements(128, 320, 4) == 64
+    assert part_elements(1024, 32, 8) == 32
+    assert part_elements(64, 12, 8) == 4  # one word: 12 = 3 words of 8-bit codes
+
+
+def test_configs_fill_the_gpu_from_the_shape():
+    """Shape-only tiles (graph-safe): every Llama-3-8B projection at one row gives at least two programs per SM
+    without splitting K; a narrow N splits K instead; more rows take the tensor-core GEMM's tiles."""
+    sms = 132
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
+        cfg = int_gemv_config(1, n, k, 4, 128, sms)
+        assert cfg["SPLIT_K"] == 1 and -(-n // cfg["BLOCK_N"]) >= 2 * sms
+        assert int_gemm_config(4096, n, k, 4, 128, sms)["BLOCK_M"] == 128
+        assert int_gemm_config(16, n, k, 4, 128, sms)["SWAP_AB"]
+    narrow = int_gemv_config(1, 64, 8192, 4, 128, sms)  # 4 K steps of 2048
+    assert narrow["BLOCK_N"] == 1 and narrow["SPLIT_K"] > 1
+
+
+def test_ops_dispatch(monkeypatch):
+    """int_weight_linear: the reference on CPU; the Triton kernels where Triton runs (the interpreter under
+    TANDEM_FORCE_TRITON=1), the GEMV up to INT_GEMV_MAX_ROWS rows and the GEMM above; leading dims kept."""
+    import tandem.kernels.triton_int_weight as module
+
+    qweight, scales, zeros, _ = make_weight(16, 64, 4, 32, torch.float32, 5)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ref = reference(x.view(-1, 64), qweight, scales, zeros, 4, 32).view(2, 3, 16)
+    calls = []
+    real = module.int_weight_matmul_triton
+    monkeypatch.setattr(module, "int_weight_matmul_triton", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    if not CUDA:
+        monkeypatch.delenv("TANDEM_FORCE_TRITON", raising=False)
+        torch.testing.assert_close(ops.int_weight_linear(x, qweight, scales, zeros, 4, 32), ref)
+        assert calls == []
+        monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
+    out = ops.int_weight_linear(x, qweight, scales, zeros, 4, 32)
+    assert calls == [6] and out.shape == (2, 3, 16)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2 if CUDA else 1e-4, rtol=1e-2 if CUDA else 1e-4)
+    assert module.use_int_gemv(1) and module.use_int_gemv(module.INT_GEMV_MAX_ROWS)
+    assert not module.use_int_gemv(module.INT_GEMV_MAX_ROWS + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 300])
+def test_gpu_llama_shapes_in_bf16(bits, m):
+    """bf16 on the GPU, an 8B-sized projection (K 4096, group 128): close to the fp32 reference product of the
+    dequantized weight. The kernels multiply bf16-rounded weights (GEMM) or exact codes (GEMV) with fp32
+    sums; the bound is bf16's output rounding plus the GEMM's bf16 weight rounding summed over K (2**-9
+    relative per weight, random signs: ~2**-9 * sqrt(K) * |w| |x| ~ 1e-3 of the outputs' scale here)."""
+    n, k, group_size = 1536, 4096, 128
+    qweight, scales, zeros, _ = make_weight(n, k, bits, group_size, torch.bfloat16, seed=m)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    ref = reference(x, qweight, scales, zeros, bits, group_size)
+    out = ops.int_weight_linear(x, qweight, scales, zeros, bits, group_size)
+    torch.testing.assert_close(out.float(), ref, atol=0.02 * ref.abs().max().item(), rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+def test_gpu_graph_replay_equals_eager(m):
+    """Captured in a CUDA graph (split-K workspace and all), replay gives eager's bits, and again after x
+    changes in place."""
+    n, k, group_size = 1024, 4096, 128
+    qweight, scales, zeros, _ = make_weight(n, k, 4, group_size, torch.bfloat16, seed=11)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    run = lambda: ops.int_weight_linear(x, qweight, scales, zeros, 4, group_size)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run())
+        x.copy_(torch.randn_like(x))
