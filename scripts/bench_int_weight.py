@@ -71,8 +71,8 @@ def gemm_grid(m: int) -> list[dict]:
     if m <= 16:
         return [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_stages": st, "num_warps": 4}
                 for bn, bk, sk, st in itertools.product((64, 128), (128, 256), (1, 2, 4), (2, 3))]
-    return [{"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": bk, "num_stages": st, "num_warps": w, "SPLIT_K": 1}
-            for bn, bk, st, w in itertools.product((128, 256), (32, 64), (3, 4), (4, 8))]
+    return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_stages": st, "num_warps": 8, "SPLIT_K": 1}
+            for bm, bn, bk, st in itertools.product((128, 256), (128, 256), (32, 64), (3, 4))]
 
 
 def sweep(x, weights, bits: int, group: int, gemv: bool, grid: list[dict], frac) -> list[dict]:

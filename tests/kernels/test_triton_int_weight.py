@@ -125,7 +125,7 @@ def test_configs_fill_the_gpu_from_the_shape():
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
         cfg = int_gemv_config(1, n, k, 4, 128, sms)
         assert cfg["SPLIT_K"] == 1 and -(-n // cfg["BLOCK_N"]) >= 2 * sms
-        assert int_gemm_config(4096, n, k, 4, 128, sms)["BLOCK_M"] == 128
+        assert int_gemm_config(4096, n, k, 4, 128, sms)["BLOCK_M"] == 256
         assert int_gemm_config(16, n, k, 4, 128, sms)["SWAP_AB"]
     narrow = int_gemv_config(1, 64, 8192, 4, 128, sms)  # 4 K steps of 2048
     assert narrow["BLOCK_N"] == 1 and narrow["SPLIT_K"] > 1
