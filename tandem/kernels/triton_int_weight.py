@@ -91,56 +91,76 @@ def _int_gemv_kernel(
         tl.store(ws_ptr + (pid_k * M + rows).to(tl.int64) * N + cols, y, mask=mask)
 
 
-# Two weights per and-or on the GPU (4 bits, the tile GEMM): each pair of bytes is spread over the two
-# halves of a 32-bit register (prmt), a low or a high nibble per half is or-ed into the exponent bits of
-# MAGIC (128 in bf16, 1024 in fp16: the halves become MAGIC + q exactly), MAGIC is subtracted (exact), and
-# q * s + m (m = -z * s) is one packed FMA rounded once to x's dtype. Inputs: 4 bytes ($4), s ($5, $6) and m
-# ($7, $8) as pairs of the 16-bit type; outputs: the 4 low-nibble weights ($0, $1) and the 4 high ($2, $3).
-_NIBBLES_ASM = """{
-.reg .b32 t0, t1, u0, u1, zero, mask, magic;
-mov.b32 zero, 0;
+# Two weights per and-or on the GPU (4 bits, the tile GEMM): a word's codes e and e + 4 sit in bits 4e and
+# 4e + 16, the low bits of its two halves once shifted right by 4e; or-ed into the exponent bits of MAGIC (128
+# in bf16, 1024 in fp16) the halves become MAGIC + q exactly; MAGIC is subtracted (exact), and q * s + m
+# (m = -z * s) is one packed FMA rounded once to x's dtype. Inputs: the word ($8), s ($9) and m ($10) in the
+# 16-bit type; outputs: the word's 8 weights ($0 .. $7, element e in $e).
+_WORD_ASM = """{
+.reg .b32 t0, t1, t2, t3, sp, mp, mask, magic;
 mov.b32 mask, 0x000F000F;
 mov.b32 magic, MAGIC;
-prmt.b32 t0, $4, zero, 0x4140;
-prmt.b32 t1, $4, zero, 0x4342;
-shr.u32 u0, t0, 4;
-shr.u32 u1, t1, 4;
-lop3.b32 t0, t0, mask, magic, 0xea;
+mov.b32 sp, {$9, $9};
+mov.b32 mp, {$10, $10};
+shr.u32 t1, $8, 4;
+shr.u32 t2, $8, 8;
+shr.u32 t3, $8, 12;
+lop3.b32 t0, $8, mask, magic, 0xea;
 lop3.b32 t1, t1, mask, magic, 0xea;
-lop3.b32 u0, u0, mask, magic, 0xea;
-lop3.b32 u1, u1, mask, magic, 0xea;
+lop3.b32 t2, t2, mask, magic, 0xea;
+lop3.b32 t3, t3, mask, magic, 0xea;
 sub.rn.TY t0, t0, magic;
 sub.rn.TY t1, t1, magic;
-sub.rn.TY u0, u0, magic;
-sub.rn.TY u1, u1, magic;
-fma.rn.TY $0, t0, $5, $7;
-fma.rn.TY $1, t1, $6, $8;
-fma.rn.TY $2, u0, $5, $7;
-fma.rn.TY $3, u1, $6, $8;
+sub.rn.TY t2, t2, magic;
+sub.rn.TY t3, t3, magic;
+fma.rn.TY t0, t0, sp, mp;
+fma.rn.TY t1, t1, sp, mp;
+fma.rn.TY t2, t2, sp, mp;
+fma.rn.TY t3, t3, sp, mp;
+mov.b32 {$0, $4}, t0;
+mov.b32 {$1, $5}, t1;
+mov.b32 {$2, $6}, t2;
+mov.b32 {$3, $7}, t3;
 }"""
-NIBBLES_ASM_BF16 = tl.constexpr(_NIBBLES_ASM.replace("MAGIC", "0x43004300").replace("TY", "bf16x2"))
-NIBBLES_ASM_F16 = tl.constexpr(_NIBBLES_ASM.replace("MAGIC", "0x64006400").replace("TY", "f16x2"))
+WORD_ASM_BF16 = tl.constexpr(_WORD_ASM.replace("MAGIC", "0x43004300").replace("TY", "bf16x2"))
+WORD_ASM_F16 = tl.constexpr(_WORD_ASM.replace("MAGIC", "0x64006400").replace("TY", "f16x2"))
+WORD_ASM_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,h,h")
 
 
 @triton.jit
-def _nibble_weights(b, s, z, out_ty: tl.constexpr, PACKED: tl.constexpr):
-    # uint8 codes b [..., GB] and fp32 s, z [..., 1] -> (low-nibble, high-nibble) weights (q - z) * s in
-    # out_ty, each [..., GB]: the even and the odd elements of the tile. PACKED (GPU, 16-bit x): the inline
-    # assembly above, q * s + (-z * s) in one packed FMA; otherwise fp32 math rounded once (interpreter).
+def _code_weight(words, e: tl.constexpr, s, z, out_ty: tl.constexpr):
+    # Element e of each 4-bit word, (q - z) * s in fp32 rounded once to out_ty.
+    return ((((words >> (4 * e)) & 0xF).to(tl.float32) - z) * s).to(out_ty)
+
+
+@triton.jit
+def _word_weights(words, s, z, out_ty: tl.constexpr, PACKED: tl.constexpr):
+    # int32 words [..., GW] of 4-bit codes, fp32 s and z [..., 1] -> weights [..., GW * 8] in out_ty, element
+    # order kept. PACKED (GPU, 16-bit x): the inline assembly above; otherwise fp32 math (interpreter).
     if PACKED:
         m = (-(z * s)).to(out_ty)
-        sb = tl.broadcast_to(s.to(out_ty), b.shape)
-        mb = tl.broadcast_to(m, b.shape)
         if out_ty == tl.float16:
-            lo, hi = tl.inline_asm_elementwise(asm=NIBBLES_ASM_F16, constraints="=r,=r,=r,=r,r,r,r,r,r",
-                                               args=[b, sb, mb], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+                asm=WORD_ASM_F16, constraints=WORD_ASM_CONSTRAINTS, args=[words, s.to(out_ty), m],
+                dtype=(tl.float16,) * 8, is_pure=True, pack=1)
         else:
-            lo, hi = tl.inline_asm_elementwise(asm=NIBBLES_ASM_BF16, constraints="=r,=r,=r,=r,r,r,r,r,r",
-                                               args=[b, sb, mb], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+                asm=WORD_ASM_BF16, constraints=WORD_ASM_CONSTRAINTS, args=[words, s.to(out_ty), m],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     else:
-        lo = (((b & 0xF).to(tl.float32) - z) * s).to(out_ty)
-        hi = (((b >> 4).to(tl.float32) - z) * s).to(out_ty)
-    return lo, hi
+        w0 = _code_weight(words, 0, s, z, out_ty)
+        w1 = _code_weight(words, 1, s, z, out_ty)
+        w2 = _code_weight(words, 2, s, z, out_ty)
+        w3 = _code_weight(words, 3, s, z, out_ty)
+        w4 = _code_weight(words, 4, s, z, out_ty)
+        w5 = _code_weight(words, 5, s, z, out_ty)
+        w6 = _code_weight(words, 6, s, z, out_ty)
+        w7 = _code_weight(words, 7, s, z, out_ty)
+    # join adds a last axis: [..., a, b, c] holds element 4a + 2b + c.
+    even = tl.join(tl.join(w0, w4), tl.join(w2, w6))
+    odd = tl.join(tl.join(w1, w5), tl.join(w3, w7))
+    w = tl.join(even, odd)  # [..., GW, 2, 2, 2]
+    return w
 
 
 @triton.jit
@@ -153,16 +173,14 @@ def _int_gemm_kernel(
 ):
     # Program = a BLOCK_M x BLOCK_N output tile over K range [pid_k * K_SPLIT, +K_SPLIT), in K steps of TG
     # group parts of GK elements (as in _int_gemv_kernel). Each step dequantizes its weight tile into x's
-    # dtype ((q - z) * s, rounded once) and multiplies on the tensor cores with fp32 accumulation. 4 bits:
-    # w_ptr is the uint8 codes; the low nibbles (even k) and the high (odd k) make two tiles of BLOCK_K / 2,
-    # multiplied with x's even and odd columns. 8 bits: w_ptr is the int32 words, one tile. Tiles are visited
+    # dtype ((q - z) * s, rounded once; 4 bits on the GPU: _WORD_ASM) and multiplies on the tensor cores with
+    # fp32 accumulation. Tiles are visited
     # GROUP_M row tiles at a time so that a weight column block is read from HBM once per GROUP_M row tiles
     # (L2 reuse). SWAP_AB (few rows): the weight tile is the MMA's A operand (BLOCK_N fills its 64-row height)
     # and the rows its narrow N.
     PER_WORD: tl.constexpr = 32 // BITS
     GK: tl.constexpr = GW * PER_WORD
     BLOCK_K: tl.constexpr = TG * GK
-    HALF: tl.constexpr = BLOCK_K // 2
     out_ty: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -182,16 +200,11 @@ def _int_gemm_kernel(
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    if BITS == 4:
-        offs_k = 2 * tl.arange(0, HALF)  # the even columns; the odd ones are one further
-        w_ptrs = (w_ptr + wn.to(tl.int64) * stride_wn
-                  + ((k_begin + wg * GK) // 2 + tl.arange(0, GK // 2)[None, None, :]))  # [BLOCK_N, TG, GK / 2]
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = (w_ptr + wn[:, :, :, None].to(tl.int64) * stride_wn
-                  + ((k_begin + wg[:, :, :, None] * GK) // PER_WORD + tl.arange(0, GW)[None, None, :, None]))
-        shifts = tl.arange(0, PER_WORD)[None, None, None, :] * BITS
-    x_ptrs = x_rows + (k_begin + offs_k)[None, :]  # [BLOCK_M, BLOCK_K] (4 bits: [BLOCK_M, BLOCK_K / 2], even k)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = (w_ptr + wn[:, :, :, None].to(tl.int64) * stride_wn
+              + ((k_begin + wg[:, :, :, None] * GK) // PER_WORD + tl.arange(0, GW)[None, None, :, None]))
+    shifts = tl.arange(0, PER_WORD)[None, None, None, :] * BITS
+    x_ptrs = x_rows + (k_begin + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
     pdl_wait(USE_PDL)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -202,28 +215,21 @@ def _int_gemm_kernel(
         z = tl.load(z_ptr + sz_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         x_mask = m_mask[:, None] & ((k0 + offs_k) < k_end)[None, :]
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        words = tl.load(w_ptrs, mask=w_mask[:, :, :, None], other=0)  # [BLOCK_N, TG, GW, 1]
         if BITS == 4:
-            lo, hi = _nibble_weights(tl.load(w_ptrs, mask=w_mask, other=0), s, z, out_ty, PACKED)
-            lo = tl.reshape(lo, [BLOCK_N, HALF])
-            hi = tl.reshape(hi, [BLOCK_N, HALF])
-            x_odd = tl.load(x_ptrs + 1, mask=x_mask, other=0.0)
-            if SWAP_AB:
-                acc = tl.dot(hi, tl.trans(x_odd), tl.dot(lo, tl.trans(x), acc))
-            else:
-                acc = tl.dot(x_odd, tl.trans(hi), tl.dot(x, tl.trans(lo), acc))
-            w_ptrs += HALF
+            w = tl.reshape(_word_weights(tl.reshape(words, [BLOCK_N, TG, GW]), s, z, out_ty, PACKED),
+                           [BLOCK_N, BLOCK_K])
         else:
-            words = tl.load(w_ptrs, mask=w_mask[:, :, :, None], other=0)
             # (f - (1 + z / 2**B)) * (s * 2**B) = (q - z) * s: f - 1 - z / 2**B is exact for integer zeros,
             # and within an fp32 rounding for any other.
             f = _codes_plus_one(words, shifts, ONE_BITS, BITS)  # [BLOCK_N, TG, GW, PER_WORD]
             zf = 1.0 + z[:, :, :, None] * (1.0 / (1 << BITS))
             w = tl.reshape(((f - zf) * (s[:, :, :, None] * (1 << BITS))).to(out_ty), [BLOCK_N, BLOCK_K])
-            if SWAP_AB:
-                acc = tl.dot(w, tl.trans(x), acc)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
-            w_ptrs += BLOCK_K // PER_WORD
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        w_ptrs += BLOCK_K // PER_WORD
         x_ptrs += BLOCK_K
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -326,8 +332,7 @@ def int_weight_matmul_triton(
     split_k = triton.cdiv(k, k_split)  # whole steps per split can leave fewer splits
     ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     pdl = use_pdl(x.device)
-    # The GEMM reads 4-bit codes as bytes (a tile of low nibbles and one of high nibbles); else int32 words.
-    w = qweight.contiguous() if bits == 4 and not use_gemv else words
+    w = words
     args = (x, w, scales, zeros, bias if bias is not None else scales, out, ws,
             m, n, k, k_split, group_size, ONE_BITS, x.stride(0), w.stride(0), scales.stride(0), out.stride(0))
     common = dict(BITS=bits, HAS_BIAS=bias is not None, SPLIT_K=split_k, TG=tg, GW=gk // per_word, USE_PDL=pdl,
