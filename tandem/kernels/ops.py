@@ -16,6 +16,7 @@ from tandem.kernels.fp8 import (
     fp8_quantizes_activations,
     group_block_k,
 )
+from tandem.kernels.int_weight import IntWeight, repack_int_weight
 from tandem.kernels.moe_align import fused_moe_ref, route_topk
 from tandem.kernels.reference import dequantize_int_weight, paged_attention_ref, write_kv_ref
 
@@ -255,17 +256,19 @@ def int_weight_linear(
     bits: int,
     group_size: int,
     bias: torch.Tensor | None = None,  # [N]
+    packed: IntWeight | None = None,  # the same weight as repack_int_weight made it (once, at load)
 ) -> torch.Tensor:  # [..., N] in x's dtype
-    """x W^T + b for a 4- or 8-bit weight (W = (q - zero) * scale per group): on CUDA the Triton kernels of
-    kernels/triton_int_weight.py (the GEMV up to a few rows, the tile GEMM above), dequantized inside them;
-    elsewhere the reference dequantization and a matmul."""
+    """x W^T + b for a 4- or 8-bit weight (W = (q - zero) * scale per group): where Triton runs, the kernels of
+    kernels/triton_int_weight.py (the GEMV up to a few rows, the tile GEMM above) on `packed` (repacked here,
+    a pass over the weight, when not given); elsewhere the reference dequantization and a matmul."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if use_triton(x2):
         from tandem.kernels.triton_int_weight import int_weight_matmul_triton  # lazy: CPU runs never import Triton
 
-        out = int_weight_matmul_triton(x2, qweight, scales, zeros, bits, group_size, bias)
+        weight = packed if packed is not None else repack_int_weight(qweight, scales, zeros, bits, group_size)
+        out = int_weight_matmul_triton(x2, weight, bias)
     else:
-        weight = dequantize_int_weight(qweight, scales, zeros, bits, group_size).to(x.dtype)
-        out = torch.nn.functional.linear(x2, weight, bias)
+        dense = dequantize_int_weight(qweight, scales, zeros, bits, group_size).to(x.dtype)
+        out = torch.nn.functional.linear(x2, dense, bias)
     return out.view(*lead, out.shape[-1])

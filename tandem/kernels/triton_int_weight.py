@@ -1,5 +1,5 @@
-"""W4A16 / W8A16 Triton kernels over the tandem int-N weight layout: a weight-streaming GEMV for a few decode rows
-(dequantized in registers, CUDA cores) and a tile GEMM that dequantizes weight tiles into the activation dtype
+"""W4A16 / W8A16 Triton kernels over IntWeight (kernels/int_weight.py): a weight-streaming GEMV for a few decode
+rows (dequantized in registers, CUDA cores) and a tile GEMM that dequantizes weight tiles into the activation dtype
 for the tensor cores (more rows, prefill)."""
 
 from __future__ import annotations
@@ -9,20 +9,16 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.fp8 import PartialSums
-from tandem.kernels.reference import check_int_weight
+from tandem.kernels.int_weight import WORD_BITS, IntWeight
 from tandem.kernels.triton_launch import device_sms, pdl_wait, use_pdl
 from tandem.kernels.triton_quant import reduce_partial_sums_triton, split_k_until
 
-# The kernels read qweight through an int32 view: a word holds 32 // bits consecutive elements of a row,
-# element i of the word in bits [bits * i, bits * (i + 1)) (little-endian bytes, low nibble first), so the
-# tandem layout needs no repack, and K must be a multiple of 8 (4 bits) or 4 (8 bits).
-WORD_BITS = 32
 ONE_BITS = 0x3F800000  # the bits of 1.0f
 
 
 @triton.jit
 def _codes_plus_one(words, shifts, one_bits, BITS: tl.constexpr):
-    # int32 words [..., 1] and shifts [..., PER_WORD] (bits * element index) -> fp32 1 + q / 2**BITS for each
+    # int32 words [..., 1] and shifts [..., PER_WORD] (where each element's code sits) -> fp32 1 + q / 2**BITS for each
     # code q: the code is placed in the top mantissa bits of 1.0 (one shift and one and-or per element, no
     # int -> float conversion, which issues at a quarter of the FMA rate), exactly. one_bits is 0x3F800000
     # (1.0f), passed at run time so that it sits in a register and the and-or is one LOP3 (ptxas does not
@@ -32,18 +28,29 @@ def _codes_plus_one(words, shifts, one_bits, BITS: tl.constexpr):
 
 
 @triton.jit
+def _code_slots(e, BITS: tl.constexpr):
+    # Where element e of a word keeps its code (in units of BITS): 4 bits, nibble e // 2 + 4 (e % 2)
+    # (int_weight.NIBBLE_ORDER); 8 bits, byte e.
+    if BITS == 4:
+        slot = e // 2 + 4 * (e % 2)
+    else:
+        slot = e
+    return slot
+
+
+@triton.jit
 def _int_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
-    M, N, K, K_SPLIT, GROUP, ONE_BITS, stride_xm, stride_wn, stride_sn, stride_om,
-    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, MASK_M: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr,
+    M, N, K, K_SPLIT, GROUP: tl.constexpr, ONE_BITS, stride_xm, stride_wn, stride_sn, stride_om,
+    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, MASK_M: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program = BLOCK_N output channels for all M (<= BLOCK_M) rows over K range [pid_k * K_SPLIT, +K_SPLIT).
     # A K step is TG group parts of GW words (GK = GW * PER_WORD elements, one group or a part of one), so a
-    # step reads one scale and zero per (channel, part). With f = 1 + q / 2**B (_codes_plus_one) a part's sum
-    # is sum_k x_k (q_k - z) s = s (2**B F - (2**B + z) X), F = sum_k x_k f_k and X = sum_k x_k: per element
+    # step reads one scale and min per (channel, part). With f = 1 + q / 2**B (_codes_plus_one) a part's sum
+    # is sum_k x_k (q_k s + mn) = 2**B s F - (2**B s - mn) X, F = sum_k x_k f_k and X = sum_k x_k: per element
     # one shift, one and-or and one FMA, no scale. Sums stay per word ([M, N, TG, GW]) until after the loop,
-    # so no cross-thread reduction runs inside it.
+    # so no cross-thread reduction runs inside it. EVEN: N and K fill whole tiles, so only x's rows are masked.
     PER_WORD: tl.constexpr = 32 // BITS
     GK: tl.constexpr = GW * PER_WORD
     QSCALE: tl.constexpr = 1 << BITS
@@ -61,22 +68,32 @@ def _int_gemv_kernel(
     x_ptrs = (x_ptr + (offs_m.to(tl.int64) * stride_xm + (part + offs_w * PER_WORD))[:, :, :, :, None]
               + offs_e)  # [BLOCK_M, 1, TG, GW, PER_WORD]
     x_rows = (offs_m < M)[:, :, :, :, None]
-    shifts = offs_e * BITS
+    s_rows = s_ptr + offs_n.to(tl.int64) * stride_sn  # [1, BLOCK_N, 1, 1]
+    mn_rows = mn_ptr + offs_n.to(tl.int64) * stride_sn
+    shifts = _code_slots(offs_e, BITS) * BITS
     acc = tl.zeros([BLOCK_M, BLOCK_N, TG, GW], dtype=tl.float32)
     pdl_wait(USE_PDL)
     for k0 in range(k_begin, k_end, TG * GK):
         start = k0 + offs_g * GK  # [1, 1, TG, 1]
-        g_mask = start < k_end  # whole group parts: K, K_SPLIT and the groups are multiples of GK
-        sz_offs = offs_n.to(tl.int64) * stride_sn + start // GROUP  # [1, BLOCK_N, TG, 1]
-        words = tl.load(w_ptrs, mask=n_mask & g_mask, other=0)
-        s = tl.load(s_ptr + sz_offs, mask=n_mask & g_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + sz_offs, mask=n_mask & g_mask, other=0.0).to(tl.float32)
-        x_mask = g_mask[:, :, :, :, None] & x_rows if MASK_M else g_mask[:, :, :, :, None]
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+        group = start // GROUP
+        if EVEN:
+            words = tl.load(w_ptrs)
+            s = tl.load(s_rows + group).to(tl.float32)
+            mn = tl.load(mn_rows + group).to(tl.float32)
+            if MASK_M:
+                x = tl.load(x_ptrs, mask=x_rows, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(x_ptrs).to(tl.float32)
+        else:
+            g_mask = start < k_end  # whole group parts: K, K_SPLIT and the groups are multiples of GK
+            words = tl.load(w_ptrs, mask=n_mask & g_mask, other=0)
+            s = tl.load(s_rows + group, mask=n_mask & g_mask, other=0.0).to(tl.float32)
+            mn = tl.load(mn_rows + group, mask=n_mask & g_mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs, mask=g_mask[:, :, :, :, None] & x_rows, other=0.0).to(tl.float32)
         f = _codes_plus_one(words[:, :, :, :, None], shifts, ONE_BITS, BITS)  # [1, BLOCK_N, TG, GW, PER_WORD]
         fx = tl.sum(x * f, axis=4)  # [BLOCK_M, BLOCK_N, TG, GW]
         xs = tl.sum(x, axis=4)  # [BLOCK_M, 1, TG, GW]
-        acc += (s * QSCALE) * fx - (s * (z + QSCALE)) * xs
+        acc += (s * QSCALE) * fx - (s * QSCALE - mn) * xs
         w_ptrs += TG * GK // PER_WORD
         x_ptrs += TG * GK
     y = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BLOCK_M, BLOCK_N]
@@ -91,11 +108,12 @@ def _int_gemv_kernel(
         tl.store(ws_ptr + (pid_k * M + rows).to(tl.int64) * N + cols, y, mask=mask)
 
 
-# Two weights per and-or on the GPU (4 bits, the tile GEMM): a word's codes e and e + 4 sit in bits 4e and
-# 4e + 16, the low bits of its two halves once shifted right by 4e; or-ed into the exponent bits of MAGIC (128
-# in bf16, 1024 in fp16) the halves become MAGIC + q exactly; MAGIC is subtracted (exact), and q * s + m
-# (m = -z * s) is one packed FMA rounded once to x's dtype. Inputs: the word ($8), s ($9) and m ($10) in the
-# 16-bit type; outputs: the word's 8 weights ($0 .. $7, element e in $e).
+# Two weights per and-or on the GPU (4 bits, the tile GEMM): the codes of a word's elements 2i and 2i + 1 sit in
+# bits 4i and 4i + 16 (int_weight.NIBBLE_ORDER), the low bits of its two halves once shifted right by 4i;
+# or-ed into the exponent bits of MAGIC (128 in bf16, 1024 in fp16) the halves become MAGIC + q exactly;
+# MAGIC is subtracted (exact), and q * s + mn is one packed FMA rounded once to x's dtype. Inputs: the word
+# ($8), s ($9) and mn ($10) in the 16-bit type; outputs: the word's 8 weights in element order ($0 .. $7),
+# each pair already in one register as the tensor cores read it.
 _WORD_ASM = """{
 .reg .b32 t0, t1, t2, t3, sp, mp, mask, magic;
 mov.b32 mask, 0x000F000F;
@@ -117,10 +135,10 @@ fma.rn.TY t0, t0, sp, mp;
 fma.rn.TY t1, t1, sp, mp;
 fma.rn.TY t2, t2, sp, mp;
 fma.rn.TY t3, t3, sp, mp;
-mov.b32 {$0, $4}, t0;
-mov.b32 {$1, $5}, t1;
-mov.b32 {$2, $6}, t2;
-mov.b32 {$3, $7}, t3;
+mov.b32 {$0, $1}, t0;
+mov.b32 {$2, $3}, t1;
+mov.b32 {$4, $5}, t2;
+mov.b32 {$6, $7}, t3;
 }"""
 WORD_ASM_BF16 = tl.constexpr(_WORD_ASM.replace("MAGIC", "0x43004300").replace("TY", "bf16x2"))
 WORD_ASM_F16 = tl.constexpr(_WORD_ASM.replace("MAGIC", "0x64006400").replace("TY", "f16x2"))
@@ -128,56 +146,57 @@ WORD_ASM_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,h,h")
 
 
 @triton.jit
-def _code_weight(words, e: tl.constexpr, s, z, out_ty: tl.constexpr):
-    # Element e of each 4-bit word, (q - z) * s in fp32 rounded once to out_ty.
-    return ((((words >> (4 * e)) & 0xF).to(tl.float32) - z) * s).to(out_ty)
+def _code_weight(words, e: tl.constexpr, s, mn, out_ty: tl.constexpr):
+    # Element e of each 4-bit word, q * s + mn in fp32 rounded once to out_ty.
+    q = (words >> (4 * _code_slots(e, 4))) & 0xF
+    return (q.to(tl.float32) * s + mn).to(out_ty)
 
 
 @triton.jit
-def _word_weights(words, s, z, out_ty: tl.constexpr, PACKED: tl.constexpr):
-    # int32 words [..., GW] of 4-bit codes, fp32 s and z [..., 1] -> weights [..., GW * 8] in out_ty, element
-    # order kept. PACKED (GPU, 16-bit x): the inline assembly above; otherwise fp32 math (interpreter).
+def _word_weights(words, s, mn, out_ty: tl.constexpr, PACKED: tl.constexpr):
+    # int32 words [..., GW] of 4-bit codes, s and mn [..., 1] -> weights [..., GW, 2, 2, 2] in out_ty, element
+    # order. PACKED (GPU, 16-bit x; s and mn in x's dtype): the inline assembly above; otherwise fp32 math.
     if PACKED:
-        m = (-(z * s)).to(out_ty)
         if out_ty == tl.float16:
             w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
-                asm=WORD_ASM_F16, constraints=WORD_ASM_CONSTRAINTS, args=[words, s.to(out_ty), m],
+                asm=WORD_ASM_F16, constraints=WORD_ASM_CONSTRAINTS, args=[words, s, mn],
                 dtype=(tl.float16,) * 8, is_pure=True, pack=1)
         else:
             w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
-                asm=WORD_ASM_BF16, constraints=WORD_ASM_CONSTRAINTS, args=[words, s.to(out_ty), m],
+                asm=WORD_ASM_BF16, constraints=WORD_ASM_CONSTRAINTS, args=[words, s, mn],
                 dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     else:
-        w0 = _code_weight(words, 0, s, z, out_ty)
-        w1 = _code_weight(words, 1, s, z, out_ty)
-        w2 = _code_weight(words, 2, s, z, out_ty)
-        w3 = _code_weight(words, 3, s, z, out_ty)
-        w4 = _code_weight(words, 4, s, z, out_ty)
-        w5 = _code_weight(words, 5, s, z, out_ty)
-        w6 = _code_weight(words, 6, s, z, out_ty)
-        w7 = _code_weight(words, 7, s, z, out_ty)
+        s = s.to(tl.float32)
+        mn = mn.to(tl.float32)
+        w0 = _code_weight(words, 0, s, mn, out_ty)
+        w1 = _code_weight(words, 1, s, mn, out_ty)
+        w2 = _code_weight(words, 2, s, mn, out_ty)
+        w3 = _code_weight(words, 3, s, mn, out_ty)
+        w4 = _code_weight(words, 4, s, mn, out_ty)
+        w5 = _code_weight(words, 5, s, mn, out_ty)
+        w6 = _code_weight(words, 6, s, mn, out_ty)
+        w7 = _code_weight(words, 7, s, mn, out_ty)
     # join adds a last axis: [..., a, b, c] holds element 4a + 2b + c.
     even = tl.join(tl.join(w0, w4), tl.join(w2, w6))
     odd = tl.join(tl.join(w1, w5), tl.join(w3, w7))
-    w = tl.join(even, odd)  # [..., GW, 2, 2, 2]
-    return w
+    return tl.join(even, odd)
 
 
 @triton.jit
 def _int_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr,
-    M, N, K, K_SPLIT, GROUP, ONE_BITS, stride_xm, stride_wn, stride_sn, stride_om,
-    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr,
+    M, N, K, K_SPLIT, GROUP: tl.constexpr, ONE_BITS, stride_xm, stride_wn, stride_sn, stride_om,
+    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr, GROUP_M: tl.constexpr,
     PACKED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program = a BLOCK_M x BLOCK_N output tile over K range [pid_k * K_SPLIT, +K_SPLIT), in K steps of TG
     # group parts of GK elements (as in _int_gemv_kernel). Each step dequantizes its weight tile into x's
-    # dtype ((q - z) * s, rounded once; 4 bits on the GPU: _WORD_ASM) and multiplies on the tensor cores with
+    # dtype (q * s + mn, rounded once; 4 bits on the GPU: _WORD_ASM) and multiplies on the tensor cores with
     # fp32 accumulation. Tiles are visited
     # GROUP_M row tiles at a time so that a weight column block is read from HBM once per GROUP_M row tiles
     # (L2 reuse). SWAP_AB (few rows): the weight tile is the MMA's A operand (BLOCK_N fills its 64-row height)
-    # and the rows its narrow N.
+    # and the rows its narrow N. EVEN: N and K fill whole tiles, so only x's rows are masked.
     PER_WORD: tl.constexpr = 32 // BITS
     GK: tl.constexpr = GW * PER_WORD
     BLOCK_K: tl.constexpr = TG * GK
@@ -203,28 +222,33 @@ def _int_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = (w_ptr + wn[:, :, :, None].to(tl.int64) * stride_wn
               + ((k_begin + wg[:, :, :, None] * GK) // PER_WORD + tl.arange(0, GW)[None, None, :, None]))
-    shifts = tl.arange(0, PER_WORD)[None, None, None, :] * BITS
+    shifts = _code_slots(tl.arange(0, PER_WORD)[None, None, None, :], BITS) * BITS
     x_ptrs = x_rows + (k_begin + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
+    s_rows = s_ptr + wn.to(tl.int64) * stride_sn  # [BLOCK_N, 1, 1]
+    mn_rows = mn_ptr + wn.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
     pdl_wait(USE_PDL)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        start = k0 + wg * GK  # [1, TG, 1]
-        w_mask = (wn < N) & (start < k_end)
-        sz_ptrs = wn.to(tl.int64) * stride_sn + start // GROUP  # [BLOCK_N, TG, 1]
-        s = tl.load(s_ptr + sz_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + sz_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-        x_mask = m_mask[:, None] & ((k0 + offs_k) < k_end)[None, :]
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        words = tl.load(w_ptrs, mask=w_mask[:, :, :, None], other=0)  # [BLOCK_N, TG, GW, 1]
+        group = (k0 + wg * GK) // GROUP  # [1, TG, 1]
+        if EVEN:
+            s = tl.load(s_rows + group)
+            mn = tl.load(mn_rows + group)
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            words = tl.load(w_ptrs)  # [BLOCK_N, TG, GW, 1]
+        else:
+            w_mask = (wn < N) & (k0 + wg * GK < k_end)
+            s = tl.load(s_rows + group, mask=w_mask, other=0.0)
+            mn = tl.load(mn_rows + group, mask=w_mask, other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & ((k0 + offs_k) < k_end)[None, :], other=0.0)
+            words = tl.load(w_ptrs, mask=w_mask[:, :, :, None], other=0)
         if BITS == 4:
-            w = tl.reshape(_word_weights(tl.reshape(words, [BLOCK_N, TG, GW]), s, z, out_ty, PACKED),
+            w = tl.reshape(_word_weights(tl.reshape(words, [BLOCK_N, TG, GW]), s, mn, out_ty, PACKED),
                            [BLOCK_N, BLOCK_K])
         else:
-            # (f - (1 + z / 2**B)) * (s * 2**B) = (q - z) * s: f - 1 - z / 2**B is exact for integer zeros,
-            # and within an fp32 rounding for any other.
+            # (f - 1) * 2**B = q exactly; q * s + mn in fp32, rounded once.
             f = _codes_plus_one(words, shifts, ONE_BITS, BITS)  # [BLOCK_N, TG, GW, PER_WORD]
-            zf = 1.0 + z[:, :, :, None] * (1.0 / (1 << BITS))
-            w = tl.reshape(((f - zf) * (s[:, :, :, None] * (1 << BITS))).to(out_ty), [BLOCK_N, BLOCK_K])
+            s4 = s.to(tl.float32)[:, :, :, None] * (1 << BITS)
+            w = tl.reshape(((f - 1.0) * s4 + mn.to(tl.float32)[:, :, :, None]).to(out_ty), [BLOCK_N, BLOCK_K])
         if SWAP_AB:
             acc = tl.dot(w, tl.trans(x), acc)
         else:
@@ -295,48 +319,39 @@ def int_gemm_config(m: int, n: int, k: int, bits: int, group_size: int, sms: int
 
 def int_weight_matmul_triton(
     x: torch.Tensor,  # [M, K] bf16/fp16 (fp32 in the interpreter)
-    qweight: torch.Tensor,  # uint8 [N, K // 2] (4 bits) or [N, K] (8 bits), the tandem int-N layout
-    scales: torch.Tensor,  # [N, K // group_size] in x's dtype
-    zeros: torch.Tensor,  # [N, K // group_size] in x's dtype
-    bits: int,
-    group_size: int,
+    weight: IntWeight,  # scales and mins in x's dtype
     bias: torch.Tensor | None = None,  # [N]
     gemv: bool | None = None,  # the GEMV (True) or the tile GEMM (False); None: by M (use_int_gemv)
     config: dict[str, int] | None = None,  # overrides the config's entries (benchmarks, tests)
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """x W^T + b with W = (q - zero) * scale dequantized inside the kernel: the GEMV for a few rows, the
-    tile GEMM otherwise. No host sync, grid and workspace from the shape alone: captures in CUDA graphs."""
-    n, k = check_int_weight(qweight, scales, zeros, bits, group_size)
+    """x W^T + b with W = q * scale + min dequantized inside the kernel: the GEMV for a few rows, the tile GEMM
+    otherwise. No host sync, grid and workspace from the shape alone: captures in CUDA graphs."""
+    n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}] for this weight, got {tuple(x.shape)}")
+    bits, group_size = weight.bits, weight.group_size
     per_word = WORD_BITS // bits
-    if k % per_word or group_size % per_word:
-        raise ValueError(f"{bits}-bit kernels need K and group_size multiples of {per_word}, got K {k} and "
-                         f"group_size {group_size}")
     m = x.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
-    words = qweight.contiguous().view(torch.int32)  # [N, K // per_word]
-    scales, zeros = scales.contiguous(), zeros.contiguous()
     sms = device_sms(x.device)
     use_gemv = use_int_gemv(m) if gemv is None else gemv
     make = int_gemv_config if use_gemv else int_gemm_config
     cfg = {**make(m, n, k, bits, group_size, sms), **(config or {})}
     block_k = cfg.pop("BLOCK_K")
     gk = part_elements(block_k, group_size, bits)
-    tg = block_k // gk
     split_k = cfg.pop("SPLIT_K")
     k_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
     split_k = triton.cdiv(k, k_split)  # whole steps per split can leave fewer splits
     ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     pdl = use_pdl(x.device)
-    w = words
-    args = (x, w, scales, zeros, bias if bias is not None else scales, out, ws,
+    w, scales = weight.words, weight.scales
+    args = (x, w, scales, weight.mins, bias if bias is not None else scales, out, ws,
             m, n, k, k_split, group_size, ONE_BITS, x.stride(0), w.stride(0), scales.stride(0), out.stride(0))
-    common = dict(BITS=bits, HAS_BIAS=bias is not None, SPLIT_K=split_k, TG=tg, GW=gk // per_word, USE_PDL=pdl,
-                  launch_pdl=bool(pdl))
+    common = dict(BITS=bits, HAS_BIAS=bias is not None, SPLIT_K=split_k, TG=block_k // gk, GW=gk // per_word,
+                  EVEN=k % block_k == 0 and n % cfg["BLOCK_N"] == 0, USE_PDL=pdl, launch_pdl=bool(pdl))
     if use_gemv:
         block_m = triton.next_power_of_2(m)
         block_n = cfg.pop("BLOCK_N")
@@ -344,7 +359,8 @@ def int_weight_matmul_triton(
             *args, MASK_M=m != block_m, BLOCK_M=block_m, BLOCK_N=block_n, **common, **cfg)
     else:
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split_k)
-        packed = x.is_cuda and bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
+        packed = (x.is_cuda and bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
+                  and scales.dtype == x.dtype)
         _int_gemm_kernel[grid](*args, PACKED=packed, **common, **cfg)
     if split_k > 1:
         reduce_partial_sums_triton(PartialSums(ws, None, bias, out.dtype), out)

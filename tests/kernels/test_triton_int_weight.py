@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import ops
+from tandem.kernels.int_weight import NIBBLE_ORDER, dequantize_repacked, repack_int_weight
 from tandem.kernels.reference import dequantize_int_weight
 from tandem.kernels.triton_int_weight import (
     int_gemm_config,
@@ -61,11 +62,24 @@ def test_bad_weights_are_refused():
     with pytest.raises(ValueError, match="uint8"):
         dequantize_int_weight(qweight.to(torch.int32), scales, zeros, 4, 32)
     with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
-        int_weight_matmul_triton(torch.randn(2, 32, device=DEVICE), qweight, scales, zeros, 4, 32)
+        int_weight_matmul_triton(torch.randn(2, 32, device=DEVICE), repack_int_weight(qweight, scales, zeros, 4, 32))
     odd = torch.zeros(8, 6, dtype=torch.uint8, device=DEVICE)  # K = 12: not whole int32 words
     s = torch.ones(8, 1, device=DEVICE)
     with pytest.raises(ValueError, match="multiples of 8"):
-        int_weight_matmul_triton(torch.randn(1, 12, device=DEVICE), odd, s, s, 4, 12)
+        repack_int_weight(odd, s, s, 4, 12)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_repack_keeps_the_weight(bits):
+    """The kernels' layout holds the same weight (q * scale + min, min = -zero * scale); at 4 bits nibble i of a
+    word holds element NIBBLE_ORDER[i] of its 8."""
+    qweight, scales, zeros, codes = make_weight(6, 128, bits, 32, torch.float32, 2)
+    packed = repack_int_weight(qweight, scales, zeros, bits, 32)
+    assert packed.shape == (6, 128) and packed.words.dtype == torch.int32
+    torch.testing.assert_close(dequantize_repacked(packed), dequantize_int_weight(qweight, scales, zeros, bits, 32))
+    if bits == 4:
+        word = int(packed.words[3, 5]) & 0xFFFFFFFF
+        assert [(word >> (4 * i)) & 0xF for i in range(8)] == [int(codes[3, 40 + e]) for e in NIBBLE_ORDER]
 
 
 # Interpreter cases stay small: N 48 (masked channel tiles), K 256, every group size the formats use.
@@ -83,9 +97,11 @@ def test_matches_reference(bits, group, m):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     bias = torch.randn(n).to(DEVICE, dtype) if m == 3 else None
     ref = reference(x, qweight, scales, zeros, bits, group_size, bias)
-    # The GEMV at its largest rows with several channels a program (interpreter time), and the default path.
-    gemv = None if m > 4 else {"BLOCK_N": 16, "BLOCK_K": 128}
-    out = int_weight_matmul_triton(x, qweight, scales, zeros, bits, group_size, bias, config=gemv)
+    # Several channels a GEMV program (interpreter time); GEMM tiles that N fills (EVEN: unmasked loads) except
+    # per-channel, which runs the default tile (64 channels: masked).
+    config = {"BLOCK_N": 16, "BLOCK_K": 128} if m <= 4 else {"BLOCK_N": 16} if group else None
+    packed = repack_int_weight(qweight, scales, zeros, bits, group_size)
+    out = int_weight_matmul_triton(x, packed, bias, config=config)
     assert out.shape == (m, n) and out.dtype == dtype
     # bf16 on a GPU: the output's rounding (2**-8 relative) over sums of ~|ref|; fp32 in the interpreter: the
     # kernels' sums in another order than the reference's.
@@ -105,7 +121,8 @@ def test_split_k_and_masked_tails(gemv, bits):
     ref = reference(x, qweight, scales, zeros, bits, group_size, bias)
     cfg = {"BLOCK_N": 8, "BLOCK_K": 128, "SPLIT_K": 2} if gemv else {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128,
                                                                      "SPLIT_K": 2}
-    out = int_weight_matmul_triton(x, qweight, scales, zeros, bits, group_size, bias, gemv=gemv, config=cfg)
+    packed = repack_int_weight(qweight, scales, zeros, bits, group_size)
+    out = int_weight_matmul_triton(x, packed, bias, gemv=gemv, config=cfg)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)  # fp16 output rounding
 
 
