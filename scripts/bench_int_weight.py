@@ -5,10 +5,11 @@
 
 For the Llama-3-8B projections (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096; the lm_head
 stays bf16) at each row count it times `int_weight_matmul_triton` (the path `ops.int_weight_linear` picks for that
-many rows), the bf16 `F.linear` (cuBLAS) on the same shape, and at the prefill row count also the dequantize-then-
-cuBLAS alternative. Every time is GPU time from a CUDA graph that calls the kernel on enough copies of the weight
+many rows), the bf16 `F.linear` (cuBLAS) on the same shape, up to 4 rows also the other decode path (GEMV or
+tile GEMM: what use_int_gemv should pick), and at the prefill row count the dequantize-then-cuBLAS alternative. Every time is GPU time from a CUDA graph that calls the kernel on enough copies of the weight
 (>= 4x the L2 in all) that each call streams its weight from HBM, as a decode step does layer after layer. Bytes
-are the packed weight + scales + zeros (bf16), and for the bf16 matmul its weight; the fraction of a device-to-
+are the packed codes + scales + mins (the zeros' role; bf16, fp32 mins at 8 bits), and for the bf16 matmul its
+weight; the fraction of a device-to-
 device copy bandwidth measured in the same run is the roofline figure (target at one row: >= 0.80), beside TFLOP/s.
 
 --sweep also times a grid of GEMV tiles (BLOCK_N, BLOCK_K, num_warps) at 1 and 4 rows and of GEMM tiles at 16 rows
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gemv import cuda_setup, graph_us, l2_bytes, write_rows  # noqa: E402
 
-from tandem.kernels.reference import dequantize_int_weight  # noqa: E402
+from tandem.kernels.int_weight import dequantize_repacked, repack_int_weight  # noqa: E402
 from tandem.kernels.triton_int_weight import (  # noqa: E402
     int_gemm_config,
     int_gemv_config,
@@ -42,9 +43,9 @@ from tandem.kernels.triton_int_weight import (  # noqa: E402
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]  # (name, N, K)
 
 
-def int_weight_copies(n: int, k: int, bits: int, group: int, l2: int, device) -> list[tuple]:
-    """Enough random (qweight, scales, zeros) copies (>= 2, >= 4x the L2 in all) that a graph calling a kernel on
-    each in turn streams every one from HBM."""
+def int_weight_copies(n: int, k: int, bits: int, group: int, l2: int, device) -> list:
+    """Enough random IntWeight copies (>= 2, >= 4x the L2 in all) that a graph calling a kernel on each in turn
+    streams every one from HBM."""
     gen = torch.Generator(device=device).manual_seed(n + k + bits)
     nbytes = n * k * bits // 8 + 2 * 2 * n * (k // group)
     out = []
@@ -52,7 +53,7 @@ def int_weight_copies(n: int, k: int, bits: int, group: int, l2: int, device) ->
         qweight = torch.randint(0, 256, (n, k * bits // 8), generator=gen, device=device, dtype=torch.uint8)
         scales = (torch.rand(n, k // group, generator=gen, device=device) * 0.01).to(torch.bfloat16)
         zeros = torch.full((n, k // group), 2 ** (bits - 1), device=device, dtype=torch.bfloat16)
-        out.append((qweight, scales, zeros))
+        out.append(repack_int_weight(qweight, scales, zeros, bits, group))
     return out
 
 
@@ -75,13 +76,13 @@ def gemm_grid(m: int) -> list[dict]:
             for bm, bn, bk, st in itertools.product((128, 256), (128, 256), (32, 64), (3, 4))]
 
 
-def sweep(x, weights, bits: int, group: int, gemv: bool, grid: list[dict], frac) -> list[dict]:
+def sweep(x, weights, gemv: bool, grid: list[dict], frac) -> list[dict]:
     """Every tile of grid timed (GPU us per call) with its roofline fraction, fastest first; tiles that do not
     compile (shared memory, registers) are left out."""
     table = []
     for cfg in grid:
         try:
-            us = graph_us([lambda w=w, c=cfg: int_weight_matmul_triton(x, *w, bits, group, gemv=gemv, config=c)
+            us = graph_us([lambda w=w, c=cfg: int_weight_matmul_triton(x, w, gemv=gemv, config=c)
                            for w in weights], reps=2)
         except Exception:  # noqa: BLE001  out of resources for this tile
             continue
@@ -106,12 +107,13 @@ def main() -> None:
         dense = bf16_copies(n, k, l2, device)
         for bits in (int(b) for b in args.bits.split(",")):
             weights = int_weight_copies(n, k, bits, args.group, l2, device)
-            nbytes = n * k * bits // 8 + 2 * 2 * n * (k // args.group)  # packed codes + bf16 scales and zeros
+            w0 = weights[0]  # bytes a call streams: the codes, the scales and the mins (the zeros' role)
+            nbytes = sum(t.numel() * t.element_size() for t in (w0.words, w0.scales, w0.mins))
             for m in rows_m:
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                 flops = 2 * m * n * k
                 frac = lambda us, b=nbytes: b / (us * 1e-6) / 1e9 / copy_gbs  # noqa: E731
-                us = graph_us([lambda w=w: int_weight_matmul_triton(x, *w, bits, args.group) for w in weights])
+                us = graph_us([lambda w=w: int_weight_matmul_triton(x, w) for w in weights])
                 bf16 = graph_us([lambda w=w: F.linear(x, w) for w in dense])
                 gemv = use_int_gemv(m)
                 make = int_gemv_config if gemv else int_gemm_config
@@ -120,17 +122,22 @@ def main() -> None:
                        "copy_fraction": frac(us), "tflops": flops / (us * 1e-6) / 1e12, "bf16_us": bf16,
                        "bf16_copy_fraction": n * k * 2 / (bf16 * 1e-6) / 1e9 / copy_gbs,
                        "bf16_tflops": flops / (bf16 * 1e-6) / 1e12, "speedup_vs_bf16": bf16 / us}
+                if m <= 4:  # the other decode path, for the choice of use_int_gemv / TANDEM_INT_GEMV_MAX_ROWS
+                    other = graph_us([lambda w=w: int_weight_matmul_triton(x, w, gemv=not gemv) for w in weights])
+                    row["other_path_us"] = other
+                    row["other_path_copy_fraction"] = frac(other)
                 if m == prefill and m > 64:
-                    deq = graph_us([lambda w=w: F.linear(x, dequantize_int_weight(*w, bits, args.group))
-                                    for w in weights[:2]])
+                    deq = graph_us([lambda w=w: F.linear(x, dequantize_repacked(w)) for w in weights[:2]])
                     row["dequant_cublas_us"] = deq
                 if args.sweep and (m in (1, 4) or m == 16 or m == prefill):
-                    table = sweep(x, weights, bits, args.group, gemv, gemv_grid() if gemv else gemm_grid(m), frac)
+                    table = sweep(x, weights, gemv, gemv_grid() if gemv else gemm_grid(m), frac)
                     row["sweep"] = table[:12]
                     if table:
                         row["best"] = table[0]
                 results.append(row)
                 extra = f"  dequant+cuBLAS {row['dequant_cublas_us']:.1f} us" if "dequant_cublas_us" in row else ""
+                if "other_path_us" in row:
+                    extra += f"  {'gemm' if gemv else 'gemv'} {row['other_path_us']:.1f} us ({row['other_path_copy_fraction']:.3f})"
                 best = f"  best {row['best']}" if "best" in row else ""
                 print(f"{name:<8} int{bits} M={m:<5} {row['path']}  {us:8.1f} us ({row['copy_fraction']:.3f} of copy, "
                       f"{row['tflops']:.1f} TFLOP/s)  bf16 {bf16:8.1f} us  x{bf16 / us:.2f}{extra}{best}", flush=True)

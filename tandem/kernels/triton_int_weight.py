@@ -4,6 +4,8 @@ for the tensor cores (more rows, prefill)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -283,13 +285,14 @@ def part_elements(block_k: int, group_size: int, bits: int) -> int:
 
 def int_gemv_config(m: int, n: int, k: int, bits: int, group_size: int, sms: int) -> dict[str, int]:
     """The GEMV's tile from the shape alone (graph-safe; a row's result never depends on its batch):
-    GEMV_STEP_BYTES of each of BLOCK_N channels per K step (four 16-byte loads per thread per step with 4 warps
-    at BLOCK_N 4), fewer channels per program where N would leave SMs idle, and K split (into fp32 partial sums
-    added by a second kernel) only where even one channel a program leaves fewer programs than SMs."""
+    GEMV_STEP_BYTES of each of BLOCK_N channels per K step, 8 channels at one row (sm_90 ptxas, 4-bit, group
+    128: ~4.4 instructions a weight in the loop, against ~5.8 at 4 channels; no spills), fewer channels per
+    program where N would leave SMs idle, and K split (into fp32 partial sums added by a second kernel) only
+    where even one channel a program leaves fewer programs than SMs."""
     block_k = GEMV_STEP_BYTES * 8 // bits
     while block_k > 64 and block_k >= 2 * k:  # small models: no step mostly past the end of K
         block_k //= 2
-    block_n = 4 if m == 1 else 2
+    block_n = 8 if m == 1 else 4
     while block_n > 1 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
     split_k, steps = 1, triton.cdiv(k, block_k)
@@ -300,19 +303,22 @@ def int_gemv_config(m: int, n: int, k: int, bits: int, group_size: int, sms: int
 
 def int_gemm_config(m: int, n: int, k: int, bits: int, group_size: int, sms: int) -> dict[str, int]:
     """The tile GEMM's tile from the shape alone. Up to 16 rows: swap AB (64 weight channels fill the MMA's
-    height, the rows its N), K split until ~2 programs per SM (the weight stream is the cost); up to 64 rows:
-    64 x 128 tiles; above, 128 or (past 128 rows) 256 x 128 tiles of 8 warps: the dequantization of a weight
-    tile is shared by its BLOCK_M rows, and at 256 rows the sm_90 build issues ~750 cycles of instructions a
-    K step per SM against ~1,000 of tensor-core work (ptxas, no spills; not yet timed on a GPU)."""
+    height, the rows its N), 256-wide K steps at 4 bits (the per-step costs over twice the weights of 128:
+    ~4.6 instructions a weight in the sm_90 loop against ~5), K split until ~2 programs per SM (the weight
+    stream is the cost); up to 64 rows: 64 x 128 tiles; above, 128 or (past 128 rows) 256 x 128 tiles of 8
+    warps: the dequantization of a weight tile is shared by its BLOCK_M rows, and at 256 rows the sm_90
+    build issues ~750 cycles of instructions a K step per SM against ~1,000 of tensor-core work (ptxas, no
+    spills; not yet timed on a GPU)."""
     if m <= 16:
-        split_k = split_k_until(n, 64, triton.cdiv(k, 128), 2 * sms, max_split=8)
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": split_k, "SWAP_AB": True,
+        block_k = 256 if bits == 4 else 128
+        split_k = split_k_until(n, 64, triton.cdiv(k, block_k), 2 * sms, max_split=8)
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split_k, "SWAP_AB": True,
                 "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
     if m <= 64:
         split_k = split_k_until(n, 128, triton.cdiv(k, 64), 2 * sms, max_split=4)
         return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": split_k, "SWAP_AB": False,
                 "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-    block_m = 128 if m <= 128 else 256  # dequantization per weight tile, shared by BLOCK_M rows
+    block_m = 128 if m <= 128 else 256
     return {"BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "SWAP_AB": False, "GROUP_M": 8,
             "num_warps": 8, "num_stages": 3}
 
@@ -367,10 +373,13 @@ def int_weight_matmul_triton(
     return out
 
 
-INT_GEMV_MAX_ROWS = 4  # rows up to which the CUDA-core GEMV runs; above, the tile GEMM (tensor cores)
+INT_GEMV_MAX_ROWS = 1  # rows up to which the CUDA-core GEMV runs; above, the tile GEMM (tensor cores)
 
 
 def use_int_gemv(m: int) -> bool:
-    """Whether m rows run the GEMV: per element it spends one FMA per row beside the dequantization, so past a
-    few rows the tensor-core GEMM, which dequantizes once for all rows, is faster."""
-    return m <= INT_GEMV_MAX_ROWS
+    """Whether m rows run the GEMV: per weight it spends one FMA per row beside the dequantization, while the
+    tensor-core GEMM's cost does not grow with the rows up to 16, so the GEMV takes one row
+    (INT_GEMV_MAX_ROWS; TANDEM_INT_GEMV_MAX_ROWS=N overrides, read per call: a CUDA graph keeps what its
+    capture chose)."""
+    override = os.environ.get("TANDEM_INT_GEMV_MAX_ROWS")
+    return m <= (int(override) if override is not None else INT_GEMV_MAX_ROWS)

@@ -1,6 +1,6 @@
-"""The W4A16 / W8A16 kernels (GEMV and tile GEMM over the tandem int-N layout) against the reference
-dequantization and a matmul: in the Triton interpreter on CPU (fp32 / fp16), compiled on a GPU (bf16, CUDA
-graphs); and ops.int_weight_linear's dispatch."""
+"""The W4A16 / W8A16 kernels (GEMV and tile GEMM over IntWeight, repacked from the tandem int-N layout) against the
+reference dequantization and a matmul: in the Triton interpreter on CPU (fp32 / fp16), compiled for sm_90 without
+a GPU, on a GPU (bf16, CUDA graphs); and ops.int_weight_linear's dispatch."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from tandem.kernels.triton_int_weight import (
     int_weight_matmul_triton,
     part_elements,
 )
+from tests.kernels.sm90 import compile_sm90
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -97,16 +98,18 @@ def test_matches_reference(bits, group, m):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     bias = torch.randn(n).to(DEVICE, dtype) if m == 3 else None
     ref = reference(x, qweight, scales, zeros, bits, group_size, bias)
-    # Several channels a GEMV program (interpreter time); GEMM tiles that N fills (EVEN: unmasked loads) except
-    # per-channel, which runs the default tile (64 channels: masked).
-    config = {"BLOCK_N": 16, "BLOCK_K": 128} if m <= 4 else {"BLOCK_N": 16} if group else None
     packed = repack_int_weight(qweight, scales, zeros, bits, group_size)
-    out = int_weight_matmul_triton(x, packed, bias, config=config)
-    assert out.shape == (m, n) and out.dtype == dtype
     # bf16 on a GPU: the output's rounding (2**-8 relative) over sums of ~|ref|; fp32 in the interpreter: the
     # kernels' sums in another order than the reference's.
     tol = dict(atol=2e-2, rtol=1e-2) if CUDA else dict(atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out.float(), ref, **tol)
+    # The GEMV at every decode row count (several channels a program: interpreter time); the GEMM on tiles
+    # that N fills (EVEN: unmasked loads), and per-channel on its default tile (64 channels: masked).
+    paths = [(True, {"BLOCK_N": 16, "BLOCK_K": 128})] if m <= 4 else []
+    paths.append((False, {"BLOCK_N": 16} if group else None))
+    for gemv, config in paths:
+        out = int_weight_matmul_triton(x, packed, bias, gemv=gemv, config=config)
+        assert out.shape == (m, n) and out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref, **tol)
 
 
 @pytest.mark.parametrize("gemv", [True, False], ids=["gemv", "gemm"])
@@ -169,6 +172,8 @@ def test_ops_dispatch(monkeypatch):
     torch.testing.assert_close(out.float(), ref, atol=2e-2 if CUDA else 1e-4, rtol=1e-2 if CUDA else 1e-4)
     assert module.use_int_gemv(1) and module.use_int_gemv(module.INT_GEMV_MAX_ROWS)
     assert not module.use_int_gemv(module.INT_GEMV_MAX_ROWS + 1)
+    monkeypatch.setenv("TANDEM_INT_GEMV_MAX_ROWS", "4")
+    assert module.use_int_gemv(4) and not module.use_int_gemv(5)
 
 
 @pytest.mark.gpu
@@ -177,9 +182,10 @@ def test_ops_dispatch(monkeypatch):
 @pytest.mark.parametrize("m", [1, 4, 16, 64, 300])
 def test_gpu_llama_shapes_in_bf16(bits, m):
     """bf16 on the GPU, an 8B-sized projection (K 4096, group 128): close to the fp32 reference product of the
-    dequantized weight. The kernels multiply bf16-rounded weights (GEMM) or exact codes (GEMV) with fp32
-    sums; the bound is bf16's output rounding plus the GEMM's bf16 weight rounding summed over K (2**-9
-    relative per weight, random signs: ~2**-9 * sqrt(K) * |w| |x| ~ 1e-3 of the outputs' scale here)."""
+    dequantized weight. The GEMM multiplies bf16 weights (q * scale + min, the min rounded to bf16: off by
+    <= 2**-9 |zero * scale|, about 2**-5 scale at 4 bits) with fp32 sums; the GEMV exact codes. Per weight
+    the error is within ~2**-8 of its magnitude, random in sign, so over K it grows like sqrt(K) while the
+    outputs do too: a few 1e-3 of the outputs' largest, well inside 2% of it."""
     n, k, group_size = 1536, 4096, 128
     qweight, scales, zeros, _ = make_weight(n, k, bits, group_size, torch.bfloat16, seed=m)
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
@@ -196,8 +202,9 @@ def test_gpu_graph_replay_equals_eager(m):
     changes in place."""
     n, k, group_size = 1024, 4096, 128
     qweight, scales, zeros, _ = make_weight(n, k, 4, group_size, torch.bfloat16, seed=11)
+    packed = repack_int_weight(qweight, scales, zeros, 4, group_size)  # at load, never inside a capture
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-    run = lambda: ops.int_weight_linear(x, qweight, scales, zeros, 4, group_size)  # noqa: E731
+    run = lambda: ops.int_weight_linear(x, qweight, scales, zeros, 4, group_size, packed=packed)  # noqa: E731
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -211,3 +218,52 @@ def test_gpu_graph_replay_equals_eager(m):
         torch.cuda.synchronize()
         assert torch.equal(out, run())
         x.copy_(torch.randn_like(x))
+
+
+_COMPILE_SM90 = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tandem.kernels.triton_int_weight import _int_gemm_kernel, _int_gemv_kernel
+
+names = ["x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "M", "N", "K", "K_SPLIT", "GROUP",
+         "ONE_BITS", "stride_xm", "stride_wn", "stride_sn", "stride_om"]
+out = {}
+# (kernel, activation type, constexprs, warps): the decode GEMV and the swap-AB GEMM at their Llama-3-8B tiles
+# (4 bits, group 128, bf16), and the prefill tile in fp16.
+cases = [
+    ("gemv", _int_gemv_kernel, "bf16", dict(MASK_M=False, BLOCK_M=1, BLOCK_N=8, TG=16, GW=16), 4),
+    ("gemm-swap", _int_gemm_kernel, "bf16", dict(SWAP_AB=True, BLOCK_M=16, BLOCK_N=64, TG=2, GW=16, GROUP_M=1,
+                                                  PACKED=True), 4),
+    ("gemm-fp16", _int_gemm_kernel, "fp16", dict(SWAP_AB=False, BLOCK_M=256, BLOCK_N=128, TG=1, GW=8,
+                                                  GROUP_M=8, PACKED=True), 8),
+]
+for name, fn, xty, flags, warps in cases:
+    constexprs = dict(GROUP=128, BITS=4, HAS_BIAS=False, SPLIT_K=1, EVEN=True, USE_PDL=0, **flags)
+    types = [f"*{xty}", "*i32", f"*{xty}", f"*{xty}", f"*{xty}", f"*{xty}", "*fp32"] + ["i32"] * 4
+    types += ["constexpr"] + ["i32"] * 5
+    signature = dict(zip(names, types))
+    signature.update({key: "constexpr" for key in constexprs if key not in signature})
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 9, 10, 13, 14, 15, 16)})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
+    ptx = kernel.asm["ptx"]
+    out[name] = {"wgmma": "wgmma.mma_async" in ptx, "packed_fma": ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx),
+                 "local": "ld.local" in ptx or "st.local" in ptx, "v4_loads": "ld.global.v4" in ptx,
+                 "shared": kernel.metadata.shared}
+json.dump(out, sys.stdout)
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """The decode GEMV, the swap-AB GEMM and the prefill GEMM compile for Hopper without a GPU at their default
+    tiles: no local memory (spills), the GEMMs on wgmma with the packed dequantization (bf16 and fp16 inline
+    assembly accepted by ptxas), shared memory within the 227 KiB a block may have, the GEMV streaming 16-byte
+    loads."""
+    result = compile_sm90(_COMPILE_SM90)
+    for name, info in result.items():
+        assert not info["local"] and info["shared"] <= 227 * 1024, (name, info)
+    assert result["gemv"]["v4_loads"]
+    for name in ("gemm-swap", "gemm-fp16"):
+        assert result[name]["wgmma"] and result[name]["packed_fma"], (name, result[name])
