@@ -42,7 +42,7 @@ def repack_int_weight(
     group_size: int,
 ) -> IntWeight:
     """The kernels' layout of a weight in the tandem int-N layout, made once at load (on the weight's device;
-    one pass over the codes). ValueError when the weight does not fit the layout or the kernels: K and
+    one pass over the codes, shape-only tensor ops). ValueError when the weight does not fit the layout or the kernels: K and
     group_size must be multiples of a word's elements (8 at 4 bits, 4 at 8 bits)."""
     n, k = check_int_weight(qweight, scales, zeros, bits, group_size)
     per_word = WORD_BITS // bits
@@ -51,7 +51,7 @@ def repack_int_weight(
                          f"group_size {group_size}")
     if bits == 4:
         codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).view(n, k // 8, 8)  # element order
-        nibbles = codes[:, :, list(NIBBLE_ORDER)]  # [N, K // 8, 8]: nibble i of each word
+        nibbles = torch.cat((codes[:, :, 0::2], codes[:, :, 1::2]), dim=-1)  # [N, K // 8, 8]: NIBBLE_ORDER
         words = (nibbles[:, :, 0::2] | (nibbles[:, :, 1::2] << 4)).contiguous().view(torch.int32).view(n, k // 8)
     else:
         words = qweight.contiguous().view(torch.int32)
@@ -69,8 +69,8 @@ def dequantize_repacked(weight: IntWeight) -> torch.Tensor:  # [N, K] in the sca
     per_word = WORD_BITS // weight.bits
     shifts = torch.arange(per_word, device=weight.words.device, dtype=torch.int32) * weight.bits
     slots = (weight.words[:, :, None] >> shifts) & ((1 << weight.bits) - 1)  # [N, K // per_word, per_word]
-    if weight.bits == 4:
-        slots = slots[:, :, [NIBBLE_ORDER.index(e) for e in range(8)]]  # back to element order
+    if weight.bits == 4:  # back to element order: nibbles 0-3 hold the even elements, 4-7 the odd
+        slots = torch.stack((slots[:, :, :4], slots[:, :, 4:]), dim=-1).reshape(slots.shape)
     q = slots.reshape(n, k // weight.group_size, weight.group_size).float()
     w = q * weight.scales.float()[:, :, None] + weight.mins.float()[:, :, None]
     return w.view(n, k).to(weight.scales.dtype)
