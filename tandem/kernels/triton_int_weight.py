@@ -12,7 +12,7 @@ import triton.language as tl
 
 from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
-from tandem.kernels.triton_launch import device_sms, pdl_wait, use_pdl
+from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
 from tandem.kernels.triton_quant import reduce_partial_sums_triton, split_k_until
 
 ONE_BITS = 0x3F800000  # the bits of 1.0f
@@ -41,11 +41,24 @@ def _code_slots(e, BITS: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows(w_ptr, rows, N, stride_wn, word_begin, word_end, PREFETCH_LINES: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    # Before the PDL wait (the previous kernel may still run; weights are no kernel's output): the first
+    # PREFETCH_LINES 128-byte lines of each weight row's K range go to L2, so the loads after the wait find
+    # them there. rows [R] are the program's channels; words are int32 (32 a line).
+    if USE_PDL and PREFETCH_LINES > 0:
+        words = word_begin + tl.arange(0, PREFETCH_LINES) * 32
+        mask = (rows < N)[:, None] & (words < word_end)[None, :]
+        prefetch_l2(w_ptr + rows[:, None].to(tl.int64) * stride_wn + words[None, :], mask)
+
+
+@triton.jit
 def _int_gemv_kernel(
     x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr,
     M, N, K, K_SPLIT, GROUP: tl.constexpr, ONE_BITS, stride_xm, stride_wn, stride_sn, stride_om,
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, MASK_M: tl.constexpr, EVEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Program = BLOCK_N output channels for all M (<= BLOCK_M) rows over K range [pid_k * K_SPLIT, +K_SPLIT).
     # A K step is TG group parts of GW words (GK = GW * PER_WORD elements, one group or a part of one), so a
@@ -74,6 +87,8 @@ def _int_gemv_kernel(
     mn_rows = mn_ptr + offs_n.to(tl.int64) * stride_sn
     shifts = _code_slots(offs_e, BITS) * BITS
     acc = tl.zeros([BLOCK_M, BLOCK_N, TG, GW], dtype=tl.float32)
+    _prefetch_rows(w_ptr, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N, stride_wn, k_begin // PER_WORD,
+                   k_end // PER_WORD, PREFETCH_LINES, USE_PDL)
     pdl_wait(USE_PDL)
     for k0 in range(k_begin, k_end, TG * GK):
         start = k0 + offs_g * GK  # [1, 1, TG, 1]
@@ -190,7 +205,7 @@ def _int_gemm_kernel(
     M, N, K, K_SPLIT, GROUP: tl.constexpr, ONE_BITS, stride_xm, stride_wn, stride_sn, stride_om,
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr, GROUP_M: tl.constexpr,
-    PACKED: tl.constexpr, USE_PDL: tl.constexpr,
+    PACKED: tl.constexpr, PREFETCH_LINES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program = a BLOCK_M x BLOCK_N output tile over K range [pid_k * K_SPLIT, +K_SPLIT), in K steps of TG
     # group parts of GK elements (as in _int_gemv_kernel). Each step dequantizes its weight tile into x's
@@ -229,6 +244,7 @@ def _int_gemm_kernel(
     s_rows = s_ptr + wn.to(tl.int64) * stride_sn  # [BLOCK_N, 1, 1]
     mn_rows = mn_ptr + wn.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
+    _prefetch_rows(w_ptr, offs_n, N, stride_wn, k_begin // PER_WORD, k_end // PER_WORD, PREFETCH_LINES, USE_PDL)
     pdl_wait(USE_PDL)
     for k0 in range(k_begin, k_end, BLOCK_K):
         group = (k0 + wg * GK) // GROUP  # [1, TG, 1]
@@ -271,6 +287,7 @@ def _int_gemm_kernel(
 
 
 GEMV_STEP_BYTES = 1024  # bytes of each weight row a GEMV program reads per K step
+PREFETCH_STEPS = int(os.environ.get("TANDEM_INT_PREFETCH_STEPS", "2"))  # K steps of weight sent to L2 before the PDL wait
 
 
 def part_elements(block_k: int, group_size: int, bits: int) -> int:
@@ -356,8 +373,10 @@ def int_weight_matmul_triton(
     w, scales = weight.words, weight.scales
     args = (x, w, scales, weight.mins, bias if bias is not None else scales, out, ws,
             m, n, k, k_split, group_size, ONE_BITS, x.stride(0), w.stride(0), scales.stride(0), out.stride(0))
+    lines = PREFETCH_STEPS * block_k * bits // 8 // 128 if pdl else 0  # 128-byte lines of each row
     common = dict(BITS=bits, HAS_BIAS=bias is not None, SPLIT_K=split_k, TG=block_k // gk, GW=gk // per_word,
-                  EVEN=k % block_k == 0 and n % cfg["BLOCK_N"] == 0, USE_PDL=pdl, launch_pdl=bool(pdl))
+                  EVEN=k % block_k == 0 and n % cfg["BLOCK_N"] == 0,
+                  PREFETCH_LINES=triton.next_power_of_2(lines) if lines else 0, USE_PDL=pdl, launch_pdl=bool(pdl))
     if use_gemv:
         block_m = triton.next_power_of_2(m)
         block_n = cfg.pop("BLOCK_N")

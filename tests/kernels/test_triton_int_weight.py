@@ -233,14 +233,15 @@ out = {}
 # (kernel, activation type, constexprs, warps): the decode GEMV and the swap-AB GEMM at their Llama-3-8B tiles
 # (4 bits, group 128, bf16), and the prefill tile in fp16.
 cases = [
-    ("gemv", _int_gemv_kernel, "bf16", dict(MASK_M=False, BLOCK_M=1, BLOCK_N=8, TG=16, GW=16), 4),
+    ("gemv", _int_gemv_kernel, "bf16", dict(MASK_M=False, BLOCK_M=1, BLOCK_N=8, TG=16, GW=16, PREFETCH_LINES=16,
+                                            USE_PDL=2), 4),
     ("gemm-swap", _int_gemm_kernel, "bf16", dict(SWAP_AB=True, BLOCK_M=16, BLOCK_N=64, TG=2, GW=16, GROUP_M=1,
-                                                  PACKED=True), 4),
+                                                  PACKED=True, PREFETCH_LINES=2, USE_PDL=2), 4),
     ("gemm-fp16", _int_gemm_kernel, "fp16", dict(SWAP_AB=False, BLOCK_M=256, BLOCK_N=128, TG=1, GW=8,
-                                                  GROUP_M=8, PACKED=True), 8),
+                                                  GROUP_M=8, PACKED=True, PREFETCH_LINES=0, USE_PDL=0), 8),
 ]
 for name, fn, xty, flags, warps in cases:
-    constexprs = dict(GROUP=128, BITS=4, HAS_BIAS=False, SPLIT_K=1, EVEN=True, USE_PDL=0, **flags)
+    constexprs = dict(GROUP=128, BITS=4, HAS_BIAS=False, SPLIT_K=1, EVEN=True, **flags)
     types = [f"*{xty}", "*i32", f"*{xty}", f"*{xty}", f"*{xty}", f"*{xty}", "*fp32"] + ["i32"] * 4
     types += ["constexpr"] + ["i32"] * 5
     signature = dict(zip(names, types))
@@ -249,7 +250,9 @@ for name, fn, xty, flags, warps in cases:
                     attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 9, 10, 13, 14, 15, 16)})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
     ptx = kernel.asm["ptx"]
-    out[name] = {"wgmma": "wgmma.mma_async" in ptx, "packed_fma": ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx),
+    wait = ptx.find("griddepcontrol.wait")
+    out[name] = {"prefetch_before_wait": 0 <= ptx.find("prefetch.global.L2") < wait,
+                 "stores_before_wait": any(op in ptx[:max(wait, 0)] for op in ("st.global", "red.global")),"wgmma": "wgmma.mma_async" in ptx, "packed_fma": ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx),
                  "local": "ld.local" in ptx or "st.local" in ptx, "v4_loads": "ld.global.v4" in ptx,
                  "shared": kernel.metadata.shared}
 json.dump(out, sys.stdout)
@@ -260,10 +263,12 @@ def test_kernels_compile_for_sm90():
     """The decode GEMV, the swap-AB GEMM and the prefill GEMM compile for Hopper without a GPU at their default
     tiles: no local memory (spills), the GEMMs on wgmma with the packed dequantization (bf16 and fp16 inline
     assembly accepted by ptxas), shared memory within the 227 KiB a block may have, the GEMV streaming 16-byte
-    loads."""
+    loads; under PDL the decode kernels prefetch weight lines before the wait and write nothing before it."""
     result = compile_sm90(_COMPILE_SM90)
     for name, info in result.items():
         assert not info["local"] and info["shared"] <= 227 * 1024, (name, info)
     assert result["gemv"]["v4_loads"]
     for name in ("gemm-swap", "gemm-fp16"):
         assert result[name]["wgmma"] and result[name]["packed_fma"], (name, result[name])
+    for name in ("gemv", "gemm-swap"):  # under PDL: weight lines to L2 before the wait, nothing written before it
+        assert result[name]["prefetch_before_wait"] and not result[name]["stores_before_wait"], (name, result[name])
