@@ -1,7 +1,7 @@
 """W4A16 / W8A16 kernel benchmark on CUDA: the int-weight GEMV and tile GEMM against the bf16 torch matmul.
 
     python scripts/bench_int_weight.py --out out/int_weight.json [--bits 4,8] [--rows 1,4,16,4096] [--group 128]
-        [--sweep]
+        [--shapes qkv,o,gate_up,down] [--sweep]
 
 For the Llama-3-8B projections (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096; the lm_head
 stays bf16) at each row count it times `int_weight_matmul_triton` (the path `ops.int_weight_linear` picks for that
@@ -97,13 +97,14 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16,4096", help="row counts M (the largest is the prefill case)")
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES), help="projections to time")
     args = parser.parse_args()
     device, props, copy_gbs = cuda_setup()
     sms, l2 = props.multi_processor_count, l2_bytes(props)
     rows_m = [int(v) for v in args.rows.split(",")]
     prefill = max(rows_m)
     results = []
-    for name, n, k in SHAPES:
+    for name, n, k in (shape for shape in SHAPES if shape[0] in args.shapes.split(",")):
         dense = bf16_copies(n, k, l2, device)
         for bits in (int(b) for b in args.bits.split(",")):
             weights = int_weight_copies(n, k, bits, args.group, l2, device)

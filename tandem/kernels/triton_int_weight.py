@@ -213,7 +213,8 @@ def _int_gemm_kernel(
     # fp32 accumulation. Tiles are visited
     # GROUP_M row tiles at a time so that a weight column block is read from HBM once per GROUP_M row tiles
     # (L2 reuse). SWAP_AB (few rows): the weight tile is the MMA's A operand (BLOCK_N fills its 64-row height)
-    # and the rows its narrow N. EVEN: N and K fill whole tiles, so only x's rows are masked.
+    # and the rows its narrow N. EVEN: N and K fill whole tiles, so only x's rows are masked. PACKED: the 4-bit
+    # dequantization by inline assembly (GPU, 16-bit x; TANDEM_INT_PACKED=0: the fp32 math, for comparisons).
     PER_WORD: tl.constexpr = 32 // BITS
     GK: tl.constexpr = GW * PER_WORD
     BLOCK_K: tl.constexpr = TG * GK
@@ -385,7 +386,7 @@ def int_weight_matmul_triton(
     else:
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split_k)
         packed = (x.is_cuda and bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
-                  and scales.dtype == x.dtype)
+                  and scales.dtype == x.dtype and os.environ.get("TANDEM_INT_PACKED") != "0")
         _int_gemm_kernel[grid](*args, PACKED=packed, **common, **cfg)
     if split_k > 1:
         reduce_partial_sums_triton(PartialSums(ws, None, bias, out.dtype), out)
