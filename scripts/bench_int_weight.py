@@ -6,7 +6,8 @@
 For the Llama-3-8B projections (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096; the lm_head
 stays bf16) at each row count it times `int_weight_matmul_triton` (the path `ops.int_weight_linear` picks for that
 many rows), the bf16 `F.linear` (cuBLAS) on the same shape, up to 4 rows also the other decode path (GEMV or
-tile GEMM: what use_int_gemv should pick), and at the prefill row count the dequantize-then-cuBLAS alternative. Every time is GPU time from a CUDA graph that calls the kernel on enough copies of the weight
+tile GEMM: what use_int_gemv should pick), and at the prefill row count the dequantize-then-cuBLAS alternative.
+Every time is GPU time from a CUDA graph that calls the kernel on enough copies of the weight
 (>= 4x the L2 in all) that each call streams its weight from HBM, as a decode step does layer after layer. Bytes
 are the packed codes + scales + mins (the zeros' role; bf16, fp32 mins at 8 bits), and for the bf16 matmul its
 weight; the fraction of a device-to-
@@ -138,7 +139,8 @@ def main() -> None:
                 results.append(row)
                 extra = f"  dequant+cuBLAS {row['dequant_cublas_us']:.1f} us" if "dequant_cublas_us" in row else ""
                 if "other_path_us" in row:
-                    extra += f"  {'gemm' if gemv else 'gemv'} {row['other_path_us']:.1f} us ({row['other_path_copy_fraction']:.3f})"
+                    other = row["other_path_us"]
+                    extra += f"  {'gemm' if gemv else 'gemv'} {other:.1f} us ({row['other_path_copy_fraction']:.3f})"
                 best = f"  best {row['best']}" if "best" in row else ""
                 print(f"{name:<8} int{bits} M={m:<5} {row['path']}  {us:8.1f} us ({row['copy_fraction']:.3f} of copy, "
                       f"{row['tflops']:.1f} TFLOP/s)  bf16 {bf16:8.1f} us  x{bf16 / us:.2f}{extra}{best}", flush=True)

@@ -42,8 +42,8 @@ def repack_int_weight(
     group_size: int,
 ) -> IntWeight:
     """The kernels' layout of a weight in the tandem int-N layout, made once at load (on the weight's device;
-    one pass over the codes, shape-only tensor ops). ValueError when the weight does not fit the layout or the kernels: K and
-    group_size must be multiples of a word's elements (8 at 4 bits, 4 at 8 bits)."""
+    one pass over the codes, shape-only tensor ops). ValueError when the weight does not fit the layout or the
+    kernels: K and group_size must be multiples of a word's elements (8 at 4 bits, 4 at 8 bits)."""
     n, k = check_int_weight(qweight, scales, zeros, bits, group_size)
     per_word = WORD_BITS // bits
     if k % per_word or group_size % per_word:

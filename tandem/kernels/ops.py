@@ -260,10 +260,11 @@ def int_weight_linear(
 ) -> torch.Tensor:  # [..., N] in x's dtype
     """x W^T + b for a 4- or 8-bit weight (W = (q - zero) * scale per group): where Triton runs, the kernels of
     kernels/triton_int_weight.py (the GEMV up to a few rows, the tile GEMM above) on `packed` (repacked here,
-    a pass over the weight, when not given); elsewhere the reference dequantization and a matmul."""
+    a pass over the weight, when not given); elsewhere, and for fp32 x on a GPU (whose tensor-core dots would
+    round to TF32), the reference dequantization and a matmul."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if use_triton(x2):
+    if use_triton(x2) and not (x2.is_cuda and x2.dtype == torch.float32):
         from tandem.kernels.triton_int_weight import int_weight_matmul_triton  # lazy: CPU runs never import Triton
 
         weight = packed if packed is not None else repack_int_weight(qweight, scales, zeros, bits, group_size)

@@ -20,8 +20,8 @@ ONE_BITS = 0x3F800000  # the bits of 1.0f
 
 @triton.jit
 def _codes_plus_one(words, shifts, one_bits, BITS: tl.constexpr):
-    # int32 words [..., 1] and shifts [..., PER_WORD] (where each element's code sits) -> fp32 1 + q / 2**BITS for each
-    # code q: the code is placed in the top mantissa bits of 1.0 (one shift and one and-or per element, no
+    # int32 words [..., 1] and shifts [..., PER_WORD] (where each element's code sits) -> fp32 1 + q / 2**BITS
+    # for each code q: the code is placed in the top mantissa bits of 1.0 (one shift and one and-or per element, no
     # int -> float conversion, which issues at a quarter of the FMA rate), exactly. one_bits is 0x3F800000
     # (1.0f), passed at run time so that it sits in a register and the and-or is one LOP3 (ptxas does not
     # fuse an and and an or of two immediates).
@@ -127,7 +127,8 @@ def _int_gemv_kernel(
 
 # Two weights per and-or on the GPU (4 bits, the tile GEMM): the codes of a word's elements 2i and 2i + 1 sit in
 # bits 4i and 4i + 16 (int_weight.NIBBLE_ORDER), the low bits of its two halves once shifted right by 4i;
-# or-ed into the exponent bits of MAGIC (128 in bf16, 1024 in fp16) the halves become MAGIC + q exactly;
+# or-ed into the low mantissa bits of MAGIC (128 in bf16, 1024 in fp16: one unit in the last place) the halves
+# become MAGIC + q exactly;
 # MAGIC is subtracted (exact), and q * s + mn is one packed FMA rounded once to x's dtype. Inputs: the word
 # ($8), s ($9) and mn ($10) in the 16-bit type; outputs: the word's 8 weights in element order ($0 .. $7),
 # each pair already in one register as the tensor cores read it.
@@ -210,9 +211,8 @@ def _int_gemm_kernel(
     # Program = a BLOCK_M x BLOCK_N output tile over K range [pid_k * K_SPLIT, +K_SPLIT), in K steps of TG
     # group parts of GK elements (as in _int_gemv_kernel). Each step dequantizes its weight tile into x's
     # dtype (q * s + mn, rounded once; 4 bits on the GPU: _WORD_ASM) and multiplies on the tensor cores with
-    # fp32 accumulation. Tiles are visited
-    # GROUP_M row tiles at a time so that a weight column block is read from HBM once per GROUP_M row tiles
-    # (L2 reuse). SWAP_AB (few rows): the weight tile is the MMA's A operand (BLOCK_N fills its 64-row height)
+    # fp32 accumulation. Tiles are visited GROUP_M row tiles at a time so that a weight column block is read
+    # from HBM once per GROUP_M row tiles (L2 reuse). SWAP_AB (few rows): the weight tile is the MMA's A operand (BLOCK_N fills its 64-row height)
     # and the rows its narrow N. EVEN: N and K fill whole tiles, so only x's rows are masked. PACKED: the 4-bit
     # dequantization by inline assembly (GPU, 16-bit x; TANDEM_INT_PACKED=0: the fp32 math, for comparisons).
     PER_WORD: tl.constexpr = 32 // BITS
@@ -288,7 +288,8 @@ def _int_gemm_kernel(
 
 
 GEMV_STEP_BYTES = 1024  # bytes of each weight row a GEMV program reads per K step
-PREFETCH_STEPS = int(os.environ.get("TANDEM_INT_PREFETCH_STEPS", "2"))  # K steps of weight sent to L2 before the PDL wait
+# K steps of each weight row sent to L2 before the PDL wait (TANDEM_INT_PREFETCH_STEPS; 0: none)
+PREFETCH_STEPS = int(os.environ.get("TANDEM_INT_PREFETCH_STEPS", "2"))
 
 
 def part_elements(block_k: int, group_size: int, bits: int) -> int:

@@ -161,7 +161,8 @@ def test_ops_dispatch(monkeypatch):
     ref = reference(x.view(-1, 64), qweight, scales, zeros, 4, 32).view(2, 3, 16)
     calls = []
     real = module.int_weight_matmul_triton
-    monkeypatch.setattr(module, "int_weight_matmul_triton", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(module, "int_weight_matmul_triton",
+                        lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     if not CUDA:
         monkeypatch.delenv("TANDEM_FORCE_TRITON", raising=False)
         torch.testing.assert_close(ops.int_weight_linear(x, qweight, scales, zeros, 4, 32), ref)
@@ -252,7 +253,8 @@ for name, fn, xty, flags, warps in cases:
     ptx = kernel.asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     out[name] = {"prefetch_before_wait": 0 <= ptx.find("prefetch.global.L2") < wait,
-                 "stores_before_wait": any(op in ptx[:max(wait, 0)] for op in ("st.global", "red.global")),"wgmma": "wgmma.mma_async" in ptx, "packed_fma": ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx),
+                 "stores_before_wait": any(op in ptx[:max(wait, 0)] for op in ("st.global", "red.global")),
+                 "wgmma": "wgmma.mma_async" in ptx, "packed_fma": "fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx,
                  "local": "ld.local" in ptx or "st.local" in ptx, "v4_loads": "ld.global.v4" in ptx,
                  "shared": kernel.metadata.shared}
 json.dump(out, sys.stdout)
