@@ -1,4 +1,5 @@
-"""Plain-PyTorch KV-cache write and paged attention: the CPU path and the oracle for the GPU kernels."""
+"""Plain-PyTorch KV-cache write, paged attention and 4- / 8-bit weight dequantization: the CPU path and the oracle
+for the GPU kernels."""
 
 from __future__ import annotations
 
