@@ -13,8 +13,9 @@ are the packed codes + scales + mins (the zeros' role; bf16, fp32 mins at 8 bits
 weight; the fraction of a device-to-
 device copy bandwidth measured in the same run is the roofline figure (target at one row: >= 0.80), beside TFLOP/s.
 
---sweep also times a grid of GEMV tiles (BLOCK_N, BLOCK_K, num_warps) at 1 and 4 rows and of GEMM tiles at 16 rows
-and the prefill rows, and reports the best beside the default config.
+--sweep also times a grid of GEMV tiles (BLOCK_N, BLOCK_K, num_warps) where the GEMV runs (1 row) and of GEMM tiles
+at 4 and 16 rows and the prefill rows, and reports the best beside the default config (a grid takes minutes:
+sweep one --rows value and --bits 4 at a time).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from tandem.kernels.triton_int_weight import (  # noqa: E402
     int_gemm_config,
     int_gemv_config,
     int_weight_matmul_triton,
+    swap_ab_config,
     use_int_gemv,
 )
 
@@ -70,9 +72,14 @@ def gemv_grid() -> list[dict]:
 
 
 def gemm_grid(m: int) -> list[dict]:
-    if m <= 16:
-        return [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_stages": st, "num_warps": 4}
-                for bn, bk, sk, st in itertools.product((64, 128), (128, 256), (1, 2, 4), (2, 3))]
+    if m <= 64:  # the 64-row tile and the swap-AB one (16 rows: BLOCK_M 16)
+        grid = [{"BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_stages": st, "num_warps": w,
+                 "SWAP_AB": False} for bn, bk, sk, st, w in itertools.product((128,), (64, 128, 256), (2, 4, 8),
+                                                                              (3, 4), (4, 8))]
+        if m <= 16:
+            grid += [{"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": bk, "SPLIT_K": sk, "num_stages": 3, "num_warps": 4,
+                      "SWAP_AB": True, "GROUP_M": 1} for bk, sk in itertools.product((128, 256), (2, 4, 8))]
+        return grid
     return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_stages": st, "num_warps": 8, "SPLIT_K": 1}
             for bm, bn, bk, st in itertools.product((128, 256), (128, 256), (32, 64), (3, 4))]
 
@@ -124,10 +131,17 @@ def main() -> None:
                        "copy_fraction": frac(us), "tflops": flops / (us * 1e-6) / 1e12, "bf16_us": bf16,
                        "bf16_copy_fraction": n * k * 2 / (bf16 * 1e-6) / 1e9 / copy_gbs,
                        "bf16_tflops": flops / (bf16 * 1e-6) / 1e12, "speedup_vs_bf16": bf16 / us}
-                if m <= 4:  # the other decode path, for the choice of use_int_gemv / TANDEM_INT_GEMV_MAX_ROWS
-                    other = graph_us([lambda w=w: int_weight_matmul_triton(x, w, gemv=not gemv) for w in weights])
-                    row["other_path_us"] = other
-                    row["other_path_copy_fraction"] = frac(other)
+                # The decode paths the defaults did not pick, for use_int_gemv / TANDEM_INT_GEMV_MAX_ROWS and
+                # int_gemm_config's 64-row tile against the swap-AB one.
+                variants = {}
+                if m <= 4:
+                    variants["gemm" if gemv else "gemv"] = dict(gemv=not gemv)
+                if m <= 16:
+                    variants["gemm_swap_ab"] = dict(gemv=False, config=swap_ab_config(n, k, bits, sms))
+                row["variants"] = {}
+                for label, kw in variants.items():
+                    t = graph_us([lambda w=w, kw=kw: int_weight_matmul_triton(x, w, **kw) for w in weights])
+                    row["variants"][label] = {"us": t, "copy_fraction": frac(t)}
                 if m == prefill and m > 64:
                     deq = graph_us([lambda w=w: F.linear(x, dequantize_repacked(w)) for w in weights[:2]])
                     row["dequant_cublas_us"] = deq
@@ -138,9 +152,8 @@ def main() -> None:
                         row["best"] = table[0]
                 results.append(row)
                 extra = f"  dequant+cuBLAS {row['dequant_cublas_us']:.1f} us" if "dequant_cublas_us" in row else ""
-                if "other_path_us" in row:
-                    other = row["other_path_us"]
-                    extra += f"  {'gemm' if gemv else 'gemv'} {other:.1f} us ({row['other_path_copy_fraction']:.3f})"
+                for label, v in row["variants"].items():
+                    extra += f"  {label} {v['us']:.1f} us ({v['copy_fraction']:.3f})"
                 best = f"  best {row['best']}" if "best" in row else ""
                 print(f"{name:<8} int{bits} M={m:<5} {row['path']}  {us:8.1f} us ({row['copy_fraction']:.3f} of copy, "
                       f"{row['tflops']:.1f} TFLOP/s)  bf16 {bf16:8.1f} us  x{bf16 / us:.2f}{extra}{best}", flush=True)

@@ -321,25 +321,34 @@ def int_gemv_config(m: int, n: int, k: int, bits: int, group_size: int, sms: int
 
 
 def int_gemm_config(m: int, n: int, k: int, bits: int, group_size: int, sms: int) -> dict[str, int]:
-    """The tile GEMM's tile from the shape alone. Up to 16 rows: swap AB (64 weight channels fill the MMA's
-    height, the rows its N), 256-wide K steps at 4 bits (the per-step costs over twice the weights of 128:
-    ~4.6 instructions a weight in the sm_90 loop against ~5), K split until ~2 programs per SM (the weight
-    stream is the cost); up to 64 rows: 64 x 128 tiles; above, 128 or (past 128 rows) 256 x 128 tiles of 8
-    warps: the dequantization of a weight tile is shared by its BLOCK_M rows, and at 256 rows the sm_90
-    build issues ~750 cycles of instructions a K step per SM against ~1,000 of tensor-core work (ptxas, no
-    spills; not yet timed on a GPU)."""
-    if m <= 16:
-        block_k = 256 if bits == 4 else 128
-        split_k = split_k_until(n, 64, triton.cdiv(k, block_k), 2 * sms, max_split=8)
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split_k, "SWAP_AB": True,
-                "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
+    """The tile GEMM's tile from the shape alone. Up to 64 rows: 64 x 128 tiles (64 rows: wgmma's least, the
+    rows past M masked), 128-wide K steps at 4 bits (64 at 8), K split until ~2 programs per SM (the weight
+    stream is the cost). In the sm_90 build (ptxas, no spills) its loop issues ~3.5 instructions a 4-bit
+    weight, against ~4.4 for the swap-AB tile (64 channels x 16 rows, `swap_ab_config`), whose weight tile
+    reaches the MMA through a shared-memory layout change with ~30 barriers a K step; the 64 rows cost
+    tensor-core time that the 16 do not (64 MACs a weight: near the tensor-core peak at the memory roofline),
+    so the GPU decides between them (scripts/bench_int_weight.py times both). Above 64 rows, 128 or (past
+    128 rows) 256 x 128 tiles of 8 warps: the dequantization of a weight tile is shared by its BLOCK_M rows,
+    and at 256 rows the loop issues ~750 cycles of instructions a K step per SM against ~1,000 of tensor-core
+    work."""
     if m <= 64:
-        split_k = split_k_until(n, 128, triton.cdiv(k, 64), 2 * sms, max_split=4)
-        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": split_k, "SWAP_AB": False,
+        block_k = 128 if bits == 4 else 64
+        split_k = split_k_until(n, 128, triton.cdiv(k, block_k), 2 * sms, max_split=8)
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": block_k, "SPLIT_K": split_k, "SWAP_AB": False,
                 "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
     block_m = 128 if m <= 128 else 256
     return {"BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 1, "SWAP_AB": False, "GROUP_M": 8,
             "num_warps": 8, "num_stages": 3}
+
+
+def swap_ab_config(n: int, k: int, bits: int, sms: int) -> dict[str, int]:
+    """The swap-AB tile for up to 16 rows (64 weight channels fill the MMA's height, the rows its N): 256-wide K
+    steps at 4 bits (128 at 8), K split until ~2 programs per SM. Not the default (see int_gemm_config); pass
+    it as int_weight_matmul_triton's config to compare."""
+    block_k = 256 if bits == 4 else 128
+    split_k = split_k_until(n, 64, triton.cdiv(k, block_k), 2 * sms, max_split=8)
+    return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split_k, "SWAP_AB": True,
+            "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
 
 
 def int_weight_matmul_triton(

@@ -16,6 +16,7 @@ from tandem.kernels.triton_int_weight import (
     int_gemv_config,
     int_weight_matmul_triton,
     part_elements,
+    swap_ab_config,
 )
 from tests.kernels.sm90 import compile_sm90
 
@@ -111,9 +112,12 @@ def test_matches_reference(bits, group, m):
     ref = reference(x, qweight, scales, zeros, bits, group_size, bias)
     packed = repack_int_weight(qweight, scales, zeros, bits, group_size)
     # The GEMV at every decode row count (several channels a program: interpreter time); the GEMM on tiles
-    # that N fills (EVEN: unmasked loads), and per-channel on its default tile (64 channels: masked).
+    # that N fills (EVEN: unmasked loads), and per-channel on its default tile (128 channels: masked); up to
+    # 16 rows also the swap-AB tile.
     paths = [(True, {"BLOCK_N": 16, "BLOCK_K": 128})] if m <= 4 else []
     paths.append((False, {"BLOCK_N": 16} if group else None))
+    if m <= 16:
+        paths.append((False, {**swap_ab_config(n, k, bits, 132), "BLOCK_N": 16}))
     for gemv, config in paths:
         out = int_weight_matmul_triton(x, packed, bias, gemv=gemv, config=config)
         assert out.shape == (m, n) and out.dtype == dtype
@@ -154,7 +158,7 @@ def test_configs_fill_the_gpu_from_the_shape():
         cfg = int_gemv_config(1, n, k, 4, 128, sms)
         assert cfg["SPLIT_K"] == 1 and -(-n // cfg["BLOCK_N"]) >= 2 * sms
         assert int_gemm_config(4096, n, k, 4, 128, sms)["BLOCK_M"] == 256
-        assert int_gemm_config(16, n, k, 4, 128, sms)["SWAP_AB"]
+        assert int_gemm_config(16, n, k, 4, 128, sms)["BLOCK_M"] == 64
     narrow = int_gemv_config(1, 64, 8192, 4, 128, sms)  # 4 K steps of 2048
     assert narrow["BLOCK_N"] == 1 and narrow["SPLIT_K"] > 1
 
@@ -236,13 +240,13 @@ from tandem.kernels.triton_int_weight import _int_gemm_kernel, _int_gemv_kernel
 names = ["x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "M", "N", "K", "K_SPLIT", "GROUP",
          "ONE_BITS", "stride_xm", "stride_wn", "stride_sn", "stride_om"]
 out = {}
-# (kernel, activation type, constexprs, warps): the decode GEMV and the swap-AB GEMM at their Llama-3-8B tiles
+# (kernel, activation type, constexprs, warps): the decode GEMV and GEMM at their Llama-3-8B tiles
 # (4 bits, group 128, bf16), and the prefill tile in fp16.
 cases = [
     ("gemv", _int_gemv_kernel, "bf16", dict(MASK_M=False, BLOCK_M=1, BLOCK_N=8, TG=16, GW=16, PREFETCH_LINES=16,
                                             USE_PDL=2), 4),
-    ("gemm-swap", _int_gemm_kernel, "bf16", dict(SWAP_AB=True, BLOCK_M=16, BLOCK_N=64, TG=2, GW=16, GROUP_M=1,
-                                                  PACKED=True, PREFETCH_LINES=2, USE_PDL=2), 4),
+    ("gemm-decode", _int_gemm_kernel, "bf16", dict(SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, TG=1, GW=16,
+                                                    GROUP_M=8, PACKED=True, PREFETCH_LINES=1, USE_PDL=2), 4),
     ("gemm-fp16", _int_gemm_kernel, "fp16", dict(SWAP_AB=False, BLOCK_M=256, BLOCK_N=128, TG=1, GW=8,
                                                   GROUP_M=8, PACKED=True, PREFETCH_LINES=0, USE_PDL=0), 8),
 ]
@@ -267,7 +271,7 @@ json.dump(out, sys.stdout)
 
 
 def test_kernels_compile_for_sm90():
-    """The decode GEMV, the swap-AB GEMM and the prefill GEMM compile for Hopper without a GPU at their default
+    """The decode GEMV, the decode GEMM and the prefill GEMM compile for Hopper without a GPU at their default
     tiles: no local memory (spills), the GEMMs on wgmma with the packed dequantization (bf16 and fp16 inline
     assembly accepted by ptxas), shared memory within the 227 KiB a block may have, the GEMV streaming 16-byte
     loads; under PDL the decode kernels prefetch weight lines before the wait and write nothing before it."""
@@ -275,7 +279,7 @@ def test_kernels_compile_for_sm90():
     for name, info in result.items():
         assert not info["local"] and info["shared"] <= 227 * 1024, (name, info)
     assert result["gemv"]["v4_loads"]
-    for name in ("gemm-swap", "gemm-fp16"):
+    for name in ("gemm-decode", "gemm-fp16"):
         assert result[name]["wgmma"] and result[name]["packed_fma"], (name, result[name])
-    for name in ("gemv", "gemm-swap"):  # under PDL: weight lines to L2 before the wait, nothing written before it
+    for name in ("gemv", "gemm-decode"):  # under PDL: weight lines to L2 before the wait, nothing written before it
         assert result[name]["prefetch_before_wait"] and not result[name]["stores_before_wait"], (name, result[name])
