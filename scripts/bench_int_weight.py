@@ -73,9 +73,8 @@ def gemv_grid() -> list[dict]:
 
 def gemm_grid(m: int) -> list[dict]:
     if m <= 64:  # the 64-row tile and the swap-AB one (16 rows: BLOCK_M 16)
-        grid = [{"BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_stages": st, "num_warps": w,
-                 "SWAP_AB": False} for bn, bk, sk, st, w in itertools.product((128,), (64, 128, 256), (2, 4, 8),
-                                                                              (3, 4), (4, 8))]
+        grid = [{"BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_stages": 3, "num_warps": w,
+                 "SWAP_AB": False} for bn, bk, sk, w in itertools.product((128, 256), (128, 256), (2, 4, 8), (4, 8))]
         if m <= 16:
             grid += [{"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": bk, "SPLIT_K": sk, "num_stages": 3, "num_warps": 4,
                       "SWAP_AB": True, "GROUP_M": 1} for bk, sk in itertools.product((128, 256), (2, 4, 8))]
