@@ -187,6 +187,6 @@ def dequantize_int_weight(
         q = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).view(n, k)  # even k low nibble, odd k high
     else:
         q = qweight
-    q = q.view(n, k // group_size, group_size).float()
+    q = q.reshape(n, k // group_size, group_size).float()
     w = (q - zeros.float()[:, :, None]) * scales.float()[:, :, None]
     return w.view(n, k).to(scales.dtype)
