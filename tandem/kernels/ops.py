@@ -257,18 +257,22 @@ def int_weight_linear(
     group_size: int,
     bias: torch.Tensor | None = None,  # [N]
     packed: IntWeight | None = None,  # the same weight as repack_int_weight made it (once, at load)
-) -> torch.Tensor:  # [..., N] in x's dtype
+    defer_reduce: bool = False,  # 2-D x only: a split-K GEMM may return PartialSums (Linear.forward's contract)
+) -> torch.Tensor | PartialSums:  # [..., N] in x's dtype
     """x W^T + b for a 4- or 8-bit weight (W = (q - zero) * scale per group): where Triton runs, the kernels of
     kernels/triton_int_weight.py (the GEMV up to a few rows, the tile GEMM above) on `packed` (repacked here,
     a pass over the weight, when not given); elsewhere, and for fp32 x on a GPU (whose tensor-core dots would
-    round to TF32), the reference dequantization and a matmul."""
+    round to TF32), the reference dequantization and a matmul. defer_reduce: as Linear.forward's (PartialSums
+    where the kernel splits K, for the add + RMSNorm after it)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if use_triton(x2) and not (x2.is_cuda and x2.dtype == torch.float32):
         from tandem.kernels.triton_int_weight import int_weight_matmul_triton  # lazy: CPU runs never import Triton
 
         weight = packed if packed is not None else repack_int_weight(qweight, scales, zeros, bits, group_size)
-        out = int_weight_matmul_triton(x2, weight, bias)
+        out = int_weight_matmul_triton(x2, weight, bias, defer=defer_reduce and x.dim() == 2)
+        if isinstance(out, PartialSums):
+            return out
     else:
         dense = dequantize_int_weight(qweight, scales, zeros, bits, group_size).to(x.dtype)
         out = torch.nn.functional.linear(x2, dense, bias)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.fp8 import PartialSums
+from tandem.kernels.fp8 import DEFER_REDUCE, PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
 from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
 from tandem.kernels.triton_quant import reduce_partial_sums_triton, split_k_until
@@ -357,9 +357,11 @@ def int_weight_matmul_triton(
     bias: torch.Tensor | None = None,  # [N]
     gemv: bool | None = None,  # the GEMV (True) or the tile GEMM (False); None: by M (use_int_gemv)
     config: dict[str, int] | None = None,  # overrides the config's entries (benchmarks, tests)
-) -> torch.Tensor:  # [M, N] in x's dtype
+    defer: bool = False,  # split over K: may return PartialSums instead of running the reduce
+) -> torch.Tensor | PartialSums:  # [M, N] in x's dtype
     """x W^T + b with W = q * scale + min dequantized inside the kernel: the GEMV for a few rows, the tile GEMM
-    otherwise. No host sync, grid and workspace from the shape alone: captures in CUDA graphs."""
+    otherwise. No host sync, grid and workspace from the shape alone: captures in CUDA graphs. With `defer`
+    (and TANDEM_DEFER_REDUCE not 0) a K split hands its fp32 partial sums on for the RMSNorm after it."""
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}] for this weight, got {tuple(x.shape)}")
@@ -399,7 +401,10 @@ def int_weight_matmul_triton(
                   and scales.dtype == x.dtype and os.environ.get("TANDEM_INT_PACKED") != "0")
         _int_gemm_kernel[grid](*args, PACKED=packed, **common, **cfg)
     if split_k > 1:
-        reduce_partial_sums_triton(PartialSums(ws, None, bias, out.dtype), out)
+        parts = PartialSums(ws, None, bias, out.dtype)
+        if defer and DEFER_REDUCE:
+            return parts
+        reduce_partial_sums_triton(parts, out)
     return out
 
 

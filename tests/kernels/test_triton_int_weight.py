@@ -283,3 +283,24 @@ def test_kernels_compile_for_sm90():
         assert result[name]["wgmma"] and result[name]["packed_fma"], (name, result[name])
     for name in ("gemv", "gemm-decode"):  # under PDL: weight lines to L2 before the wait, nothing written before it
         assert result[name]["prefetch_before_wait"] and not result[name]["stores_before_wait"], (name, result[name])
+
+
+def test_deferred_reduce_hands_on_the_partial_sums(monkeypatch):
+    """defer_reduce on 2-D x: a K split returns PartialSums whose reduce is the linear's output (bias in it);
+    a GEMM that does not split, or 3-D x, returns the tensor."""
+    import tandem.kernels.triton_int_weight as module
+
+    monkeypatch.setattr(module, "DEFER_REDUCE", True)
+    if not CUDA:
+        monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
+    qweight, scales, zeros, _ = make_weight(32, 512, 4, 64, torch.float32, 9)
+    packed = repack_int_weight(qweight, scales, zeros, 4, 64)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    bias = torch.randn(32).to(DEVICE)
+    ref = reference(x, qweight, scales, zeros, 4, 64, bias)
+    parts = module.int_weight_matmul_triton(x, packed, bias, config={"BLOCK_N": 16, "SPLIT_K": 2}, defer=True)
+    assert isinstance(parts, ops.PartialSums) and parts.ws.shape == (2, 2, 32)
+    assert_close_to(parts.reduce(), ref)
+    whole = module.int_weight_matmul_triton(x, packed, bias, config={"BLOCK_N": 16, "SPLIT_K": 1}, defer=True)
+    assert isinstance(whole, torch.Tensor)
+    assert isinstance(ops.int_weight_linear(x[None], qweight, scales, zeros, 4, 64, bias, packed, True), torch.Tensor)
