@@ -16,8 +16,9 @@ from tandem.kernels.fp8 import (
     fp8_quantizes_activations,
     group_block_k,
 )
+from tandem.kernels.int_weight import IntWeight, repack_int_weight
 from tandem.kernels.moe_align import fused_moe_ref, route_topk
-from tandem.kernels.reference import paged_attention_ref, write_kv_ref
+from tandem.kernels.reference import dequantize_int_weight, paged_attention_ref, write_kv_ref
 
 if TYPE_CHECKING:
     from tandem.kernels.triton_attention import NewTokens
@@ -245,3 +246,34 @@ def fused_moe(
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale,
                                 into_norm=into_norm)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
+
+
+def int_weight_linear(
+    x: torch.Tensor,  # [..., K] in the activation dtype
+    qweight: torch.Tensor,  # uint8 [N, K // 2] (4 bits) or [N, K] (8 bits), the tandem int-N layout
+    scales: torch.Tensor,  # [N, K // group_size] in x's dtype
+    zeros: torch.Tensor,  # [N, K // group_size] in x's dtype
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,  # [N]
+    packed: IntWeight | None = None,  # the same weight as repack_int_weight made it (once, at load)
+    defer_reduce: bool = False,  # 2-D x only: a split-K GEMM may return PartialSums (Linear.forward's contract)
+) -> torch.Tensor | PartialSums:  # [..., N] in x's dtype
+    """x W^T + b for a 4- or 8-bit weight (W = (q - zero) * scale per group): where Triton runs, the kernels of
+    kernels/triton_int_weight.py (the GEMV up to a few rows, the tile GEMM above) on `packed` (repacked here,
+    a pass over the weight, when not given); elsewhere, and for fp32 x on a GPU (whose tensor-core dots would
+    round to TF32), the reference dequantization and a matmul. defer_reduce: as Linear.forward's (PartialSums
+    where the kernel splits K, for the add + RMSNorm after it)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if use_triton(x2) and not (x2.is_cuda and x2.dtype == torch.float32):
+        from tandem.kernels.triton_int_weight import int_weight_matmul_triton  # lazy: CPU runs never import Triton
+
+        weight = packed if packed is not None else repack_int_weight(qweight, scales, zeros, bits, group_size)
+        out = int_weight_matmul_triton(x2, weight, bias, defer=defer_reduce and x.dim() == 2)
+        if isinstance(out, PartialSums):
+            return out
+    else:
+        dense = dequantize_int_weight(qweight, scales, zeros, bits, group_size).to(x.dtype)
+        out = torch.nn.functional.linear(x2, dense, bias)
+    return out.view(*lead, out.shape[-1])

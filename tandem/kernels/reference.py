@@ -1,4 +1,5 @@
-"""Plain-PyTorch KV-cache write and paged attention: the CPU path and the oracle for the GPU kernels."""
+"""Plain-PyTorch KV-cache write, paged attention and 4- / 8-bit weight dequantization: the CPU path and the oracle
+for the GPU kernels."""
 
 from __future__ import annotations
 
@@ -147,3 +148,45 @@ def _varlen_attention(
         )  # [num_heads, query_len, dim]
         result[start:end] = out.transpose(0, 1).to(q.dtype)
     return result
+
+
+INT_WEIGHT_BITS = (4, 8)
+
+
+def check_int_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                     group_size: int) -> tuple[int, int]:
+    """(N, K) of a weight in the tandem int-N layout, or a ValueError that says what does not fit it: qweight
+    uint8 [N, K // 2] (4 bits: element k in byte k // 2, even k in the low nibble) or [N, K] (8 bits); scales
+    and zeros [N, K // group_size] in one floating dtype; group_size divides K."""
+    if bits not in INT_WEIGHT_BITS:
+        raise ValueError(f"int weights have 4 or 8 bits, got {bits}")
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2:
+        raise ValueError(f"qweight must be a 2-D uint8 tensor, got {qweight.dtype} of shape {tuple(qweight.shape)}")
+    n = qweight.shape[0]
+    k = qweight.shape[1] * (8 // bits)
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"group_size {group_size} does not divide the {k} input features")
+    groups = (n, k // group_size)
+    if tuple(scales.shape) != groups or tuple(zeros.shape) != groups:
+        raise ValueError(f"scales and zeros must be {list(groups)} for qweight {tuple(qweight.shape)} at {bits} bits "
+                         f"and group_size {group_size}, got {tuple(scales.shape)} and {tuple(zeros.shape)}")
+    if not scales.is_floating_point() or zeros.dtype != scales.dtype:
+        raise ValueError(f"scales and zeros must share one floating dtype, got {scales.dtype} and {zeros.dtype}")
+    return n, k
+
+
+def dequantize_int_weight(
+    qweight: torch.Tensor,  # uint8 [N, K // 2] (4 bits) or [N, K] (8 bits): unsigned codes q
+    scales: torch.Tensor,  # [N, K // group_size] in the activation dtype
+    zeros: torch.Tensor,  # [N, K // group_size] in the activation dtype
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:  # [N, K] in scales' dtype: (q - zero) * scale of each element's group, computed in fp32
+    n, k = check_int_weight(qweight, scales, zeros, bits, group_size)
+    if bits == 4:
+        q = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).view(n, k)  # even k low nibble, odd k high
+    else:
+        q = qweight
+    q = q.reshape(n, k // group_size, group_size).float()
+    w = (q - zeros.float()[:, :, None]) * scales.float()[:, :, None]
+    return w.view(n, k).to(scales.dtype)

@@ -1,0 +1,169 @@
+"""W4A16 / W8A16 kernel benchmark on CUDA: the int-weight GEMV and tile GEMM against the bf16 torch matmul.
+
+    python scripts/bench_int_weight.py --out out/int_weight.json [--bits 4,8] [--rows 1,4,16,4096] [--group 128]
+        [--shapes qkv,o,gate_up,down] [--sweep]
+
+For the Llama-3-8B projections (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096; the lm_head
+stays bf16) at each row count it times `int_weight_matmul_triton` (the path `ops.int_weight_linear` picks for that
+many rows), the bf16 `F.linear` (cuBLAS) on the same shape, up to 4 rows also the other decode path (GEMV or
+tile GEMM: what use_int_gemv should pick), and at the prefill row count the dequantize-then-cuBLAS alternative.
+Every time is GPU time from a CUDA graph that calls the kernel on enough copies of the weight
+(>= 4x the L2 in all) that each call streams its weight from HBM, as a decode step does layer after layer. Bytes
+are the packed codes + scales + mins (the zeros' role; bf16, fp32 mins at 8 bits), and for the bf16 matmul its
+weight; the fraction of a device-to-
+device copy bandwidth measured in the same run is the roofline figure (target at one row: >= 0.80), beside TFLOP/s.
+
+--sweep also times a grid of GEMV tiles (BLOCK_N, BLOCK_K, num_warps) where the GEMV runs (1 row) and of GEMM tiles
+at 4 and 16 rows and the prefill rows, and reports the best beside the default config (a grid takes minutes:
+sweep one --rows value and --bits 4 at a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gemv import cuda_setup, graph_us, l2_bytes, write_rows  # noqa: E402
+
+from tandem.kernels.int_weight import dequantize_repacked, repack_int_weight  # noqa: E402
+from tandem.kernels.triton_int_weight import (  # noqa: E402
+    int_gemm_config,
+    int_gemv_config,
+    int_weight_matmul_triton,
+    swap_ab_config,
+    use_int_gemv,
+)
+
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]  # (name, N, K)
+
+
+def int_weight_copies(n: int, k: int, bits: int, group: int, l2: int, device) -> list:
+    """Enough random IntWeight copies (>= 2, >= 4x the L2 in all) that a graph calling a kernel on each in turn
+    streams every one from HBM."""
+    gen = torch.Generator(device=device).manual_seed(n + k + bits)
+    nbytes = n * k * bits // 8 + 2 * 2 * n * (k // group)
+    out = []
+    for _ in range(max(2, -(-4 * l2 // nbytes))):
+        qweight = torch.randint(0, 256, (n, k * bits // 8), generator=gen, device=device, dtype=torch.uint8)
+        scales = (torch.rand(n, k // group, generator=gen, device=device) * 0.01).to(torch.bfloat16)
+        zeros = torch.full((n, k // group), 2 ** (bits - 1), device=device, dtype=torch.bfloat16)
+        out.append(repack_int_weight(qweight, scales, zeros, bits, group))
+    return out
+
+
+def bf16_copies(n: int, k: int, l2: int, device) -> list[torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(n + k)
+    count = max(2, -(-4 * l2 // (n * k * 2)))
+    return [(torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16) for _ in range(count)]
+
+
+def gemv_grid() -> list[dict]:
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
+            for bn, bk, w in itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (2, 4, 8))]
+
+
+def gemm_grid(m: int) -> list[dict]:
+    if m <= 64:  # the 64-row tile and the swap-AB one (16 rows: BLOCK_M 16)
+        grid = [{"BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_stages": 3, "num_warps": w,
+                 "SWAP_AB": False} for bn, bk, sk, w in itertools.product((128, 256), (128, 256), (2, 4, 8), (4, 8))]
+        if m <= 16:
+            grid += [{"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": bk, "SPLIT_K": sk, "num_stages": 3, "num_warps": 4,
+                      "SWAP_AB": True, "GROUP_M": 1} for bk, sk in itertools.product((128, 256), (2, 4, 8))]
+        return grid
+    return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_stages": st, "num_warps": 8, "SPLIT_K": 1}
+            for bm, bn, bk, st in itertools.product((128, 256), (128, 256), (32, 64), (3, 4))]
+
+
+def sweep(x, weights, gemv: bool, grid: list[dict], frac) -> list[dict]:
+    """Every tile of grid timed (GPU us per call) with its roofline fraction, fastest first; tiles that do not
+    compile (shared memory, registers) are left out."""
+    table = []
+    for cfg in grid:
+        try:
+            us = graph_us([lambda w=w, c=cfg: int_weight_matmul_triton(x, w, gemv=gemv, config=c)
+                           for w in weights], reps=2)
+        except Exception:  # noqa: BLE001  out of resources for this tile
+            continue
+        table.append({**cfg, "us": round(us, 2), "copy_fraction": round(frac(us), 4)})
+    return sorted(table, key=lambda e: e["us"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--bits", default="4,8")
+    parser.add_argument("--rows", default="1,4,16,4096", help="row counts M (the largest is the prefill case)")
+    parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES), help="projections to time")
+    args = parser.parse_args()
+    device, props, copy_gbs = cuda_setup()
+    sms, l2 = props.multi_processor_count, l2_bytes(props)
+    rows_m = [int(v) for v in args.rows.split(",")]
+    prefill = max(rows_m)
+    results = []
+    for name, n, k in (shape for shape in SHAPES if shape[0] in args.shapes.split(",")):
+        dense = bf16_copies(n, k, l2, device)
+        for bits in (int(b) for b in args.bits.split(",")):
+            weights = int_weight_copies(n, k, bits, args.group, l2, device)
+            w0 = weights[0]  # bytes a call streams: the codes, the scales and the mins (the zeros' role)
+            nbytes = sum(t.numel() * t.element_size() for t in (w0.words, w0.scales, w0.mins))
+            for m in rows_m:
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                flops = 2 * m * n * k
+                frac = lambda us, b=nbytes: b / (us * 1e-6) / 1e9 / copy_gbs  # noqa: E731
+                us = graph_us([lambda w=w: int_weight_matmul_triton(x, w) for w in weights])
+                bf16 = graph_us([lambda w=w: F.linear(x, w) for w in dense])
+                gemv = use_int_gemv(m)
+                make = int_gemv_config if gemv else int_gemm_config
+                row = {"proj": name, "N": n, "K": k, "bits": bits, "group": args.group, "M": m, "path":
+                       "gemv" if gemv else "gemm", "config": make(m, n, k, bits, args.group, sms), "us": us,
+                       "copy_fraction": frac(us), "tflops": flops / (us * 1e-6) / 1e12, "bf16_us": bf16,
+                       "bf16_copy_fraction": n * k * 2 / (bf16 * 1e-6) / 1e9 / copy_gbs,
+                       "bf16_tflops": flops / (bf16 * 1e-6) / 1e12, "speedup_vs_bf16": bf16 / us}
+                # The decode paths the defaults did not pick, for use_int_gemv / TANDEM_INT_GEMV_MAX_ROWS and
+                # int_gemm_config's 64-row tile against the swap-AB one.
+                variants = {}
+                if m <= 4:
+                    variants["gemm" if gemv else "gemv"] = dict(gemv=not gemv)
+                if m <= 16:
+                    variants["gemm_swap_ab"] = dict(gemv=False, config=swap_ab_config(n, k, bits, sms))
+                row["variants"] = {}
+                for label, kw in variants.items():
+                    t = graph_us([lambda w=w, kw=kw: int_weight_matmul_triton(x, w, **kw) for w in weights])
+                    row["variants"][label] = {"us": t, "copy_fraction": frac(t)}
+                if m == prefill and m > 64:
+                    deq = graph_us([lambda w=w: F.linear(x, dequantize_repacked(w)) for w in weights[:2]])
+                    row["dequant_cublas_us"] = deq
+                if args.sweep and (m in (1, 4) or m == 16 or m == prefill):
+                    table = sweep(x, weights, gemv, gemv_grid() if gemv else gemm_grid(m), frac)
+                    row["sweep"] = table[:12]
+                    if table:
+                        row["best"] = table[0]
+                results.append(row)
+                extra = f"  dequant+cuBLAS {row['dequant_cublas_us']:.1f} us" if "dequant_cublas_us" in row else ""
+                for label, v in row["variants"].items():
+                    extra += f"  {label} {v['us']:.1f} us ({v['copy_fraction']:.3f})"
+                best = f"  best {row['best']}" if "best" in row else ""
+                print(f"{name:<8} int{bits} M={m:<5} {row['path']}  {us:8.1f} us ({row['copy_fraction']:.3f} of copy, "
+                      f"{row['tflops']:.1f} TFLOP/s)  bf16 {bf16:8.1f} us  x{bf16 / us:.2f}{extra}{best}", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+        del dense
+        torch.cuda.empty_cache()
+    if args.out:
+        write_rows(args.out, props, copy_gbs, results, benchmark="int_weight_linear", date=time.strftime("%Y-%m-%d"),
+                   torch=torch.__version__, sms=sms, l2_bytes=l2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The 4- and 8-bit weight layout the Triton int-weight kernels read (IntWeight), made once at load from the
+tandem int-N layout by repack_int_weight."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.kernels.reference import check_int_weight
+
+WORD_BITS = 32
+# 4 bits: the element of its word's 8 that nibble i holds. A word's codes of elements 2i and 2i + 1 then sit in
+# bits 4i and 4i + 16, the low bits of its two 16-bit halves once shifted right by 4i: one and-or makes the
+# pair (2i, 2i + 1) of 16-bit floats in the order the tensor cores read it (triton_int_weight._WORD_ASM).
+NIBBLE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+@dataclass(slots=True)
+class IntWeight:
+    """A weight W [N, K] = q * scale + min per group of group_size elements of a row (min = -zero * scale),
+    as the kernels read it: codes in int32 words along K, scales and mins in the activation dtype."""
+
+    words: torch.Tensor  # int32 [N, K * bits // 32]: 8 bits, element 4w + i in byte i of word w; 4 bits, nibble
+    # i of word w holds element 8w + NIBBLE_ORDER[i]
+    scales: torch.Tensor  # [N, K // group_size]
+    mins: torch.Tensor  # [N, K // group_size]: -zero * scale; 4 bits: rounded to the scales' dtype, 8 bits: fp32
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K): output and input features."""
+        return self.words.shape[0], self.words.shape[1] * (WORD_BITS // self.bits)
+
+
+def repack_int_weight(
+    qweight: torch.Tensor,  # uint8 [N, K // 2] (4 bits) or [N, K] (8 bits), the tandem int-N layout
+    scales: torch.Tensor,  # [N, K // group_size] in the activation dtype
+    zeros: torch.Tensor,  # [N, K // group_size] in the activation dtype
+    bits: int,
+    group_size: int,
+) -> IntWeight:
+    """The kernels' layout of a weight in the tandem int-N layout, made once at load (on the weight's device;
+    one pass over the codes, shape-only tensor ops). ValueError when the weight does not fit the layout or the
+    kernels: K and group_size must be multiples of a word's elements (8 at 4 bits, 4 at 8 bits)."""
+    n, k = check_int_weight(qweight, scales, zeros, bits, group_size)
+    per_word = WORD_BITS // bits
+    if k % per_word or group_size % per_word:
+        raise ValueError(f"{bits}-bit kernels need K and group_size multiples of {per_word}, got K {k} and "
+                         f"group_size {group_size}")
+    if bits == 4:
+        codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).view(n, k // 8, 8)  # element order
+        nibbles = torch.cat((codes[:, :, 0::2], codes[:, :, 1::2]), dim=-1)  # [N, K // 8, 8]: NIBBLE_ORDER
+        words = (nibbles[:, :, 0::2] | (nibbles[:, :, 1::2] << 4)).contiguous().view(torch.int32).view(n, k // 8)
+    else:
+        words = qweight.contiguous().view(torch.int32)
+    # The 4-bit tile GEMM adds the min in the activation dtype (one packed FMA per two weights): off by at most
+    # 2**-9 |zero * scale| <= 2**-5 scale in bf16. 8-bit zeros reach 255, so there the kernels' fp32 math
+    # gets fp32 mins.
+    mins = -(zeros.float() * scales.float())
+    mins = mins.to(scales.dtype) if bits == 4 else mins
+    return IntWeight(words.contiguous(), scales.contiguous(), mins.contiguous(), bits, group_size)
+
+
+def dequantize_repacked(weight: IntWeight) -> torch.Tensor:  # [N, K] in the scales' dtype
+    """The weight an IntWeight holds, q * scale + min in fp32 rounded once to the scales' dtype."""
+    n, k = weight.shape
+    per_word = WORD_BITS // weight.bits
+    shifts = torch.arange(per_word, device=weight.words.device, dtype=torch.int32) * weight.bits
+    slots = (weight.words[:, :, None] >> shifts) & ((1 << weight.bits) - 1)  # [N, K // per_word, per_word]
+    if weight.bits == 4:  # back to element order: nibbles 0-3 hold the even elements, 4-7 the odd
+        slots = torch.stack((slots[:, :, :4], slots[:, :, 4:]), dim=-1).reshape(slots.shape)
+    q = slots.reshape(n, k // weight.group_size, weight.group_size).float()
+    w = q * weight.scales.float()[:, :, None] + weight.mins.float()[:, :, None]
+    return w.view(n, k).to(weight.scales.dtype)
