@@ -169,6 +169,8 @@ class EngineCore:
         self._check_open()
         check_new_request(request_id, prompt_token_ids, params, self._requests, self.model_config.vocab_size,
                           self.max_model_len)
+        if self.config.tensor_parallel_size > 1 and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         if self.config.tensor_parallel_size > 1 and params.uses_logits_state:
             raise ValueError("penalties, logit_bias, allowed_token_ids and bad_words are not supported with "
                              "tensor_parallel_size > 1")
@@ -404,6 +406,9 @@ class EngineCore:
         if self.timeline is not None:
             for name, start, end in self.runner.step_gpu_spans(handle, self._timeline_base):
                 self.timeline.add_gpu(name, start, end, handle.step_index)
+        for request, first_token, entries in result.prompt_logprobs or ():
+            if request.request_id in self._requests:  # else aborted meanwhile
+                request.add_prompt_logprobs(first_token, entries)
         return self._timed("update", lambda: self._update(handle.sched, result.token_ids, result.logprobs))
 
     def _update(self, sched: SchedulerOutput, token_ids: list[int], logprobs: list[Logprobs] | None) -> list[EngineOutput]:
@@ -418,16 +423,19 @@ class EngineCore:
             if rid not in requests:
                 continue  # aborted meanwhile: its token is dropped
             host_mask = req.host_mask
-            if host_mask is not None and not host_mask.accept(req.output_token_ids[-1]):
+            if host_mask is not None and req.output_token_ids and not host_mask.accept(req.output_token_ids[-1]):
                 self.num_grammar_rejections += 1
             new_lp = req.output_logprobs[-1:] if req.sampling_params.logprobs is not None else None
+            prompt_lp = None
+            if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                prompt_lp, req.prompt_logprobs_sent = req.prompt_logprobs, True
             scheduled_at = req.first_scheduled_time
             finished = req.status is finished_status
             cached = req.num_cached_tokens
             outputs.append(
                 EngineOutput(rid, req.output_token_ids[-1:], new_lp, finished, req.finish_reason, req.stop_reason,
                              len(req.prompt_token_ids), cached if cached > 0 else 0, None,
-                             scheduled_at - req.arrival_time if scheduled_at else None)
+                             scheduled_at - req.arrival_time if scheduled_at else None, prompt_lp)
             )
             if finished:
                 del requests[rid]

@@ -34,6 +34,7 @@ from tandem.runner.cuda_graphs import (
 from tandem.runner.input_buffers import StepBuffers, StepShape, write_step
 from tandem.runner.host_masks import HostMaskBuffers
 from tandem.runner.logits_state import LogitsState
+from tandem.runner.prompt_logprobs import PromptLogprobs
 from tandem.runner.sampler import sample
 from tandem.runner.streams import DeviceStreams, StepEvents
 from tandem.runner.tensor_parallel import StepPlan, TensorParallelGroup, WorkerDiedError
@@ -77,6 +78,8 @@ class PreparedStep:
 class StepResult:
     token_ids: list[int]
     logprobs: list[Logprobs] | None
+    # (request, index of its first scored prompt token, one entry per token) of the requests with prompt_logprobs
+    prompt_logprobs: list[tuple[Any, int, list[Logprobs]]] | None = None
 
 
 class ModelRunner:
@@ -122,6 +125,9 @@ class ModelRunner:
         ]
         self.logits_state = LogitsState(self.max_num_seqs, mc.vocab_size, self.device)
         self.host_masks = HostMaskBuffers(self.max_num_seqs, mc.vocab_size, self.device)
+        # Prompt rows are scored max_num_seqs at a time: the logits the KV budget's profiling forward made room for.
+        self.prompt_logprobs = PromptLogprobs(self.max_num_tokens, MAX_LOGPROBS, min(self.max_num_seqs, 256),
+                                              self.device)
         self.any_host_masks = False  # set by the engine while some request has a grammar or multi-token bad words
         self.num_blocks = config.num_kv_blocks or self._num_blocks_from_memory()
         if group is not None and config.num_kv_blocks is None:
@@ -403,7 +409,9 @@ class ModelRunner:
         slot = self._step_index % 2
         num_seqs = len(sched.scheduled)
         num_tokens = sched.num_scheduled_tokens
-        decode_only = num_tokens == num_seqs
+        # A step that scores prompt rows needs its hidden rows: never a decode graph (which returns only logits).
+        scores_prompt = self.prompt_logprobs.prepare(slot, sched)
+        decode_only = num_tokens == num_seqs and not scores_prompt
         graph_bs = self.graphs.padded_size(num_seqs) if (self.graphs is not None and decode_only) else None
         piece_tokens = None
         if self.piecewise is not None and not decode_only:
@@ -514,6 +522,7 @@ class ModelRunner:
         with streams.on("h2d"):
             buf.upload(graph_bs or num_seqs)
             self.logits_state.upload(slot)
+            self.prompt_logprobs.upload(slot)
             streams.record("h2d", events.h2d_done)
         streams.wait("compute", events.h2d_done)
         with streams.on("compute"):
@@ -528,7 +537,14 @@ class ModelRunner:
                 meta = self._meta(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len,
                                   plan.num_decodes)
                 hidden = self.piecewise.replay(slot, num_tokens, piece_tokens, meta)  # type: ignore[union-attr]
+                self.prompt_logprobs.compute(slot, hidden, self.model.compute_logits)
                 logits = self._logits(slot, hidden, num_seqs, all_rows=False)
+            elif self.prompt_logprobs.plans[slot] is not None:  # eager, keeping the hidden rows to score
+                meta = self._meta(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len,
+                                  plan.num_decodes)
+                hidden = self._hidden(slot, num_tokens, meta)
+                self.prompt_logprobs.compute(slot, hidden, self.model.compute_logits)
+                logits = self._logits(slot, hidden, num_seqs, all_rows=num_tokens == num_seqs)
             else:
                 logits = self._forward(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len,
                                        all_rows=num_tokens == num_seqs, num_decodes=plan.num_decodes)
@@ -571,6 +587,7 @@ class ModelRunner:
             with streams.on("d2h"):
                 if download:
                     buf.download(num_seqs, num_logprobs)
+                    self.prompt_logprobs.download(slot)
                 if self._all_reduce_timeout is not None:
                     flag, host_flag = self._all_reduce_timeout
                     host_flag.copy_(flag, non_blocking=True)
@@ -613,7 +630,7 @@ class ModelRunner:
                 (float(chosen_np[i]), list(zip(top_ids_np[i].tolist(), top_lp_np[i].tolist())))
                 for i in range(n)
             ]
-        return StepResult(token_ids, logprobs)
+        return StepResult(token_ids, logprobs, self.prompt_logprobs.read(handle.slot))
 
     def _check_all_reduce_timeout(self) -> None:
         """Fails the group (every later step too) once this rank's fused all-reduce gave up waiting for a peer:

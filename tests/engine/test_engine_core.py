@@ -156,6 +156,7 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
     from tandem.runner.host_masks import HostMaskBuffers
     from tandem.runner.logits_state import LogitsState
     from tandem.runner.model_runner import ModelRunner
+    from tandem.runner.prompt_logprobs import PromptLogprobs
     from tandem.runner.sampler import sample
 
     hot = [ModelRunner.prepare, ModelRunner.enqueue, ModelRunner._prepare, write_step, ModelRunner._forward,
@@ -164,7 +165,8 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
            LogitsState.upload, LogitsState.apply, LogitsState.count, ModelRunner.launch_sampling,
            ModelRunner._enqueue_sampling, HostMaskBuffers.fill, HostMaskBuffers.upload, HostMaskBuffers.apply,
            EngineCore._step, EngineCore._launch_sampling, EngineCore._fill_masks, EngineCore._start_mask_fill,
-           EngineCore._timed_mask_fill, EngineCore._join_mask_fill, ModelRunner.fill_masks]
+           EngineCore._timed_mask_fill, EngineCore._join_mask_fill, ModelRunner.fill_masks,
+           PromptLogprobs.prepare, PromptLogprobs.upload, PromptLogprobs.compute, PromptLogprobs.download]
     for fn in hot:
         assert _calls(fn) == [], f"{fn.__qualname__} syncs with the GPU: {_calls(fn)}"
     # wait(): exactly one synchronize, on the step's d2h_done event; .tolist() only on host numpy views.
@@ -172,6 +174,8 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
     syncs = [c for c in calls if c[0] == "synchronize"]
     assert syncs == [("synchronize", "handle.events.d2h_done")]
     assert all(c[0] == "tolist" and "_np" in c[1] for c in calls if c[0] != "synchronize"), calls
+    # The prompt rows' results are read after that wait, from host numpy views only.
+    assert all(c[0] == "tolist" and "_np" in c[1] for c in _calls(PromptLogprobs.read)), _calls(PromptLogprobs.read)
 
 
 @pytest.mark.parametrize("bad", [True, 1.0, -1, 100, None, "7"])
