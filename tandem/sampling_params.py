@@ -137,7 +137,8 @@ class SamplingParams:
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if self.max_tokens == 0 and self.prompt_logprobs is None:
-            raise ValueError("max_tokens=0 generates nothing: it is only useful with prompt_logprobs (scoring)")
+            raise ValueError("max_tokens must be >= 1 unless prompt_logprobs is set (max_tokens=0 scores the prompt "
+                             "without generating)")
         if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         self._validate_logits_fields(is_int)
