@@ -38,13 +38,16 @@ class _SlotBuffers:
 
     def __init__(self, max_rows: int, max_top_k: int, device: torch.device) -> None:
         cuda = device.type == "cuda"
+        # Device buffers are left uninitialized: they are created between steps on whatever stream is current, and
+        # a fill kernel there would be unordered with the H2D / compute streams that first write them. Only rows a
+        # step wrote are ever read.
         # [2, max_rows]: row 0 the hidden rows to score (token index in the step), row 1 the next prompt token.
         self.index_cpu = torch.zeros(2, max_rows, dtype=torch.int64, pin_memory=cuda)
-        self.index_gpu = torch.zeros(2, max_rows, dtype=torch.int64, device=device) if cuda else self.index_cpu
+        self.index_gpu = torch.empty(2, max_rows, dtype=torch.int64, device=device) if cuda else self.index_cpu
         self.index_np = self.index_cpu.numpy()
-        self.logprob = torch.zeros(max_rows, dtype=torch.float32, device=device)  # [max_rows]
-        self.top_ids = torch.zeros(max_rows, max(max_top_k, 1), dtype=torch.int64, device=device)  # [max_rows, k]
-        self.top_lp = torch.zeros(max_rows, max(max_top_k, 1), dtype=torch.float32, device=device)  # [max_rows, k]
+        self.logprob = torch.empty(max_rows, dtype=torch.float32, device=device)  # [max_rows]
+        self.top_ids = torch.empty(max_rows, max(max_top_k, 1), dtype=torch.int64, device=device)  # [max_rows, k]
+        self.top_lp = torch.empty(max_rows, max(max_top_k, 1), dtype=torch.float32, device=device)  # [max_rows, k]
         if cuda:
             self.host_logprob = torch.zeros_like(self.logprob, device="cpu").pin_memory()
             self.host_top_ids = torch.zeros_like(self.top_ids, device="cpu").pin_memory()
