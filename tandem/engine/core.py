@@ -169,8 +169,6 @@ class EngineCore:
         self._check_open()
         check_new_request(request_id, prompt_token_ids, params, self._requests, self.model_config.vocab_size,
                           self.max_model_len)
-        if self.config.tensor_parallel_size > 1 and params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         if self.config.tensor_parallel_size > 1 and params.uses_logits_state:
             raise ValueError("penalties, logit_bias, allowed_token_ids and bad_words are not supported with "
                              "tensor_parallel_size > 1")

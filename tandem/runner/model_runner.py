@@ -419,7 +419,7 @@ class ModelRunner:
         shape = self._prepare(sched, slot, graph_bs, piece_tokens)
         plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,
                         shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self._step_index, self.timing,
-                        shape.num_decodes, piece_tokens)
+                        shape.num_decodes, piece_tokens, *self.prompt_logprobs.plan_shape(slot))
         # Rows whose next token a grammar (or a multi-token bad word) decides on the CPU: their sampling waits for
         # launch_sampling, after the previous step's tokens have reached the matchers.
         mask_rows = [(i, s.request) for i, s in enumerate(sched.scheduled)
@@ -439,7 +439,7 @@ class ModelRunner:
                 pending = (plan, logits, mask_rows)
         else:
             # The other ranks get the filled host buffers before this rank launches (CPU to CPU only).
-            self.group.send_step(plan, self.buffers[plan.slot])
+            self.group.send_step(plan, self.buffers[plan.slot], self.prompt_logprobs.regions(plan.slot))
             try:
                 events, _ = self._enqueue(plan, download=True)
             except Exception as exc:  # on gloo the model's collectives run here: a dead peer surfaces now
@@ -465,7 +465,8 @@ class ModelRunner:
             events.compute_done.synchronize()
         self._check_all_reduce_timeout()  # raises: the worker leaves, and rank 0 fails the group
         self._record_worker_span(plan.slot)
-        self.group.recv_payload(plan, self.buffers[plan.slot])  # type: ignore[union-attr]
+        prompt_rows = self.prompt_logprobs.receive(plan.slot, plan.prompt_rows, plan.prompt_top_k)
+        self.group.recv_payload(plan, self.buffers[plan.slot], prompt_rows)  # type: ignore[union-attr]
         self._enqueue(plan, download=False)
         if self.timing:
             self._span_pending[plan.slot] = plan.step_index

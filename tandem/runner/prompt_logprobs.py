@@ -112,6 +112,29 @@ class PromptLogprobs:
             buf = self._slots[slot] = _SlotBuffers(self.max_num_tokens, self.max_top_k, self.device)
         return buf
 
+    def plan_shape(self, slot: int) -> tuple[int, int]:
+        """(rows, top k) of the slot's plan, (0, 0) without one: what a tensor-parallel step header carries."""
+        plan = self.plans[slot]
+        return (plan.num_rows, plan.top_k) if plan is not None else (0, 0)
+
+    def regions(self, slot: int) -> list[torch.Tensor]:
+        """Rank 0 with tensor parallelism: the slot's host rows and targets, sent with the step to the other ranks
+        (every rank runs the lm_head's all-gather on the same rows)."""
+        plan, buf = self.plans[slot], self._slots[slot]
+        if plan is None or buf is None:
+            return []
+        return [buf.index_cpu[0, : plan.num_rows], buf.index_cpu[1, : plan.num_rows]]
+
+    def receive(self, slot: int, num_rows: int, top_k: int) -> list[torch.Tensor]:
+        """The other ranks: takes rank 0's plan of `num_rows` rows (no requests: nothing is read back here) and
+        returns the host regions its rows and targets arrive in."""
+        if num_rows == 0:
+            self.plans[slot] = None
+            return []
+        self.plans[slot] = PromptLogprobsPlan([], num_rows, top_k)
+        buf = self._slot(slot)
+        return [buf.index_cpu[0, :num_rows], buf.index_cpu[1, :num_rows]]
+
     def upload(self, slot: int) -> None:
         """H2D of the slot's row indices and targets (call on the H2D stream)."""
         plan, buf = self.plans[slot], self._slots[slot]

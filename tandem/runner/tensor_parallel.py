@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -36,7 +37,7 @@ INIT_TIMEOUT = timedelta(minutes=10)  # weight loading of a 70B shard can take m
 LEAVE_TIMEOUT_S = 10.0  # a clean leave takes well under a second; past this the process is left as it is
 _IDLE_TIMEOUT = timedelta(days=365)
 _OP_STEP, _OP_STOP, _OP_REPORT, _OP_ALL_REDUCE_BENCH = 1, 2, 3, 4
-_HEADER_LEN = 15
+_HEADER_LEN = 17
 
 
 class WorkerDiedError(RuntimeError):
@@ -60,18 +61,20 @@ class StepPlan:
     timing: bool = False  # ranks record their steps' GPU spans for the timeline
     num_decodes: int = 0  # leading one-token rows (AttentionMetadata.num_decodes)
     piece_tokens: int | None = None  # piecewise graphs: the padded token count; None: a decode graph or eager
+    prompt_rows: int = 0  # hidden rows scored for prompt_logprobs (their indices ride in the payload)
+    prompt_top_k: int = 0
 
     def encode(self, out: np.ndarray) -> None:
         # The last field is the payload's byte count, set by send_step.
         out[:] = (_OP_STEP, self.slot, self.num_seqs, self.num_tokens, self.graph_bs or 0, self.all_greedy,
                   self.any_top_k_top_p, self.num_logprobs, self.max_query_len, self.max_seq_len, self.step_index,
-                  self.timing, self.num_decodes, self.piece_tokens or 0, 0)
+                  self.timing, self.num_decodes, self.piece_tokens or 0, self.prompt_rows, self.prompt_top_k, 0)
 
     @staticmethod
     def decode(h: np.ndarray) -> StepPlan:
         v = [int(x) for x in h]
         return StepPlan(v[1], v[2], v[3], v[4] or None, bool(v[5]), bool(v[6]), v[7], v[8], v[9], v[10], bool(v[11]),
-                        v[12], v[13] or None)
+                        v[12], v[13] or None, v[14], v[15])
 
 
 def torchrun_rank() -> tuple[int, int, int] | None:
@@ -153,13 +156,15 @@ class TensorParallelGroup:
 
     # ---------------------------------------------------------------- step messages
 
-    def send_step(self, plan: StepPlan, buf: StepBuffers) -> None:
-        """Rank 0: the header, then the slot's filled host regions, to every worker (CPU to CPU only)."""
+    def send_step(self, plan: StepPlan, buf: StepBuffers, extra: Sequence[torch.Tensor] = ()) -> None:
+        """Rank 0: the header, then the slot's filled host regions (and `extra` contiguous host tensors), to every
+        worker (CPU to CPU only)."""
         self.check_alive()
         plan.encode(self._header_np)
-        stage = self._staging(buf)
+        regions = [*_regions(buf, plan), *extra]
+        stage = self._staging(buf, regions)
         offset = 0
-        for region in _regions(buf, plan):  # one packed payload: two gloo broadcasts per step in all
+        for region in regions:  # one packed payload: two gloo broadcasts per step in all
             raw = region.numpy().view(np.uint8)
             stage[offset : offset + raw.size] = raw
             offset += raw.size
@@ -231,24 +236,28 @@ class TensorParallelGroup:
         if spans:
             dist.send(torch.tensor(spans, dtype=torch.float64), dst=0, group=self.cpu_group)
 
-    def recv_payload(self, plan: StepPlan, buf: StepBuffers) -> None:
-        """Worker: the slot's host regions, written in place into this rank's pinned buffers."""
-        stage = self._staging(buf)
+    def recv_payload(self, plan: StepPlan, buf: StepBuffers, extra: Sequence[torch.Tensor] = ()) -> None:
+        """Worker: the slot's host regions (and `extra`, as rank 0 sent them), written in place into this rank's
+        pinned buffers."""
+        regions = [*_regions(buf, plan), *extra]
+        stage = self._staging(buf, regions)
         size = int(self._header_np[-1])
         dist.broadcast(self._stage[:size], src=0, group=self.cpu_group)
         offset = 0
-        for region in _regions(buf, plan):
+        for region in regions:
             raw = region.numpy().view(np.uint8)
             raw[:] = stage[offset : offset + raw.size]
             offset += raw.size
         if offset != size:
             raise RuntimeError(f"tensor-parallel step message of {size} bytes, expected {offset}")
 
-    def _staging(self, buf: StepBuffers) -> np.ndarray:
-        """The packed-payload byte buffer (allocated once, as large as a slot's host regions)."""
-        if self._stage is None:
-            total = sum(b.cpu.numel() * b.cpu.element_size() for b in (buf.ints, buf.longs, buf.floats))
-            self._stage = torch.empty(total, dtype=torch.uint8)
+    def _staging(self, buf: StepBuffers, regions: list[torch.Tensor]) -> np.ndarray:
+        """The packed-payload byte buffer: as large as a slot's host regions, grown once where a step's extra
+        regions (prompt rows to score) need more."""
+        total = sum(b.cpu.numel() * b.cpu.element_size() for b in (buf.ints, buf.longs, buf.floats))
+        need = sum(r.numel() * r.element_size() for r in regions)
+        if self._stage is None or self._stage.numel() < need:
+            self._stage = torch.empty(max(total, need), dtype=torch.uint8)
             self._stage_np = self._stage.numpy()
         return self._stage_np
 
