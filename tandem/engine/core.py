@@ -194,6 +194,8 @@ class EngineCore:
             banned_token_ids=banned,
             bad_word_ids=bad_seqs,
         )
+        if params.prompt_logprobs is not None:
+            self.runner.prompt_logprobs.add(request)  # its prompt rows get scored as they are computed
         if future is not None:
             # Scheduled once its grammar is compiled (at once for a spec seen before).
             self._compiling[request_id] = (request, future)
@@ -416,6 +418,7 @@ class EngineCore:
         outputs: list[EngineOutput] = []
         requests = self._requests
         finished_status = RequestStatus.FINISHED
+        num_scored = 0
         for req in touched:
             rid = req.request_id
             if rid not in requests:
@@ -427,6 +430,7 @@ class EngineCore:
             prompt_lp = None
             if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 prompt_lp, req.prompt_logprobs_sent = req.prompt_logprobs, True
+                num_scored += not req.output_token_ids  # max_tokens=0: finished without a token
             scheduled_at = req.first_scheduled_time
             finished = req.status is finished_status
             cached = req.num_cached_tokens
@@ -439,7 +443,7 @@ class EngineCore:
                 del requests[rid]
                 if host_mask is not None:
                     self._drop_mask(req)
-        self.num_generation_tokens += len(outputs)
+        self.num_generation_tokens += len(outputs) - num_scored
         return outputs
 
     def _fail(self, scheduled: list, exc: Exception) -> list[EngineOutput]:

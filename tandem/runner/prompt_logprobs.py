@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.request import Request
+from tandem.request import Request, RequestStatus
 from tandem.scheduler.output import SchedulerOutput
 
 # One scored prompt token: (its logprob, [(token id, logprob)] top-k), as sampled tokens' logprobs are reported.
@@ -73,6 +73,12 @@ class PromptLogprobs:
         self.device = device
         self.plans: list[PromptLogprobsPlan | None] = [None, None]
         self._slots: list[_SlotBuffers | None] = [None, None]
+        # Requests with prompt_logprobs whose prompt rows are not all planned yet, by id (the engine adds them):
+        # while it is empty, a step's preparation costs one check.
+        self.requests: dict[str, Request] = {}
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
 
     def prepare(self, slot: int, sched: SchedulerOutput) -> bool:
         """Host only: writes the step's scored rows into the slot; returns whether it has any.
@@ -81,21 +87,28 @@ class PromptLogprobs:
         P - 1): position j's logits give token j + 1's probability, and position P - 1 predicts the first output.
         Token rows are numbered in scheduled order, as write_step lays them out."""
         self.plans[slot] = None
+        waiting = self.requests
+        if not waiting:
+            return False
         segments: list[PromptRows] = []
         token_rows: list[int] = []  # each segment's first row among the step's token rows
         t = num_rows = top_k = 0
         for s in sched.scheduled:
             request = s.request
-            k = request.sampling_params.prompt_logprobs
             start, n = s.num_computed_tokens, s.num_scheduled_tokens
-            if k is not None:
-                end = min(start + n, request.num_prompt_tokens - 1)
+            if request.request_id in waiting:
+                last = request.num_prompt_tokens - 1  # the last prompt token's position predicts no prompt token
+                end = min(start + n, last)
                 if end > start:
                     segments.append(PromptRows(request, start + 1, num_rows, end - start))
                     token_rows.append(t)
                     num_rows += end - start
-                    top_k = max(top_k, k)
+                    top_k = max(top_k, request.sampling_params.prompt_logprobs or 0)
+                if start + n >= last:
+                    del waiting[request.request_id]  # every row planned (a recompute after preemption: not again)
             t += n
+        for rid in [rid for rid, r in waiting.items() if r.status is RequestStatus.FINISHED]:
+            del waiting[rid]  # ended (aborted, failed) before its prompt was scored
         if not segments:
             return False
         rows, targets = self._slot(slot).index_np

@@ -116,9 +116,13 @@ def test_scoring_takes_no_decode_step_and_bad_k_is_refused(tiny):
             llm.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=MAX_LOGPROBS + 1), use_tqdm=False)
         with pytest.raises(ValueError, match="max_tokens"):
             llm.generate([ids], SamplingParams(max_tokens=0), use_tqdm=False)
-        # The engine goes on.
+        # An aborted scoring request is forgotten; the engine goes on.
+        engine.add_request("aborted", ids, SamplingParams(max_tokens=0, prompt_logprobs=1))
+        engine.abort_request("aborted")
         again = llm.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=2), use_tqdm=False)[0]
         check(again, hf, 2)
+        assert engine.runner.prompt_logprobs.requests == {}
+        assert engine.num_generation_tokens == 0  # scoring generates nothing
     finally:
         llm.shutdown()
 
