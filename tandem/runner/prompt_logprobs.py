@@ -165,11 +165,13 @@ class PromptLogprobs:
         k = plan.top_k
         for c0 in range(0, plan.num_rows, self.chunk_rows):
             c1 = min(plan.num_rows, c0 + self.chunk_rows)
-            logits = compute_logits(hidden.index_select(0, rows_gpu[c0:c1])).float()  # [c, vocab]
-            logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))  # log-softmax in place
-            buf.logprob[c0:c1].copy_(logits.gather(1, targets_gpu[c0:c1, None]).squeeze(1))
+            logits = compute_logits(hidden.index_select(0, rows_gpu[c0:c1]))  # [c, vocab] in the model dtype
+            # One pass from the model dtype to fp32 log-probabilities (no separate upcast, max and subtraction).
+            logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [c, vocab]
+            del logits
+            buf.logprob[c0:c1].copy_(logprobs.gather(1, targets_gpu[c0:c1, None]).squeeze(1))
             if k > 0:
-                values, ids = logits.topk(k, dim=-1)
+                values, ids = logprobs.topk(k, dim=-1)
                 buf.top_lp[c0:c1, :k].copy_(values)
                 buf.top_ids[c0:c1, :k].copy_(ids)
 
