@@ -141,3 +141,28 @@ def test_prompt_logprobs_survive_preemption(tiny):
             check(out, hf, 1)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_prompt_logprobs_beside_a_grammar_row(tiny, tmp_path, overlap):
+    """A step whose sampling waits for a grammar bitmask brings the prompt rows back with its deferred D2H."""
+    from tandem.sampling_params import StructuredOutputParams
+    from tests.parallel.tiny_models import save_tiny_tokenizer
+
+    folder, hf = tiny
+    with_tokenizer = save_tiny_tokenizer(save_tiny("llama", tmp_path / "with-tokenizer"))
+    llm = make_llm(with_tokenizer, overlap=overlap, grammar_backend="xgrammar")
+    try:
+        ps = prompts()
+        constrained = SamplingParams(temperature=0.0, max_tokens=6,
+                                     structured_output=StructuredOutputParams(regex="[a-z]{3}"))
+        scoring = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2, ignore_eos=True)
+        outs = llm.generate([ps[1], ps[0], ps[3]], [constrained, scoring, scoring], use_tqdm=False)
+        # (The tiny config's EOS id is the tokenizer's "a": the grammar row may stop on it.)
+        assert outs[0].outputs[0].text.isalpha() and outs[0].outputs[0].text.islower()
+        assert llm.engine.num_mask_steps > 0
+        for out in outs[1:]:
+            check(out, hf, 2)
+            assert out.outputs[0].token_ids == ref_greedy(hf, out.prompt_token_ids, 3)
+    finally:
+        llm.shutdown()
