@@ -170,8 +170,11 @@ class PromptLogprobs:
             logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [c, vocab]
             del logits
             buf.logprob[c0:c1].copy_(logprobs.gather(1, targets_gpu[c0:c1, None]).squeeze(1))
-            if k > 0:
+            if k == 1:  # a max reduction, cheaper than topk's selection
+                values, ids = logprobs.max(dim=-1, keepdim=True)
+            elif k > 1:
                 values, ids = logprobs.topk(k, dim=-1)
+            if k > 0:
                 buf.top_lp[c0:c1, :k].copy_(values)
                 buf.top_ids[c0:c1, :k].copy_(ids)
 
