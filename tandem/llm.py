@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from tandem.config import EngineConfig, relaxed_gc
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.engine.core import EngineCore, EngineOutput, all_plain_ints
-from tandem.outputs import CompletionOutput, RequestOutput
+from tandem.outputs import CompletionOutput, RequestOutput, prompt_logprobs_dicts
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
 
@@ -185,6 +185,8 @@ class LLM:
                         index, seq = seqs[out.request_id]
                         result = results[index]
                         result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
+                        if out.prompt_logprobs is not None and result.prompt_logprobs is None:
+                            result.prompt_logprobs = prompt_logprobs_dicts(result.prompt_token_ids, out.prompt_logprobs)
                         if self._apply(out, seq):
                             pending.discard(out.request_id)
                             bar.update(1)

@@ -12,6 +12,20 @@ from tandem.request import FinishReason, Logprobs
 # Per output token: {token_id: logprob} holding the chosen token and the top-n alternatives.
 SampleLogprobs = list[dict[int, float]]
 
+# Per prompt token: None for the first (nothing precedes it), then {token_id: logprob} holding the prompt token
+# itself and the top-k alternatives given the tokens before it.
+PromptLogprobs = list[dict[int, float] | None]
+
+
+def prompt_logprobs_dicts(prompt_token_ids: list[int], entries: list[Logprobs]) -> PromptLogprobs:
+    """The engine's per-token entries (entry j scores prompt token j + 1) as one dict per prompt token."""
+    out: PromptLogprobs = [None]
+    for token, (logprob, top) in zip(prompt_token_ids[1:], entries):
+        entry = dict(top)
+        entry[token] = logprob
+        out.append(entry)
+    return out
+
 
 class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     """What one step produced for one request. A msgspec struct because the engine-core process sends these
@@ -29,6 +43,8 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     num_cached_tokens: int
     error: str | None = None
     queue_time: float | None = None  # seconds from arrival to first scheduling
+    # With prompt_logprobs, on the request's first output only: entry j scores prompt token j + 1.
+    prompt_logprobs: list[Logprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -55,3 +71,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs: one entry per prompt token

@@ -49,6 +49,10 @@ class Request:
     error: str | None = None  # set when an engine error failed the request
     # One entry per output token when logprobs were asked for: (chosen logprob, [(token id, logprob)] top-n).
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # With prompt_logprobs: entry j is prompt token j + 1's (its logprob, [(token id, logprob)] top-k), in order;
+    # the engine hands them out with the request's first output (prompt_logprobs_sent).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     # Tokens banned outright (single-token bad words) and multi-token bad words, resolved by the engine.
     banned_token_ids: tuple[int, ...] = ()
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
@@ -102,6 +106,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def add_prompt_logprobs(self, first_token: int, entries: list[tuple[float, list[tuple[int, float]]]]) -> None:
+        """Records the scores of prompt tokens first_token.. (in order); tokens scored before (a recompute after
+        preemption scores them again) are skipped."""
+        have = len(self.prompt_logprobs) + 1  # the next prompt token without a score (token 0 never has one)
+        if first_token + len(entries) > have:
+            assert first_token <= have, f"{self.request_id}: prompt token {have} was never scored"
+            self.prompt_logprobs.extend(entries[have - first_token :])
 
     def check_stop(self) -> bool:
         """Sets finish_reason if the last output token ends the request; returns whether it does."""

@@ -51,6 +51,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None  # None: none; 0: the chosen token only; n: plus the top n
+    # None: none; 0: each prompt token's own log-probability given the tokens before it; k: plus the top k
+    prompt_logprobs: int | None = None
     n: int = 1
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -76,6 +78,7 @@ class SamplingParams:
         seed: int | None = None,
         logprobs: int | None = None,
         n: int = 1,
+        prompt_logprobs: int | None = None,
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         presence_penalty: float = 0.0,
@@ -91,7 +94,7 @@ class SamplingParams:
         values = dict(
             temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
             min_tokens=min_tokens, stop=stops, stop_token_ids=tuple(stop_token_ids or ()),
-            ignore_eos=ignore_eos, seed=seed, logprobs=logprobs, n=n,
+            ignore_eos=ignore_eos, seed=seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
             include_stop_str_in_output=include_stop_str_in_output,
             skip_special_tokens=skip_special_tokens, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, min_p=min_p,
@@ -116,8 +119,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
+            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -130,6 +133,12 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens must be >= 1 unless prompt_logprobs is set (max_tokens=0 scores the prompt "
+                             "without generating)")
         if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         self._validate_logits_fields(is_int)

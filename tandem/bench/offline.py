@@ -516,9 +516,9 @@ def _print_table(results: list[dict[str, Any]]) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
     for n in names:
-        if n not in WORKLOADS and n not in ("serve", "structured"):
-            raise ValueError(f"unknown workload {n!r}; choose from {sorted(WORKLOADS) + ['serve', 'structured']} "
-                             "or all")
+        if n not in WORKLOADS and n not in ("serve", "structured", "score"):
+            raise ValueError(f"unknown workload {n!r}; choose from "
+                             f"{sorted(WORKLOADS) + ['serve', 'structured', 'score']} or all")
     peers = [] if args.no_peers else args.peers.split(",")
     for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
                         ("--data-parallel-size", args.data_parallel_size)):
@@ -541,12 +541,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results.append(run_structured_workload(model, args.structured_requests, int(128 * args.scale) or 1,
                                                    int(256 * args.scale) or 1, args.plot_dir, backends))
             continue
+        if n == "score":  # scoring (prompt_logprobs, no new token) against prefill of the same prompts
+            from tandem.bench.score_workload import run_score_workload
+
+            print("== score: the same prompts scored and prefilled with one new token", flush=True)
+            model = args.score_model if args.score_model != "embedded" else None
+            results.append(run_score_workload(model, args.score_requests, int(512 * args.scale) or 1))
+            continue
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
         results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.quantization,
                                       args.tensor_parallel_size, args.data_parallel_size, args.kv_cache_dtype,
                                       args.quantize_lm_head, args.enable_expert_parallel))
         _print_table(results[-1:])
-    _print_table([r for r in results if r["workload"] not in ("serve", "structured")])
+    _print_table([r for r in results if r["workload"] not in ("serve", "structured", "score")])
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -558,7 +565,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -> None:
     bench = sub.add_parser("bench", help="offline throughput of named workloads with peers side by side; "
                                          "`tandem bench serve` for serving latency")
-    bench.add_argument("--workload", default="cpu", help=f"comma list of {sorted(WORKLOADS) + ['serve']} or all")
+    bench.add_argument("--workload", default="cpu",
+                       help=f"comma list of {sorted(WORKLOADS) + ['serve', 'structured', 'score']} or all")
     bench.add_argument("--peers", default="hf,sync,eager,noprefix,bf16",
                        help="comma list: hf (transformers), sync, eager (no CUDA graphs), noprefix, "
                             "bf16 (with --quantization or --kv-cache-dtype fp8: the engine with bf16 weights and "
@@ -591,6 +599,11 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
     bench.add_argument("--structured-backends", default=None,
                        help="comma list of grammar backends (xgrammar, llguidance) whose constrained passes run on the "
                             "same engine, side by side (default: TANDEM_STRUCTURED_BACKEND, else llguidance)")
+    bench.add_argument("--score-model", default="llama-3-8b",
+                       help="shape of the score workload (a named shape or a model folder; random weights), "
+                            "or 'embedded' for SmolLM2")
+    bench.add_argument("--score-requests", type=int, default=1000,
+                       help="prompts of the score workload (512 tokens each, times --scale)")
     bench.add_argument("--scale", type=float, default=1.0, help="shrink prompt/output lengths (smoke runs)")
     bench.add_argument("--out", default=None, help="write results JSON here")
     bench.add_argument("--plot-dir", default=None, help="write timeline PNGs here")

@@ -162,6 +162,8 @@ class EngineCore:
             banned_token_ids=banned,
             bad_word_ids=bad_seqs,
         )
+        if params.prompt_logprobs is not None:
+            self.runner.prompt_logprobs.add(request)  # its prompt rows get scored as they are computed
         if spec is not None:
             self.grammar.submit(request, spec)  # scheduled once its grammar is compiled (at once if seen before)
         else:
@@ -314,6 +316,9 @@ class EngineCore:
         if self.timeline is not None:
             for name, start, end in handle.events.gpu_spans(self._timeline_base):
                 self.timeline.add_gpu(name, start, end, handle.step_index)
+        for request, first_token, entries in result.prompt_logprobs or ():
+            if request.request_id in self._requests:  # else aborted meanwhile
+                request.add_prompt_logprobs(first_token, entries)
         return self._timed("update", lambda: self._update(handle.sched, result.token_ids, result.logprobs))
 
     def _update(self, sched: SchedulerOutput, token_ids: list[int], logprobs: list[Logprobs] | None) -> list[EngineOutput]:
@@ -323,27 +328,32 @@ class EngineCore:
         outputs: list[EngineOutput] = []
         requests = self._requests
         finished_status = RequestStatus.FINISHED
+        num_scored = 0
         for req in touched:
             rid = req.request_id
             if rid not in requests:
                 continue  # aborted meanwhile: its token is dropped
             host_mask = req.host_mask
-            if host_mask is not None and not host_mask.accept(req.output_token_ids[-1]):
+            if host_mask is not None and req.output_token_ids and not host_mask.accept(req.output_token_ids[-1]):
                 self.num_grammar_rejections += 1
             new_lp = req.output_logprobs[-1:] if req.sampling_params.logprobs is not None else None
+            prompt_lp = None
+            if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                prompt_lp, req.prompt_logprobs_sent = req.prompt_logprobs, True
+                num_scored += not req.output_token_ids  # max_tokens=0: finished without a token
             scheduled_at = req.first_scheduled_time
             finished = req.status is finished_status
             cached = req.num_cached_tokens
             outputs.append(
                 EngineOutput(rid, req.output_token_ids[-1:], new_lp, finished, req.finish_reason, req.stop_reason,
                              len(req.prompt_token_ids), cached if cached > 0 else 0, None,
-                             scheduled_at - req.arrival_time if scheduled_at else None)
+                             scheduled_at - req.arrival_time if scheduled_at else None, prompt_lp)
             )
             if finished:
                 del requests[rid]
                 if host_mask is not None:
                     self.grammar.drop(req)
-        self.num_generation_tokens += len(outputs)
+        self.num_generation_tokens += len(outputs) - num_scored
         return outputs
 
     def _fail(self, scheduled: list, exc: Exception) -> list[EngineOutput]:

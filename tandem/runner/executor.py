@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -51,9 +52,11 @@ class ModelExecutor:
 
     # ---------------------------------------------------------------- one step
 
-    def run(self, plan: StepPlan, rows_view: bool) -> torch.Tensor:
+    def run(self, plan: StepPlan, rows_view: bool,
+            score: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Enqueues carry-over, forward and logits of a planned step on the current stream: [num_seqs, vocab] logits
-        (the static graph rows, all of them unless rows_view, when a caller edits the step's rows in place)."""
+        (the static graph rows, all of them unless rows_view, when a caller edits the step's rows in place). `score`
+        gets the step's hidden rows [num_tokens, hidden] first (prompt log-probabilities; never a decode graph's)."""
         slot, num_seqs, num_tokens = plan.slot, plan.num_seqs, plan.num_tokens
         if plan.graph_bs is not None:
             self.graphs.replay(slot, plan.graph_bs)  # type: ignore[union-attr]
@@ -61,9 +64,13 @@ class ModelExecutor:
         meta = self.meta(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len, plan.num_decodes)
         if plan.piece_tokens is not None:
             hidden = self.piecewise.replay(slot, num_tokens, plan.piece_tokens, meta)  # type: ignore[union-attr]
-            return self.logits(slot, hidden, num_seqs, all_rows=False)
-        hidden = self.hidden(slot, num_tokens, meta)
-        return self.logits(slot, hidden, num_seqs, all_rows=num_tokens == num_seqs)
+            all_rows = False
+        else:
+            hidden = self.hidden(slot, num_tokens, meta)
+            all_rows = num_tokens == num_seqs
+        if score is not None:
+            score(hidden)
+        return self.logits(slot, hidden, num_seqs, all_rows=all_rows)
 
     def sample(self, plan: StepPlan, logits: torch.Tensor) -> None:
         """Enqueues the step's sampling into its slot's output buffers: a sampling graph after a decode graph."""

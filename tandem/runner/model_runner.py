@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from tandem.runner.host_masks import HostMaskBuffers
 from tandem.runner.input_buffers import StepBuffers, write_step
 from tandem.runner.kv_memory import KVLayout, num_blocks_from_memory
 from tandem.runner.logits_state import LogitsState
+from tandem.runner.prompt_logprobs import PromptLogprobs
 from tandem.runner.step_plan import PreparedStep, StepHandle, StepPlan, StepResult
 from tandem.runner.streams import DeviceStreams, StepEvents
 from tandem.runner.weights import load_weights
@@ -59,6 +61,9 @@ class ModelRunner:
         vocab = self.model_config.vocab_size
         self.logits_state = LogitsState(self.max_num_seqs, vocab, self.device)
         self.host_masks = HostMaskBuffers(self.max_num_seqs, vocab, self.device)
+        # Prompt rows are scored max_num_seqs at a time: the logits the KV budget's profiling forward made room for.
+        self.prompt_logprobs = PromptLogprobs(self.max_num_tokens, MAX_LOGPROBS, min(self.max_num_seqs, 256),
+                                              self.device)
         self.num_kv_heads = local_kv_heads(self.model_config, self.parallel)  # this rank's share of the KV heads
         layout = KVLayout(self.model_config.num_layers, self.block_size, self.num_kv_heads,
                           self.model_config.head_dim, loaded.kv_cache_dtype)
@@ -136,7 +141,9 @@ class ModelRunner:
         `constrained` (some request has a grammar or multi-token bad words) its rows get a host bitmask."""
         slot = self.step_index % 2
         num_seqs, num_tokens = len(sched.scheduled), sched.num_scheduled_tokens
-        decode_only = num_tokens == num_seqs
+        # A step that scores prompt rows needs its hidden rows: never a decode graph (which returns only logits).
+        scores_prompt = self.prompt_logprobs.prepare(slot, sched)
+        decode_only = num_tokens == num_seqs and not scores_prompt
         graphs, pieces = self.executor.graphs, self.executor.piecewise
         graph_bs = graphs.padded_size(num_seqs) if (graphs is not None and decode_only) else None
         piece_tokens = pieces.padded_size(num_tokens) if (pieces is not None and not decode_only) else None
@@ -146,7 +153,7 @@ class ModelRunner:
         self._prev_rows = rows
         plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,
                         shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self.step_index, self.timing,
-                        shape.num_decodes, piece_tokens)
+                        shape.num_decodes, piece_tokens, *self.prompt_logprobs.plan_shape(slot))
         # Rows whose next token a grammar (or a multi-token bad word) decides on the CPU: their sampling waits for
         # launch_sampling, after the previous step's tokens have reached the matchers.
         mask_rows = [(i, s.request) for i, s in enumerate(sched.scheduled)
@@ -162,7 +169,8 @@ class ModelRunner:
         handle = StepHandle(prepared.sched, plan, self.events[plan.slot], prepared.num_context_tokens)
         if self.group is not None:
             # The other ranks get the filled host buffers before this rank launches (CPU to CPU only).
-            self.group.send_step(plan.fields(), plan.regions(self.buffers[plan.slot]))
+            regions = plan.regions(self.buffers[plan.slot]) + self.prompt_logprobs.regions(plan.slot)
+            self.group.send_step(plan.fields(), regions)
             try:
                 self.enqueue_plan(plan, download=True)
             except Exception as exc:  # on gloo the model's collectives run here: a dead peer surfaces now
@@ -182,11 +190,16 @@ class ModelRunner:
         with streams.on("h2d"):
             buf.upload(plan.graph_bs or plan.num_seqs)
             self.logits_state.upload(plan.slot)
+            self.prompt_logprobs.upload(plan.slot)
             streams.record("h2d", events.h2d_done)
         streams.wait("compute", events.h2d_done)
         with streams.on("compute"):
             streams.record("compute", events.compute_start)
-            logits = self.executor.run(plan, rows_view=defer_sampling or bool(self.logits_state.plans[plan.slot]))
+            score = None  # the prompt rows' log-probabilities, from the step's hidden rows
+            if self.prompt_logprobs.plans[plan.slot] is not None:
+                score = partial(self.prompt_logprobs.compute, plan.slot, compute_logits=self.model.compute_logits)
+            logits = self.executor.run(plan, rows_view=defer_sampling or bool(self.logits_state.plans[plan.slot]),
+                                       score=score)
             self.logits_state.apply(plan.slot, logits)  # penalties and bias, only where a row uses them
         events.deferred = defer_sampling
         if defer_sampling:
@@ -216,6 +229,7 @@ class ModelRunner:
             with streams.on("d2h"):
                 if download:
                     buf.download(plan.num_seqs, plan.num_logprobs)
+                    self.prompt_logprobs.download(plan.slot)
                 if self._timeout_flag is not None:
                     flag, host_flag = self._timeout_flag
                     host_flag.copy_(flag, non_blocking=True)
@@ -254,7 +268,7 @@ class ModelRunner:
                 (float(chosen_np[i]), list(zip(top_ids_np[i].tolist(), top_lp_np[i].tolist())))
                 for i in range(n)
             ]
-        return StepResult(token_ids, logprobs)
+        return StepResult(token_ids, logprobs, self.prompt_logprobs.read(handle.slot))
 
     def check_all_reduce_timeout(self) -> None:
         """Fails the group (every later step too) once this rank's fused all-reduce gave up waiting for a peer:

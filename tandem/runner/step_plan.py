@@ -31,18 +31,20 @@ class StepPlan:
     timing: bool = False  # ranks record their steps' GPU spans for the timeline
     num_decodes: int = 0  # leading one-token rows (AttentionMetadata.num_decodes)
     piece_tokens: int | None = None  # piecewise graphs: the padded token count; None: a decode graph or eager
+    prompt_rows: int = 0  # hidden rows scored for prompt_logprobs (their indices ride in the payload)
+    prompt_top_k: int = 0
 
     def fields(self) -> tuple[int, ...]:
         """The plan as the ints of its message header (distributed.ranks.STEP_FIELDS of them)."""
         return (self.slot, self.num_seqs, self.num_tokens, self.graph_bs or 0, self.all_greedy, self.any_top_k_top_p,
                 self.num_logprobs, self.max_query_len, self.max_seq_len, self.step_index, self.timing,
-                self.num_decodes, self.piece_tokens or 0)
+                self.num_decodes, self.piece_tokens or 0, self.prompt_rows, self.prompt_top_k)
 
     @staticmethod
     def from_fields(h: Any) -> StepPlan:
         v = [int(x) for x in h]
         return StepPlan(v[0], v[1], v[2], v[3] or None, bool(v[4]), bool(v[5]), v[6], v[7], v[8], v[9], bool(v[10]),
-                        v[11], v[12] or None)
+                        v[11], v[12] or None, v[13], v[14])
 
     def regions(self, buf: StepBuffers) -> list[torch.Tensor]:
         """The host tensors the step fills: ints up to the used block-table rows, all longs and floats."""
@@ -99,3 +101,5 @@ class StepHandle:
 class StepResult:
     token_ids: list[int]
     logprobs: list[Logprobs] | None
+    # (request, index of its first scored prompt token, one entry per token) of the requests with prompt_logprobs
+    prompt_logprobs: list[tuple[Any, int, list[Logprobs]]] | None = None

@@ -94,7 +94,8 @@ class RankWorker:
             events.compute_done.synchronize()
         runner.check_all_reduce_timeout()  # raises: the worker leaves, and rank 0 fails the group
         self._record_span(plan.slot)
-        self.group.recv_payload(plan.regions(runner.buffers[plan.slot]))
+        prompt_rows = runner.prompt_logprobs.receive(plan.slot, plan.prompt_rows, plan.prompt_top_k)
+        self.group.recv_payload(plan.regions(runner.buffers[plan.slot]) + prompt_rows)
         runner.enqueue_plan(plan, download=False)
         if runner.timing:
             self._span_pending[plan.slot] = plan.step_index

@@ -124,7 +124,9 @@ class Scheduler:
             start = request.num_computed_tokens
             num_known = len(request.all_token_ids)
             num_new = num_known + pending - start
-            if (len(request.output_token_ids) + pending >= request.max_output_tokens  # done once pending lands
+            # Done once pending lands; a max_tokens=0 request (scoring) stops only once its prompt is computed.
+            if ((len(request.output_token_ids) + pending >= request.max_output_tokens
+                 and (request.max_output_tokens > 0 or start >= num_known))
                     or num_new == 0 or (num_new > budget and not chunked)):
                 continue
             if num_new > budget:
@@ -186,7 +188,10 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending_tokens > 0:
                 break  # preempted with a token in flight; its tokens are not all known yet
-            computed_blocks, num_cached = kv.get_computed_blocks(request)
+            if request.sampling_params.prompt_logprobs is None:
+                computed_blocks, num_cached = kv.get_computed_blocks(request)
+            else:  # a cached prefix has no logits: compute the whole prompt (its blocks are still published)
+                computed_blocks, num_cached = [], 0
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -251,6 +256,13 @@ class Scheduler:
                 continue  # aborted or stopped while this step was in flight: never output
             assert request.num_pending_tokens > 0, f"{request.request_id}: token arrived that was not pending"
             request.num_pending_tokens -= 1
+            if not request.max_output_tokens:  # max_tokens=0: the prompt is computed, the sampled token unused
+                request.finish_reason = FinishReason.LENGTH
+                if ended is None:
+                    ended = []
+                ended.append(request)
+                touched.append(request)
+                continue
             token = sampled_token_ids[i]
             request.output_token_ids.append(token)  # Request.append_output_token, inlined for the hot loop
             request.all_token_ids.append(token)

@@ -38,6 +38,8 @@ class Choice:
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     queue_time_s: float | None = None  # admission wait, when the engine's outputs report it
+    # With prompt_logprobs: entry j is prompt token j + 1's (logprob, [(token id, logprob)] top-k).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def text(self) -> str:
@@ -183,6 +185,9 @@ class Generation:
         if new_ids and choice.first_token_time is None:
             choice.first_token_time = now
         choice.num_cached_tokens = item.num_cached_tokens
+        prompt_logprobs = getattr(item, "prompt_logprobs", None)
+        if prompt_logprobs is not None:
+            choice.prompt_logprobs = prompt_logprobs
         queue_time = getattr(item, "queue_time", None)
         if queue_time is not None:
             choice.queue_time_s = float(queue_time)

@@ -90,6 +90,9 @@ class SamplingFields(StrictRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's extension: each prompt token's logprob and the top k (scoring)
+    prompt_logprobs: int | None = Field(default=None, description=f"top logprobs per prompt token, "
+                                                                  f"0..{MAX_TOP_LOGPROBS}")
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> "SamplingFields":
@@ -118,8 +121,10 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _check_completion(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream: send the scoring request without streaming")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not supported with stream")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -191,6 +196,8 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not supported with stream")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
@@ -232,6 +239,18 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token of a prompt token's entry in vLLM's prompt_logprobs format."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token; None where unknown (a prompt token outside the top k)
+    decoded_token: str
+
+
+# Per prompt token: None for the first, then {token id (a JSON string key): PromptLogprob}.
+PromptLogprobsBody = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -239,6 +258,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # tandem extension, sent when the model has no tokenizer
+    prompt_logprobs: PromptLogprobsBody | None = None  # vLLM extension, with prompt_logprobs in the request
 
 
 class CompletionResponse(BaseModel):
@@ -298,6 +318,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     metrics: dict[str, float] | None = None  # tandem extension: queue_time_s when the engine reports it
+    prompt_logprobs: PromptLogprobsBody | None = None  # vLLM extension, with prompt_logprobs in the request
 
 
 class DeltaMessage(BaseModel):

@@ -48,17 +48,25 @@ class OpenAIServing:
         self._check_model(body.model)
         prompts = await self._completion_prompts(body.prompt)
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = self._params(body, max_tokens, "max_tokens", body.logprobs)
+        params = self._params(body, max_tokens, "max_tokens", body.logprobs, prompt_logprobs=_echo_k(body, max_tokens))
         gen = await self._start(p.random_id("cmpl"), prompts, body.n, params, arrival, "prompt", "max_tokens")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse_response(self._completion_stream(gen, include_usage))
         await collect(gen, http_request)
-        choices = [p.CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
-                                      stop_reason=c.stop_reason,
-                                      token_ids=c.token_ids if self.tokenizer is None else None,
-                                      logprobs=self._completion_logprobs(c.logprobs) if params.logprobs is not None else None)
-                   for c in gen.choices]
+        choices = []
+        for c in gen.choices:
+            prompt = gen.prompts[c.prompt_index]
+            text, entries = c.text, c.logprobs
+            if body.echo:  # the prompt first: its text, and each of its tokens' logprobs (the first has none)
+                text = self._prompt_text(prompt) + text
+                entries = echo_entries(prompt.token_ids, c.prompt_logprobs or [], body.logprobs or 0) + entries
+            choices.append(p.CompletionChoice(
+                index=c.index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                token_ids=c.token_ids if self.tokenizer is None else None,
+                logprobs=self._completion_logprobs(entries) if params.logprobs is not None else None,
+                prompt_logprobs=(self._prompt_logprobs_body(prompt.token_ids, c.prompt_logprobs, body.prompt_logprobs)
+                                 if body.prompt_logprobs is not None else None)))
         return json_response(p.CompletionResponse(id=gen.request_id, created=gen.created, model=self.model_names[0],
                                                   choices=choices, usage=gen.usage(),
                                                   metrics=gen.server_metrics()))
@@ -75,7 +83,7 @@ class OpenAIServing:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         mode = body.tool_mode()
         tool_spec = self._tool_constraint(body, mode)
-        params = self._params(body, max_tokens, max_param, logprobs, tool_spec)
+        params = self._params(body, max_tokens, max_param, logprobs, tool_spec, body.prompt_logprobs)
         gen = await self._start(p.random_id("chatcmpl"), prompts, body.n, params, arrival, "messages", max_param)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -92,9 +100,13 @@ class OpenAIServing:
             choices.append(p.ChatChoice(index=c.index, message=message, finish_reason=finish,
                                         stop_reason=c.stop_reason,
                                         logprobs=self._chat_logprobs(c.logprobs) if body.logprobs else None))
+        prompt_logprobs = None
+        if body.prompt_logprobs is not None:  # one prompt: every choice scored it alike
+            prompt_logprobs = self._prompt_logprobs_body(prompts[0].token_ids, gen.choices[0].prompt_logprobs,
+                                                         body.prompt_logprobs)
         return json_response(p.ChatCompletionResponse(id=gen.request_id, created=gen.created,
                                                       model=self.model_names[0], choices=choices, usage=gen.usage(),
-                                                  metrics=gen.server_metrics()))
+                                                      metrics=gen.server_metrics(), prompt_logprobs=prompt_logprobs))
 
     def models(self) -> p.ModelList:
         return p.ModelList(data=[p.ModelCard(id=self.model_names[0], max_model_len=self.max_model_len)])
@@ -172,7 +184,8 @@ class OpenAIServing:
         return Prompt(text, token_ids)
 
     def _params(self, body: p.SamplingFields, max_tokens: int | None, max_param: str,
-                logprobs: int | None, structured: StructuredOutputParams | None = None) -> SamplingParams:
+                logprobs: int | None, structured: StructuredOutputParams | None = None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         try:
             params = SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,
@@ -180,7 +193,8 @@ class OpenAIServing:
                 top_k=0 if body.top_k is None else body.top_k,
                 max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
                 stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, seed=body.seed,
-                logprobs=logprobs, n=body.n, include_stop_str_in_output=body.include_stop_str_in_output,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=body.n,
+                include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
                 presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -407,16 +421,44 @@ class OpenAIServing:
         return text
 
     def _completion_logprobs(self, entries: list) -> p.CompletionLogprobs:
+        """OpenAI's legacy logprobs block; an entry's logprob and top are None for an echoed prompt's first token."""
         out = p.CompletionLogprobs()
         offset = 0
         for token_id, logprob, top in entries:
             token = self._token_string(token_id)
             out.tokens.append(token)
             out.token_logprobs.append(logprob)
-            out.top_logprobs.append({self._token_string(t): lp for t, lp in top})
+            out.top_logprobs.append(None if top is None else self._top_strings(top))
             out.text_offset.append(offset)
             offset += len(token)
         return out
+
+    def _top_strings(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        """{token text: logprob} of the top n, most likely first; tokens that decode alike keep the likeliest."""
+        out: dict[str, float] = {}
+        for t, lp in top:
+            out.setdefault(self._token_string(t), lp)
+        return out
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        """The prompt as echoed: its own text, or its token ids decoded."""
+        if prompt.text is not None:
+            return prompt.text
+        return self.tokenizer.decode(prompt.token_ids) if self.tokenizer is not None else ""
+
+    def _prompt_logprobs_body(self, token_ids: list[int], entries: list | None, k: int) -> p.PromptLogprobsBody:
+        """vLLM's prompt_logprobs: None for the first token, then per token the token itself (first) and the top k,
+        keyed by token id, each with its logprob, rank (where known) and decoded text."""
+        body: p.PromptLogprobsBody = [None]
+        for token, (logprob, top) in zip(token_ids[1:], entries or []):
+            ranked = {t: (lp, rank) for rank, (t, lp) in enumerate(top[:k], 1)}
+            entry = {str(token): p.PromptLogprob(logprob=logprob, rank=ranked.get(token, (0.0, None))[1],
+                                                 decoded_token=self._token_string(token))}
+            for t, (lp, rank) in ranked.items():
+                if t != token:
+                    entry[str(t)] = p.PromptLogprob(logprob=lp, rank=rank, decoded_token=self._token_string(t))
+            body.append(entry)
+        return body
 
     def _chat_logprobs(self, entries: list) -> p.ChatLogprobs:
         def top_entry(token_id: int, logprob: float) -> p.TopLogprob:
@@ -432,6 +474,25 @@ class OpenAIServing:
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+
+
+def _echo_k(body: p.CompletionRequest, max_tokens: int) -> int | None:
+    """The prompt_logprobs a completion request needs: its own, the logprobs of an echoed prompt, or 0 where an
+    echo without logprobs generates nothing (max_tokens 0), which is scoring all the same."""
+    k = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:
+        k = max(k or 0, body.logprobs)
+    if body.echo and max_tokens == 0 and k is None:
+        k = 0
+    return k
+
+
+def echo_entries(token_ids: list[int], prompt_logprobs: list, num_top: int) -> list:
+    """An echoed prompt's logprob entries (token id, logprob, top n), as generated tokens have them: the first
+    token's logprob and top are None (nothing precedes it)."""
+    entries: list = [(token_ids[0], None, None)]
+    entries.extend((token, logprob, top[:num_top]) for token, (logprob, top) in zip(token_ids[1:], prompt_logprobs))
+    return entries
 
 
 def structured_output_of(body: p.SamplingFields) -> StructuredOutputParams | None:

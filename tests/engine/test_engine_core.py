@@ -157,6 +157,7 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
     from tandem.runner.input_buffers import StepBuffers, write_step
     from tandem.runner.logits_state import LogitsState
     from tandem.runner.model_runner import ModelRunner
+    from tandem.runner.prompt_logprobs import PromptLogprobs
     from tandem.runner.sampler import sample
     from tandem.structured.pipeline import GrammarPipeline
 
@@ -167,7 +168,8 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
            LogitsState.prepare, LogitsState.upload, LogitsState.apply, LogitsState.count, HostMaskBuffers.fill,
            HostMaskBuffers.upload, HostMaskBuffers.apply, EngineCore.step, EngineCore._launch,
            EngineCore._launch_sampling, EngineCore._collect, EngineCore._update, GrammarPipeline.start_fill,
-           GrammarPipeline.finish, GrammarPipeline.join]
+           GrammarPipeline.finish, GrammarPipeline.join, PromptLogprobs.prepare, PromptLogprobs.upload,
+           PromptLogprobs.compute, PromptLogprobs.download]
     for fn in hot:
         assert _calls(fn) == [], f"{fn.__qualname__} syncs with the GPU: {_calls(fn)}"
     # wait(): exactly one synchronize, on the step's d2h_done event; .tolist() only on host numpy views.
@@ -175,6 +177,8 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
     syncs = [c for c in calls if c[0] == "synchronize"]
     assert syncs == [("synchronize", "handle.events.d2h_done")]
     assert all(c[0] == "tolist" and "_np" in c[1] for c in calls if c[0] != "synchronize"), calls
+    # The prompt rows' results are read after that wait, from host numpy views only.
+    assert all(c[0] == "tolist" and "_np" in c[1] for c in _calls(PromptLogprobs.read)), _calls(PromptLogprobs.read)
 
 
 @pytest.mark.parametrize("bad", [True, 1.0, -1, 100, None, "7"])

@@ -60,6 +60,30 @@ def test_tp2_greedy_tokens_equal_tp1(tiny_folders, family):
     assert stats.num_preemptions > 0, "the 16-block pool should force preemption"
 
 
+def test_tp2_prompt_logprobs_equal_tp1(tiny_folders):
+    """Scoring chunked over 16-token steps beside a decoding request: every rank runs the lm_head's all-gather on
+    the rows rank 0 sent, and rank 0 reads back what one rank computes alone."""
+    folder = tiny_folders["llama"]
+    prompts = [[(5 * i) % (VOCAB - 4) + 4 for i in range(37)], [40, 41, 42, 43] * 5, [7, 8]]
+    params = [SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=3),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0, ignore_eos=True)]
+    reference = LLM(folder, num_kv_blocks=256, **ENGINE)
+    expected = reference.generate(prompts, params, use_tqdm=False)
+    reference.shutdown()
+    sharded = LLM(folder, tensor_parallel_size=2, num_kv_blocks=64, **ENGINE)
+    try:
+        got = sharded.generate(prompts, params, use_tqdm=False)
+    finally:
+        sharded.shutdown()
+    for a, b in zip(expected, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+        for ea, eb in zip(a.prompt_logprobs or [], b.prompt_logprobs or []):
+            assert (ea is None and eb is None) or (ea.keys() == eb.keys()
+                                                   and all(abs(ea[t] - eb[t]) < 1e-4 for t in ea))
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_tp4_greedy_tokens_equal_tp1(tiny_folders, family):
     """Four ranks (gloo, two cores): more ranks than KV heads, so each rank holds a copy of one (llama's 2 KV
@@ -194,7 +218,8 @@ def test_step_header_round_trip():
     from tandem.runner.step_plan import StepPlan
 
     for plan in (StepPlan(1, 3, 40, None, False, True, 2, 37, 90, 11, True, 2, 64),
-                 StepPlan(0, 5, 5, 8, True, False, -1, 1, 33, 12, False, 5, None)):
+                 StepPlan(0, 5, 5, 8, True, False, -1, 1, 33, 12, False, 5, None),
+                 StepPlan(1, 2, 30, None, True, False, -1, 29, 29, 13, False, 1, None, 28, 3)):
         header = np.array(plan.fields(), dtype=np.int64)  # as the gloo broadcast carries it
         assert header.shape == (STEP_FIELDS,)
         assert StepPlan.from_fields(header) == plan

@@ -234,3 +234,35 @@ def test_scheduler_package_stays_pure_python() -> None:
                 continue
             for module in modules:
                 assert not module.startswith(forbidden), f"{path.name} imports {module}"
+
+
+def test_max_tokens_zero_finishes_with_its_prompt_and_never_decodes() -> None:
+    """Scoring (max_tokens=0): chunked over steps scheduled back to back as the overlap loop does, then finished
+    for length by the step that computes the prompt's last position, with no token and no decode scheduled."""
+    s = scheduler(max_num_batched_tokens=4)
+    r = make_request("score", list(range(1, 11)), max_tokens=0, prompt_logprobs=0)
+    s.add_request(r)
+    first = s.schedule()
+    second = s.schedule()  # before the first step's update, as with overlap
+    s.update_from_output(first, [42], None)
+    third = s.schedule()
+    s.update_from_output(second, [42], None)
+    assert [(e.num_computed_tokens, e.num_scheduled_tokens, e.sample) for o in (first, second, third)
+            for e in o.scheduled] == [(0, 4, False), (4, 4, False), (8, 2, True)]
+    assert s.schedule().scheduled == []  # the last chunk's token is in flight: nothing to decode
+    touched = s.update_from_output(third, [42], None)
+    assert touched == [r] and r.output_token_ids == [] and r.finish_reason == FinishReason.LENGTH
+    assert r.status == RequestStatus.FINISHED and not s.has_unfinished_requests()
+    assert s.num_free_blocks() == 32
+
+
+def test_prompt_logprobs_request_bypasses_prefix_cache_hits() -> None:
+    s = scheduler()
+    prompt = list(range(1, 14))
+    s.add_request(make_request("warm", prompt, max_tokens=1))
+    s.update_from_output(s.schedule(), [42], None)
+    s.add_request(make_request("hit", prompt, max_tokens=1))
+    s.add_request(make_request("score", prompt, max_tokens=0, prompt_logprobs=1))
+    out = s.schedule()
+    starts = {e.request.request_id: e.num_computed_tokens for e in out.scheduled}
+    assert starts == {"hit": 12, "score": 0}

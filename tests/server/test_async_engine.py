@@ -313,7 +313,7 @@ def test_engine_death_fails_open_requests_at_once(tmp_path):
     (b'{"prompt": "x", "max_tokens": "3"}', "max_tokens"),
     (b'{"prompt": [1, "a"]}', "prompt"),
     (b'{"prompt": "x", "logit_bias": {"a": 1}}', "logit_bias"),
-    (b'{"prompt": "x", "echo": true}', "echo"),
+    (b'{"prompt": "x", "echo": true, "stream": true}', "echo"),
     (b'{"prompt": "x", "temperature": 1e999}', "temperature"),
     (b'{"prompt": "x"', None),
 ])
