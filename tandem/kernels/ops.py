@@ -17,7 +17,7 @@ from tandem.kernels.fp8 import (
     group_block_k,
 )
 from tandem.kernels.moe_align import fused_moe_ref, route_topk
-from tandem.kernels.reference import paged_attention_ref, write_kv_ref
+from tandem.kernels.reference import dequantize_int_weight, paged_attention_ref, write_kv_ref
 
 if TYPE_CHECKING:
     from tandem.kernels.triton_attention import NewTokens
@@ -245,3 +245,17 @@ def fused_moe(
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale,
                                 into_norm=into_norm)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
+
+
+def int_weight_linear(
+    x: torch.Tensor,  # [..., in] in the model dtype (input columns already in the weight's order)
+    qweight: torch.Tensor,  # uint8 [out, in // 2] (4 bits) or [out, in] (8 bits), the tandem int-N layout
+    scales: torch.Tensor,  # [out, num_groups] in the model dtype
+    zeros: torch.Tensor,  # [out, num_groups] in the model dtype
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:  # [..., out] in x's dtype, no bias
+    """x W^T for a 4- or 8-bit weight: the reference dequantization to fp32, then one matmul (the CPU path and
+    the fallback)."""
+    w = dequantize_int_weight(qweight, scales, zeros, bits, group_size)
+    return torch.matmul(x.float(), w.t()).to(x.dtype)

@@ -147,3 +147,27 @@ def _varlen_attention(
         )  # [num_heads, query_len, dim]
         result[start:end] = out.transpose(0, 1).to(q.dtype)
     return result
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in // 2] -> uint8 codes [out, in]: element k of a row sits in byte k // 2, even k in the low
+    nibble, odd k in the high one (the tandem int-N layout)."""
+    low = packed & 0xF
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], packed.shape[1] * 2)
+
+
+def dequantize_int_weight(
+    qweight: torch.Tensor,  # uint8 [out, in // 2] (bits 4) or [out, in] (bits 8): unsigned codes
+    scales: torch.Tensor,  # [out, num_groups] in the model dtype
+    zeros: torch.Tensor,  # [out, num_groups] in the model dtype: the zero point as a real number
+    bits: int,
+    group_size: int,  # columns per group; in_features (or -1) for one group per row
+) -> torch.Tensor:  # [out, in] fp32
+    """weight[n, k] = (q[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size], in fp32."""
+    q = unpack_int4_rows(qweight) if bits == 4 else qweight
+    in_features = q.shape[1]
+    group = in_features if group_size == -1 else group_size
+    s = scales.float().repeat_interleave(group, dim=1)[:, :in_features]
+    z = zeros.float().repeat_interleave(group, dim=1)[:, :in_features]
+    return (q.float() - z) * s
