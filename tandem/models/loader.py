@@ -20,6 +20,14 @@ from tandem.layers.linear import Embedding, Linear
 from tandem.layers.moe import FusedMoE
 from tandem.layers.quantization import checkpoint_fp8_config, dequantize_fp8_checkpoint
 from tandem.models.gguf_weights import gguf_moe_config, iter_gguf_weights
+from tandem.models.int_checkpoints import checkpoint_int_config
+from tandem.models.int_loading import (
+    RTN_METHODS,
+    prepare_int_linears,
+    quantize_linears_int,
+    quantized_prefixes,
+    repack_int_checkpoint,
+)
 from tandem.models.registry import MODEL_REGISTRY, model_config_from_hf
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -136,18 +144,39 @@ def load_model_and_tokenizer(
     elif source.format == "gguf":
         model.load_weights(iter_gguf_weights(source.path, model_config))
     else:
-        fp8_config = checkpoint_fp8_config(_read_config_json(source.path))
-        # Lazy slices let a rank read only its shard; FP8 checkpoints are dequantized whole first.
-        weights = _iter_safetensors(source.path, lazy=tp.size > 1 and fp8_config is None)
-        if fp8_config is not None:
-            weights = dequantize_fp8_checkpoint(weights, fp8_config)
-        model.load_weights(weights)
+        _load_safetensors(model, source.path, config, tp)
     if config.quantization == "fp8":
         quantize_linears_fp8(model)
+    elif config.quantization in RTN_METHODS:
+        quantize_linears_int(model, RTN_METHODS[config.quantization])
     if config.quantize_lm_head:
         quantize_lm_head_fp8(model, model_config)
     tokenizer = _load_tokenizer(config, source) if load_tokenizer else None
     return model.eval(), model_config, tokenizer
+
+
+def _load_safetensors(model: nn.Module, folder: str, config: EngineConfig, tp: ParallelConfig) -> None:
+    """Fills the model from a Hugging Face folder: full-precision, FP8 (dequantized whole first) or 4- / 8-bit
+    integer (its quantized layers made integer Linears first, then each layer repacked as it streams)."""
+    hf_config = _read_config_json(folder)
+    int_config = checkpoint_int_config(hf_config)
+    if int_config is not None:
+        if config.quantization is not None:
+            raise ValueError(f"quantization {config.quantization!r} cannot be applied to a {int_config.method} "
+                             "checkpoint, whose weights are quantized already")
+        prefixes = quantized_prefixes(_safetensors_names(folder), int_config)
+        if not prefixes:
+            raise ValueError(f"model folder {folder!r}: quantization_config says {int_config.method} but no tensor "
+                             f"is named *.{int_config.packed_name}")
+        prepare_int_linears(model, prefixes, int_config)
+        model.load_weights(repack_int_checkpoint(_iter_safetensors(folder), int_config, prefixes))
+        return
+    fp8_config = checkpoint_fp8_config(hf_config)
+    # Lazy slices let a rank read only its shard; FP8 checkpoints are dequantized whole first.
+    weights = _iter_safetensors(folder, lazy=tp.size > 1 and fp8_config is None)
+    if fp8_config is not None:
+        weights = dequantize_fp8_checkpoint(weights, fp8_config)
+    model.load_weights(weights)
 
 
 def load_model_config(config: EngineConfig) -> ModelConfig:
@@ -368,6 +397,11 @@ def _iter_safetensors(folder: str, lazy: bool = False) -> Iterator[tuple[str, An
         with safe_open(os.path.join(folder, file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, (_SafetensorsSlice(f, name) if lazy else f.get_tensor(name))
+
+
+def _safetensors_names(folder: str) -> list[str]:
+    """Every tensor name of the folder's safetensors files (headers only)."""
+    return [name for name, _ in _iter_safetensors(folder, lazy=True)]
 
 
 def _load_tokenizer(config: EngineConfig, source: ModelSource):

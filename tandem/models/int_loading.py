@@ -1,0 +1,117 @@
+"""Loading 4- and 8-bit weights: a checkpoint's quantized layers turned into integer Linears before the tensors
+arrive, its tensors repacked into the tandem int-N layout as they stream, and round-to-nearest int4 / int8."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from tandem.layers.int_quant import RTN_GROUP_SIZE
+from tandem.layers.linear import Linear
+from tandem.layers.moe import FusedMoE
+from tandem.layers.parallel import RowParallelLinear, materialize
+from tandem.models.int_checkpoints import UNPACKERS, IntCheckpointConfig
+from tandem.models.llama import FUSED_PROJECTIONS
+
+# quantization= values that quantize every linear at load, round to nearest: their bit widths.
+RTN_METHODS = {"int4": 4, "int8": 8}
+# Tensors of quantized layers that carry nothing tandem uses.
+_UNUSED = ("weight_global_scale",)
+
+
+def quantized_prefixes(names: Iterable[str], cfg: IntCheckpointConfig) -> list[str]:
+    """The checkpoint layers (name prefixes) that hold quantized weights."""
+    suffix = "." + cfg.packed_name
+    return sorted(n[: -len(suffix)] for n in names if n.endswith(suffix))
+
+
+def module_name(prefix: str) -> tuple[str, str | None]:
+    """(this model's module for a checkpoint layer, the fused projection's source part or None)."""
+    head, _, last = prefix.rpartition(".")
+    fused = FUSED_PROJECTIONS.get(last)
+    if fused is None:
+        return prefix, None
+    return f"{head}.{fused[0]}" if head else fused[0], last
+
+
+def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpointConfig) -> None:
+    """Gives every Linear that a quantized checkpoint layer feeds empty integer parameters for the loader to
+    fill. ValueError, before any tensor is read, for a layer tandem cannot hold in 4 / 8 bits (the lm_head,
+    MoE experts, a fused projection quantized in part, an act-order row-parallel shard), naming it."""
+    modules = dict(model.named_modules())
+    sources: dict[str, set[str]] = {}
+    for prefix in prefixes:
+        target, part = module_name(prefix)
+        module = modules.get(target)
+        if prefix.split(".")[-1] == "lm_head" or target.endswith("lm_head"):
+            raise ValueError(f"checkpoint layer {prefix!r}: a quantized lm_head is not supported (it stays in the "
+                             "model dtype)")
+        if module is None and ".experts." in prefix or isinstance(module, FusedMoE):
+            raise ValueError(f"checkpoint layer {prefix!r}: MoE experts in 4 / 8 bits are not supported yet")
+        if not isinstance(module, Linear):
+            raise ValueError(f"checkpoint layer {prefix!r} holds quantized weights but {type(model).__name__} has "
+                             f"no linear {target!r} to take them")
+        sources.setdefault(target, set()).add(part or "")
+    for target, parts in sources.items():
+        expected = {p for p, (t, _) in FUSED_PROJECTIONS.items() if target.endswith("." + t)} or {""}
+        if parts != expected:
+            raise ValueError(f"{target}: the checkpoint quantizes {sorted(parts)} of its fused parts "
+                             f"{sorted(expected)}; all or none must be quantized")
+        module = modules[target]
+        if cfg.act_order and isinstance(module, RowParallelLinear) and module.tp.size > 1:
+            raise ValueError(f"{target}: act-order (desc_act / actorder) weights cannot be split along their input "
+                             f"columns over tensor_parallel_size={module.tp.size} yet")
+        module.use_int_weight_(cfg.bits, cfg.group_size, cfg.act_order, name=target)
+
+
+def repack_int_checkpoint(weights: Iterable[tuple[str, object]], cfg: IntCheckpointConfig,
+                          prefixes: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's (name, tensor) stream with each quantized layer's tensors gathered and yielded as
+    `<layer>.qweight`, `.scales`, `.zeros` (and `.perm` with act order) in the tandem int-N layout, as soon as
+    the layer's last tensor arrives; other tensors pass through. ValueError naming the layer when its tensors
+    disagree with the quantization_config or are incomplete."""
+    unpack = UNPACKERS[cfg.method]
+    needed = cfg.tensor_names()
+    optional = ("g_idx", "weight_g_idx", "weight_zero_point") + _UNUSED
+    quantized = set(prefixes)
+    done: set[str] = set()
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, _, suffix = name.rpartition(".")
+        if prefix in done and suffix in optional:
+            continue  # a layer's optional tensor after it was complete (an identity g_idx, symmetric zero points)
+        if prefix not in quantized or suffix not in needed + optional:
+            if prefix in quantized and suffix == "weight":
+                raise ValueError(f"checkpoint layer {prefix!r} holds both a full-precision weight and quantized ones")
+            yield name, tensor
+            continue
+        if suffix in _UNUSED:
+            continue
+        parts = pending.setdefault(prefix, {})
+        parts[suffix] = materialize(tensor)
+        if not all(n in parts for n in needed):
+            continue
+        packed = unpack(prefix, cfg, pending.pop(prefix))
+        yield prefix + ".qweight", packed.qweight
+        yield prefix + ".scales", packed.scales
+        yield prefix + ".zeros", packed.zeros
+        if packed.perm is not None:
+            yield prefix + ".perm", packed.perm
+        quantized.discard(prefix)
+        done.add(prefix)
+    if pending or quantized:
+        layer = sorted(pending or quantized)[0]
+        have = sorted(pending.get(layer, {}))
+        raise ValueError(f"checkpoint layer {layer!r} is incomplete: it has {have}, a {cfg.method} layer needs "
+                         f"{list(needed)}")
+
+
+def quantize_linears_int(model: nn.Module, bits: int, group_size: int = RTN_GROUP_SIZE) -> None:
+    """Turns every Linear but the lm_head into integer codes, round to nearest per group of group_size input
+    columns (quantization int4 / int8), one module at a time; embeddings and the lm_head keep the model dtype.
+    ValueError naming a layer whose (local) input columns are not whole groups."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and name.split(".")[-1] != "lm_head":
+            module.quantize_int_(bits, group_size, name=name)
