@@ -163,3 +163,18 @@ def test_round_to_nearest_refuses_shapes_without_whole_groups(tmp_path):
         load(tmp_path, quantization="int4")
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(model=str(tmp_path), quantization="int3")
+
+
+def test_roofline_counts_packed_bytes(tmp_path):
+    from tandem.bench.roofline import model_cost
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).save_pretrained(tmp_path)
+    full, mc = load(tmp_path)
+    int4, _ = load(tmp_path, quantization="int4")
+    before, after = model_cost(full, mc), model_cost(int4, mc)
+    assert after.body_params == before.body_params  # the same multiplications
+    # Per layer 4 linears of 128 inputs (qkv 256 rows, o 128, gate_up 512) and down (256 inputs, 128 rows):
+    # half a byte a weight plus an fp32 scale and zero per 128 weights.
+    weights = CONFIG["num_hidden_layers"] * (128 * (256 + 128 + 512) + 256 * 128)
+    assert before.weight_bytes - after.weight_bytes == weights * 4 - weights * (0.5 + 8 / 128)
