@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tandem.layers.int_quant import RTN_GROUP_SIZE
 from tandem.layers.linear import Linear
@@ -115,3 +116,25 @@ def quantize_linears_int(model: nn.Module, bits: int, group_size: int = RTN_GROU
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name.split(".")[-1] != "lm_head":
             module.quantize_int_(bits, group_size, name=name)
+
+
+class EmptyOnMeta(TorchFunctionMode):
+    """While a model is built: torch.empty (the uninitialized parameters of Linear, Embedding and FusedMoE, which
+    the loader fills) on the meta device, everything else (norms' ones, rotary tables) where it would be. An
+    integer model then never allocates its full-precision linears: prepare_int_linears (or the dummy
+    initialization) gives them their integer parameters, and materialize_meta the rest their storage."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.empty:
+            kwargs = {**kwargs, "device": torch.device("meta")}
+        return func(*args, **kwargs)
+
+
+def materialize_meta(module: nn.Module, device: torch.device) -> None:
+    """Gives every parameter still on the meta device uninitialized storage on `device` (same shape, dtype)."""
+    for sub in module.modules():
+        for name, param in list(sub.named_parameters(recurse=False)):
+            if param.is_meta:
+                setattr(sub, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                                requires_grad=False))

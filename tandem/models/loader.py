@@ -20,9 +20,12 @@ from tandem.layers.linear import Embedding, Linear
 from tandem.layers.moe import FusedMoE
 from tandem.layers.quantization import checkpoint_fp8_config, dequantize_fp8_checkpoint
 from tandem.models.gguf_weights import gguf_moe_config, iter_gguf_weights
-from tandem.models.int_checkpoints import checkpoint_int_config
+from tandem.models.int_checkpoints import IntCheckpointConfig, checkpoint_int_config
+from tandem.layers.int_quant import RTN_GROUP_SIZE
 from tandem.models.int_loading import (
     RTN_METHODS,
+    EmptyOnMeta,
+    materialize_meta,
     prepare_int_linears,
     quantize_linears_int,
     quantized_prefixes,
@@ -137,14 +140,19 @@ def load_model_and_tokenizer(
     hf_config = _hf_config(source, config.hf_overrides)
     model_config = model_config_from_hf(hf_config, _generation_eos_ids(source))
     model_cls = MODEL_REGISTRY[model_config.architecture]
-    with torch.device(device), _default_dtype(dtype):
+    int_config = checkpoint_int_config(_read_config_json(source.path)) if source.format == "safetensors" else None
+    int_bits = RTN_METHODS.get(config.quantization or "", 0)
+    # Integer models leave their linears' full-precision storage unallocated (on the meta device): the
+    # checkpoint's layers or the dummy initialization give each its integer parameters instead.
+    deferred = int_config is not None or (int_bits and source.format == "dummy")
+    with torch.device(device), _default_dtype(dtype), EmptyOnMeta() if deferred else contextlib.nullcontext():
         model = model_cls(model_config, tp)
     if source.format == "dummy":
-        init_dummy_weights(model, config.seed, device)
+        init_dummy_weights(model, config.seed, device, int_bits)
     elif source.format == "gguf":
         model.load_weights(iter_gguf_weights(source.path, model_config))
     else:
-        _load_safetensors(model, source.path, config, tp)
+        _load_safetensors(model, source.path, config, tp, int_config, device)
     if config.quantization == "fp8":
         quantize_linears_fp8(model)
     elif config.quantization in RTN_METHODS:
@@ -155,11 +163,10 @@ def load_model_and_tokenizer(
     return model.eval(), model_config, tokenizer
 
 
-def _load_safetensors(model: nn.Module, folder: str, config: EngineConfig, tp: ParallelConfig) -> None:
+def _load_safetensors(model: nn.Module, folder: str, config: EngineConfig, tp: ParallelConfig,
+                      int_config: IntCheckpointConfig | None, device: torch.device) -> None:
     """Fills the model from a Hugging Face folder: full-precision, FP8 (dequantized whole first) or 4- / 8-bit
     integer (its quantized layers made integer Linears first, then each layer repacked as it streams)."""
-    hf_config = _read_config_json(folder)
-    int_config = checkpoint_int_config(hf_config)
     if int_config is not None:
         if config.quantization is not None:
             raise ValueError(f"quantization {config.quantization!r} cannot be applied to a {int_config.method} "
@@ -169,9 +176,10 @@ def _load_safetensors(model: nn.Module, folder: str, config: EngineConfig, tp: P
             raise ValueError(f"model folder {folder!r}: quantization_config says {int_config.method} but no tensor "
                              f"is named *.{int_config.packed_name}")
         prepare_int_linears(model, prefixes, int_config)
+        materialize_meta(model, device)
         model.load_weights(repack_int_checkpoint(_iter_safetensors(folder), int_config, prefixes))
         return
-    fp8_config = checkpoint_fp8_config(hf_config)
+    fp8_config = checkpoint_fp8_config(_read_config_json(folder))
     # Lazy slices let a rank read only its shard; FP8 checkpoints are dequantized whole first.
     weights = _iter_safetensors(folder, lazy=tp.size > 1 and fp8_config is None)
     if fp8_config is not None:
@@ -419,17 +427,23 @@ def _load_tokenizer(config: EngineConfig, source: ModelSource):
     return AutoTokenizer.from_pretrained(source.path)
 
 
-def init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> None:
+def init_dummy_weights(model: nn.Module, seed: int, device: torch.device, int_bits: int = 0) -> None:
     """Fills linear and embedding parameters in place with N(0, 0.02) from a seeded generator on device.
 
     Norm weights keep their construction values (ones, zero bias) so activations stay in a sane range; MoE
-    expert stacks are drawn like linears.
+    expert stacks are drawn like linears. With int_bits (quantization int4 / int8) each linear but the lm_head
+    is quantized right after it is drawn, so only one full-precision weight exists at a time (parameters left
+    on the meta device by EmptyOnMeta get their storage here, one module at a time).
     """
     generator = torch.Generator(device=device).manual_seed(seed)
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, (Linear, Embedding, FusedMoE)):
+            materialize_meta(module, device)
             for param in module.parameters(recurse=False):
                 param.data.normal_(0.0, 0.02, generator=generator)
+            if int_bits and isinstance(module, Linear) and name.split(".")[-1] != "lm_head":
+                module.quantize_int_(int_bits, RTN_GROUP_SIZE, name=name)
+    materialize_meta(model, device)
 
 
 @contextlib.contextmanager

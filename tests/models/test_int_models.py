@@ -12,6 +12,7 @@ import torch
 
 from tandem.config import EngineConfig, ParallelConfig
 from tandem.layers.int_quant import quantize_rtn
+from tandem.layers.linear import Linear
 from tandem.models.loader import load_model_and_tokenizer
 from tests.models.int_checkpoints import CONFIG, Case, save_quantized_llama
 from tests.models.test_hf_parity import run_and_compare
@@ -178,3 +179,23 @@ def test_roofline_counts_packed_bytes(tmp_path):
     # half a byte a weight plus an fp32 scale and zero per 128 weights.
     weights = CONFIG["num_hidden_layers"] * (128 * (256 + 128 + 512) + 256 * 128)
     assert before.weight_bytes - after.weight_bytes == weights * 4 - weights * (0.5 + 8 / 128)
+
+
+def test_integer_models_never_allocate_full_precision_linears():
+    from tandem.layers.norm import RMSNorm
+    from tandem.models.int_loading import EmptyOnMeta, materialize_meta
+
+    with EmptyOnMeta():
+        linear, norm = Linear(8, 4, bias=True), RMSNorm(8)
+    assert linear.weight.is_meta and linear.bias.is_meta  # storage the loader would only overwrite
+    assert torch.equal(norm.weight, torch.ones(8))  # construction values are kept
+    linear.use_int_weight_(4, 8, name="linear")
+    assert linear.qweight.is_meta and not hasattr(linear, "weight")
+    materialize_meta(linear, CPU)
+    assert linear.qweight.device == CPU and linear.qweight.shape == (4, 4) and linear.bias.device == CPU
+    # Dummy weights at int4: every linear but the lm_head quantized as it is drawn.
+    model, _ = load("llama-3.2-1b", load_format="dummy", quantization="int4",
+                    hf_overrides=dict(num_hidden_layers=1, hidden_size=256, intermediate_size=512, vocab_size=512,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64))
+    assert {p.dtype for n, p in model.named_parameters() if n.endswith("qweight")} == {torch.uint8}
+    assert not any(p.is_meta for p in model.parameters()) and model.lm_head is None  # tied: the embedding
