@@ -56,8 +56,9 @@ def test_int4_graphs_and_overlap_equal_eager_sync(tmp_path):
 
 @pytest.mark.gpu
 def test_int4_llama3_8b_shape_loads_without_its_bf16_copy():
-    """The 8B shape at int4: ~4.9 GB (packed body, bf16 scales and zeros, bf16 embeddings and lm_head) where bf16
-    holds 16 GB; the peak stays under 8 GiB because each linear is drawn and quantized on its own."""
+    """The 8B shape at int4 holds ~5.8 GB (a 3.5 GB packed body, 0.2 GB of bf16 scales and zeros, 2.1 GB of bf16
+    embeddings and lm_head) where bf16 holds 16 GB; the peak stays under 10 GiB because each linear is drawn and
+    quantized on its own (the largest, gate_up, with its fp32 temporaries: ~2 GB)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -65,7 +66,7 @@ def test_int4_llama3_8b_shape_loads_without_its_bf16_copy():
                           quantization="int4")
     model, _, _ = load_model_and_tokenizer(config, CUDA, torch.bfloat16)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert 4.5e9 < held < 5.5e9
-    assert torch.cuda.max_memory_allocated() - base < 8 * 2**30
+    assert 5.5e9 < held < 6.2e9
+    assert torch.cuda.max_memory_allocated() - base < 10 * 2**30
     del model
     torch.cuda.empty_cache()
