@@ -571,8 +571,9 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
                             "nopdl (CUDA: a fresh engine whose Triton kernels launch without programmatic "
                             "dependent launch, TANDEM_PDL=0); "
                             "with M > 1 only hf and dp1 run")
-    bench.add_argument("--quantization", default=None, choices=["fp8"],
-                       help="run tandem with FP8 weights (roofline on FP8 bytes)")
+    bench.add_argument("--quantization", default=None, choices=["fp8", "int4", "int8"],
+                       help="run tandem with FP8 weights (roofline on FP8 bytes), or int4 / int8 weight-only codes "
+                            "(roofline on the packed codes, scales and zeros)")
     bench.add_argument("--quantize-lm-head", action="store_true",
                        help="with --quantization fp8: the lm_head in FP8 too (the bf16 peer keeps bf16)")
     bench.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
