@@ -11,8 +11,9 @@ from tandem.kernels.ops import int_weight_linear
 from tandem.kernels.reference import dequantize_int_weight, unpack_int4_rows
 
 INT_BITS = (4, 8)
-# Group size of quantization="int4" / "int8" (round to nearest at load), the common choice of 4-bit checkpoints.
-RTN_GROUP_SIZE = 128
+# Group sizes of quantization="int4" / "int8" (round to nearest at load): 128, the common choice of 4-bit
+# checkpoints, where it divides a layer's (local) input columns, else the next that does.
+RTN_GROUP_SIZES = (128, 64, 32)
 
 
 @dataclass(slots=True)
@@ -62,6 +63,15 @@ def check_int_layout(name: str, bits: int, group_size: int, out_features: int, i
     if bits == 4 and in_features % 2:
         raise ValueError(f"{name}: 4-bit weights need an even number of input columns, got {in_features}")
     return group
+
+
+def rtn_group_size(in_features: int, name: str = "linear") -> int:
+    """The first of RTN_GROUP_SIZES that divides in_features; ValueError naming the layer when none does."""
+    for group in RTN_GROUP_SIZES:
+        if in_features % group == 0:
+            return group
+    raise ValueError(f"{name}: no group size of {RTN_GROUP_SIZES} divides its {in_features} input columns "
+                     "(int4 / int8 quantize whole groups)")
 
 
 def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 from tandem.kernels.fp8 import FP8_DTYPE, W8A8_MAX_M, PartialSums, QuantizedRows, fp8_quantizes_activations
 from tandem.kernels.ops import use_gemv, use_skinny, use_triton
 from tandem.layers.activation import silu_and_mul
-from tandem.layers.int_quant import PackedIntWeight, check_int_layout, int_linear, quantize_rtn
+from tandem.layers.int_quant import PackedIntWeight, check_int_layout, int_linear, quantize_rtn, rtn_group_size
 from tandem.layers.quantization import fp8_linear, fp8_supported_shape, quantize_weight_fp8
 
 
@@ -111,12 +111,13 @@ class Linear(nn.Module):
             torch.empty(self.in_features, dtype=torch.int64, device=device) if act_order else None,
         ))
 
-    def quantize_int_(self, bits: int, group_size: int, name: str = "linear") -> None:
-        """Replaces the loaded weight by its round-to-nearest integer codes (quantization int4 / int8); the
-        full-precision weight is freed."""
+    def quantize_int_(self, bits: int, group_size: int | None = None, name: str = "linear") -> None:
+        """Replaces the loaded weight by its round-to-nearest integer codes (quantization int4 / int8; group_size
+        None: rtn_group_size of the local input columns); the full-precision weight is freed."""
         if self.int_bits:
             return
-        packed = quantize_rtn(self.weight.data, bits, group_size, name)
+        group = rtn_group_size(self.in_features, name) if group_size is None else group_size
+        packed = quantize_rtn(self.weight.data, bits, group, name)
         del self.weight
         self._set_int(packed)
 

@@ -30,7 +30,7 @@ class RouterLinear(Linear):
     def quantize_fp8_(self) -> bool:
         return True  # nothing to do: counted as handled, not as a shape FP8 cannot take
 
-    def quantize_int_(self, bits: int, group_size: int, name: str = "linear") -> None:
+    def quantize_int_(self, bits: int, group_size: int | None = None, name: str = "linear") -> None:
         return None  # int4 / int8 leave it in the model dtype too
 
 

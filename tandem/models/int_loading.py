@@ -9,7 +9,6 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tandem.layers.int_quant import RTN_GROUP_SIZE
 from tandem.layers.linear import Linear
 from tandem.layers.moe import FusedMoE
 from tandem.layers.parallel import RowParallelLinear, materialize
@@ -109,13 +108,13 @@ def repack_int_checkpoint(weights: Iterable[tuple[str, object]], cfg: IntCheckpo
                          f"{list(needed)}")
 
 
-def quantize_linears_int(model: nn.Module, bits: int, group_size: int = RTN_GROUP_SIZE) -> None:
-    """Turns every Linear but the lm_head into integer codes, round to nearest per group of group_size input
-    columns (quantization int4 / int8), one module at a time; embeddings and the lm_head keep the model dtype.
-    ValueError naming a layer whose (local) input columns are not whole groups."""
+def quantize_linears_int(model: nn.Module, bits: int) -> None:
+    """Turns every Linear but the lm_head (and MoE routers) into integer codes, round to nearest per group of
+    input columns (quantization int4 / int8: rtn_group_size, 128 where it divides), one module at a time;
+    embeddings and the lm_head keep the model dtype. ValueError naming a layer no group size divides."""
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name.split(".")[-1] != "lm_head":
-            module.quantize_int_(bits, group_size, name=name)
+            module.quantize_int_(bits, name=name)
 
 
 class EmptyOnMeta(TorchFunctionMode):

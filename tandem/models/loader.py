@@ -21,7 +21,6 @@ from tandem.layers.moe import FusedMoE
 from tandem.layers.quantization import checkpoint_fp8_config, dequantize_fp8_checkpoint
 from tandem.models.gguf_weights import gguf_moe_config, iter_gguf_weights
 from tandem.models.int_checkpoints import IntCheckpointConfig, checkpoint_int_config
-from tandem.layers.int_quant import RTN_GROUP_SIZE
 from tandem.models.int_loading import (
     RTN_METHODS,
     EmptyOnMeta,
@@ -442,7 +441,7 @@ def init_dummy_weights(model: nn.Module, seed: int, device: torch.device, int_bi
             for param in module.parameters(recurse=False):
                 param.data.normal_(0.0, 0.02, generator=generator)
             if int_bits and isinstance(module, Linear) and name.split(".")[-1] != "lm_head":
-                module.quantize_int_(int_bits, RTN_GROUP_SIZE, name=name)
+                module.quantize_int_(int_bits, name=name)
     materialize_meta(model, device)
 
 

@@ -156,12 +156,17 @@ def test_partly_quantized_fused_projection_is_refused(tmp_path):
         load(tmp_path)
 
 
-def test_round_to_nearest_refuses_shapes_without_whole_groups(tmp_path):
+def test_round_to_nearest_group_sizes(tmp_path):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**{**CONFIG, "intermediate_size": 96})
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="mlp.down_proj: group size 128 does not divide its 96"):
-        load(tmp_path, quantization="int4")
+    model, _ = load(tmp_path, quantization="int4")
+    mlp = model.model.layers[0].mlp
+    assert (mlp.gate_up_proj.group_size, mlp.down_proj.group_size) == (128, 32)  # 128 where it divides
+    config = transformers.LlamaConfig(**{**CONFIG, "intermediate_size": 100})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"mlp.down_proj: no group size of \(128, 64, 32\) divides its 100"):
+        load(tmp_path, quantization="int8")
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(model=str(tmp_path), quantization="int3")
 
