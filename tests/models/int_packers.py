@@ -36,31 +36,28 @@ def act_order_g_idx(in_features: int, group: int, seed: int) -> torch.Tensor:
 
 def quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, g_idx: torch.Tensor | None = None,
              min_zero: int = 0) -> Quantized:
-    """Min-max quantization per (row, group); group_size -1 = one group a row; sym: zero 2**(bits - 1)."""
+    """Min-max quantization per (row, group) of equally many columns; group_size -1 = one group a row; sym:
+    zero 2**(bits - 1)."""
     out_features, in_features = weight.shape
     group = in_features if group_size == -1 else group_size
     if g_idx is None:
         g_idx = torch.arange(in_features) // group
-    num_groups = int(g_idx.max()) + 1
+    num_groups = in_features // group
     levels = (1 << bits) - 1
-    w = weight.float()
-    scales = torch.empty(num_groups, out_features)
-    zeros = torch.empty(num_groups, out_features, dtype=torch.int64)
-    for g in range(num_groups):
-        cols = w[:, g_idx == g]
-        if sym:
-            scale = cols.abs().amax(dim=1).clamp(min=1e-6) / (levels // 2)
-            zero = torch.full((out_features,), 1 << (bits - 1), dtype=torch.int64)
-        else:
-            low, high = cols.amin(dim=1).clamp(max=0), cols.amax(dim=1).clamp(min=0)
-            scale = ((high - low) / levels).clamp(min=1e-6)
-            zero = (-low / scale).round().long().clamp(min_zero, levels)
-        scales[g] = scale.half().float()
-        zeros[g] = zero
-    s = scales[g_idx].t()
-    z = zeros[g_idx].t()
-    codes = (w / s + z).round().clamp(0, levels).long()
-    return Quantized(codes, zeros, scales.half(), g_idx, bits)
+    order = torch.sort(g_idx, stable=True).indices  # the columns of group 0, then of group 1, ...
+    w = weight.float()[:, order].reshape(out_features, num_groups, group)
+    if sym:
+        scale = w.abs().amax(dim=2).clamp(min=1e-6) / (levels // 2)
+        zero = torch.full((out_features, num_groups), 1 << (bits - 1), dtype=torch.int64)
+    else:
+        low, high = w.amin(dim=2).clamp(max=0), w.amax(dim=2).clamp(min=0)
+        scale = ((high - low) / levels).clamp(min=1e-6)
+        zero = (-low / scale).round().long().clamp(min_zero, levels)
+    scale = scale.half().float()  # [out, groups], as the checkpoint stores it
+    sorted_codes = (w / scale[:, :, None] + zero[:, :, None]).round().clamp(0, levels).long()
+    codes = torch.empty(out_features, in_features, dtype=torch.int64)
+    codes[:, order] = sorted_codes.reshape(out_features, in_features)
+    return Quantized(codes, zero.t().contiguous(), scale.t().half().contiguous(), g_idx, bits)
 
 
 def _pack_along(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
