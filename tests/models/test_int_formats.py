@@ -182,3 +182,28 @@ def test_layout_refusals_name_the_layer():
         quantize_rtn(torch.randn(8, 96), 4, 128, name="model.layers.1.mlp.down_proj")
     with pytest.raises(ValueError, match="3-bit"):
         Linear(64, 8).use_int_weight_(3, 32, name="x")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("strategy", ["group", "channel"])
+@pytest.mark.parametrize("sym", [True, False])
+def test_compressed_tensors_package_round_trip(bits, strategy, sym):
+    """Tensors written by the compressed-tensors package's own compressor unpack to the weights its own
+    decompressor gives back."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy=strategy,
+                            group_size=64 if strategy == "group" else None)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    gen = torch.Generator().manual_seed(bits)
+    groups = IN // 64 if strategy == "group" else 1
+    half = 1 << (bits - 1)
+    state = {"weight": weight(9), "weight_scale": torch.rand(OUT, groups, generator=gen) * 0.01 + 0.002,
+             "weight_zero_point": (torch.zeros(OUT, groups) if sym else
+                                   torch.randint(-half, half, (OUT, groups), generator=gen)).to(torch.int8)}
+    compressed = PackedQuantizationCompressor.compress(state, scheme)
+    expected = PackedQuantizationCompressor.decompress(dict(compressed), scheme)["weight"]
+    packed = unpack_compressed_tensors("layer", ct_cfg(bits, strategy, 64, sym), compressed)
+    torch.testing.assert_close(packed.dequantize(), expected.float(), atol=0, rtol=0)
