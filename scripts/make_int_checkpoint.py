@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from safetensors.torch import save_file  # noqa: E402
 
 from tandem.models.loader import NAMED_SHAPES  # noqa: E402
-from tests.models.int_checkpoints import Case  # noqa: E402
+from tests.models.quantized_llama import Case  # noqa: E402
 
 FORMATS = {
     "gptq": lambda bits, group: Case("gptq", bits, group, sym=True),

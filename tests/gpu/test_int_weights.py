@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from tandem import LLM, SamplingParams  # noqa: E402
 from tandem.config import EngineConfig  # noqa: E402
 from tandem.models.loader import load_model_and_tokenizer  # noqa: E402
-from tests.models.int_checkpoints import CONFIG, VOCAB, Case, save_quantized_llama  # noqa: E402
+from tests.models.quantized_llama import CONFIG, VOCAB, Case, save_quantized_llama  # noqa: E402
 from tests.models.test_hf_parity import run_and_compare  # noqa: E402
 
 CUDA = torch.device("cuda")

@@ -14,7 +14,7 @@ from tandem.config import EngineConfig, ParallelConfig
 from tandem.layers.int_quant import quantize_rtn
 from tandem.layers.linear import Linear
 from tandem.models.loader import load_model_and_tokenizer
-from tests.models.int_checkpoints import CONFIG, Case, save_quantized_llama
+from tests.models.quantized_llama import CONFIG, Case, save_quantized_llama
 from tests.models.test_hf_parity import run_and_compare
 
 transformers = pytest.importorskip("transformers")

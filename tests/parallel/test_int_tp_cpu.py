@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem import LLM, SamplingParams
-from tests.models.int_checkpoints import VOCAB, Case, save_quantized_llama
+from tests.models.quantized_llama import VOCAB, Case, save_quantized_llama
 
 pytest.importorskip("transformers")
 
