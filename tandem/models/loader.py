@@ -139,7 +139,7 @@ def load_model_and_tokenizer(
     hf_config = _hf_config(source, config.hf_overrides)
     model_config = model_config_from_hf(hf_config, _generation_eos_ids(source))
     model_cls = MODEL_REGISTRY[model_config.architecture]
-    int_config = checkpoint_int_config(_read_config_json(source.path)) if source.format == "safetensors" else None
+    int_config = _checkpoint_int_config(source.path) if source.format == "safetensors" else None
     int_bits = RTN_METHODS.get(config.quantization or "", 0)
     # Integer models leave their linears' full-precision storage unallocated (on the meta device): the
     # checkpoint's layers or the dummy initialization give each its integer parameters instead.
@@ -218,6 +218,17 @@ def quantize_lm_head_fp8(model: nn.Module, mc: ModelConfig) -> None:
     if not quantize():
         raise ValueError(f"quantize_lm_head: the lm_head of {mc.vocab_size} x {mc.hidden_size} cannot be FP8 "
                          "(both dimensions must be multiples of 16)")
+
+
+def _checkpoint_int_config(folder: str) -> IntCheckpointConfig | None:
+    """The folder's integer quantization: config.json's quantization_config, or (older AutoGPTQ folders) a
+    quantize_config.json beside it."""
+    hf_config = _read_config_json(folder)
+    legacy = os.path.join(folder, "quantize_config.json")
+    if "quantization_config" not in hf_config and os.path.isfile(legacy):
+        with open(legacy) as f:
+            hf_config["quantization_config"] = {"quant_method": "gptq", **json.load(f)}
+    return checkpoint_int_config(hf_config)
 
 
 def _read_config_json(folder: str) -> dict[str, Any]:

@@ -85,6 +85,22 @@ def test_tensor_parallel_shards_hold_the_full_weight(tmp_path):
             torch.testing.assert_close(shard, expected, atol=0, rtol=0)
 
 
+def test_autogptq_quantize_config_json(tmp_path):
+    """Older AutoGPTQ folders describe their quantization in quantize_config.json, not in config.json."""
+    hf = save_quantized_llama(Case("gptq", 4, 64, sym=False, act_order=True), tmp_path)
+    path = os.path.join(tmp_path, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    qc = config.pop("quantization_config")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(tmp_path, "quantize_config.json"), "w") as f:
+        json.dump({k: v for k, v in qc.items() if k not in ("quant_method", "checkpoint_format")}, f)
+    model, model_config = load(tmp_path)
+    assert model.model.layers[0].mlp.down_proj.int_bits == 4
+    run_and_compare("quantize_config.json", hf, model, model_config, "cpu", atol=1e-4)
+
+
 def test_shards_that_split_a_group_are_refused(tmp_path):
     save_quantized_llama(Case("gptq", 4, 128, sym=True), tmp_path)
     with pytest.raises(ValueError, match="self_attn.o_proj: group size 128 does not divide its 64 input columns"):
