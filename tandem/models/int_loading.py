@@ -13,7 +13,7 @@ from tandem.layers.linear import Linear
 from tandem.layers.moe import FusedMoE
 from tandem.layers.parallel import RowParallelLinear, materialize
 from tandem.models.int_checkpoints import UNPACKERS, IntCheckpointConfig
-from tandem.models.llama import FUSED_PROJECTIONS
+from tandem.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 
 # quantization= values that quantize every linear at load, round to nearest: their bit widths.
 RTN_METHODS = {"int4": 4, "int8": 8}
@@ -40,6 +40,9 @@ def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpoin
     """Gives every Linear that a quantized checkpoint layer feeds empty integer parameters for the loader to
     fill. ValueError, before any tensor is read, for a layer tandem cannot hold in 4 / 8 bits (the lm_head,
     MoE experts, a fused projection quantized in part, an act-order row-parallel shard), naming it."""
+    if not isinstance(model, LlamaForCausalLM):
+        raise ValueError(f"{type(model).__name__}: 4- / 8-bit checkpoints load into Llama-family models only (the "
+                         "others run quantization int4 / int8 from a full-precision checkpoint)")
     modules = dict(model.named_modules())
     sources: dict[str, set[str]] = {}
     for prefix in prefixes:
@@ -48,7 +51,7 @@ def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpoin
         if prefix.split(".")[-1] == "lm_head" or target.endswith("lm_head"):
             raise ValueError(f"checkpoint layer {prefix!r}: a quantized lm_head is not supported (it stays in the "
                              "model dtype)")
-        if module is None and ".experts." in prefix or isinstance(module, FusedMoE):
+        if (module is None and ".experts." in prefix) or isinstance(module, FusedMoE):
             raise ValueError(f"checkpoint layer {prefix!r}: MoE experts in 4 / 8 bits are not supported yet")
         if not isinstance(module, Linear):
             raise ValueError(f"checkpoint layer {prefix!r} holds quantized weights but {type(model).__name__} has "

@@ -66,14 +66,20 @@ class Case:
         return compressed_tensors_tensors(q, self.sym, with_g_idx=self.act_order), q.dequantize()
 
 
-def save_quantized_llama(case: Case, folder: str, seed: int = 0):  # -> transformers.LlamaForCausalLM
-    """Writes a tiny random Llama in `case`'s format to folder (config.json + model.safetensors) and returns
-    the transformers model holding the dequantized weights (fp32, eval)."""
+def save_quantized_llama(case: Case, folder: str, seed: int = 0, family: str = "llama"):  # -> a transformers model
+    """Writes a tiny random Llama (or Qwen2: q/k/v biases, which stay in full precision) in `case`'s format to
+    folder (config.json + model.safetensors) and returns the transformers model holding the dequantized
+    weights (fp32, eval)."""
     import transformers
     from safetensors.torch import save_file
 
     torch.manual_seed(seed)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).float().eval()
+    config = transformers.Qwen2Config(**CONFIG) if family == "qwen2" else transformers.LlamaConfig(**CONFIG)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith(".bias"):  # transformers starts them at zero: make them count
+                param.normal_(0.0, 0.1)
     tensors, dequantized = {}, {}
     for name, t in hf.state_dict().items():
         layer, _, rest = name.partition(".layers.")

@@ -50,6 +50,14 @@ def test_quantized_checkpoint_matches_dequantized_transformers(case, tmp_path):
     run_and_compare(case.id, hf, model, model_config, "cpu", atol=1e-4)
 
 
+def test_quantized_qwen2_with_full_precision_biases(tmp_path):
+    hf = save_quantized_llama(Case("gptq", 4, 64, sym=False, act_order=True), tmp_path, family="qwen2")
+    assert hf.model.layers[0].self_attn.q_proj.bias is not None
+    model, model_config = load(tmp_path)
+    assert model_config.architecture == "qwen2" and model.model.layers[0].self_attn.qkv_proj.int_bits == 4
+    run_and_compare("qwen2", hf, model, model_config, "cpu", atol=1e-4)
+
+
 @pytest.mark.parametrize("quantization,bits", [("int4", 4), ("int8", 8)])
 def test_round_to_nearest_at_load_matches_dequantized_transformers(quantization, bits, tmp_path):
     torch.manual_seed(0)
