@@ -38,15 +38,21 @@ def test_quantized_checkpoint_on_cuda_matches_dequantized_transformers(case, tmp
 
 
 @pytest.mark.gpu
-def test_int4_graphs_and_overlap_equal_eager_sync(tmp_path):
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).save_pretrained(tmp_path)
+@pytest.mark.parametrize("source", ["int4", "gptq-desc-act"])
+def test_int4_graphs_and_overlap_equal_eager_sync(source, tmp_path):
+    """Decode captured in CUDA graphs with the overlap loop gives the eager, synchronous tokens: round to nearest
+    at load, and a GPTQ desc_act checkpoint (the input permutation inside the graphs)."""
+    if source == "int4":
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).save_pretrained(tmp_path)
+    else:
+        save_quantized_llama(Case("gptq", 4, 64, sym=False, act_order=True), tmp_path)
     prompts = [[(5 * i) % (VOCAB - 4) + 4 for i in range(13)], [7, 8, 9], [60, 61, 62, 63] * 3]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     runs = []
     for graphs in (True, False):
-        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", quantization="int4", cuda_graph=graphs,
-                  overlap=graphs, max_model_len=64, max_num_seqs=4)
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", cuda_graph=graphs, overlap=graphs,
+                  quantization="int4" if source == "int4" else None, max_model_len=64, max_num_seqs=4)
         try:
             runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
         finally:
