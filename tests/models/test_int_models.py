@@ -238,3 +238,15 @@ def test_int4_moe_keeps_router_and_experts_in_the_model_dtype():
     assert layer.self_attn.qkv_proj.int_bits == 4 and layer.self_attn.o_proj.int_bits == 4
     assert layer.mlp.gate.weight.dtype == torch.float32 and layer.mlp.gate.int_bits == 0
     assert layer.mlp.w13.dtype == torch.float32
+
+
+def test_bench_runs_a_checkpoint_in_place_of_random_weights(tmp_path):
+    from tandem.bench.offline import bench_workload
+    from tandem.bench.workloads import Workload
+
+    save_quantized_llama(Case("awq", 4, 128, sym=False), tmp_path)
+    tiny = Workload("tiny", None, 2, (8, 8), (4, 4), dtype="float32", device="cpu")
+    result = bench_workload(tiny, [], 1.0, None, checkpoint=str(tmp_path))
+    assert result["checkpoint"] == str(tmp_path)
+    # The folder's packed body and its fp32 embeddings, not the embedded model's.
+    assert result["weight_bytes"] < 300_000
