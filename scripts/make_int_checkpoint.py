@@ -2,7 +2,7 @@
 tests' packers from the published layouts) for loading and speed runs of checkpoints where none can be downloaded.
 
     python scripts/make_int_checkpoint.py --shape llama-3-8b --format gptq --out /tmp/llama3-8b-gptq
-    python -m tandem.cli generate --model /tmp/llama3-8b-gptq --prompt-ids 1,2,3 ...
+    tandem bench --workload bs1-8b --checkpoint /tmp/llama3-8b-gptq --peers bf16
 
 The weights are N(0, 0.02) like --load-format dummy; one safetensors file per decoder layer."""
 
