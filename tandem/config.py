@@ -19,6 +19,8 @@ DTYPES: dict[str, torch.dtype] = {
 
 # Structured output's grammar backends (grammar_backend, TANDEM_STRUCTURED_BACKEND).
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
+# What EngineConfig.quantization accepts (None: the checkpoint's own weights).
+QUANTIZATIONS = (None, "fp8", "int4", "int8")
 # kv_cache_dtype names (vLLM's): None stands for the model dtype.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
@@ -105,7 +107,9 @@ class EngineConfig:
     # every such step (max_num_batched_tokens); 0: they run eagerly.
     piecewise_max_tokens: int | None = None
     seed: int = 0
-    quantization: str | None = None  # None | fp8 (weights in float8_e4m3fn, per-output-channel scales)
+    # None | fp8 (weights in float8_e4m3fn, per-output-channel scales) | int4 / int8 (weight-only integer codes,
+    # round to nearest at load, group 128; docs/quantization.md)
+    quantization: str | None = None
     # With quantization fp8: the lm_head (logits projection) in FP8 too, per vocabulary row; off, it keeps the
     # model dtype, as vLLM's fp8 does. A tied model gets an FP8 copy of its embedding table for the logits.
     quantize_lm_head: bool = False
@@ -122,8 +126,8 @@ class EngineConfig:
     grammar_backend: str | None = None
 
     def __post_init__(self) -> None:
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):
             # Rowwise-scaled FP8 GEMMs write bfloat16 (the only output type every torch/CUDA combination has).
             raise ValueError(f"quantization fp8 runs with dtype bfloat16 (or auto), got {self.dtype!r}")

@@ -29,8 +29,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "piecewise CUDA graphs (attention launched between the captured pieces); default: all of "
                         "them (max-num-batched-tokens); 0: eager")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: FP8 weights with per-channel scales, FP8 matmuls (CUDA, compute capability >= 8.9)")
+    g.add_argument("--quantization", default=None, choices=["fp8", "int4", "int8"],
+                   help="fp8: FP8 weights with per-channel scales, FP8 matmuls (CUDA, compute capability >= 8.9); "
+                        "int4 / int8: weight-only integer codes, round to nearest at load, group 128 (4- and 8-bit "
+                        "GPTQ, AWQ and compressed-tensors checkpoints load without this flag)")
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantization fp8: the lm_head in FP8 too (per vocabulary row; off: the model dtype)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],

@@ -154,7 +154,8 @@ def load_hf_peer(w: Workload, dtype: str, device: str) -> Any:
 def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | None,
                    quantization: str | None = None, tensor_parallel_size: int = 1,
                    data_parallel_size: int = 1, kv_cache_dtype: str = "auto",
-                   quantize_lm_head: bool = False, expert_parallel: bool = False) -> dict[str, Any]:
+                   quantize_lm_head: bool = False, expert_parallel: bool = False,
+                   checkpoint: str | None = None) -> dict[str, Any]:
     import torch
 
     from tandem import LLM
@@ -167,7 +168,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
                               "quantize_lm_head": quantize_lm_head,
                               "kv_cache_dtype": kv_cache_dtype, "peers": {},
                               "tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size,
-                              "enable_expert_parallel": expert_parallel}
+                              "enable_expert_parallel": expert_parallel, "checkpoint": checkpoint}
     peer_results: dict[str, Any] = {}
     vocab = None
     # transformers first, then free it, so tandem can size its KV cache from what is left.
@@ -195,6 +196,10 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
                                       data_parallel_size=data_parallel_size)
     if w.model is not None:
         llm_kwargs.update(model=w.model, load_format="dummy")
+    # The workload's own weights, for the bf16 peer (a checkpoint replaces them for tandem's runs only).
+    own_weights = {k: llm_kwargs[k] for k in ("model", "load_format") if k in llm_kwargs}
+    if checkpoint is not None:
+        llm_kwargs.update(model=checkpoint, load_format="auto")
     max_len = max(w.prompt_len) + max(w.output_len) + w.shared_prefix_len
     llm_kwargs["max_model_len"] = max(int(max_len * scale) + 16, 64)
     if data_parallel_size > 1:
@@ -300,7 +305,7 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         "weight_bytes": cost.weight_bytes,
         "expert_bytes": cost.expert_bytes,  # MoE: a step reads the share its tokens route to (roofline.py)
     })
-    if (quantization is not None or kv_cache_dtype != "auto") and "bf16" in peers:
+    if (quantization is not None or kv_cache_dtype != "auto" or checkpoint is not None) and "bf16" in peers:
         # The same workload unquantized (bf16 weights and KV cache), in a fresh engine once this one's memory is
         # back (each sizes its KV cache from what is free): the ratio fp8 / bf16 lands in
         # result["ratios"]["tandem bf16"].
@@ -310,7 +315,9 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-        llm = LLM(**{**llm_kwargs, "quantization": None, "quantize_lm_head": False, "kv_cache_dtype": "auto"})
+        unquantized = {k: v for k, v in llm_kwargs.items() if k not in ("model", "load_format")}
+        llm = LLM(**{**unquantized, **own_weights, "quantization": None, "quantize_lm_head": False,
+                     "kv_cache_dtype": "auto"})
         run_tandem(llm, warm)
         llm.engine.scheduler.reset_prefix_cache()
         r = run_tandem(llm, requests)
@@ -551,7 +558,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
         results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.quantization,
                                       args.tensor_parallel_size, args.data_parallel_size, args.kv_cache_dtype,
-                                      args.quantize_lm_head, args.enable_expert_parallel))
+                                      args.quantize_lm_head, args.enable_expert_parallel, args.checkpoint))
         _print_table(results[-1:])
     _print_table([r for r in results if r["workload"] not in ("serve", "structured", "score")])
     if args.out:
@@ -579,8 +586,13 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
                             "nopdl (CUDA: a fresh engine whose Triton kernels launch without programmatic "
                             "dependent launch, TANDEM_PDL=0); "
                             "with M > 1 only hf and dp1 run")
-    bench.add_argument("--quantization", default=None, choices=["fp8"],
-                       help="run tandem with FP8 weights (roofline on FP8 bytes)")
+    bench.add_argument("--quantization", default=None, choices=["fp8", "int4", "int8"],
+                       help="run tandem with FP8 weights (roofline on FP8 bytes), or int4 / int8 weight-only codes "
+                            "(roofline on the packed codes, scales and zeros)")
+    bench.add_argument("--checkpoint", default=None,
+                       help="run tandem from this checkpoint folder (e.g. a GPTQ / AWQ / compressed-tensors "
+                            "folder of the workload's shape, scripts/make_int_checkpoint.py) instead of the "
+                            "workload's random weights; the bf16 peer keeps the random bf16 weights")
     bench.add_argument("--quantize-lm-head", action="store_true",
                        help="with --quantization fp8: the lm_head in FP8 too (the bf16 peer keeps bf16)")
     bench.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),

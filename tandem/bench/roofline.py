@@ -70,7 +70,8 @@ def _median_seconds(fn, device: torch.device, reps: int = 10) -> float:  # type:
 
 @dataclass(frozen=True, slots=True)
 class ModelCost:
-    weight_bytes: int  # read once per step (indexed-only embedding tables excluded); FP8 weights 1 byte + scales
+    weight_bytes: int  # read once per step (indexed-only embedding tables excluded); FP8 weights 1 byte + scales,
+    # integer weights their packed codes + scales + zeros
     body_params: int  # parameters a token's forward multiplies by (no embedding, no lm_head)
     lm_head_params: int
     kv_bytes_per_token: int  # K and V of all layers for one token
@@ -116,7 +117,8 @@ def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,
                kv_cache_dtype: torch.dtype | None = None) -> ModelCost:
     """Per-GPU cost: with tensor parallelism `model` is one rank's shard, and every term is that rank's share
     (the ranks run in parallel; the all-reduces are not counted). FP8 weights count one byte each, and so does
-    each K and V element of an FP8 KV cache (kv_cache_dtype; None: the model dtype)."""
+    each K and V element of an FP8 KV cache (kv_cache_dtype; None: the model dtype); 4- / 8-bit integer
+    weights count their packed codes, scales and zeros."""
     from tandem.kernels.fp8 import FP8_DTYPE
 
     tp = tensor_parallel_size
@@ -128,8 +130,12 @@ def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,
             expert_bytes += p.numel() * p.element_size()
             fp8_experts = p.dtype == FP8_DTYPE
             continue
-        total += p.numel()
         total_bytes += p.numel() * p.element_size()
+        if name.endswith((".scales", ".zeros", ".perm")):  # an integer weight's groups / act order: read only
+            continue
+        # An integer weight's qweight packs 8 // bits weights a byte: it multiplies by all of them.
+        total += p.numel() * (8 // model.get_submodule(name[: -len(".qweight")]).int_bits
+                              if name.endswith(".qweight") else 1)
         if "embed" in name or name.endswith(("wte.weight", "wpe.weight")):
             embed += p.numel()
             embed_bytes += p.numel() * p.element_size()

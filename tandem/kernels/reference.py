@@ -157,13 +157,14 @@ def check_int_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
                      group_size: int) -> tuple[int, int]:
     """(N, K) of a weight in the tandem int-N layout, or a ValueError that says what does not fit it: qweight
     uint8 [N, K // 2] (4 bits: element k in byte k // 2, even k in the low nibble) or [N, K] (8 bits); scales
-    and zeros [N, K // group_size] in one floating dtype; group_size divides K."""
+    and zeros [N, K // group_size] in one floating dtype; group_size divides K (-1: one group a row)."""
     if bits not in INT_WEIGHT_BITS:
         raise ValueError(f"int weights have 4 or 8 bits, got {bits}")
     if qweight.dtype != torch.uint8 or qweight.dim() != 2:
         raise ValueError(f"qweight must be a 2-D uint8 tensor, got {qweight.dtype} of shape {tuple(qweight.shape)}")
     n = qweight.shape[0]
     k = qweight.shape[1] * (8 // bits)
+    group_size = k if group_size == -1 else group_size
     if group_size <= 0 or k % group_size:
         raise ValueError(f"group_size {group_size} does not divide the {k} input features")
     groups = (n, k // group_size)
@@ -175,18 +176,22 @@ def check_int_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return n, k
 
 
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in // 2] -> uint8 codes [out, in]: element k of a row sits in byte k // 2, even k in the low
+    nibble, odd k in the high one (the tandem int-N layout)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], packed.shape[1] * 2)
+
+
 def dequantize_int_weight(
     qweight: torch.Tensor,  # uint8 [N, K // 2] (4 bits) or [N, K] (8 bits): unsigned codes q
     scales: torch.Tensor,  # [N, K // group_size] in the activation dtype
-    zeros: torch.Tensor,  # [N, K // group_size] in the activation dtype
+    zeros: torch.Tensor,  # [N, K // group_size] in the activation dtype: the zero point as a real number
     bits: int,
-    group_size: int,
-) -> torch.Tensor:  # [N, K] in scales' dtype: (q - zero) * scale of each element's group, computed in fp32
+    group_size: int,  # columns per group; -1 for one group a row
+) -> torch.Tensor:  # [N, K] fp32
+    """weight[n, k] = (q[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size], in fp32."""
     n, k = check_int_weight(qweight, scales, zeros, bits, group_size)
-    if bits == 4:
-        q = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).view(n, k)  # even k low nibble, odd k high
-    else:
-        q = qweight
-    q = q.reshape(n, k // group_size, group_size).float()
-    w = (q - zeros.float()[:, :, None]) * scales.float()[:, :, None]
-    return w.view(n, k).to(scales.dtype)
+    group = k if group_size == -1 else group_size
+    q = unpack_int4_rows(qweight) if bits == 4 else qweight
+    q = q.reshape(n, k // group, group).float()
+    return ((q - zeros.float()[:, :, None]) * scales.float()[:, :, None]).view(n, k)

@@ -1,5 +1,5 @@
 """Linear and embedding layers whose parameters start uninitialized (the loader fills every one); Linear
-optionally holds its weight in FP8 with per-output-channel scales."""
+optionally holds its weight in FP8 with per-output-channel scales, or as 4- / 8-bit integer codes (int_quant)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels.fp8 import FP8_DTYPE, W8A8_MAX_M, PartialSums, QuantizedRows, fp8_quantizes_activations
+from tandem.kernels.int_weight import IntWeight, repack_int_weight
 from tandem.kernels.ops import use_gemv, use_skinny, use_triton
 from tandem.layers.activation import silu_and_mul
+from tandem.layers.int_quant import PackedIntWeight, check_int_layout, int_linear, quantize_rtn, rtn_group_size
 from tandem.layers.quantization import fp8_linear, fp8_supported_shape, quantize_weight_fp8
 
 
@@ -24,6 +26,10 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         # [out, 1] fp32 once quantize_fp8_() has turned the weight into float8_e4m3fn; None in the model dtype.
         self.register_buffer("weight_scale", None)
+        # With integer weights (use_int_weight_ / quantize_int_): the bit width and the group size in columns;
+        # the weight parameter is then replaced by qweight, scales, zeros (and perm) in the tandem int-N layout.
+        self.int_bits = 0
+        self.group_size = 0
 
     def forward(self, x: torch.Tensor | QuantizedRows, defer_reduce: bool = False) -> torch.Tensor | PartialSums:
         """defer_reduce (the output feeds only RMSNorm's add + norm, which takes PartialSums): a GEMM split
@@ -31,8 +37,10 @@ class Linear(nn.Module):
         if isinstance(x, QuantizedRows):  # from an RMSNorm / SiLU-and-mul kernel, for this FP8 weight
             if self.weight_scale is None:
                 raise ValueError("QuantizedRows reach only linears with FP8 weights; this one holds "
-                                 f"{self.weight.dtype}")
+                                 f"{'integer codes' if self.int_bits else self.weight.dtype}")
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, defer_reduce)
+        if self.int_bits:
+            return int_linear(x, self.packed_weight(), self.bias, self._kernel_int_weight(x))
         if use_gemv(x, self.in_features, self.weight_scale is not None):
             return self._gemv(x, gated=False)
         if self.weight_scale is not None:
@@ -49,6 +57,8 @@ class Linear(nn.Module):
         an FP8 linear): where that linear would quantize it per token, the silu_and_mul kernel writes it
         quantized (QuantizedRows). Quantized rows up to W8A8_MAX_M on a GPU (or the interpreter) run the W8A8
         GEMM with silu(gate) * up in its epilogue, quantized for fp8_out from the row maxima it writes."""
+        if self.int_bits:
+            return silu_and_mul(self(x))
         if isinstance(x, QuantizedRows):
             if self.bias is None and x.q.shape[0] <= W8A8_MAX_M and use_triton(x.q):
                 from tandem.kernels.triton_quant import fp8_w8a8_gated  # lazy: CPU runs never import Triton
@@ -79,9 +89,64 @@ class Linear(nn.Module):
         out = gemv_triton(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias, gated=gated)
         return out.view(*x.shape[:-1], out.shape[-1])
 
+    def _kernel_int_weight(self, x: torch.Tensor) -> IntWeight | None:
+        """The GPU kernels' layout of the integer weight, repacked once at the first forward that runs them (the
+        KV budget's profiling forward, before any graph capture); None where they do not run."""
+        if not use_triton(x) or (x.is_cuda and x.dtype == torch.float32):
+            return None
+        if self.kernel_int_weight is None:
+            self.kernel_int_weight = repack_int_weight(self.qweight.data, self.scales.data, self.zeros.data,
+                                                       self.int_bits, self.group_size)
+        return self.kernel_int_weight
+
+    def packed_weight(self) -> PackedIntWeight:
+        """The integer weight's tensors (views of this layer's parameters)."""
+        perm = getattr(self, "perm", None)
+        return PackedIntWeight(self.qweight.data, self.scales.data, self.zeros.data, self.int_bits, self.group_size,
+                               None if perm is None else perm.data)
+
+    def use_int_weight_(self, bits: int, group_size: int, act_order: bool = False, name: str = "linear") -> None:
+        """Replaces the (unloaded) weight by empty integer parameters for a checkpoint to fill: qweight, scales,
+        zeros in the tandem int-N layout, and perm (int64 [in]) with act order. group_size -1: one group per
+        row of this layer's (local) columns. ValueError naming the layer when its shape cannot take them."""
+        group = check_int_layout(name, bits, group_size, self.out_features, self.in_features)
+        device, dtype = self.weight.device, self.weight.dtype
+        packed_cols = self.in_features * bits // 8
+        num_groups = self.in_features // group
+        del self.weight
+        self._set_int(PackedIntWeight(
+            torch.empty(self.out_features, packed_cols, dtype=torch.uint8, device=device),
+            torch.empty(self.out_features, num_groups, dtype=dtype, device=device),
+            torch.empty(self.out_features, num_groups, dtype=dtype, device=device),
+            bits, group,
+            torch.empty(self.in_features, dtype=torch.int64, device=device) if act_order else None,
+        ))
+
+    def quantize_int_(self, bits: int, group_size: int | None = None, name: str = "linear") -> None:
+        """Replaces the loaded weight by its round-to-nearest integer codes (quantization int4 / int8; group_size
+        None: rtn_group_size of the local input columns); the full-precision weight is freed."""
+        if self.int_bits:
+            return
+        group = rtn_group_size(self.in_features, name) if group_size is None else group_size
+        packed = quantize_rtn(self.weight.data, bits, group, name)
+        del self.weight
+        self._set_int(packed)
+
+    def _set_int(self, packed: PackedIntWeight) -> None:
+        def param(t: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(t, requires_grad=False)
+
+        self.qweight, self.scales, self.zeros = param(packed.qweight), param(packed.scales), param(packed.zeros)
+        if packed.perm is not None:
+            self.perm = param(packed.perm)
+        self.int_bits, self.group_size = packed.bits, packed.group_size
+        self.kernel_int_weight: IntWeight | None = None  # made at the first forward that runs the GPU kernels
+
     def quantize_fp8_(self) -> bool:
         """Replaces the loaded weight by its FP8 copy and per-output-channel scales (the high-precision copy
         is freed); False, and nothing changes, for shapes _scaled_mm cannot take (not multiples of 16)."""
+        if self.int_bits:
+            return False
         if self.weight.dtype == FP8_DTYPE:
             return True
         if not fp8_supported_shape(*self.weight.shape):  # the local shape (tensor-parallel shards included)

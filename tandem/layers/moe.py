@@ -25,11 +25,14 @@ from tandem.layers.quantization import quantize_weight_fp8
 
 
 class RouterLinear(Linear):
-    """The router's [num_experts, hidden] projection, replicated; it stays in the model dtype under FP8
-    (its logits choose the experts: tiny, and precision-sensitive)."""
+    """The router's [num_experts, hidden] projection, replicated; it stays in the model dtype under FP8 and
+    int4 / int8 (its logits choose the experts: tiny, and precision-sensitive)."""
 
     def quantize_fp8_(self) -> bool:
         return True  # nothing to do: counted as handled, not as a shape FP8 cannot take
+
+    def quantize_int_(self, bits: int, group_size: int | None = None, name: str = "linear") -> None:
+        return None  # int4 / int8 leave it in the model dtype too
 
 
 class FusedMoE(nn.Module):

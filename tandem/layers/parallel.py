@@ -153,11 +153,16 @@ class RowParallelLinear(Linear):
             return self.tp.all_reduce_or_defer(out) if defer_reduce else self.tp.all_reduce(out)  # type: ignore[arg-type]
         return super().forward(x, defer_reduce)
 
-    def shard_for_load(self, tensor: torch.Tensor | LazyTensor, is_bias: bool) -> torch.Tensor | None:
-        """This rank's columns of the weight; the bias on rank 0, None (skip it) elsewhere."""
+    def shard_for_load(self, tensor: torch.Tensor | LazyTensor, is_bias: bool,
+                       param: str = "weight") -> torch.Tensor | None:
+        """This rank's columns of the weight (or of an integer weight's `param`: qweight's packed columns,
+        scales' and zeros' groups, each a 1/tp share, whole groups since use_int_weight_ checked the local
+        columns; a single per-row group is every rank's); the bias on rank 0, None (skip it) elsewhere."""
         if is_bias:
             return materialize(tensor) if self.tp.rank == 0 else None
-        cols = self.in_features
+        cols = self.in_features if param == "weight" else getattr(self, param).shape[1]
+        if param in ("scales", "zeros") and tensor.shape[1] == cols == 1:
+            return materialize(tensor)
         return take(tensor, 1, self.tp.rank * cols, cols)
 
 

@@ -155,8 +155,8 @@ def checkpoint_fp8_config(hf_config: dict[str, Any]) -> dict[str, Any] | None:
         return None
     method = qc.get("quant_method")
     if method not in CHECKPOINT_METHODS:
-        raise ValueError(f"checkpoint quantization {method!r} is not supported (FP8 checkpoints only: "
-                         f"quant_method in {CHECKPOINT_METHODS})")
+        raise ValueError(f"checkpoint quantization {method!r} is not supported (quant_method fp8, fbgemm_fp8, "
+                         "gptq, awq or compressed-tensors)")
     if method == "compressed-tensors":
         groups = (qc.get("config_groups") or {}).values()
         weights = [g.get("weights") or {} for g in groups]

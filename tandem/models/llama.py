@@ -29,7 +29,7 @@ from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.weights import WeightLoader
 
 # Hugging Face projection name -> (our fused projection, shard index in it).
-_FUSED = {
+FUSED_PROJECTIONS = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
@@ -207,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
             if self.load_special(name, tensor, loader, modules):
                 continue
             parts = name.split(".")
-            fused = _FUSED.get(parts[-2]) if len(parts) >= 2 else None
+            fused = FUSED_PROJECTIONS.get(parts[-2]) if len(parts) >= 2 else None
             shard = 0
             if fused is not None:
                 target, shard = fused
@@ -215,10 +215,13 @@ class LlamaForCausalLM(nn.Module):
             param_name = ".".join(parts)
             module = modules.get(".".join(parts[:-1]))
             offset = 0
+            if parts[-1] == "perm":  # an integer weight's act-order input permutation: whole, one per layer
+                loader.copy_shared(param_name, materialize(tensor), source=name)
+                continue
             if isinstance(module, ColumnParallelLinear):
                 tensor, offset = module.shard_for_load(tensor, shard)
             elif isinstance(module, RowParallelLinear):
-                tensor = module.shard_for_load(tensor, is_bias=parts[-1] == "bias")
+                tensor = module.shard_for_load(tensor, is_bias=parts[-1] == "bias", param=parts[-1])
                 if tensor is None:
                     continue  # the bias lives on rank 0
             elif isinstance(module, (VocabParallelEmbedding, ParallelLMHead)):

@@ -21,6 +21,16 @@ from tandem.layers.linear import Embedding, Linear
 from tandem.layers.moe import FusedMoE
 from tandem.layers.quantization import checkpoint_fp8_config, dequantize_fp8_checkpoint
 from tandem.models.gguf_weights import gguf_moe_config, iter_gguf_weights
+from tandem.models.int_checkpoints import IntCheckpointConfig, checkpoint_int_config
+from tandem.models.int_loading import (
+    RTN_METHODS,
+    EmptyOnMeta,
+    materialize_meta,
+    prepare_int_linears,
+    quantize_linears_int,
+    quantized_prefixes,
+    repack_int_checkpoint,
+)
 from tandem.models.registry import MODEL_REGISTRY, model_config_from_hf
 
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -130,25 +140,51 @@ def load_model_and_tokenizer(
     hf_config = _hf_config(source, config.hf_overrides)
     model_config = model_config_from_hf(hf_config, _generation_eos_ids(source))
     model_cls = MODEL_REGISTRY[model_config.architecture]
-    with torch.device(device), _default_dtype(dtype):
+    int_config = _checkpoint_int_config(source.path) if source.format == "safetensors" else None
+    int_bits = RTN_METHODS.get(config.quantization or "", 0)
+    # Integer models leave their linears' full-precision storage unallocated (on the meta device): the
+    # checkpoint's layers or the dummy initialization give each its integer parameters instead.
+    deferred = int_config is not None or (int_bits and source.format == "dummy")
+    with torch.device(device), _default_dtype(dtype), EmptyOnMeta() if deferred else contextlib.nullcontext():
         model = model_cls(model_config, tp)
     if source.format == "dummy":
-        init_dummy_weights(model, config.seed, device)
+        init_dummy_weights(model, config.seed, device, int_bits)
     elif source.format == "gguf":
         model.load_weights(iter_gguf_weights(source.path, model_config))
     else:
-        fp8_config = checkpoint_fp8_config(_read_config_json(source.path))
-        # Lazy slices let a rank read only its shard; FP8 checkpoints are dequantized whole first.
-        weights = _iter_safetensors(source.path, lazy=tp.size > 1 and fp8_config is None)
-        if fp8_config is not None:
-            weights = dequantize_fp8_checkpoint(weights, fp8_config)
-        model.load_weights(weights)
+        _load_safetensors(model, source.path, config, tp, int_config, device)
     if config.quantization == "fp8":
         quantize_linears_fp8(model)
+    elif config.quantization in RTN_METHODS:
+        quantize_linears_int(model, RTN_METHODS[config.quantization])
     if config.quantize_lm_head:
         quantize_lm_head_fp8(model, model_config)
     tokenizer = _load_tokenizer(config, source) if load_tokenizer else None
     return model.eval(), model_config, tokenizer
+
+
+def _load_safetensors(model: nn.Module, folder: str, config: EngineConfig, tp: ParallelConfig,
+                      int_config: IntCheckpointConfig | None, device: torch.device) -> None:
+    """Fills the model from a Hugging Face folder: full-precision, FP8 (dequantized whole first) or 4- / 8-bit
+    integer (its quantized layers made integer Linears first, then each layer repacked as it streams)."""
+    if int_config is not None:
+        if config.quantization is not None:
+            raise ValueError(f"quantization {config.quantization!r} cannot be applied to a {int_config.method} "
+                             "checkpoint, whose weights are quantized already")
+        prefixes = quantized_prefixes(_safetensors_names(folder), int_config)
+        if not prefixes:
+            raise ValueError(f"model folder {folder!r}: quantization_config says {int_config.method} but no tensor "
+                             f"is named *.{int_config.packed_name}")
+        prepare_int_linears(model, prefixes, int_config)
+        materialize_meta(model, device)
+        model.load_weights(repack_int_checkpoint(_iter_safetensors(folder), int_config, prefixes))
+        return
+    fp8_config = checkpoint_fp8_config(_read_config_json(folder))
+    # Lazy slices let a rank read only its shard; FP8 checkpoints are dequantized whole first.
+    weights = _iter_safetensors(folder, lazy=tp.size > 1 and fp8_config is None)
+    if fp8_config is not None:
+        weights = dequantize_fp8_checkpoint(weights, fp8_config)
+    model.load_weights(weights)
 
 
 def load_model_config(config: EngineConfig) -> ModelConfig:
@@ -183,6 +219,17 @@ def quantize_lm_head_fp8(model: nn.Module, mc: ModelConfig) -> None:
     if not quantize():
         raise ValueError(f"quantize_lm_head: the lm_head of {mc.vocab_size} x {mc.hidden_size} cannot be FP8 "
                          "(both dimensions must be multiples of 16)")
+
+
+def _checkpoint_int_config(folder: str) -> IntCheckpointConfig | None:
+    """The folder's integer quantization: config.json's quantization_config, or (older AutoGPTQ folders) a
+    quantize_config.json beside it."""
+    hf_config = _read_config_json(folder)
+    legacy = os.path.join(folder, "quantize_config.json")
+    if "quantization_config" not in hf_config and os.path.isfile(legacy):
+        with open(legacy) as f:
+            hf_config["quantization_config"] = {"quant_method": "gptq", **json.load(f)}
+    return checkpoint_int_config(hf_config)
 
 
 def _read_config_json(folder: str) -> dict[str, Any]:
@@ -371,6 +418,11 @@ def _iter_safetensors(folder: str, lazy: bool = False) -> Iterator[tuple[str, An
                 yield name, (_SafetensorsSlice(f, name) if lazy else f.get_tensor(name))
 
 
+def _safetensors_names(folder: str) -> list[str]:
+    """Every tensor name of the folder's safetensors files (headers only)."""
+    return [name for name, _ in _iter_safetensors(folder, lazy=True)]
+
+
 def _load_tokenizer(config: EngineConfig, source: ModelSource):
     from transformers import AutoTokenizer
 
@@ -386,17 +438,23 @@ def _load_tokenizer(config: EngineConfig, source: ModelSource):
     return AutoTokenizer.from_pretrained(source.path)
 
 
-def init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> None:
+def init_dummy_weights(model: nn.Module, seed: int, device: torch.device, int_bits: int = 0) -> None:
     """Fills linear and embedding parameters in place with N(0, 0.02) from a seeded generator on device.
 
     Norm weights keep their construction values (ones, zero bias) so activations stay in a sane range; MoE
-    expert stacks are drawn like linears.
+    expert stacks are drawn like linears. With int_bits (quantization int4 / int8) each linear but the lm_head
+    is quantized right after it is drawn, so only one full-precision weight exists at a time (parameters left
+    on the meta device by EmptyOnMeta get their storage here, one module at a time).
     """
     generator = torch.Generator(device=device).manual_seed(seed)
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, (Linear, Embedding, FusedMoE)):
+            materialize_meta(module, device)
             for param in module.parameters(recurse=False):
                 param.data.normal_(0.0, 0.02, generator=generator)
+            if int_bits and isinstance(module, Linear) and name.split(".")[-1] != "lm_head":
+                module.quantize_int_(int_bits, name=name)
+    materialize_meta(model, device)
 
 
 @contextlib.contextmanager

@@ -28,6 +28,23 @@ class WeightLoader:
         target.copy_(tensor)
         self.loaded[param_name] = self.loaded.get(param_name, 0) + tensor.numel()
 
+    def copy_shared(self, param_name: str, tensor: torch.Tensor, source: str | None = None) -> None:
+        """A parameter every part of a fused projection provides whole (an act-order input permutation): the
+        first copy fills it, later ones must equal it (one input order serves the fused weight)."""
+        source = source or param_name
+        param = self.params.get(param_name)
+        if param is None:
+            raise ValueError(f"unexpected weight {source!r} (no parameter {param_name!r})")
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"weight {source!r}: shape {tuple(tensor.shape)} does not fit {param_name} "
+                             f"{tuple(param.shape)}")
+        if param_name not in self.loaded:
+            param.data.copy_(tensor)
+            self.loaded[param_name] = tensor.numel()
+        elif not torch.equal(param.data.cpu(), tensor.to(param.dtype).cpu()):
+            raise ValueError(f"weight {source!r}: its input-column order differs from that of the other parts of "
+                             f"{param_name.rsplit('.', 1)[0]}, which share one input (act-order g_idx must agree)")
+
     def count(self, param_name: str, num_elements: int) -> None:
         """Records elements a module copied itself (a MoE expert's slice of a stacked parameter)."""
         if param_name not in self.params:

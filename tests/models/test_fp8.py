@@ -233,7 +233,7 @@ def test_config_and_cpu_error():
     from tandem.engine_args import add_engine_args, engine_kwargs
 
     with pytest.raises(ValueError, match="quantization must be"):
-        EngineConfig(quantization="int8")
+        EngineConfig(quantization="int3")  # int4 and int8 are weight-only integer codes
     with pytest.raises(ValueError, match="bfloat16"):
         EngineConfig(quantization="fp8", dtype="float16")
     with pytest.raises(ValueError, match=r"compute capability >= 8.9 \(Ada/Hopper\); this run is on cpu"):

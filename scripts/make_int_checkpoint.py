@@ -1,0 +1,85 @@
+"""Writes a random-weight 4- / 8-bit checkpoint of a named shape (GPTQ, AWQ or compressed-tensors, packed by the
+tests' packers from the published layouts) for loading and speed runs of checkpoints where none can be downloaded.
+
+    python scripts/make_int_checkpoint.py --shape llama-3-8b --format gptq --out /tmp/llama3-8b-gptq
+    tandem bench --workload bs1-8b --checkpoint /tmp/llama3-8b-gptq --peers bf16
+
+The weights are N(0, 0.02) like --load-format dummy; one safetensors file per decoder layer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from safetensors.torch import save_file  # noqa: E402
+
+from tandem.models.loader import NAMED_SHAPES  # noqa: E402
+from tests.models.quantized_llama import Case  # noqa: E402
+
+FORMATS = {
+    "gptq": lambda bits, group: Case("gptq", bits, group, sym=True),
+    "gptq-desc-act": lambda bits, group: Case("gptq", bits, group, sym=False, act_order=True, gptq_v1=False),
+    "awq": lambda bits, group: Case("awq", 4, group, sym=False),
+    "compressed-tensors": lambda bits, group: Case("compressed-tensors", bits, group, sym=True),
+}
+
+
+def layer_linears(cfg: dict) -> dict[str, tuple[int, int, int]]:
+    """Each decoder linear of a Llama-family shape: (out, in, input id shared by projections of one input)."""
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    return {"self_attn.q_proj": (q, hidden, 1), "self_attn.k_proj": (kv, hidden, 1),
+            "self_attn.v_proj": (kv, hidden, 1), "self_attn.o_proj": (hidden, q, 2),
+            "mlp.gate_proj": (inter, hidden, 3), "mlp.up_proj": (inter, hidden, 3), "mlp.down_proj": (hidden, inter, 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-3-8b", choices=[s for s, c in NAMED_SHAPES.items()
+                                                                   if c["model_type"] == "llama"])
+    parser.add_argument("--format", default="gptq", choices=sorted(FORMATS))
+    parser.add_argument("--bits", type=int, default=4, choices=[4, 8])
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    case = FORMATS[args.format](args.bits, args.group_size)
+    cfg = dict(NAMED_SHAPES[args.shape])
+    os.makedirs(args.out, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    weight_map: dict[str, str] = {}
+
+    def write(file: str, tensors: dict[str, torch.Tensor]) -> None:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(args.out, file))
+        weight_map.update({k: file for k in tensors})
+
+    hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    write("embed.safetensors", {
+        "model.embed_tokens.weight": (torch.randn(vocab, hidden, generator=gen) * 0.02).bfloat16(),
+        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        **({} if cfg.get("tie_word_embeddings") else
+           {"lm_head.weight": (torch.randn(vocab, hidden, generator=gen) * 0.02).bfloat16()}),
+    })
+    for i in range(cfg["num_hidden_layers"]):
+        tensors = {f"model.layers.{i}.{n}.weight": torch.ones(hidden, dtype=torch.bfloat16)
+                   for n in ("input_layernorm", "post_attention_layernorm")}
+        for name, (rows, cols, input_id) in layer_linears(cfg).items():
+            packed, _ = case.pack(torch.randn(rows, cols, generator=gen) * 0.02, input_id)
+            tensors.update({f"model.layers.{i}.{name}.{k}": v for k, v in packed.items()})
+        write(f"layer-{i:03d}.safetensors", tensors)
+        print(f"layer {i + 1}/{cfg['num_hidden_layers']}", flush=True)
+    with open(os.path.join(args.out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump({**cfg, "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16",
+                   "quantization_config": case.quantization_config()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

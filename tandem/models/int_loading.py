@@ -1,0 +1,142 @@
+"""Loading 4- and 8-bit weights: a checkpoint's quantized layers turned into integer Linears before the tensors
+arrive, its tensors repacked into the tandem int-N layout as they stream, and round-to-nearest int4 / int8."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from tandem.layers.linear import Linear
+from tandem.layers.moe import FusedMoE
+from tandem.layers.parallel import RowParallelLinear, materialize
+from tandem.models.int_checkpoints import UNPACKERS, IntCheckpointConfig
+from tandem.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
+
+# quantization= values that quantize every linear at load, round to nearest: their bit widths.
+RTN_METHODS = {"int4": 4, "int8": 8}
+# Tensors of quantized layers that carry nothing tandem uses.
+_UNUSED = ("weight_global_scale",)
+
+
+def quantized_prefixes(names: Iterable[str], cfg: IntCheckpointConfig) -> list[str]:
+    """The checkpoint layers (name prefixes) that hold quantized weights."""
+    suffix = "." + cfg.packed_name
+    return sorted(n[: -len(suffix)] for n in names if n.endswith(suffix))
+
+
+def module_name(prefix: str) -> tuple[str, str | None]:
+    """(this model's module for a checkpoint layer, the fused projection's source part or None)."""
+    head, _, last = prefix.rpartition(".")
+    fused = FUSED_PROJECTIONS.get(last)
+    if fused is None:
+        return prefix, None
+    return f"{head}.{fused[0]}" if head else fused[0], last
+
+
+def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpointConfig) -> None:
+    """Gives every Linear that a quantized checkpoint layer feeds empty integer parameters for the loader to
+    fill. ValueError, before any tensor is read, for a layer tandem cannot hold in 4 / 8 bits (the lm_head,
+    MoE experts, a fused projection quantized in part, an act-order row-parallel shard), naming it."""
+    if not isinstance(model, LlamaForCausalLM):
+        raise ValueError(f"{type(model).__name__}: 4- / 8-bit checkpoints load into Llama-family models only (the "
+                         "others run quantization int4 / int8 from a full-precision checkpoint)")
+    modules = dict(model.named_modules())
+    sources: dict[str, set[str]] = {}
+    for prefix in prefixes:
+        target, part = module_name(prefix)
+        module = modules.get(target)
+        if prefix.split(".")[-1] == "lm_head" or target.endswith("lm_head"):
+            raise ValueError(f"checkpoint layer {prefix!r}: a quantized lm_head is not supported (it stays in the "
+                             "model dtype)")
+        if (module is None and ".experts." in prefix) or isinstance(module, FusedMoE):
+            raise ValueError(f"checkpoint layer {prefix!r}: MoE experts in 4 / 8 bits are not supported yet")
+        if not isinstance(module, Linear):
+            raise ValueError(f"checkpoint layer {prefix!r} holds quantized weights but {type(model).__name__} has "
+                             f"no linear {target!r} to take them")
+        sources.setdefault(target, set()).add(part or "")
+    for target, parts in sources.items():
+        expected = {p for p, (t, _) in FUSED_PROJECTIONS.items() if target.endswith("." + t)} or {""}
+        if parts != expected:
+            raise ValueError(f"{target}: the checkpoint quantizes {sorted(parts)} of its fused parts "
+                             f"{sorted(expected)}; all or none must be quantized")
+        module = modules[target]
+        if cfg.act_order and isinstance(module, RowParallelLinear) and module.tp.size > 1:
+            raise ValueError(f"{target}: act-order (desc_act / actorder) weights cannot be split along their input "
+                             f"columns over tensor_parallel_size={module.tp.size} yet")
+        module.use_int_weight_(cfg.bits, cfg.group_size, cfg.act_order, name=target)
+
+
+def repack_int_checkpoint(weights: Iterable[tuple[str, object]], cfg: IntCheckpointConfig,
+                          prefixes: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's (name, tensor) stream with each quantized layer's tensors gathered and yielded as
+    `<layer>.qweight`, `.scales`, `.zeros` (and `.perm` with act order) in the tandem int-N layout, as soon as
+    the layer's last tensor arrives; other tensors pass through. ValueError naming the layer when its tensors
+    disagree with the quantization_config or are incomplete."""
+    unpack = UNPACKERS[cfg.method]
+    needed = cfg.tensor_names()
+    optional = ("g_idx", "weight_g_idx", "weight_zero_point") + _UNUSED
+    quantized = set(prefixes)
+    done: set[str] = set()
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, _, suffix = name.rpartition(".")
+        if prefix in done and suffix in optional:
+            continue  # a layer's optional tensor after it was complete (an identity g_idx, symmetric zero points)
+        if prefix not in quantized or suffix not in needed + optional:
+            if prefix in quantized and suffix == "weight":
+                raise ValueError(f"checkpoint layer {prefix!r} holds both a full-precision weight and quantized ones")
+            yield name, tensor
+            continue
+        if suffix in _UNUSED:
+            continue
+        parts = pending.setdefault(prefix, {})
+        parts[suffix] = materialize(tensor)
+        if not all(n in parts for n in needed):
+            continue
+        packed = unpack(prefix, cfg, pending.pop(prefix))
+        yield prefix + ".qweight", packed.qweight
+        yield prefix + ".scales", packed.scales
+        yield prefix + ".zeros", packed.zeros
+        if packed.perm is not None:
+            yield prefix + ".perm", packed.perm
+        quantized.discard(prefix)
+        done.add(prefix)
+    if pending or quantized:
+        layer = sorted(pending or quantized)[0]
+        have = sorted(pending.get(layer, {}))
+        raise ValueError(f"checkpoint layer {layer!r} is incomplete: it has {have}, a {cfg.method} layer needs "
+                         f"{list(needed)}")
+
+
+def quantize_linears_int(model: nn.Module, bits: int) -> None:
+    """Turns every Linear but the lm_head (and MoE routers) into integer codes, round to nearest per group of
+    input columns (quantization int4 / int8: rtn_group_size, 128 where it divides), one module at a time;
+    embeddings and the lm_head keep the model dtype. ValueError naming a layer no group size divides."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and name.split(".")[-1] != "lm_head":
+            module.quantize_int_(bits, name=name)
+
+
+class EmptyOnMeta(TorchFunctionMode):
+    """While a model is built: torch.empty (the uninitialized parameters of Linear, Embedding and FusedMoE, which
+    the loader fills) on the meta device, everything else (norms' ones, rotary tables) where it would be. An
+    integer model then never allocates its full-precision linears: prepare_int_linears (or the dummy
+    initialization) gives them their integer parameters, and materialize_meta the rest their storage."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.empty:
+            kwargs = {**kwargs, "device": torch.device("meta")}
+        return func(*args, **kwargs)
+
+
+def materialize_meta(module: nn.Module, device: torch.device) -> None:
+    """Gives every parameter still on the meta device uninitialized storage on `device` (same shape, dtype)."""
+    for sub in module.modules():
+        for name, param in list(sub.named_parameters(recurse=False)):
+            if param.is_meta:
+                setattr(sub, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                                requires_grad=False))

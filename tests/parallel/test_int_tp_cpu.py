@@ -1,0 +1,34 @@
+"""A 4-bit GPTQ checkpoint served over two CPU processes (gloo) gives the greedy tokens of one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tests.models.quantized_llama import VOCAB, Case, save_quantized_llama
+
+pytest.importorskip("transformers")
+
+ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, max_num_seqs=4, block_size=8, num_kv_blocks=64)
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    prompts = [[(5 * i) % (VOCAB - 4) + 4 for i in range(13)], [7, 8, 9], [60, 61, 62, 63] * 3]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_tp2_int4_greedy_tokens_equal_tp1(tmp_path):
+    # Group 64: o_proj's 128 input columns split into one whole group per rank, down_proj's 256 into two.
+    save_quantized_llama(Case("gptq", 4, 64, sym=False), tmp_path)
+    reference = LLM(str(tmp_path), **ENGINE)
+    try:
+        expected = _greedy(reference)
+    finally:
+        reference.shutdown()
+    sharded = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
+    try:
+        got = _greedy(sharded)
+    finally:
+        sharded.shutdown()
+    assert got == expected
