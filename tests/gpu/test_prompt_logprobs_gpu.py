@@ -57,8 +57,11 @@ def test_prompt_logprobs_next_to_graph_decodes(tiny, overlap, piecewise_max_toke
         assert llm.engine.runner.graphs is not None
     finally:
         llm.shutdown()
-    # Batches of other shapes may round differently in bf16: equal up to near-ties.
-    assert_same_greedy(alone, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs[:3]], "with scoring")
+    # Batches of other shapes may round differently in bf16: equal up to near-ties. This random model's next-token
+    # distributions are nearly flat (top-3 gaps of ~0.01 nats), so every request may meet one in 24 tokens; each
+    # divergence must still sit on a near-tie.
+    assert_same_greedy(alone, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs[:3]], "with scoring",
+                       max_diverging=3)
     worst = 0.0
     for out, ids in zip(outs[3:], score_prompts):
         assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
