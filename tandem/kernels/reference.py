@@ -154,10 +154,12 @@ INT_WEIGHT_BITS = (4, 8)
 
 
 def check_int_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                     group_size: int) -> tuple[int, int]:
+                     group_size: int, strict: bool = True) -> tuple[int, int]:
     """(N, K) of a weight in the tandem int-N layout, or a ValueError that says what does not fit it: qweight
     uint8 [N, K // 2] (4 bits: element k in byte k // 2, even k in the low nibble) or [N, K] (8 bits); scales
-    and zeros [N, K // group_size] in one floating dtype; group_size divides K (-1: one group a row)."""
+    and zeros [N, K // group_size] in one floating dtype; group_size divides K (-1: one group a row). Not
+    strict (the reference dequantization of a checkpoint's tensors): more group columns than used, and two
+    floating dtypes, pass."""
     if bits not in INT_WEIGHT_BITS:
         raise ValueError(f"int weights have 4 or 8 bits, got {bits}")
     if qweight.dtype != torch.uint8 or qweight.dim() != 2:
@@ -168,10 +170,12 @@ def check_int_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     if group_size <= 0 or k % group_size:
         raise ValueError(f"group_size {group_size} does not divide the {k} input features")
     groups = (n, k // group_size)
-    if tuple(scales.shape) != groups or tuple(zeros.shape) != groups:
+    fits = (lambda t: tuple(t.shape) == groups) if strict else \
+        (lambda t: t.dim() == 2 and t.shape[0] == n and t.shape[1] >= groups[1])
+    if not fits(scales) or not fits(zeros):
         raise ValueError(f"scales and zeros must be {list(groups)} for qweight {tuple(qweight.shape)} at {bits} bits "
                          f"and group_size {group_size}, got {tuple(scales.shape)} and {tuple(zeros.shape)}")
-    if not scales.is_floating_point() or zeros.dtype != scales.dtype:
+    if not scales.is_floating_point() or not zeros.is_floating_point() or (strict and zeros.dtype != scales.dtype):
         raise ValueError(f"scales and zeros must share one floating dtype, got {scales.dtype} and {zeros.dtype}")
     return n, k
 
@@ -190,8 +194,9 @@ def dequantize_int_weight(
     group_size: int,  # columns per group; -1 for one group a row
 ) -> torch.Tensor:  # [N, K] fp32
     """weight[n, k] = (q[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size], in fp32."""
-    n, k = check_int_weight(qweight, scales, zeros, bits, group_size)
+    n, k = check_int_weight(qweight, scales, zeros, bits, group_size, strict=False)
     group = k if group_size == -1 else group_size
     q = unpack_int4_rows(qweight) if bits == 4 else qweight
     q = q.reshape(n, k // group, group).float()
-    return ((q - zeros.float()[:, :, None]) * scales.float()[:, :, None]).view(n, k)
+    g = k // group  # the group columns used (a checkpoint's tensors may carry more)
+    return ((q - zeros[:, :g].float()[:, :, None]) * scales[:, :g].float()[:, :, None]).view(n, k)

@@ -64,6 +64,11 @@ class GrammarPipeline:
             self.attach(request, compiled)
         return failed
 
+    @property
+    def cache(self) -> GrammarCache | None:
+        """The compile cache of the current backend (None until its first structured request)."""
+        return self._cache
+
     def use_backend(self, name: str) -> None:
         """Compiles later requests with backend `name`; requests already under a grammar keep theirs. The old
         backend's cache is dropped, and a compile still in flight there is cancelled (its request fails)."""

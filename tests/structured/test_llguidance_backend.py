@@ -102,7 +102,7 @@ def test_the_engine_switches_backend_between_runs(guided_llm):
     try:
         for schema, out in zip(schemas, _json(guided_llm, schemas, 0.0)):
             jsonschema.validate(json.loads(out.outputs[0].text), schema)
-        assert engine._grammar_cache().backend == "xgrammar"
+        assert engine.grammar.cache is not None and engine.grammar.cache.backend == "xgrammar"
     finally:
         engine.use_structured_backend("llguidance")
 
