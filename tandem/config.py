@@ -27,6 +27,67 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
 }
+# Speculative decoding's proposers (SpeculativeConfig.method), and the ones designed but not built yet.
+SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS_PLANNED = ("eagle", "eagle3", "mtp", "medusa")
+MAX_SPEC_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, given as vLLM's `speculative_config` dict (docs/serving.md, "Speculative decoding").
+
+    ngram (prompt lookup): the last prompt_lookup_max..prompt_lookup_min tokens of a request are looked up in
+    its prompt and output, and up to num_speculative_tokens tokens that followed the latest match are proposed.
+    draft_model: a smaller model with the same vocabulary (`model`: folder, GGUF, Hub id or named shape) decodes
+    the drafts greedily in an engine of its own (paged KV cache with prefix caching, CUDA graphs).
+    Speculation runs while at most disable_by_batch_size requests run (above, a step's forward is no longer
+    bound by reading the weights, and verifying drafts costs more than it saves)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int = 16
+    model: str | None = None  # draft_model: the draft model
+    # draft_model: KV blocks of the draft's own cache (None: enough for max_num_seqs requests of max_model_len)
+    num_kv_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method in SPEC_METHODS_PLANNED:
+            raise ValueError(f"speculative_config.method {self.method!r} is not available yet; methods: "
+                             f"{', '.join(SPEC_METHODS)}")
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}")
+        for name, low, high in (("num_speculative_tokens", 1, MAX_SPEC_TOKENS), ("prompt_lookup_min", 1, 64),
+                                ("prompt_lookup_max", 1, 64), ("disable_by_batch_size", 1, 1 << 20)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"speculative_config.{name} must be an integer in [{low}, {high}], got {value!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config.model must name the draft model for method 'draft_model'")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative_config.model is only read by method 'draft_model', not {self.method!r}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+            raise ValueError(f"speculative_config.num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @staticmethod
+    def parse(value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """A SpeculativeConfig from vLLM's dict form (None stays None); ValueError naming an unknown field."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = set(SpeculativeConfig.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown fields {unknown}; known: {sorted(known)}")
+        if "method" not in value:
+            raise ValueError("speculative_config needs a 'method' (one of: " + ", ".join(SPEC_METHODS) + ")")
+        return SpeculativeConfig(**value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +185,11 @@ class EngineConfig:
     # The grammar backend of structured output (xgrammar or llguidance); None: TANDEM_STRUCTURED_BACKEND, else the
     # default (structured/grammar.py).
     grammar_backend: str | None = None
+    # Speculative decoding: None (off), a SpeculativeConfig or vLLM's dict form ({"method": "ngram", ...}).
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):

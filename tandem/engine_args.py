@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 
@@ -46,6 +47,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-backend", default=None, choices=["xgrammar", "llguidance"],
                    help="grammar backend of structured output and tool calls (default: TANDEM_STRUCTURED_BACKEND, "
                         "else llguidance)")
+    g.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(fields: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
+                        "disable_by_batch_size; docs/serving.md)")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -61,4 +76,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         data_parallel_size=getattr(args, "data_parallel_size", 1),  # generate's and serve's own flag
         grammar_backend=getattr(args, "grammar_backend", None),
+        speculative_config=getattr(args, "speculative_config", None),
     )

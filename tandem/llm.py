@@ -185,6 +185,10 @@ class LLM:
                         index, seq = seqs[out.request_id]
                         result = results[index]
                         result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
+                        if out.finished and out.spec_draft_tokens:  # speculative decoding's totals, over n
+                            for key, value in (("spec_draft_tokens", out.spec_draft_tokens),
+                                               ("spec_accepted_tokens", out.spec_accepted_tokens)):
+                                result.metrics[key] = result.metrics.get(key, 0) + value
                         if out.prompt_logprobs is not None and result.prompt_logprobs is None:
                             result.prompt_logprobs = prompt_logprobs_dicts(result.prompt_token_ids, out.prompt_logprobs)
                         if self._apply(out, seq):

@@ -45,6 +45,9 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     queue_time: float | None = None  # seconds from arrival to first scheduling
     # With prompt_logprobs, on the request's first output only: entry j scores prompt token j + 1.
     prompt_logprobs: list[Logprobs] | None = None
+    # Speculative decoding, on the request's last output: draft tokens proposed for it and accepted, in total.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -60,6 +60,15 @@ class Request:
     host_mask: Any = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Speculative decoding: the tokens proposed for the next step (set before it is scheduled, consumed by it),
+    # the most the proposer may offer this request (shrinks after rejections, grows after full acceptance),
+    # and the request's totals of proposed and accepted draft tokens.
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec_k: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # Output tokens appended by the last step that produced any (more than one after a verify step).
+    num_new_tokens: int = 0
     # The output length at which the request stops for length (max_tokens or the context); a field, not a
     # property, because the scheduler and the stop check read it for every request in every step.
     max_output_tokens: int = field(init=False)

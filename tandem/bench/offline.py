@@ -523,9 +523,9 @@ def _print_table(results: list[dict[str, Any]]) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
     for n in names:
-        if n not in WORKLOADS and n not in ("serve", "structured", "score"):
+        if n not in WORKLOADS and n not in ("serve", "structured", "score", "spec"):
             raise ValueError(f"unknown workload {n!r}; choose from "
-                             f"{sorted(WORKLOADS) + ['serve', 'structured', 'score']} or all")
+                             f"{sorted(WORKLOADS) + ['serve', 'structured', 'score', 'spec']} or all")
     peers = [] if args.no_peers else args.peers.split(",")
     for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
                         ("--data-parallel-size", args.data_parallel_size)):
@@ -555,12 +555,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
             model = args.score_model if args.score_model != "embedded" else None
             results.append(run_score_workload(model, args.score_requests, int(512 * args.scale) or 1))
             continue
+        if n == "spec":  # speculative decoding against plain decoding on one engine
+            from tandem.bench.spec_workload import run_spec_workload
+
+            acceptance = [float(a) for a in args.spec_acceptance.split(",")] if args.spec_acceptance else None
+            model = args.spec_model if args.spec_model != "embedded" else None
+            if acceptance is not None and model is None:
+                raise ValueError("--spec-acceptance needs --spec-model, a named shape with random weights")
+            print("== spec: speculative decoding against plain decoding", flush=True)
+            results.append(run_spec_workload(model, args.spec_k, acceptance,
+                                             [int(b) for b in args.spec_batch.split(",")],
+                                             int(256 * args.scale) or 1, args.spec_draft_model))
+            continue
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
         results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.quantization,
                                       args.tensor_parallel_size, args.data_parallel_size, args.kv_cache_dtype,
                                       args.quantize_lm_head, args.enable_expert_parallel, args.checkpoint))
         _print_table(results[-1:])
-    _print_table([r for r in results if r["workload"] not in ("serve", "structured", "score")])
+    _print_table([r for r in results if r["workload"] not in ("serve", "structured", "score", "spec")])
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -573,7 +585,7 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
     bench = sub.add_parser("bench", help="offline throughput of named workloads with peers side by side; "
                                          "`tandem bench serve` for serving latency")
     bench.add_argument("--workload", default="cpu",
-                       help=f"comma list of {sorted(WORKLOADS) + ['serve', 'structured', 'score']} or all")
+                       help=f"comma list of {sorted(WORKLOADS) + ['serve', 'structured', 'score', 'spec']} or all")
     bench.add_argument("--peers", default="hf,sync,eager,noprefix,bf16",
                        help="comma list: hf (transformers), sync, eager (no CUDA graphs), noprefix, "
                             "bf16 (with --quantization or --kv-cache-dtype fp8: the engine with bf16 weights and "
@@ -614,6 +626,17 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
     bench.add_argument("--score-model", default="llama-3-8b",
                        help="shape of the score workload (a named shape or a model folder; random weights), "
                             "or 'embedded' for SmolLM2")
+    bench.add_argument("--spec-model", default="embedded",
+                       help="spec workload: the embedded SmolLM2 (real acceptance, n-gram) or a named shape (random "
+                            "weights, with --spec-acceptance)")
+    bench.add_argument("--spec-acceptance", default=None,
+                       help="spec workload: comma list of per-draft acceptance probabilities for a proposer that "
+                            "offers the target's own recorded tokens (e.g. 0.6,0.8,0.9)")
+    bench.add_argument("--spec-k", type=int, default=4, help="spec workload: num_speculative_tokens")
+    bench.add_argument("--spec-draft-model", default=None,
+                       help="spec workload: method draft_model with this draft (a named shape with random weights "
+                            "when --spec-model is one, else a model path); default: ngram")
+    bench.add_argument("--spec-batch", default="1,8", help="spec workload: comma list of batch sizes")
     bench.add_argument("--score-requests", type=int, default=1000,
                        help="prompts of the score workload (512 tokens each, times --scale)")
     bench.add_argument("--scale", type=float, default=1.0, help="shrink prompt/output lengths (smoke runs)")

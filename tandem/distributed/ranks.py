@@ -34,7 +34,7 @@ INIT_TIMEOUT = timedelta(minutes=10)  # weight loading of a 70B shard can take m
 LEAVE_TIMEOUT_S = 10.0  # a clean leave takes well under a second; past this the process is left as it is
 _IDLE_TIMEOUT = timedelta(days=365)
 _OP_STEP, _OP_STOP, _OP_REPORT, _OP_ALL_REDUCE_BENCH = 1, 2, 3, 4
-STEP_FIELDS = 15  # ints a step's header carries between the op code and the payload's byte count
+STEP_FIELDS = 16  # ints a step's header carries between the op code and the payload's byte count
 _HEADER_LEN = STEP_FIELDS + 2
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from tandem.config import EngineConfig
+from tandem.engine.draft_model import DraftModelProposer, draft_engine_config
 from tandem.outputs import EngineOutput
 from tandem.profiling.timeline import Timeline
 from tandem.request import FinishReason, Logprobs, Request, RequestStatus
@@ -25,6 +26,7 @@ from tandem.runner.worker import engine_runner
 from tandem.sampling_params import SamplingParams
 from tandem.scheduler.output import SchedulerOutput
 from tandem.scheduler.scheduler import Scheduler, SchedulerConfig
+from tandem.speculative.ngram import NgramProposer
 from tandem.structured.pipeline import GrammarPipeline
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,10 @@ class EngineStats:
     num_prompt_tokens: int  # prompt tokens admitted so far
     num_generation_tokens: int  # output tokens produced so far
     num_preemptions: int
+    spec_draft_tokens: int = 0  # speculative decoding: tokens proposed and verified so far
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_accepted_per_position: tuple[int, ...] = ()  # entry j: verify rows whose draft j was accepted
+    spec_verified_rows: int = 0  # sequences' draft runs verified (mean accepted length: 1 + accepted / this)
 
 
 def all_plain_ints(ids: list[object]) -> bool:
@@ -101,6 +107,12 @@ def bad_word_token_ids(tokenizer: object, words: tuple[str, ...]) -> tuple[tuple
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        spec = config.speculative_config
+        self.spec = spec if spec is not None and not isinstance(spec, dict) else None
+        draft = None
+        if self.spec is not None and self.spec.method == "draft_model":
+            # Before the target's runner, which then sizes its KV cache around the draft's memory.
+            draft = DraftModelProposer(EngineCore(draft_engine_config(config, self.spec, config.max_model_len)))
         # Rank 0's runner (spawning ranks 1..N-1 for tensor parallelism; under torchrun the other ranks never
         # return from this call: worker.py serves rank 0's steps in their processes, then ends them).
         self.runner: ModelRunner = engine_runner(config)
@@ -110,6 +122,16 @@ class EngineCore:
             atexit.register(self.shutdown)
         self.tokenizer = self.runner.tokenizer
         self.model_config = self.runner.model_config
+        if draft is not None:
+            try:
+                draft.check_vocabulary(self.model_config.vocab_size, self.tokenizer)
+            except ValueError:
+                draft.shutdown()
+                self.runner.shutdown()
+                raise
+        self.proposer: NgramProposer | DraftModelProposer | None = draft
+        if self.spec is not None and self.spec.method == "ngram":
+            self.proposer = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
         # A request can never grow past what the whole KV pool holds (block 0 is reserved).
         self.max_model_len = min(self.runner.max_model_len, (self.runner.num_blocks - 1) * config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -134,6 +156,8 @@ class EngineCore:
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.spec_draft_tokens = self.spec_accepted_tokens = self.spec_verified_rows = 0
+        self.spec_accepted_per_position = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
 
     # ---------------------------------------------------------------- requests
 
@@ -162,6 +186,8 @@ class EngineCore:
             banned_token_ids=banned,
             bad_word_ids=bad_seqs,
         )
+        if self.spec is not None:
+            request.spec_k = self.spec.num_speculative_tokens
         if params.prompt_logprobs is not None:
             self.runner.prompt_logprobs.add(request)  # its prompt rows get scored as they are computed
         if spec is not None:
@@ -244,6 +270,8 @@ class EngineCore:
             previous, self._inflight = self._inflight, None
             return self._collect(previous)
         outputs = self._admit_compiled() if self.grammar.compiling else []
+        if self.proposer is not None:
+            outputs += self._propose()
         if self.timeline is not None:
             self.timeline.step = self.num_steps
         self.num_steps += 1
@@ -260,6 +288,34 @@ class EngineCore:
             # Its grammar rows need step N's tokens, which the matchers have now: they fill on a worker while the
             # caller takes the outputs and step N+2 is scheduled and prepared.
             self.grammar.start_fill(inflight, partial(self.runner.fill_masks, inflight))
+        return outputs
+
+    def _propose(self) -> list[EngineOutput]:
+        """Speculative decoding: proposes each running request's drafts for the next step, from its tokens on the
+        host, so the step in flight is collected first (returning its outputs). Off while more than
+        disable_by_batch_size requests run; a request with a grammar, penalties or bias gets none."""
+        spec, scheduler = self.spec, self.scheduler
+        assert spec is not None and self.proposer is not None
+        running = scheduler.running
+        if not running or len(running) > spec.disable_by_batch_size:
+            return []
+        outputs: list[EngineOutput] = []
+        if self._inflight is not None:
+            previous, self._inflight = self._inflight, None
+            outputs = self._collect(previous)
+        eligible: list[tuple[Request, int]] = []
+        for request in scheduler.running:
+            sp = request.sampling_params
+            if request.num_pending_tokens or request.host_mask is not None or sp.uses_logits_state:
+                continue
+            if request.num_computed_tokens != len(request.all_token_ids) - 1:
+                continue  # still in its prompt
+            room = request.max_output_tokens - len(request.output_token_ids) - 1
+            if room > 0:
+                eligible.append((request, min(request.spec_k, room)))
+        if eligible:
+            for (request, _), drafts in zip(eligible, self._timed("propose", lambda: self.proposer.propose_all(eligible))):
+                request.draft_token_ids = drafts
         return outputs
 
     def _launch(self) -> tuple[StepHandle | None, list[EngineOutput]]:
@@ -319,16 +375,43 @@ class EngineCore:
         for request, first_token, entries in result.prompt_logprobs or ():
             if request.request_id in self._requests:  # else aborted meanwhile
                 request.add_prompt_logprobs(first_token, entries)
-        return self._timed("update", lambda: self._update(handle.sched, result.token_ids, result.logprobs))
+        return self._timed("update", lambda: self._update(handle.sched, result.token_ids, result.logprobs,
+                                                          result.verified))
 
-    def _update(self, sched: SchedulerOutput, token_ids: list[int], logprobs: list[Logprobs] | None) -> list[EngineOutput]:
+    def _update(self, sched: SchedulerOutput, token_ids: list[int], logprobs: list[Logprobs] | None,
+                verified: dict[int, tuple[list[int], list[Logprobs] | None]] | None = None) -> list[EngineOutput]:
+        if verified is not None:
+            self._count_verified(sched, verified)
+            touched = self.scheduler.update_from_output(sched, token_ids, logprobs, verified)
+            return self._outputs(touched, verify=True)
         # A request is in a step at most once and each sampling entry appends one token, so every touched
         # request's new output is exactly its last token.
         touched = self.scheduler.update_from_output(sched, token_ids, logprobs)
+        return self._outputs(touched, verify=False)
+
+    def _count_verified(self, sched: SchedulerOutput, verified: dict[int, tuple[list[int], list[Logprobs] | None]]
+                        ) -> None:
+        """Acceptance counters, and each request's draft budget: one more after a fully accepted run, else one
+        past what was accepted (fewer wasted rows where the proposer guesses wrong)."""
+        spec = self.spec
+        assert spec is not None
+        per_position = self.spec_accepted_per_position
+        for row, (tokens, _) in verified.items():
+            request = sched.scheduled[row].request
+            num_draft, accepted = sched.scheduled[row].num_draft, len(tokens) - 1
+            self.spec_draft_tokens += num_draft
+            self.spec_accepted_tokens += accepted
+            self.spec_verified_rows += 1
+            for j in range(accepted):
+                per_position[j] += 1
+            request.spec_k = (min(spec.num_speculative_tokens, request.spec_k + 1) if accepted == num_draft
+                              else accepted + 1)
+
+    def _outputs(self, touched: list[Request], verify: bool) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
         requests = self._requests
         finished_status = RequestStatus.FINISHED
-        num_scored = 0
+        num_scored = num_tokens = 0
         for req in touched:
             rid = req.request_id
             if rid not in requests:
@@ -336,24 +419,28 @@ class EngineCore:
             host_mask = req.host_mask
             if host_mask is not None and req.output_token_ids and not host_mask.accept(req.output_token_ids[-1]):
                 self.num_grammar_rejections += 1
-            new_lp = req.output_logprobs[-1:] if req.sampling_params.logprobs is not None else None
+            num_new = req.num_new_tokens if verify else 1
+            new_lp = req.output_logprobs[-num_new:] if req.sampling_params.logprobs is not None and num_new else None
             prompt_lp = None
             if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 prompt_lp, req.prompt_logprobs_sent = req.prompt_logprobs, True
-                num_scored += not req.output_token_ids  # max_tokens=0: finished without a token
+                num_scored += not req.output_token_ids and not verify  # max_tokens=0: finished without a token
             scheduled_at = req.first_scheduled_time
             finished = req.status is finished_status
             cached = req.num_cached_tokens
-            outputs.append(
-                EngineOutput(rid, req.output_token_ids[-1:], new_lp, finished, req.finish_reason, req.stop_reason,
-                             len(req.prompt_token_ids), cached if cached > 0 else 0, None,
-                             scheduled_at - req.arrival_time if scheduled_at else None, prompt_lp)
-            )
+            out = EngineOutput(rid, req.output_token_ids[-num_new:] if num_new else [], new_lp, finished,
+                               req.finish_reason, req.stop_reason, len(req.prompt_token_ids),
+                               cached if cached > 0 else 0, None,
+                               scheduled_at - req.arrival_time if scheduled_at else None, prompt_lp)
+            if finished:
+                out.spec_draft_tokens, out.spec_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens
+            outputs.append(out)
             if finished:
                 del requests[rid]
                 if host_mask is not None:
                     self.grammar.drop(req)
-        self.num_generation_tokens += len(outputs) - num_scored
+            num_tokens += num_new
+        self.num_generation_tokens += num_tokens - num_scored
         return outputs
 
     def _fail(self, scheduled: list, exc: Exception) -> list[EngineOutput]:
@@ -411,6 +498,8 @@ class EngineCore:
             except Exception:
                 logger.exception("filling grammar rows failed during shutdown")
         self.grammar.shutdown()
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.shutdown()
         self._inflight = None  # the runner finishes (or, after a failure, aborts) what is still on the device
         self._requests.clear()
         self.runner.shutdown()
@@ -453,6 +542,10 @@ class EngineCore:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_preemptions=s.num_preemptions,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_accepted_per_position=tuple(self.spec_accepted_per_position),
+            spec_verified_rows=self.spec_verified_rows,
         )
 
 

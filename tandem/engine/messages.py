@@ -58,6 +58,10 @@ class WireStats(msgspec.Struct, array_like=True):
     num_prompt_tokens: int
     num_generation_tokens: int
     num_preemptions: int
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
+    spec_verified_rows: int = 0
 
 
 class EngineBatch(msgspec.Struct, tag="batch", array_like=True):
@@ -102,7 +106,11 @@ def merge_reported(parts: list[WireStats | None]) -> WireStats | None:
 
 def merge_stats(parts: list[WireStats]) -> WireStats:
     """One view of several replicas: counts add up; KV usage is over all blocks; the hit rate is the mean."""
-    total = {name: sum(getattr(p, name) for p in parts) for name in WireStats.__struct_fields__}
+    total = {name: sum(getattr(p, name) for p in parts) for name in WireStats.__struct_fields__
+             if name != "spec_accepted_per_position"}
+    total["spec_accepted_per_position"] = tuple(
+        sum(p.spec_accepted_per_position[j] for p in parts if j < len(p.spec_accepted_per_position))
+        for j in range(max(len(p.spec_accepted_per_position) for p in parts)))
     blocks = total["num_blocks"] or 1
     total["kv_cache_usage"] = sum(p.kv_cache_usage * p.num_blocks for p in parts) / blocks
     total["prefix_cache_hit_rate"] = total["prefix_cache_hit_rate"] / len(parts)

@@ -70,7 +70,7 @@ class ModelExecutor:
             all_rows = num_tokens == num_seqs
         if score is not None:
             score(hidden)
-        return self.logits(slot, hidden, num_seqs, all_rows=all_rows)
+        return self.logits(slot, hidden, plan.rows, all_rows=all_rows)
 
     def sample(self, plan: StepPlan, logits: torch.Tensor) -> None:
         """Enqueues the step's sampling into its slot's output buffers: a sampling graph after a decode graph."""
@@ -81,7 +81,24 @@ class ModelExecutor:
             # Every rank samples from the same all-gathered logits with the same counter-based noise, so each
             # holds the same tokens for its own carry-over.
             self.sample_into(plan.slot, logits, plan.num_seqs, plan.all_greedy, plan.any_top_k_top_p,
-                             plan.num_logprobs)
+                             plan.num_logprobs, plan.rows)
+            if plan.verifies:
+                self.verify(plan.slot, plan.num_seqs, plan.rows)
+
+    def verify(self, slot: int, num_seqs: int, num_rows: int) -> None:
+        """Counts each sequence's accepted drafts into out_accepted: the drafts before the first whose row's sampled
+        token differs from it. Sampling each verified position as a plain step would (same noise, same rules) and
+        keeping the drafts up to the first mismatch is exact for any proposer: the output is token for token what
+        decoding without drafts gives (an accepted draft is the token sampled at its position; the first mismatch
+        position yields the sampled token itself)."""
+        buf = self.buffers[slot]
+        ints = buf.ints.dev
+        seq = ints["row_seq"][num_seqs:num_rows].long()
+        match = buf.out_tokens[num_seqs:num_rows] == ints["row_draft"][num_seqs:num_rows]
+        num_drafts = ints["num_drafts"][:num_seqs].long()
+        # A matching row does not lower its sequence's minimum; a mismatch at draft j caps the count at j.
+        cap = torch.where(match, num_drafts.index_select(0, seq), ints["row_rank"][num_seqs:num_rows].long())
+        buf.out_accepted[:num_seqs].copy_(num_drafts.scatter_reduce(0, seq, cap, reduce="amin"))
 
     def meta(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
              num_decodes: int = 0) -> AttentionMetadata:
@@ -126,9 +143,10 @@ class ModelExecutor:
             hidden = hidden.index_select(0, self.buffers[slot].ints.dev["logits_indices"][:num_seqs])
         return self.model.compute_logits(hidden, logits_out)
 
-    def sample_into(self, slot: int, logits: torch.Tensor, num_rows: int, all_greedy: bool,
-                    any_top_k_top_p: bool, num_logprobs: int) -> None:
-        """Samples logits [num_rows, vocab] with the slot's static per-row parameters into its output buffers.
+    def sample_into(self, slot: int, logits: torch.Tensor, num_seqs: int, all_greedy: bool,
+                    any_top_k_top_p: bool, num_logprobs: int, num_rows: int | None = None) -> None:
+        """Samples logits [num_rows, vocab] with the slot's static per-sequence parameters into its output buffers
+        (rows beyond num_seqs, a verify step's draft rows, take their sequence's parameters and their own position).
 
         Any top-n request computes the top MAX_LOGPROBS (the host reads the first n columns), so eager steps
         and captured graphs, which cannot know n, run the same ops.
@@ -136,11 +154,18 @@ class ModelExecutor:
         buf = self.buffers[slot]
         ints, longs, floats = buf.ints.dev, buf.longs.dev, buf.floats.dev
         top_n = MAX_LOGPROBS if num_logprobs > 0 else num_logprobs
+        rows = num_seqs if num_rows is None else num_rows
+        params = [floats["temperature"], ints["top_k"], floats["top_p"], longs["seeds"], floats["min_p"]]
+        if rows > num_seqs:
+            seq = ints["row_seq"][num_seqs:rows]
+            params = [torch.cat([p[:num_seqs], p.index_select(0, seq)]) for p in params]
+        else:
+            params = [p[:rows] for p in params]
+        temperature, top_k, top_p, seeds, min_p = params
+        num_rows = rows
         out = sample(
-            logits, floats["temperature"][:num_rows], ints["top_k"][:num_rows], floats["top_p"][:num_rows],
-            longs["seeds"][:num_rows], longs["sample_pos"][:num_rows],
-            all_greedy=all_greedy, any_top_k_top_p=any_top_k_top_p, num_logprobs=top_n,
-            min_p=floats["min_p"][:num_rows],
+            logits, temperature, top_k, top_p, seeds, longs["sample_pos"][:num_rows],
+            all_greedy=all_greedy, any_top_k_top_p=any_top_k_top_p, num_logprobs=top_n, min_p=min_p,
         )
         buf.out_tokens[:num_rows].copy_(out.token_ids)
         if out.logprobs is not None:

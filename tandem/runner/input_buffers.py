@@ -56,10 +56,14 @@ class StepBuffers:
         max_blocks_per_seq: int,
         max_logprobs: int,
         device: torch.device,
+        max_drafts: int = 0,
     ) -> None:
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
+        # Logits rows: one per sequence (row i: sequence i's last position), then, in a step that verifies drafts,
+        # one per draft (the position before it, whose sampled token the draft is checked against).
+        self.max_rows = max_rows = max_num_seqs * (1 + max_drafts)
         # Block tables come last so that a step uploads only the rows it uses.
         self.ints = PackedBuffer(
             {
@@ -67,10 +71,16 @@ class StepBuffers:
                 "positions": (max_num_tokens,),
                 "query_start_loc": (max_num_seqs + 1,),
                 "seq_lens": (max_num_seqs,),
-                "logits_indices": (max_num_seqs,),
+                "logits_indices": (max_rows,),
                 "top_k": (max_num_seqs,),
                 # The decode kernel's program order: decode rows by context length, longest first.
                 "decode_order": (max_num_seqs,),
+                # Draft rows (rows >= num_seqs of a verify step): their sequence, their draft's index in it, the
+                # draft token their sample is compared with; and each sequence's number of drafts.
+                "row_seq": (max_rows,),
+                "row_rank": (max_rows,),
+                "row_draft": (max_rows,),
+                "num_drafts": (max_num_seqs,),
                 "block_tables": (max_num_seqs, max_blocks_per_seq),
             },
             torch.int32,
@@ -81,7 +91,7 @@ class StepBuffers:
                 "slot_mapping": (max_num_tokens,),
                 "carry_src": (max_num_tokens,),  # -1: no carry-over; else a row of the previous step's tokens
                 "seeds": (max_num_seqs,),
-                "sample_pos": (max_num_seqs,),
+                "sample_pos": (max_rows,),
             },
             torch.int64,
             device,
@@ -91,18 +101,21 @@ class StepBuffers:
         )
         # Outputs: static device tensors (the next step's carry-over reads out_tokens) and pinned host twins.
         cuda = device.type == "cuda"
-        self.out_tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
-        self.out_logprob = torch.zeros(max_num_seqs, dtype=torch.float32, device=device)
-        self.out_top_ids = torch.zeros(max_num_seqs, max(max_logprobs, 1), dtype=torch.int64, device=device)
-        self.out_top_lp = torch.zeros(max_num_seqs, max(max_logprobs, 1), dtype=torch.float32, device=device)
+        self.out_tokens = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.out_logprob = torch.zeros(max_rows, dtype=torch.float32, device=device)
+        self.out_top_ids = torch.zeros(max_rows, max(max_logprobs, 1), dtype=torch.int64, device=device)
+        self.out_top_lp = torch.zeros(max_rows, max(max_logprobs, 1), dtype=torch.float32, device=device)
+        self.out_accepted = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)  # drafts accepted per seq
         if cuda:
             self.host_tokens = torch.zeros_like(self.out_tokens, device="cpu").pin_memory()
             self.host_logprob = torch.zeros_like(self.out_logprob, device="cpu").pin_memory()
             self.host_top_ids = torch.zeros_like(self.out_top_ids, device="cpu").pin_memory()
             self.host_top_lp = torch.zeros_like(self.out_top_lp, device="cpu").pin_memory()
+            self.host_accepted = torch.zeros_like(self.out_accepted, device="cpu").pin_memory()
         else:
             self.host_tokens, self.host_logprob = self.out_tokens, self.out_logprob
             self.host_top_ids, self.host_top_lp = self.out_top_ids, self.out_top_lp
+            self.host_accepted = self.out_accepted
         # Block-table rows persist between this slot's steps: row i holds the first table_lens[i] entries of
         # the block list table_rows[i] (compared by identity: a request's list only grows while it holds
         # blocks, and a preempted request gets a new one), so a decode step rewrites only rows that changed.
@@ -116,6 +129,7 @@ class StepBuffers:
         self.host_logprob_np = self.host_logprob.numpy()
         self.host_top_ids_np = self.host_top_ids.numpy()
         self.host_top_lp_np = self.host_top_lp.numpy()
+        self.host_accepted_np = self.host_accepted.numpy()
 
     def upload(self, num_seqs: int) -> None:
         """H2D of everything the step reads: the packed scalars and the used block-table rows."""
@@ -124,16 +138,21 @@ class StepBuffers:
         self.longs.upload()
         self.floats.upload()
 
-    def download(self, num_seqs: int, num_logprobs: int) -> None:
-        """D2H of the sampled tokens (and log-probabilities when asked); call on the D2H stream."""
+    def download(self, num_seqs: int, num_logprobs: int, num_rows: int | None = None) -> None:
+        """D2H of the sampled tokens (and log-probabilities when asked) of the step's num_rows logits rows (default
+        one per sequence; more in a verify step, which also brings each sequence's accepted count); call on the
+        D2H stream."""
         if self.host_tokens is self.out_tokens:
             return
-        self.host_tokens[:num_seqs].copy_(self.out_tokens[:num_seqs], non_blocking=True)
+        rows = num_seqs if num_rows is None else num_rows
+        self.host_tokens[:rows].copy_(self.out_tokens[:rows], non_blocking=True)
+        if rows > num_seqs:
+            self.host_accepted[:num_seqs].copy_(self.out_accepted[:num_seqs], non_blocking=True)
         if num_logprobs >= 0:
-            self.host_logprob[:num_seqs].copy_(self.out_logprob[:num_seqs], non_blocking=True)
+            self.host_logprob[:rows].copy_(self.out_logprob[:rows], non_blocking=True)
         if num_logprobs > 0:
-            self.host_top_ids[:num_seqs].copy_(self.out_top_ids[:num_seqs], non_blocking=True)
-            self.host_top_lp[:num_seqs].copy_(self.out_top_lp[:num_seqs], non_blocking=True)
+            self.host_top_ids[:rows].copy_(self.out_top_ids[:rows], non_blocking=True)
+            self.host_top_lp[:rows].copy_(self.out_top_lp[:rows], non_blocking=True)
 
 
 @dataclass(slots=True)
@@ -148,6 +167,9 @@ class StepShape:
     num_context_tokens: int
     num_decodes: int = 0  # leading rows that decode one token (AttentionMetadata.num_decodes)
     any_logits_state: bool = False  # some row uses penalties / bias / allowed ids / bad words (LogitsState)
+    num_rows: int = 0  # logits rows: num_seqs, plus one per draft in a verify step
+    # Verify steps: (row, first draft row, number of drafts) of each sequence with drafts.
+    draft_rows: list[tuple[int, int, int]] | None = None
 
 
 def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, int], block_size: int,
@@ -288,9 +310,49 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
     order_rows = max(num_seqs, pad_to or 0) if decode_only else num_decodes
     if order_rows:
         ints["decode_order"][:order_rows] = np.argsort(-seq_lens[:order_rows], kind="stable")
+    num_rows, draft_rows = num_seqs, None
+    if sched.num_draft_tokens:
+        num_rows, draft_rows = _write_draft_rows(buf, sched)
     seq_used = seq_lens[:num_seqs]
     return StepShape(all_greedy, any_filter, num_logprobs, max_query_len, int(seq_used.max()) if num_seqs else 0,
-                     int(seq_used.sum(dtype=np.int64)), num_decodes, any_logits_state)
+                     int(seq_used.sum(dtype=np.int64)), num_decodes, any_logits_state, num_rows, draft_rows)
+
+
+def _write_draft_rows(buf: StepBuffers, sched: SchedulerOutput) -> tuple[int, list[tuple[int, int, int]]]:
+    """Logits rows num_seqs.. of a verify step: for each draft j of sequence i, the position before it (its sample
+    is the target's token there, compared with draft j on the device). Returns (rows, draft_rows)."""
+    ints, longs = buf.ints.np, buf.longs.np
+    num_seqs = len(sched.scheduled)
+    qsl = ints["query_start_loc"]
+    row = num_seqs
+    index: list[int] = []
+    positions: list[int] = []
+    seqs: list[int] = []
+    ranks: list[int] = []
+    drafts: list[int] = []
+    counts = [0] * num_seqs
+    draft_rows: list[tuple[int, int, int]] = []
+    for i, s in enumerate(sched.scheduled):
+        k = s.num_draft
+        if not k:
+            continue
+        first = int(qsl[i + 1]) - k - 1  # the flat token index of the sequence's known last token
+        index.extend(range(first, first + k))
+        start = s.num_computed_tokens + s.num_scheduled_tokens - k  # the position of the first draft
+        positions.extend(range(start, start + k))
+        seqs.extend([i] * k)
+        ranks.extend(range(k))
+        drafts.extend(s.token_ids[-k:])
+        counts[i] = k
+        draft_rows.append((i, row, k))
+        row += k
+    ints["logits_indices"][num_seqs:row] = index
+    longs["sample_pos"][num_seqs:row] = positions
+    ints["row_seq"][num_seqs:row] = seqs
+    ints["row_rank"][num_seqs:row] = ranks
+    ints["row_draft"][num_seqs:row] = drafts
+    ints["num_drafts"][:num_seqs] = counts
+    return row, draft_rows
 
 
 def _write_sampling(buf: StepBuffers, requests: list[Request]) -> tuple[bool, bool, int, bool]:

@@ -56,8 +56,10 @@ class ModelRunner:
         self.max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.streams = DeviceStreams(self.device)
+        spec = config.speculative_config
+        max_drafts = spec.num_speculative_tokens if spec is not None else 0  # type: ignore[union-attr]
         self.buffers = [StepBuffers(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, MAX_LOGPROBS,
-                                    self.device) for _ in range(2)]
+                                    self.device, max_drafts) for _ in range(2)]
         vocab = self.model_config.vocab_size
         self.logits_state = LogitsState(self.max_num_seqs, vocab, self.device)
         self.host_masks = HostMaskBuffers(self.max_num_seqs, vocab, self.device)
@@ -153,12 +155,13 @@ class ModelRunner:
         self._prev_rows = rows
         plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,
                         shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self.step_index, self.timing,
-                        shape.num_decodes, piece_tokens, *self.prompt_logprobs.plan_shape(slot))
+                        shape.num_decodes, piece_tokens, *self.prompt_logprobs.plan_shape(slot),
+                        shape.num_rows if shape.draft_rows else 0)
         # Rows whose next token a grammar (or a multi-token bad word) decides on the CPU: their sampling waits for
         # launch_sampling, after the previous step's tokens have reached the matchers.
         mask_rows = [(i, s.request) for i, s in enumerate(sched.scheduled)
                      if s.sample and s.request.host_mask is not None] if constrained else []
-        return PreparedStep(sched, plan, shape.num_context_tokens, mask_rows)
+        return PreparedStep(sched, plan, shape.num_context_tokens, mask_rows, shape.draft_rows)
 
     @torch.inference_mode()
     def enqueue(self, prepared: PreparedStep) -> StepHandle:
@@ -166,7 +169,8 @@ class ModelRunner:
         plan = prepared.plan
         if plan.step_index != self.step_index:
             raise RuntimeError(f"step {plan.step_index} was prepared, but the runner is at step {self.step_index}")
-        handle = StepHandle(prepared.sched, plan, self.events[plan.slot], prepared.num_context_tokens)
+        handle = StepHandle(prepared.sched, plan, self.events[plan.slot], prepared.num_context_tokens,
+                            draft_rows=prepared.draft_rows)
         if self.group is not None:
             # The other ranks get the filled host buffers before this rank launches (CPU to CPU only).
             regions = plan.regions(self.buffers[plan.slot]) + self.prompt_logprobs.regions(plan.slot)
@@ -200,7 +204,8 @@ class ModelRunner:
                 score = partial(self.prompt_logprobs.compute, plan.slot, compute_logits=self.model.compute_logits)
             logits = self.executor.run(plan, rows_view=defer_sampling or bool(self.logits_state.plans[plan.slot]),
                                        score=score)
-            self.logits_state.apply(plan.slot, logits)  # penalties and bias, only where a row uses them
+            # Penalties and bias, only where a row uses them (a sequence's own row; rows with drafts use none).
+            self.logits_state.apply(plan.slot, logits[: plan.num_seqs] if plan.verifies else logits)
         events.deferred = defer_sampling
         if defer_sampling:
             with streams.on("compute"):
@@ -228,7 +233,7 @@ class ModelRunner:
             streams.wait("d2h", events.compute_done)
             with streams.on("d2h"):
                 if download:
-                    buf.download(plan.num_seqs, plan.num_logprobs)
+                    buf.download(plan.num_seqs, plan.num_logprobs, plan.rows)
                     self.prompt_logprobs.download(plan.slot)
                 if self._timeout_flag is not None:
                     flag, host_flag = self._timeout_flag
@@ -257,7 +262,7 @@ class ModelRunner:
             self.check_all_reduce_timeout()
         else:
             handle.events.d2h_done.synchronize()
-        buf, n = self.buffers[handle.slot], handle.num_seqs
+        buf, n = self.buffers[handle.slot], handle.plan.rows
         token_ids = buf.host_tokens_np[:n].tolist()
         logprobs: list[Logprobs] | None = None
         if handle.plan.num_logprobs >= 0:
@@ -268,7 +273,12 @@ class ModelRunner:
                 (float(chosen_np[i]), list(zip(top_ids_np[i].tolist(), top_lp_np[i].tolist())))
                 for i in range(n)
             ]
-        return StepResult(token_ids, logprobs, self.prompt_logprobs.read(handle.slot))
+        verified = None
+        if handle.draft_rows:
+            verified = _verified_tokens(handle.draft_rows, token_ids, logprobs, buf.host_accepted_np.tolist())
+        num_seqs = handle.num_seqs
+        return StepResult(token_ids[:num_seqs], logprobs[:num_seqs] if logprobs is not None else None,
+                          self.prompt_logprobs.read(handle.slot), verified)
 
     def check_all_reduce_timeout(self) -> None:
         """Fails the group (every later step too) once this rank's fused all-reduce gave up waiting for a peer:
@@ -357,6 +367,18 @@ class ModelRunner:
             logger.warning("could not release the CUDA graphs after a rank failed", exc_info=True)
         closer.join()
         self.release(empty_cache=False)  # freeing device memory would wait for kernels the abort may not end
+
+
+def _verified_tokens(draft_rows: list[tuple[int, int, int]], row_tokens: list[int], logprobs: list[Logprobs] | None,
+                     accepted: list[int]) -> dict[int, tuple[list[int], list[Logprobs] | None]]:
+    """Each verifying sequence's tokens: its accepted drafts (rows first..first+a-1 sampled them), then the token
+    sampled where the first draft was rejected, or after the last draft (the sequence's own row) when none was."""
+    out: dict[int, tuple[list[int], list[Logprobs] | None]] = {}
+    for row, first, k in draft_rows:
+        a = accepted[row]
+        rows = list(range(first, first + a)) + [first + a if a < k else row]
+        out[row] = ([row_tokens[r] for r in rows], [logprobs[r] for r in rows] if logprobs is not None else None)
+    return out
 
 
 def _device_sms(device: torch.device) -> int:

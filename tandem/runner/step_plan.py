@@ -33,18 +33,28 @@ class StepPlan:
     piece_tokens: int | None = None  # piecewise graphs: the padded token count; None: a decode graph or eager
     prompt_rows: int = 0  # hidden rows scored for prompt_logprobs (their indices ride in the payload)
     prompt_top_k: int = 0
+    num_rows: int = 0  # logits rows sampled: num_seqs, or more in a step that verifies drafts (0: num_seqs)
+
+    @property
+    def rows(self) -> int:
+        return self.num_rows or self.num_seqs
+
+    @property
+    def verifies(self) -> bool:
+        """Some sequence carries drafts: rows beyond num_seqs, and an accepted count per sequence."""
+        return self.num_rows > self.num_seqs
 
     def fields(self) -> tuple[int, ...]:
         """The plan as the ints of its message header (distributed.ranks.STEP_FIELDS of them)."""
         return (self.slot, self.num_seqs, self.num_tokens, self.graph_bs or 0, self.all_greedy, self.any_top_k_top_p,
                 self.num_logprobs, self.max_query_len, self.max_seq_len, self.step_index, self.timing,
-                self.num_decodes, self.piece_tokens or 0, self.prompt_rows, self.prompt_top_k)
+                self.num_decodes, self.piece_tokens or 0, self.prompt_rows, self.prompt_top_k, self.num_rows)
 
     @staticmethod
     def from_fields(h: Any) -> StepPlan:
         v = [int(x) for x in h]
         return StepPlan(v[0], v[1], v[2], v[3] or None, bool(v[4]), bool(v[5]), v[6], v[7], v[8], v[9], bool(v[10]),
-                        v[11], v[12] or None, v[13], v[14])
+                        v[11], v[12] or None, v[13], v[14], v[15])
 
     def regions(self, buf: StepBuffers) -> list[torch.Tensor]:
         """The host tensors the step fills: ints up to the used block-table rows, all longs and floats."""
@@ -61,6 +71,7 @@ class PreparedStep:
     plan: StepPlan
     num_context_tokens: int
     mask_rows: list[tuple[int, Any]]  # (batch row, request) of the rows a host mask constrains
+    draft_rows: list[tuple[int, int, int]] | None = None  # (row, first draft row, drafts) of verifying sequences
 
 
 @dataclass(slots=True)
@@ -74,6 +85,7 @@ class StepHandle:
     # Rows whose sampling waits for their grammar bitmask, and the logits it will mask; empty once enqueued.
     mask_rows: list[tuple[int, Any]] | None = None
     logits: torch.Tensor | None = None
+    draft_rows: list[tuple[int, int, int]] | None = None  # (row, first draft row, drafts) of verifying sequences
 
     @property
     def slot(self) -> int:
@@ -103,3 +115,5 @@ class StepResult:
     logprobs: list[Logprobs] | None
     # (request, index of its first scored prompt token, one entry per token) of the requests with prompt_logprobs
     prompt_logprobs: list[tuple[Any, int, list[Logprobs]]] | None = None
+    # Verify steps: row -> (the tokens it produced: accepted drafts and one more, their log-probabilities or None)
+    verified: dict[int, tuple[list[int], list[Logprobs] | None]] | None = None

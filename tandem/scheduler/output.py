@@ -21,6 +21,9 @@ class ScheduledRequest(msgspec.Struct, gc=False):
     carry: bool  # the LAST input position is the placeholder for the token the previous step samples
     block_ids: list[int]  # the request's whole block table (read-only for the runner)
     sample: bool  # this step's last position yields a new output token
+    # Speculative decoding: the last num_draft input ids are proposed tokens the step verifies (then `sample`);
+    # the step yields 1 to num_draft + 1 tokens, and the positions of rejected drafts are rolled back.
+    num_draft: int = 0
 
 
 @dataclass(slots=True)
@@ -28,3 +31,4 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
     preempted_request_ids: list[str]
+    num_draft_tokens: int = 0  # proposed tokens the step verifies (0: a plain step)

@@ -117,6 +117,7 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         running = self.running
         i = 0
+        num_drafts = 0
         while i < len(running) and budget > 0:
             request = running[i]
             i += 1
@@ -131,6 +132,14 @@ class Scheduler:
                 continue
             if num_new > budget:
                 num_new = budget
+            # Speculative decoding: the known last token plus the drafts proposed for it, verified in one forward.
+            num_draft = 0
+            if request.draft_token_ids:
+                if num_new == 1 and pending == 0 and budget > 1:
+                    num_draft = min(len(request.draft_token_ids), budget - 1)
+                    num_new += num_draft
+                else:
+                    request.draft_token_ids = []
             # The overlap loop's decode step, nearly every request of every step: the one position (start ==
             # num_known) is the token the step in flight samples. allocate_slots' no-change case (room in the held
             # blocks, every full block of known tokens published) is checked here without the call.
@@ -151,6 +160,15 @@ class Scheduler:
                 request.num_computed_tokens = start + 1
                 request.num_pending_tokens = 2
                 scheduled.append(ScheduledRequest(request, start, 1, [PLACEHOLDER_TOKEN_ID], True, block_ids, True))
+            elif num_draft:
+                token_ids = request.all_token_ids[start:num_known]
+                token_ids += request.draft_token_ids[:num_draft]
+                request.draft_token_ids = []
+                request.num_computed_tokens = start + num_new
+                request.num_pending_tokens = 1
+                scheduled.append(ScheduledRequest(request, start, num_new, token_ids, False, block_ids, True,
+                                                  num_draft))
+                num_drafts += num_draft
             else:
                 scheduled.append(self._schedule_tokens(request, num_new, block_ids))
             budget -= num_new
@@ -158,7 +176,8 @@ class Scheduler:
         if not preempted:
             budget = self._admit(budget, scheduled)
         total = self.config.max_num_batched_tokens - budget
-        return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=total, preempted_request_ids=preempted)
+        return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=total, preempted_request_ids=preempted,
+                               num_draft_tokens=num_drafts)
 
     def _preempt_until_fits(self, request: Request, num_new: int, preempted: list[str]) -> list[int] | None:
         """Preempts from the tail of `running` until `request`'s allocation fits; None if `request` itself went."""
@@ -242,8 +261,14 @@ class Scheduler:
         out: SchedulerOutput,
         sampled_token_ids: Sequence[int],
         logprobs: Sequence[Logprobs] | None = None,
+        verified: dict[int, tuple[list[int], list[Logprobs] | None]] | None = None,
     ) -> list[Request]:
-        """Applies a finished step's sampled tokens (row i = out.scheduled[i]); returns the requests touched."""
+        """Applies a finished step's sampled tokens (row i = out.scheduled[i]); returns the requests touched.
+
+        `verified` holds, for the rows that verified drafts, the tokens the step produced (the accepted drafts and
+        one more) and their log-probabilities; a step with drafts sets every touched request's num_new_tokens."""
+        if verified is not None:
+            return self._update_verified(out, sampled_token_ids, logprobs, verified)
         touched: list[Request] = []
         finished = RequestStatus.FINISHED
         now: float | None = None
@@ -277,6 +302,55 @@ class Scheduler:
                 ended.append(request)
             touched.append(request)
         if ended is not None:
+            self._finish_many(ended)
+        return touched
+
+    def _update_verified(self, out: SchedulerOutput, sampled_token_ids: Sequence[int],
+                         logprobs: Sequence[Logprobs] | None,
+                         verified: dict[int, tuple[list[int], list[Logprobs] | None]]) -> list[Request]:
+        """update_from_output for a step with drafts: each row appends its tokens up to the first that ends it."""
+        touched: list[Request] = []
+        ended: list[Request] = []
+        for i, entry in enumerate(out.scheduled):
+            request = entry.request
+            if not entry.sample or request.status is RequestStatus.FINISHED:
+                continue
+            assert request.num_pending_tokens > 0, f"{request.request_id}: token arrived that was not pending"
+            request.num_pending_tokens -= 1
+            if not request.max_output_tokens:
+                request.finish_reason = FinishReason.LENGTH
+                request.num_new_tokens = 0
+                ended.append(request)
+                touched.append(request)
+                continue
+            if entry.num_draft:
+                tokens, token_logprobs = verified[i]
+                num_accepted = len(tokens) - 1
+                request.num_draft_tokens += entry.num_draft
+                request.num_accepted_tokens += num_accepted
+                if request.status is RequestStatus.RUNNING:
+                    # The rejected drafts' positions hold KV of tokens that are not the request's: recompute there.
+                    request.num_computed_tokens -= entry.num_draft - num_accepted
+            else:
+                tokens = [sampled_token_ids[i]]
+                token_logprobs = [logprobs[i]] if logprobs is not None else None
+            want_logprobs = token_logprobs is not None and request.sampling_params.logprobs is not None
+            num_new = 0
+            for j, token in enumerate(tokens):
+                request.output_token_ids.append(token)
+                request.all_token_ids.append(token)
+                num_new += 1
+                if want_logprobs:
+                    request.output_logprobs.append(token_logprobs[j])  # type: ignore[index]
+                if (token in request.stop_token_set or len(request.output_token_ids) >= request.max_output_tokens) \
+                        and request.check_stop():
+                    ended.append(request)
+                    break
+            request.num_new_tokens = num_new
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            touched.append(request)
+        if ended:
             self._finish_many(ended)
         return touched
 

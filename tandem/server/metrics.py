@@ -24,6 +24,12 @@ STATS_GAUGES = {
     "num_waiting": ("tandem_num_requests_waiting", "Requests waiting for admission."),
     "kv_cache_usage": ("tandem_kv_cache_usage_ratio", "Fraction of KV-cache blocks held by requests."),
     "prefix_cache_hit_rate": ("tandem_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up."),
+    "spec_draft_tokens": ("tandem_spec_decode_num_draft_tokens",
+                          "Speculative decoding: draft tokens proposed and verified since the engine started."),
+    "spec_accepted_tokens": ("tandem_spec_decode_num_accepted_tokens",
+                             "Speculative decoding: draft tokens accepted since the engine started."),
+    "spec_verified_rows": ("tandem_spec_decode_num_drafts",
+                           "Speculative decoding: runs of drafts verified (one per request per verify step)."),
 }
 
 
@@ -37,6 +43,9 @@ class ServerMetrics:
         self.requests_in_server = Gauge(
             "tandem_num_requests_in_server", "Engine requests accepted by the server and not finished.", registry=r,
             multiprocess_mode="livesum")
+        self.spec_accepted_per_position = Gauge(
+            "tandem_spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: verified runs whose draft at "
+            "this position (0 = first) was accepted.", ["position"], registry=r, multiprocess_mode="mostrecent")
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
         self.generation_tokens = Counter("tandem_generation_tokens", "Output tokens streamed to clients.", registry=r)
         self.request_success = Counter(
@@ -93,6 +102,8 @@ class ServerMetrics:
         for attr, gauge in self.stats_gauges.items():
             value = getattr(stats, attr, None) if stats is not None else None
             gauge.set(float(value) if value is not None else 0.0)
+        for position, count in enumerate(getattr(stats, "spec_accepted_per_position", ()) or ()):
+            self.spec_accepted_per_position.labels(position=str(position)).set(count)
         if stats is not None:  # exact for one replica (block 0 is reserved); within a block per replica over several
             self.kv_blocks_in_use.set(round(stats.kv_cache_usage * max(stats.num_blocks - 1, 0)))
         self.requests_in_server.set(num_requests_in_server)
