@@ -7,7 +7,11 @@ and the mean accepted length (1 + accepted drafts per verified sequence).
 Machinery at scale (`--spec-acceptance A`, a named shape with random weights, where real acceptance means nothing):
 a first pass records each request's greedy tokens; the proposer then offers, per position, the recorded next token
 with probability A and a wrong one otherwise, so that a verify step at the shape's real cost accepts what an
-A-accurate proposer would.
+A-accurate proposer would. Random bf16 weights give nearly flat logits, whose argmax a step's shape (one row or
+k + 1 rows per sequence: other GEMM kernels, other rounding) flips, so the recorded tokens would not be the verify
+step's; the attention and MLP output projections are therefore zeroed in this mode (every weight is still read and
+every kernel still runs, at the same cost), which leaves the residual stream the token's embedding and makes the
+greedy tokens a function of the last token alone, the same in every step shape.
 """
 
 from __future__ import annotations
@@ -75,9 +79,11 @@ def _pass(llm: Any, prompts: list[Any], max_tokens: int, chat: bool) -> dict[str
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     rows = engine.spec_verified_rows - rows0
+    num_steps = engine.num_steps - steps0
     accepted = engine.spec_accepted_tokens - accepted0
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-            "num_steps": engine.num_steps - steps0, "draft_tokens": engine.spec_draft_tokens - drafted0,
+            "num_steps": num_steps, "ms_per_step": 1000 * seconds / max(num_steps, 1),
+            "draft_tokens": engine.spec_draft_tokens - drafted0,
             "accepted_tokens": accepted, "verified_rows": rows,
             "mean_accepted_length": 1 + accepted / rows if rows else None,
             "token_ids": [o.outputs[0].token_ids for o in outs]}
@@ -97,7 +103,18 @@ def _side_by_side(llm: Any, proposer: Any, prompts: list[Any], max_tokens: int, 
     plain, spec = runs["plain"], runs["spec"]
     same = plain.pop("token_ids") == spec.pop("token_ids")
     return {"batch": len(prompts), "plain": plain, "spec": spec, "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
-            "mean_accepted_length": spec["mean_accepted_length"], "same_tokens": same}
+            "mean_accepted_length": spec["mean_accepted_length"], "same_tokens": same,
+            "step_cost_vs_plain": spec["ms_per_step"] / plain["ms_per_step"]}
+
+
+def _zero_residual_branches(model: Any) -> None:
+    """Zeroes every attention and MLP output projection in place (see the module docstring)."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
 
 
 def run_spec_workload(model: str | None, k: int, acceptance: list[float] | None, batch_sizes: list[int],
@@ -128,6 +145,7 @@ def run_spec_workload(model: str | None, k: int, acceptance: list[float] | None,
                          **_side_by_side(llm, proposer, prompts, max_tokens, True)})
     else:
         vocab = llm.engine.model_config.vocab_size
+        _zero_residual_branches(llm.engine.runner.model)
         for b in batch_sizes:
             w = Workload("spec", model, b, (128, 128), (max_tokens, max_tokens))
             prompts = [p for p, _ in make_requests(w, vocab)]
@@ -138,12 +156,13 @@ def run_spec_workload(model: str | None, k: int, acceptance: list[float] | None,
                 oracle = OracleProposer(references, a, vocab, proposer if draft_model is not None else None)
                 rows.append({"proposer": f"{spec['method']} A={a}", "k": k, "acceptance": a,
                              **_side_by_side(llm, oracle, prompts, max_tokens, chat=False)})
-    print(f"{'proposer':>14} {'k':>2} {'batch':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} "
-          f"{'acc. len':>8} {'same':>5}")
+    print(f"{'proposer':>18} {'k':>2} {'batch':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} "
+          f"{'acc. len':>8} {'step cost':>9} {'same':>5}")
     for r in rows:
         acc = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] else "-"
-        print(f"{r['proposer']:>14} {r['k']:>2} {r['batch']:>5} {r['plain']['tokens_per_s']:>11.1f} "
-              f"{r['spec']['tokens_per_s']:>10.1f} {r['speedup']:>7.2f} {acc:>8} {str(r['same_tokens']):>5}")
+        print(f"{r['proposer']:>18} {r['k']:>2} {r['batch']:>5} {r['plain']['tokens_per_s']:>11.1f} "
+              f"{r['spec']['tokens_per_s']:>10.1f} {r['speedup']:>7.2f} {acc:>8} {r['step_cost_vs_plain']:>9.2f} "
+              f"{str(r['same_tokens']):>5}")
     result = {"workload": "spec", "model": model or "SmolLM2-135M (embedded)", "k": k, "draft_model": draft_model,
               "device": torch.cuda.get_device_name() if cuda else "cpu", "date": time.strftime("%Y-%m-%d"),
               "max_tokens": max_tokens, "rows": rows}

@@ -30,6 +30,10 @@ class AttentionMetadata:
     # [num_decodes] int32 (all rows in a decode step): the decode rows longest context first, the order the
     # decode kernel starts its programs in (load balance across its waves); None: row order.
     decode_order: torch.Tensor | None = None
+    # Host bool: a decode step's attention kernel may write the step's K/V itself (each row reads only its own
+    # sequence's earlier KV). False in a verify step written one row per token, whose rows read KV the other rows
+    # of the same step write: the KV is then written by a kernel before the attention.
+    fuse_kv_write: bool = True
 
     @property
     def num_seqs(self) -> int:

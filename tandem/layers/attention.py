@@ -84,7 +84,7 @@ class Attention(nn.Module):
         With fp8_out, a decode step where ops.decode_fp8_groups allows it returns the output quantized for the
         FP8 o_proj (QuantizedRows, one group per kv head) instead of in the model dtype."""
         cos, sin = rotary
-        decode = _split is None and meta.is_decode and q.shape[0] == meta.num_seqs
+        decode = _split is None and meta.is_decode and q.shape[0] == meta.num_seqs and meta.fuse_kv_write
         fp8 = fp8_out and decode and ops.decode_fp8_groups(q, self.num_kv_heads)
         if decode and ops.fuses_decode_rotary(q, k, cos, q_norm, k_norm):
             norms = q_norm is not None and k_norm is not None

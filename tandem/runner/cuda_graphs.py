@@ -67,12 +67,13 @@ class DecodeGraphs:
         batch_sizes: list[int],
         stream: torch.cuda.Stream,
         sample_fn: Callable[[int, int, SamplerVariant], None] | None = None,
+        pool: object | None = None,  # another DecodeGraphs' pool to share
     ) -> None:
         self.batch_sizes = sorted(batch_sizes)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.sample_graphs: dict[tuple[int, int, SamplerVariant], torch.cuda.CUDAGraph] = {}
-        self.pool = pool = torch.cuda.graph_pool_handle()
+        self.pool = pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         # Warm-up at every size: kernels compile (and load their modules) per variant, which CUDA
         # forbids during capture, and the attention kernels pick variants by batch size.
         with torch.cuda.stream(stream):

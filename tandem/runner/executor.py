@@ -48,6 +48,7 @@ class ModelExecutor:
         self.num_sms = num_sms  # the SMs one decode wave fills (CUDA only: the decode program order)
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None  # flat verify steps (one row per token), by row count
         self.graph_logits = torch.empty(0, device=self.device)  # [max_num_seqs, vocab] once decode graphs exist
 
     # ---------------------------------------------------------------- one step
@@ -57,11 +58,13 @@ class ModelExecutor:
         """Enqueues carry-over, forward and logits of a planned step on the current stream: [num_seqs, vocab] logits
         (the static graph rows, all of them unless rows_view, when a caller edits the step's rows in place). `score`
         gets the step's hidden rows [num_tokens, hidden] first (prompt log-probabilities; never a decode graph's)."""
-        slot, num_seqs, num_tokens = plan.slot, plan.num_seqs, plan.num_tokens
+        slot, num_seqs, num_tokens = plan.slot, plan.attention_rows, plan.num_tokens
         if plan.graph_bs is not None:
-            self.graphs.replay(slot, plan.graph_bs)  # type: ignore[union-attr]
-            return self.graph_logits[:num_seqs] if rows_view else self.graph_logits
-        meta = self.meta(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len, plan.num_decodes)
+            graphs = self.verify_graphs if plan.flat else self.graphs
+            graphs.replay(slot, plan.graph_bs)  # type: ignore[union-attr]
+            return self.graph_logits[: plan.rows] if rows_view else self.graph_logits
+        meta = self.meta(slot, num_tokens, num_seqs, plan.max_query_len, plan.max_seq_len, plan.num_decodes,
+                         fuse_kv_write=not plan.flat)
         if plan.piece_tokens is not None:
             hidden = self.piecewise.replay(slot, num_tokens, plan.piece_tokens, meta)  # type: ignore[union-attr]
             all_rows = False
@@ -76,14 +79,15 @@ class ModelExecutor:
         """Enqueues the step's sampling into its slot's output buffers: a sampling graph after a decode graph."""
         if plan.graph_bs is not None:
             variant = sampler_variant(plan.all_greedy, plan.any_top_k_top_p, plan.num_logprobs)
-            self.graphs.replay_sample(plan.slot, plan.graph_bs, variant)  # type: ignore[union-attr]
+            graphs = self.verify_graphs if plan.flat else self.graphs
+            graphs.replay_sample(plan.slot, plan.graph_bs, variant)  # type: ignore[union-attr]
         else:
             # Every rank samples from the same all-gathered logits with the same counter-based noise, so each
             # holds the same tokens for its own carry-over.
             self.sample_into(plan.slot, logits, plan.num_seqs, plan.all_greedy, plan.any_top_k_top_p,
                              plan.num_logprobs, plan.rows)
-            if plan.verifies:
-                self.verify(plan.slot, plan.num_seqs, plan.rows)
+        if plan.verifies:
+            self.verify(plan.slot, plan.num_seqs, plan.rows)
 
     def verify(self, slot: int, num_seqs: int, num_rows: int) -> None:
         """Counts each sequence's accepted drafts into out_accepted: the drafts before the first whose row's sampled
@@ -101,7 +105,7 @@ class ModelExecutor:
         buf.out_accepted[:num_seqs].copy_(num_drafts.scatter_reduce(0, seq, cap, reduce="amin"))
 
     def meta(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
-             num_decodes: int = 0) -> AttentionMetadata:
+             num_decodes: int = 0, fuse_kv_write: bool = True) -> AttentionMetadata:
         ints, longs = self.buffers[slot].ints.dev, self.buffers[slot].longs.dev
         # More decode programs than one wave: they start longest context first (write_step's order).
         order = None
@@ -116,6 +120,7 @@ class ModelExecutor:
             max_seq_len=max_seq_len,
             num_decodes=num_decodes,
             decode_order=order,
+            fuse_kv_write=fuse_kv_write,
         )
 
     def hidden(self, slot: int, num_tokens: int, meta: AttentionMetadata) -> torch.Tensor:
@@ -130,10 +135,11 @@ class ModelExecutor:
         return self.model(input_ids, ints["positions"][:num_tokens], self.kv_cache, meta)
 
     def forward(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
-                all_rows: bool, logits_out: torch.Tensor | None = None, num_decodes: int = 0) -> torch.Tensor:
+                all_rows: bool, logits_out: torch.Tensor | None = None, num_decodes: int = 0,
+                fuse_kv_write: bool = True) -> torch.Tensor:
         """Carry-over, forward and logits on the slot's static device buffers; returns [num_seqs, vocab]
         (written into `logits_out` when given)."""
-        meta = self.meta(slot, num_tokens, num_seqs, max_query_len, max_seq_len, num_decodes)
+        meta = self.meta(slot, num_tokens, num_seqs, max_query_len, max_seq_len, num_decodes, fuse_kv_write)
         hidden = self.hidden(slot, num_tokens, meta)
         return self.logits(slot, hidden, num_seqs, all_rows, logits_out)
 
@@ -204,29 +210,44 @@ class ModelExecutor:
             ops.paged_attention(q, self.kv_cache[0, 0], self.kv_cache[0, 1], meta, dim**-0.5)
 
     def capture(self, max_num_seqs: int, max_num_tokens: int, piecewise_max_tokens: int | None,
-                vocab_size: int, dtype: torch.dtype, stream: torch.cuda.Stream) -> None:
-        """Captures the decode graphs (and their sampling graphs), then the piecewise graphs of mixed steps up to
-        piecewise_max_tokens tokens (None: every step's; 0: none). Every rank captures the same buckets in the
-        same order (their collectives meet)."""
-        # [max_num_seqs, vocab] in the model dtype, outside the graph pool: every graph writes its rows here.
-        self.graph_logits = torch.empty(max_num_seqs, vocab_size, dtype=dtype, device=self.device)
+                vocab_size: int, dtype: torch.dtype, stream: torch.cuda.Stream, max_verify_rows: int = 0) -> None:
+        """Captures the decode graphs (and their sampling graphs), the flat verify graphs up to max_verify_rows
+        rows (speculative decoding), then the piecewise graphs of mixed steps up to piecewise_max_tokens tokens
+        (None: every step's; 0: none). Every rank captures the same buckets in the same order (their collectives
+        meet)."""
+        # [rows, vocab] in the model dtype, outside the graph pool: every graph writes its rows here.
+        self.graph_logits = torch.empty(max(max_num_seqs, max_verify_rows), vocab_size, dtype=dtype,
+                                        device=self.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             self.graphs = DecodeGraphs(self._decode_step_fn, graph_batch_sizes(max_num_seqs), stream,
                                        sample_fn=self._decode_sample_fn)
-        logger.info("captured %d decode + %d sampling CUDA graphs in %.1f s", len(self.graphs.graphs),
+            if max_verify_rows:
+                self._clear_carried_tokens()
+                self.verify_graphs = DecodeGraphs(self._verify_step_fn, graph_batch_sizes(max_verify_rows), stream,
+                                                  sample_fn=self._decode_sample_fn, pool=self.graphs.pool)
+        logger.info("captured %d decode + %d verify + %d sampling CUDA graphs in %.1f s", len(self.graphs.graphs),
+                    len(self.verify_graphs.graphs) if self.verify_graphs else 0,
                     len(self.graphs.sample_graphs), time.perf_counter() - t0)
         # Every step's tokens by default: an eager step launches each layer's kernels from Python, which for a
         # small model takes longer than the GPU needs for them (Qwen3-0.6B: a 4096-token chunk took 23 ms on an
         # H200 eagerly).
         max_pieces = min(max_num_tokens if piecewise_max_tokens is None else piecewise_max_tokens, max_num_tokens)
         if max_pieces > 0:
+            self._clear_carried_tokens()
             t0 = time.perf_counter()
             with torch.inference_mode():
                 self.piecewise = PiecewiseGraphs(self._hidden_fn, piecewise_sizes(max_pieces), stream,
                                                  self.graphs.pool)
             logger.info("captured %d piecewise CUDA graphs (mixed steps up to %d tokens) in %.1f s",
                         self.piecewise.num_graphs, max_pieces, time.perf_counter() - t0)
+
+    def _clear_carried_tokens(self) -> None:
+        """Zeroes the slots' sampled tokens between capture phases: every warm-up forward adds the other slot's
+        tokens onto its input ids (the carry-over), which the sampling warm-ups left as arbitrary token ids, and
+        ids summed over many warm-ups fall outside the vocabulary."""
+        for buf in self.buffers:
+            buf.out_tokens.zero_()
 
     def _hidden_fn(self, slot: int, num_tokens: int) -> torch.Tensor:
         # Piecewise capture: only the pieces run, and they read nothing of the metadata but the slot mapping
@@ -238,6 +259,11 @@ class ModelExecutor:
         return self.forward(slot, batch_size, batch_size, 1, self.max_model_len, all_rows=True,
                             logits_out=self.graph_logits[:batch_size], num_decodes=batch_size)
 
+    def _verify_step_fn(self, slot: int, batch_size: int) -> torch.Tensor:
+        # A flat verify step: decode rows that read each other's KV, so the KV is written before the attention.
+        return self.forward(slot, batch_size, batch_size, 1, self.max_model_len, all_rows=True,
+                            logits_out=self.graph_logits[:batch_size], num_decodes=batch_size, fuse_kv_write=False)
+
     def _decode_sample_fn(self, slot: int, batch_size: int, variant: SamplerVariant) -> None:
         # All batch_size rows are sampled (padding rows too: their outputs are never downloaded or carried).
         self.sample_into(slot, self.graph_logits[:batch_size], batch_size, all_greedy=not variant.random,
@@ -247,10 +273,10 @@ class ModelExecutor:
 
     def drop_graphs(self) -> None:
         """Destroys every graph now (the device must be idle)."""
-        for graphs in (self.graphs, self.piecewise):
+        for graphs in (self.verify_graphs, self.graphs, self.piecewise):
             if graphs is not None:
                 graphs.release()
-        self.graphs = self.piecewise = None
+        self.graphs = self.piecewise = self.verify_graphs = None
         self.graph_logits = torch.empty(0, device=self.device)
 
     def release(self) -> None:

@@ -69,19 +69,20 @@ class StepBuffers:
             {
                 "input_ids": (max_num_tokens,),
                 "positions": (max_num_tokens,),
-                "query_start_loc": (max_num_seqs + 1,),
-                "seq_lens": (max_num_seqs,),
+                # Per attention row: a sequence, or in a flat verify step (write_flat_verify) a token.
+                "query_start_loc": (max_rows + 1,),
+                "seq_lens": (max_rows,),
                 "logits_indices": (max_rows,),
-                "top_k": (max_num_seqs,),
+                "top_k": (max_rows,),
                 # The decode kernel's program order: decode rows by context length, longest first.
-                "decode_order": (max_num_seqs,),
+                "decode_order": (max_rows,),
                 # Draft rows (rows >= num_seqs of a verify step): their sequence, their draft's index in it, the
                 # draft token their sample is compared with; and each sequence's number of drafts.
                 "row_seq": (max_rows,),
                 "row_rank": (max_rows,),
                 "row_draft": (max_rows,),
                 "num_drafts": (max_num_seqs,),
-                "block_tables": (max_num_seqs, max_blocks_per_seq),
+                "block_tables": (max_rows, max_blocks_per_seq),
             },
             torch.int32,
             device,
@@ -90,14 +91,14 @@ class StepBuffers:
             {
                 "slot_mapping": (max_num_tokens,),
                 "carry_src": (max_num_tokens,),  # -1: no carry-over; else a row of the previous step's tokens
-                "seeds": (max_num_seqs,),
+                "seeds": (max_rows,),
                 "sample_pos": (max_rows,),
             },
             torch.int64,
             device,
         )
         self.floats = PackedBuffer(
-            {"temperature": (max_num_seqs,), "top_p": (max_num_seqs,), "min_p": (max_num_seqs,)}, torch.float32, device
+            {"temperature": (max_rows,), "top_p": (max_rows,), "min_p": (max_rows,)}, torch.float32, device
         )
         # Outputs: static device tensors (the next step's carry-over reads out_tokens) and pinned host twins.
         cuda = device.type == "cuda"
@@ -119,8 +120,8 @@ class StepBuffers:
         # Block-table rows persist between this slot's steps: row i holds the first table_lens[i] entries of
         # the block list table_rows[i] (compared by identity: a request's list only grows while it holds
         # blocks, and a preempted request gets a new one), so a decode step rewrites only rows that changed.
-        self.table_rows: list[list[int] | None] = [None] * max_num_seqs
-        self.table_lens: list[int] = [0] * max_num_seqs
+        self.table_rows: list[list[int] | None] = [None] * max_rows
+        self.table_lens: list[int] = [0] * max_rows
         # The requests whose sampling parameters rows 0..n-1 hold (identity), and what write_step derived
         # from them: (all greedy, any top-k/top-p row, most logprobs asked or -1).
         self.sampling_rows: list[Request] | None = None
@@ -291,20 +292,7 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
         slot_mapping[t:pad_tokens_to] = -1
         carry_src[t:pad_tokens_to] = -1
     if pad_to is not None and pad_to > num_seqs:
-        # Padding rows of a captured decode graph: no KV write, empty context, no carry; sampled inside the
-        # graph too, so they get valid greedy parameters whatever the slot held before.
-        input_ids[t:pad_to] = 0
-        positions[t:pad_to] = 0
-        slot_mapping[t:pad_to] = -1
-        carry_src[t:pad_to] = -1
-        qsl[num_seqs + 1 : pad_to + 1] = np.arange(t + 1, pad_to + 1)
-        seq_lens[num_seqs:pad_to] = 0
-        floats["temperature"][num_seqs:pad_to] = 0.0
-        floats["top_p"][num_seqs:pad_to] = 1.0
-        floats["min_p"][num_seqs:pad_to] = 0.0
-        ints["top_k"][num_seqs:pad_to] = 0
-        longs["seeds"][num_seqs:pad_to] = 0
-        sample_pos[num_seqs:pad_to] = 0
+        _write_padding(buf, t, num_seqs, pad_to)
     # The decode kernel starts its programs longest context first (load balance over its waves): every row it
     # runs, padding rows included, or a mixed step's leading one-token rows. A stable sort: ties keep row order.
     order_rows = max(num_seqs, pad_to or 0) if decode_only else num_decodes
@@ -370,3 +358,110 @@ def _write_sampling(buf: StepBuffers, requests: list[Request]) -> tuple[bool, bo
     num_logprobs = max((sp.logprobs for sp in params if sp.logprobs is not None), default=-1)
     any_state = any(sp.uses_logits_state for sp in params)
     return not any(temperature), any_filter, num_logprobs, any_state
+
+
+def write_flat_verify(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, int], block_size: int,
+                      pad_to: int | None, rows: dict[str, int]) -> StepShape:
+    """Writes a step in which every sequence decodes one token or verifies drafts as a decode step of one
+    attention row per token, so that it runs as a decode graph: each token attends to its own context (the paged
+    KV of its sequence up to its position; every layer writes the step's KV before its attention reads any).
+
+    Row i (< num_seqs) is sequence i's last position, as in every step; rows num_seqs.. are its draft positions,
+    one per draft (the position before the draft, whose sampled token the draft is checked against), with their
+    sequence's sampling parameters written beside them. Logits rows are the attention rows.
+    """
+    ints, longs, floats = buf.ints.np, buf.longs.np, buf.floats.np
+    bs = block_size
+    scheduled = sched.scheduled
+    num_seqs = len(scheduled)
+    requests = [s.request for s in scheduled]
+    if buf.sampling_rows is None or requests != buf.sampling_rows:
+        buf.sampling_state = _write_sampling(buf, requests)
+    buf.sampling_rows = requests
+    all_greedy, any_filter, num_logprobs, any_logits_state = buf.sampling_state
+    ids: list[int] = []
+    pos: list[int] = []
+    carry: list[int] = []
+    tables: list[list[int]] = []
+    extra_ids: list[int] = []
+    extra_pos: list[int] = []
+    extra_tables: list[list[int]] = []
+    seqs: list[int] = []
+    ranks: list[int] = []
+    drafts: list[int] = []
+    counts = [0] * num_seqs
+    draft_rows: list[tuple[int, int, int]] = []
+    row = num_seqs
+    for i, s in enumerate(scheduled):
+        k, start, blocks = s.num_draft, s.num_computed_tokens, s.block_ids
+        ids.append(s.token_ids[-1])
+        pos.append(start + k)
+        carry.append(prev_rows[s.request.request_id] if s.carry else -1)
+        tables.append(blocks)
+        rows[s.request.request_id] = i
+        if k:
+            extra_ids.extend(s.token_ids[:k])
+            extra_pos.extend(range(start, start + k))
+            extra_tables.extend([blocks] * k)
+            seqs.extend([i] * k)
+            ranks.extend(range(k))
+            drafts.extend(s.token_ids[1:])
+            counts[i] = k
+            draft_rows.append((i, row, k))
+            row += k
+    num_rows = row
+    all_pos = pos + extra_pos
+    ints["input_ids"][:num_rows] = ids + extra_ids
+    ints["positions"][:num_rows] = all_pos
+    positions = ints["positions"][:num_rows].astype(np.int64)
+    table_of = tables + extra_tables
+    longs["slot_mapping"][:num_rows] = [t[p // bs] * bs + p % bs for t, p in zip(table_of, all_pos)]
+    longs["carry_src"][:num_rows] = carry + [-1] * (num_rows - num_seqs)
+    block_tables, table_rows, table_lens = ints["block_tables"], buf.table_rows, buf.table_lens
+    for r, (blocks, p) in enumerate(zip(table_of, all_pos)):
+        num_used = p // bs + 1
+        if table_rows[r] is blocks and table_lens[r] >= num_used:
+            continue
+        block_tables[r, :num_used] = blocks[:num_used]
+        table_rows[r], table_lens[r] = blocks, num_used
+    seq_lens, qsl = ints["seq_lens"], ints["query_start_loc"]
+    np.add(positions, 1, out=seq_lens[:num_rows])
+    qsl[: num_rows + 1] = np.arange(num_rows + 1)
+    longs["sample_pos"][:num_rows] = seq_lens[:num_rows]
+    ints["logits_indices"][:num_rows] = np.arange(num_rows)
+    ints["row_seq"][num_seqs:num_rows] = seqs
+    ints["row_rank"][num_seqs:num_rows] = ranks
+    ints["row_draft"][num_seqs:num_rows] = drafts
+    ints["num_drafts"][:num_seqs] = counts
+    if num_rows > num_seqs:  # the draft rows sample with their sequence's parameters
+        idx = np.asarray(seqs)
+        for region in (floats["temperature"], floats["top_p"], floats["min_p"], ints["top_k"], longs["seeds"]):
+            region[num_seqs:num_rows] = region[idx]
+        buf.sampling_rows = None  # rows past num_seqs now hold draft rows: a later step rewrites its own
+    if pad_to is not None and pad_to > num_rows:
+        _write_padding(buf, num_rows, num_rows, pad_to)
+    order_rows = max(num_rows, pad_to or 0)
+    ints["decode_order"][:order_rows] = np.argsort(-seq_lens[:order_rows], kind="stable")
+    seq_used = seq_lens[:num_rows]
+    context = int(seq_lens[:num_seqs].sum(dtype=np.int64))
+    return StepShape(all_greedy, any_filter, num_logprobs, 1, int(seq_used.max()), context, num_rows,
+                     any_logits_state, num_rows, draft_rows)
+
+
+def _write_padding(buf: StepBuffers, num_tokens: int, num_seqs: int, pad_to: int) -> None:
+    """Padding rows of a captured decode graph: no KV write, empty context, no carry; sampled inside the graph
+    too, so they get valid greedy parameters whatever the slot held before."""
+    ints, longs, floats = buf.ints.np, buf.longs.np, buf.floats.np
+    t = num_tokens
+    ints["input_ids"][t:pad_to] = 0
+    ints["positions"][t:pad_to] = 0
+    longs["slot_mapping"][t:pad_to] = -1
+    longs["carry_src"][t:pad_to] = -1
+    ints["query_start_loc"][num_seqs + 1 : pad_to + 1] = np.arange(t + 1, pad_to + 1)
+    ints["seq_lens"][num_seqs:pad_to] = 0
+    floats["temperature"][num_seqs:pad_to] = 0.0
+    floats["top_p"][num_seqs:pad_to] = 1.0
+    floats["min_p"][num_seqs:pad_to] = 0.0
+    ints["top_k"][num_seqs:pad_to] = 0
+    longs["seeds"][num_seqs:pad_to] = 0
+    longs["sample_pos"][num_seqs:pad_to] = 0

@@ -26,7 +26,7 @@ from tandem.models.loader import model_max_len
 from tandem.request import Logprobs
 from tandem.runner.executor import ModelExecutor
 from tandem.runner.host_masks import HostMaskBuffers
-from tandem.runner.input_buffers import StepBuffers, write_step
+from tandem.runner.input_buffers import StepBuffers, write_flat_verify, write_step
 from tandem.runner.kv_memory import KVLayout, num_blocks_from_memory
 from tandem.runner.logits_state import LogitsState
 from tandem.runner.prompt_logprobs import PromptLogprobs
@@ -58,6 +58,9 @@ class ModelRunner:
         self.streams = DeviceStreams(self.device)
         spec = config.speculative_config
         max_drafts = spec.num_speculative_tokens if spec is not None else 0  # type: ignore[union-attr]
+        # Flat verify steps (decode graphs of one row per token) for as many sequences as speculation runs for.
+        self.max_verify_rows = (min(spec.disable_by_batch_size, config.max_num_seqs) * (1 + max_drafts)  # type: ignore[union-attr]
+                                if spec is not None else 0)
         self.buffers = [StepBuffers(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, MAX_LOGPROBS,
                                     self.device, max_drafts) for _ in range(2)]
         vocab = self.model_config.vocab_size
@@ -100,7 +103,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         if config.cuda_graph:
             self.executor.capture(self.max_num_seqs, self.max_num_tokens, config.piecewise_max_tokens,
-                                  mc.vocab_size, self.dtype, self.streams.compute)
+                                  mc.vocab_size, self.dtype, self.streams.compute, self.max_verify_rows)
         if self.group is not None and self.piecewise is None:  # eager mixed steps: connect NCCL's sizes now
             self.tp.warm_nccl(self.max_num_tokens * mc.hidden_size, self.dtype, self.device)
 
@@ -147,10 +150,23 @@ class ModelRunner:
         scores_prompt = self.prompt_logprobs.prepare(slot, sched)
         decode_only = num_tokens == num_seqs and not scores_prompt
         graphs, pieces = self.executor.graphs, self.executor.piecewise
-        graph_bs = graphs.padded_size(num_seqs) if (graphs is not None and decode_only) else None
-        piece_tokens = pieces.padded_size(num_tokens) if (pieces is not None and not decode_only) else None
+        # Every sequence decodes or verifies drafts: one attention row per token, a decode step (graph) of its own.
+        flat = (sched.num_draft_tokens > 0 and not scores_prompt and num_tokens <= self.buffers[slot].max_rows
+                and all(s.num_scheduled_tokens == 1 + s.num_draft for s in sched.scheduled))
+        decode_rows = num_tokens if flat else num_seqs
+        if flat:
+            graphs = self.executor.verify_graphs
+        graph_bs = graphs.padded_size(decode_rows) if (graphs is not None and (decode_only or flat)) else None
+        if flat and graphs is not None and graph_bs is None:
+            flat = False  # more rows than the largest decode graph: the drafts' sequences run as short prefills
+        piece_tokens = (pieces.padded_size(num_tokens) if (pieces is not None and not decode_only and not flat)
+                        else None)
         rows: dict[str, int] = {}
-        shape = write_step(self.buffers[slot], sched, self._prev_rows, self.block_size, graph_bs, rows, piece_tokens)
+        if flat:
+            shape = write_flat_verify(self.buffers[slot], sched, self._prev_rows, self.block_size, graph_bs, rows)
+        else:
+            shape = write_step(self.buffers[slot], sched, self._prev_rows, self.block_size, graph_bs, rows,
+                               piece_tokens)
         self.logits_state.prepare(slot, sched.scheduled, shape.any_logits_state)
         self._prev_rows = rows
         plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,
@@ -192,7 +208,7 @@ class ModelRunner:
         only the H2D and the forward (`_enqueue_sampling` adds the rest). Returns the step's logits rows."""
         buf, events, streams = self.buffers[plan.slot], self.events[plan.slot], self.streams
         with streams.on("h2d"):
-            buf.upload(plan.graph_bs or plan.num_seqs)
+            buf.upload(plan.graph_bs or plan.attention_rows)
             self.logits_state.upload(plan.slot)
             self.prompt_logprobs.upload(plan.slot)
             streams.record("h2d", events.h2d_done)

@@ -40,6 +40,17 @@ class StepPlan:
         return self.num_rows or self.num_seqs
 
     @property
+    def flat(self) -> bool:
+        """A verify step written as one attention row per token (input_buffers.write_flat_verify): its drafts
+        sequences have query length k + 1 otherwise, so max_query_len 1 tells the two apart."""
+        return self.num_rows > self.num_seqs and self.max_query_len == 1
+
+    @property
+    def attention_rows(self) -> int:
+        """Rows of the attention metadata (query_start_loc, seq_lens, block tables): sequences, or tokens when flat."""
+        return self.num_tokens if self.flat else self.num_seqs
+
+    @property
     def verifies(self) -> bool:
         """Some sequence carries drafts: rows beyond num_seqs, and an accepted count per sequence."""
         return self.num_rows > self.num_seqs
@@ -58,7 +69,7 @@ class StepPlan:
 
     def regions(self, buf: StepBuffers) -> list[torch.Tensor]:
         """The host tensors the step fills: ints up to the used block-table rows, all longs and floats."""
-        rows = self.graph_bs or self.num_seqs
+        rows = self.graph_bs or self.attention_rows
         used_ints = buf.ints.offsets["block_tables"] + rows * buf.max_blocks_per_seq
         return [buf.ints.cpu[:used_ints], buf.longs.cpu, buf.floats.cpu]
 

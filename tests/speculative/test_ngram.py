@@ -50,9 +50,26 @@ def _workload(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_ngram_tokens_equal_decoding_without_drafts(folder, overlap):
+def test_ngram_tokens_equal_decoding_without_drafts(folder, overlap, monkeypatch):
+    import tandem.runner.model_runner as model_runner
+
     reference = LLM(folder, num_kv_blocks=256, overlap=overlap, **ENGINE)
     expected, expected_lp = _workload(reference)
+    # Both layouts of a verify step: one row per token (every sequence decodes or verifies) and drafts beside a
+    # prefill chunk (their sequences as short prefills, extra logits rows).
+    kinds = {"flat": 0, "mixed": 0}
+    flat, mixed = model_runner.write_flat_verify, model_runner.write_step
+
+    def count_flat(*args, **kwargs):
+        kinds["flat"] += 1
+        return flat(*args, **kwargs)
+
+    def count_mixed(buf, sched, *args, **kwargs):
+        kinds["mixed"] += sched.num_draft_tokens > 0
+        return mixed(buf, sched, *args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "write_flat_verify", count_flat)
+    monkeypatch.setattr(model_runner, "write_step", count_mixed)
     # A 14-block pool: four requests of up to ~54 tokens need more, so some are preempted and recomputed.
     llm = LLM(folder, num_kv_blocks=14, overlap=overlap, speculative_config=SPEC, **ENGINE)
     got, got_lp = _workload(llm)
@@ -64,6 +81,7 @@ def test_ngram_tokens_equal_decoding_without_drafts(folder, overlap):
     assert stats.spec_draft_tokens > stats.spec_accepted_tokens, "some drafts should have been rejected"
     assert list(stats.spec_accepted_per_position) == sorted(stats.spec_accepted_per_position, reverse=True)
     assert stats.num_preemptions > 0, "the 14-block pool should force preemption"
+    assert kinds["flat"] > 0 and kinds["mixed"] > 0, kinds
     assert llm.engine.scheduler.num_free_blocks() == 13, "KV blocks leaked"
     llm.engine.scheduler.kv_cache_manager.check_invariants()
 
