@@ -75,6 +75,14 @@ def workload_key(result: dict[str, Any]) -> str:
     name = str(result["workload"])
     if name == "serve":
         return f"serve-{result.get('model', 'unknown')}"
+    if name == "spec":  # speculative decoding: the target, the draft model, and whether acceptance was set
+        model = str(result.get("model") or "embedded").split(" ")[0].lower()
+        name += f"-{model}"
+        if result.get("draft_model"):
+            name += f"-draft-{result['draft_model']}"
+        if any("acceptance" in row for row in result.get("rows", ())):
+            name += "-acceptance"
+        return name
     if result.get("quantization"):
         name += f"-{result['quantization']}"
     if result.get("quantize_lm_head"):

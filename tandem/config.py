@@ -52,6 +52,8 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: the draft model
     # draft_model: KV blocks of the draft's own cache (None: enough for max_num_seqs requests of max_model_len)
     num_kv_blocks: int | None = None
+    # Speculate only while measured steps say it pays (speculative/controller.py); False: whenever drafts exist.
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method in SPEC_METHODS_PLANNED:
@@ -68,6 +70,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.model must name the draft model for method 'draft_model'")
         if self.method != "draft_model" and self.model is not None:
             raise ValueError(f"speculative_config.model is only read by method 'draft_model', not {self.method!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ValueError(f"speculative_config.num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -26,6 +26,7 @@ from tandem.runner.worker import engine_runner
 from tandem.sampling_params import SamplingParams
 from tandem.scheduler.output import SchedulerOutput
 from tandem.scheduler.scheduler import Scheduler, SchedulerConfig
+from tandem.speculative.controller import SpecController
 from tandem.speculative.ngram import NgramProposer
 from tandem.structured.pipeline import GrammarPipeline
 
@@ -157,6 +158,9 @@ class EngineCore:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.spec_draft_tokens = self.spec_accepted_tokens = self.spec_verified_rows = 0
+        self.spec_controller = SpecController() if self.spec is not None and self.spec.adaptive else None
+        self._speculated = False  # whether the step launched last proposed drafts (its tokens come next)
+        self._step_end = 0.0
         self.spec_accepted_per_position = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
 
     # ---------------------------------------------------------------- requests
@@ -270,6 +274,12 @@ class EngineCore:
             previous, self._inflight = self._inflight, None
             return self._collect(previous)
         outputs = self._admit_compiled() if self.grammar.compiling else []
+        speculated, self._speculated = self._speculated, False
+        inflight = self._inflight
+        if inflight is not None and inflight.sched.num_draft_tokens:
+            # How many of its drafts each request keeps decides where its next tokens go: collect it first.
+            self._inflight = None
+            outputs += self._collect(inflight)
         if self.proposer is not None:
             outputs += self._propose()
         if self.timeline is not None:
@@ -288,6 +298,11 @@ class EngineCore:
             # Its grammar rows need step N's tokens, which the matchers have now: they fill on a worker while the
             # caller takes the outputs and step N+2 is scheduled and prepared.
             self.grammar.start_fill(inflight, partial(self.runner.fill_masks, inflight))
+        if self.spec_controller is not None:
+            now = time.perf_counter()
+            if self._step_end:
+                self.spec_controller.record(speculated, now - self._step_end, sum(len(o.new_token_ids) for o in outputs))
+            self._step_end = now
         return outputs
 
     def _propose(self) -> list[EngineOutput]:
@@ -299,6 +314,9 @@ class EngineCore:
         running = scheduler.running
         if not running or len(running) > spec.disable_by_batch_size:
             return []
+        if self.spec_controller is not None and not self.spec_controller.speculate():
+            return []
+        self._speculated = True
         outputs: list[EngineOutput] = []
         if self._inflight is not None:
             previous, self._inflight = self._inflight, None

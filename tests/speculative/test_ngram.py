@@ -13,7 +13,8 @@ from tests.parallel.tiny_models import VOCAB, save_tiny
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=160, max_num_seqs=4, block_size=8,
               max_num_batched_tokens=16)  # 16-token budget: the 30-token prompts prefill in chunks
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "adaptive": False}
 PREFIX = [(7 * i) % (VOCAB - 4) + 4 for i in range(24)]
 
 
@@ -141,3 +142,18 @@ def test_tp2_with_drafts_equals_tp1_without(folder):
         sharded.shutdown()
     assert got == expected
     assert stats.spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_switching_speculation_on_and_off_every_step_keeps_the_tokens(folder, overlap):
+    """A verify step in flight is collected before the next step is scheduled even when that step proposes
+    nothing (the controller's plain probes, or more requests than disable_by_batch_size)."""
+    from tandem.speculative.controller import SpecController
+
+    reference = LLM(folder, num_kv_blocks=256, overlap=overlap, **ENGINE)
+    expected, _ = _workload(reference)
+    llm = LLM(folder, num_kv_blocks=64, overlap=overlap, speculative_config={**SPEC, "adaptive": True}, **ENGINE)
+    llm.engine.spec_controller = SpecController(probe_every=2, probe_len=1, retry_every=1)
+    got, _ = _workload(llm)
+    assert got == expected
+    assert llm.engine.stats().spec_accepted_tokens > 0
