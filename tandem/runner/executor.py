@@ -86,10 +86,10 @@ class ModelExecutor:
             # holds the same tokens for its own carry-over.
             self.sample_into(plan.slot, logits, plan.num_seqs, plan.all_greedy, plan.any_top_k_top_p,
                              plan.num_logprobs, plan.rows)
-        if plan.verifies:
-            self.verify(plan.slot, plan.num_seqs, plan.rows)
+            if plan.verifies:
+                self.verify(plan.slot, plan.rows)
 
-    def verify(self, slot: int, num_seqs: int, num_rows: int) -> None:
+    def verify(self, slot: int, num_rows: int) -> None:
         """Counts each sequence's accepted drafts into out_accepted: the drafts before the first whose row's sampled
         token differs from it. Sampling each verified position as a plain step would (same noise, same rules) and
         keeping the drafts up to the first mismatch is exact for any proposer: the output is token for token what
@@ -97,12 +97,14 @@ class ModelExecutor:
         position yields the sampled token itself)."""
         buf = self.buffers[slot]
         ints = buf.ints.dev
-        seq = ints["row_seq"][num_seqs:num_rows].long()
-        match = buf.out_tokens[num_seqs:num_rows] == ints["row_draft"][num_seqs:num_rows]
-        num_drafts = ints["num_drafts"][:num_seqs].long()
+        # Static over rows 0..num_rows-1 (a verify graph captures it with its sampling): rows that are no draft
+        # row name themselves with an index past every count (input_buffers._write_verify_rows).
+        seq = ints["row_seq"][:num_rows].long()
+        match = buf.out_tokens[:num_rows] == ints["row_draft"][:num_rows]
+        num_drafts = ints["num_drafts"][:num_rows].long()
         # A matching row does not lower its sequence's minimum; a mismatch at draft j caps the count at j.
-        cap = torch.where(match, num_drafts.index_select(0, seq), ints["row_rank"][num_seqs:num_rows].long())
-        buf.out_accepted[:num_seqs].copy_(num_drafts.scatter_reduce(0, seq, cap, reduce="amin"))
+        cap = torch.where(match, num_drafts.index_select(0, seq), ints["row_rank"][:num_rows].long())
+        buf.out_accepted[:num_rows].copy_(num_drafts.scatter_reduce(0, seq, cap, reduce="amin"))
 
     def meta(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
              num_decodes: int = 0, fuse_kv_write: bool = True) -> AttentionMetadata:
@@ -225,7 +227,7 @@ class ModelExecutor:
             if max_verify_rows:
                 self._clear_carried_tokens()
                 self.verify_graphs = DecodeGraphs(self._verify_step_fn, graph_batch_sizes(max_verify_rows), stream,
-                                                  sample_fn=self._decode_sample_fn, pool=self.graphs.pool)
+                                                  sample_fn=self._verify_sample_fn, pool=self.graphs.pool)
         logger.info("captured %d decode + %d verify + %d sampling CUDA graphs in %.1f s", len(self.graphs.graphs),
                     len(self.verify_graphs.graphs) if self.verify_graphs else 0,
                     len(self.graphs.sample_graphs), time.perf_counter() - t0)
@@ -263,6 +265,10 @@ class ModelExecutor:
         # A flat verify step: decode rows that read each other's KV, so the KV is written before the attention.
         return self.forward(slot, batch_size, batch_size, 1, self.max_model_len, all_rows=True,
                             logits_out=self.graph_logits[:batch_size], num_decodes=batch_size, fuse_kv_write=False)
+
+    def _verify_sample_fn(self, slot: int, batch_size: int, variant: SamplerVariant) -> None:
+        self._decode_sample_fn(slot, batch_size, variant)
+        self.verify(slot, batch_size)
 
     def _decode_sample_fn(self, slot: int, batch_size: int, variant: SamplerVariant) -> None:
         # All batch_size rows are sampled (padding rows too: their outputs are never downloaded or carried).

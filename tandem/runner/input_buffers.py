@@ -81,7 +81,7 @@ class StepBuffers:
                 "row_seq": (max_rows,),
                 "row_rank": (max_rows,),
                 "row_draft": (max_rows,),
-                "num_drafts": (max_num_seqs,),
+                "num_drafts": (max_rows,),
                 "block_tables": (max_rows, max_blocks_per_seq),
             },
             torch.int32,
@@ -106,7 +106,7 @@ class StepBuffers:
         self.out_logprob = torch.zeros(max_rows, dtype=torch.float32, device=device)
         self.out_top_ids = torch.zeros(max_rows, max(max_logprobs, 1), dtype=torch.int64, device=device)
         self.out_top_lp = torch.zeros(max_rows, max(max_logprobs, 1), dtype=torch.float32, device=device)
-        self.out_accepted = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)  # drafts accepted per seq
+        self.out_accepted = torch.zeros(max_rows, dtype=torch.int64, device=device)  # drafts accepted per seq
         if cuda:
             self.host_tokens = torch.zeros_like(self.out_tokens, device="cpu").pin_memory()
             self.host_logprob = torch.zeros_like(self.out_logprob, device="cpu").pin_memory()
@@ -336,11 +336,29 @@ def _write_draft_rows(buf: StepBuffers, sched: SchedulerOutput) -> tuple[int, li
         row += k
     ints["logits_indices"][num_seqs:row] = index
     longs["sample_pos"][num_seqs:row] = positions
-    ints["row_seq"][num_seqs:row] = seqs
-    ints["row_rank"][num_seqs:row] = ranks
-    ints["row_draft"][num_seqs:row] = drafts
-    ints["num_drafts"][:num_seqs] = counts
+    _write_verify_rows(buf, num_seqs, row, seqs, ranks, drafts, counts, row)
     return row, draft_rows
+
+
+def _write_verify_rows(buf: StepBuffers, num_seqs: int, num_rows: int, seqs: list[int], ranks: list[int],
+                       drafts: list[int], counts: list[int], pad_to: int) -> None:
+    """What ModelExecutor.verify reads for rows 0..pad_to-1: draft rows (num_seqs..num_rows-1) name their sequence,
+    their draft's index and the draft; every other row (a sequence's own, or padding) names itself, with an index
+    past any draft count and no draft, so it changes no count."""
+    ints = buf.ints.np
+    never = buf.max_rows  # > any draft count
+    ints["row_seq"][:num_seqs] = np.arange(num_seqs)
+    ints["row_rank"][:num_seqs] = never
+    ints["row_draft"][:num_seqs] = -1
+    ints["row_seq"][num_seqs:num_rows] = seqs
+    ints["row_rank"][num_seqs:num_rows] = ranks
+    ints["row_draft"][num_seqs:num_rows] = drafts
+    ints["num_drafts"][:num_seqs] = counts
+    if pad_to > num_rows:
+        ints["row_seq"][num_rows:pad_to] = np.arange(num_rows, pad_to)
+        ints["row_rank"][num_rows:pad_to] = never
+        ints["row_draft"][num_rows:pad_to] = -1
+    ints["num_drafts"][num_seqs:pad_to] = 0
 
 
 def _write_sampling(buf: StepBuffers, requests: list[Request]) -> tuple[bool, bool, int, bool]:
@@ -429,10 +447,7 @@ def write_flat_verify(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[
     qsl[: num_rows + 1] = np.arange(num_rows + 1)
     longs["sample_pos"][:num_rows] = seq_lens[:num_rows]
     ints["logits_indices"][:num_rows] = np.arange(num_rows)
-    ints["row_seq"][num_seqs:num_rows] = seqs
-    ints["row_rank"][num_seqs:num_rows] = ranks
-    ints["row_draft"][num_seqs:num_rows] = drafts
-    ints["num_drafts"][:num_seqs] = counts
+    _write_verify_rows(buf, num_seqs, num_rows, seqs, ranks, drafts, counts, max(num_rows, pad_to or 0))
     if num_rows > num_seqs:  # the draft rows sample with their sequence's parameters
         idx = np.asarray(seqs)
         for region in (floats["temperature"], floats["top_p"], floats["min_p"], ints["top_k"], longs["seeds"]):
