@@ -22,9 +22,20 @@ class SpecController:
     alpha: float = 0.2  # weight of a new step in the moving averages
     margin: float = 1.02  # speculation must be this much cheaper per token to stay on
     speculating: bool = True  # the mode (probes aside)
-    spec_cost: float | None = None  # seconds per output token of speculating steps
-    plain_cost: float | None = None
+    # Moving averages of (seconds, output tokens) per step of each kind: the cost per token is their ratio (the
+    # mean of per-step ratios would overweight steps that accepted nothing).
+    spec_avg: tuple[float, float] | None = None
+    plain_avg: tuple[float, float] | None = None
     steps: int = 0  # steps in the current mode
+
+    @property
+    def spec_cost(self) -> float | None:
+        """Seconds per output token of speculating steps."""
+        return self.spec_avg[0] / self.spec_avg[1] if self.spec_avg else None
+
+    @property
+    def plain_cost(self) -> float | None:
+        return self.plain_avg[0] / self.plain_avg[1] if self.plain_avg else None
 
     def speculate(self) -> bool:
         """Whether the next step speculates: the mode, except during a probe of the other kind."""
@@ -39,14 +50,18 @@ class SpecController:
         """A step's wall time and the output tokens it produced (steps without tokens are not counted)."""
         if num_tokens <= 0 or seconds <= 0:
             return
-        cost = seconds / num_tokens
+        avg = self.spec_avg if speculated else self.plain_avg
+        a = self.alpha
+        avg = (seconds, float(num_tokens)) if avg is None else ((1 - a) * avg[0] + a * seconds,
+                                                                (1 - a) * avg[1] + a * num_tokens)
         if speculated:
-            self.spec_cost = cost if self.spec_cost is None else (1 - self.alpha) * self.spec_cost + self.alpha * cost
+            self.spec_avg = avg
         else:
-            self.plain_cost = cost if self.plain_cost is None else (1 - self.alpha) * self.plain_cost + self.alpha * cost
-        if self.spec_cost is None or self.plain_cost is None:
+            self.plain_avg = avg
+        spec_cost, plain_cost = self.spec_cost, self.plain_cost
+        if spec_cost is None or plain_cost is None:
             return
-        pays = self.spec_cost * self.margin < self.plain_cost
+        pays = spec_cost * self.margin < plain_cost
         if self.speculating and not pays and self.steps >= self.probe_every:
             self.speculating, self.steps = False, 0
         elif not self.speculating and self.steps >= self.retry_every + self.probe_len:
