@@ -302,7 +302,8 @@ class EngineCore:
             now = time.perf_counter()
             if self._step_end:
                 self.spec_controller.record(speculated, now - self._step_end, sum(len(o.new_token_ids) for o in outputs))
-            self._step_end = now
+            # Only back-to-back steps are timed: once idle, the time until the caller brings work is no step's.
+            self._step_end = now if self.has_unfinished_requests() else 0.0
         return outputs
 
     def _propose(self) -> list[EngineOutput]:
