@@ -157,3 +157,16 @@ def test_switching_speculation_on_and_off_every_step_keeps_the_tokens(folder, ov
     got, _ = _workload(llm)
     assert got == expected
     assert llm.engine.stats().spec_accepted_tokens > 0
+
+
+def test_idle_time_between_runs_is_not_timed_as_a_step(folder):
+    import time
+
+    llm = LLM(folder, num_kv_blocks=64, speculative_config={**SPEC, "adaptive": True}, **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate([[40, 41, 42, 43] * 7], params, use_tqdm=False)
+    time.sleep(1.0)
+    llm.generate([[40, 41, 42, 43] * 7], params, use_tqdm=False)
+    controller = llm.engine.spec_controller
+    for avg in (controller.spec_avg, controller.plain_avg):
+        assert avg is not None and avg[0] < 0.5, avg  # no step took the second of sleep
