@@ -160,6 +160,7 @@ class EngineCore:
         self.spec_draft_tokens = self.spec_accepted_tokens = self.spec_verified_rows = 0
         self.spec_controller = SpecController() if self.spec is not None and self.spec.adaptive else None
         self._speculated = False  # whether the step launched last proposed drafts (its tokens come next)
+        self._collected_prefill = False  # a step collected in this call computed prompt tokens (not timed)
         self._step_end = 0.0
         self.spec_accepted_per_position = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
 
@@ -275,6 +276,7 @@ class EngineCore:
             return self._collect(previous)
         outputs = self._admit_compiled() if self.grammar.compiling else []
         speculated, self._speculated = self._speculated, False
+        self._collected_prefill = False
         inflight = self._inflight
         if inflight is not None and inflight.sched.num_draft_tokens:
             # How many of its drafts each request keeps decides where its next tokens go: collect it first.
@@ -300,7 +302,7 @@ class EngineCore:
             self.grammar.start_fill(inflight, partial(self.runner.fill_masks, inflight))
         if self.spec_controller is not None:
             now = time.perf_counter()
-            if self._step_end:
+            if self._step_end and not self._collected_prefill:
                 self.spec_controller.record(speculated, now - self._step_end, sum(len(o.new_token_ids) for o in outputs))
             # Only back-to-back steps are timed: once idle, the time until the caller brings work is no step's.
             self._step_end = now if self.has_unfinished_requests() else 0.0
@@ -317,7 +319,7 @@ class EngineCore:
             return []
         if self.spec_controller is not None and not self.spec_controller.speculate():
             return []
-        self._speculated = True
+        self._speculated = True  # timed as speculating, drafts or not: it pays for the collect before launching
         outputs: list[EngineOutput] = []
         if self._inflight is not None:
             previous, self._inflight = self._inflight, None
@@ -386,6 +388,8 @@ class EngineCore:
                 self._drop(self._inflight)
             self._inflight = None
             return outputs
+        # A step that computed prompt tokens says nothing of decoding's cost per token.
+        self._collected_prefill |= handle.num_tokens > handle.num_seqs + handle.sched.num_draft_tokens
         if self.step_log is not None:
             self.step_log.append((handle.num_seqs, handle.num_tokens, handle.num_context_tokens))
         if self.timeline is not None:
