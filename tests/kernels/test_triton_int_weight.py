@@ -96,7 +96,7 @@ def test_repack_keeps_the_weight(bits):
 
 
 # Interpreter cases stay small: N 48 (masked channel tiles), K 256, every group size the formats use.
-GROUPS = [32, 64, 128, None]  # None: one group per row (per-channel)
+GROUPS = [16, 32, 64, 128, None]  # None: one group per row (per-channel); 16: GGUF Q6_K
 
 
 @pytest.mark.parametrize("bits", [4, 8])
