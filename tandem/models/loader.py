@@ -31,6 +31,7 @@ from tandem.models.int_loading import (
     quantize_linears_int,
     quantized_prefixes,
     repack_int_checkpoint,
+    repack_int_linears,
 )
 from tandem.models.registry import MODEL_REGISTRY, model_config_from_hf
 
@@ -166,6 +167,8 @@ def load_model_and_tokenizer(
         quantize_linears_int(model, RTN_METHODS[config.quantization])
     if config.quantize_lm_head:
         quantize_lm_head_fp8(model, model_config)
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        repack_int_linears(model)  # one copy of each integer weight, in the layout the kernels read
     tokenizer = _load_tokenizer(config, source) if load_tokenizer else None
     return model.eval(), model_config, tokenizer
 
