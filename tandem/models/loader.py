@@ -137,8 +137,8 @@ def load_model_and_tokenizer(
     With tp.size > 1 the model holds rank tp.rank's shard: safetensors are read slice by slice, GGUF
     tensors are sliced after dequantizing, and dummy weights are drawn at the shard's shape. gguf_blocks: a
     GGUF's decoder linears run from their quantized blocks (gguf_int) rather than dequantized to the model
-    dtype at load; None: on a GPU (the CPU would dequantize every weight at every forward), unless the
-    quantization setting re-quantizes the model."""
+    dtype at load; None: on a GPU in bf16 / fp16, where the kernels run (the CPU, and fp32, would dequantize
+    every weight at every forward), unless the quantization setting re-quantizes the model."""
     device = torch.device(device)
     tp = tp if isinstance(tp, TPGroup) else TPGroup(tp)  # a bare ParallelConfig: the default process group
     source = resolve_source(config)
@@ -149,8 +149,8 @@ def load_model_and_tokenizer(
     int_bits = RTN_METHODS.get(config.quantization or "", 0)
     # Integer models leave their linears' full-precision storage unallocated (on the meta device): the
     # checkpoint's layers or the dummy initialization give each its integer parameters instead.
-    if gguf_blocks is None:
-        gguf_blocks = device.type == "cuda"
+    if gguf_blocks is None:  # where the int-weight kernels run: a GPU in a 16-bit dtype (fp32 there runs the
+        gguf_blocks = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)  # reference anyway)
     gguf_blocks = gguf_blocks and source.format == "gguf" and config.quantization is None
     deferred = int_config is not None or (int_bits and source.format == "dummy") or gguf_blocks
     with torch.device(device), _default_dtype(dtype), EmptyOnMeta() if deferred else contextlib.nullcontext():
@@ -456,6 +456,8 @@ def _load_tokenizer(config: EngineConfig, source: ModelSource):
     if source.path is None:
         return None  # named shape: benchmarks feed token ids
     if source.path.endswith(".gguf"):
+        if "tokenizer.ggml.model" not in open_gguf(source.path).fields:
+            return None  # a weights-only file (a benchmark's random one): benchmarks feed token ids
         folder, name = os.path.split(source.path)
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
     if not any(os.path.isfile(os.path.join(source.path, f)) for f in _TOKENIZER_FILES):

@@ -11,7 +11,7 @@ from tandem.models.gguf_blocks import BLOCK_TYPES
 # weights of roughly unit-0.05 spread centred near zero (sub-scales and mins 0-63; Q6_K's int8 sub-scales).
 _K_SCALES = {"Q4_K": (1.6e-4, 7.5, 0), "Q5_K": (8e-5, 15.5, 0), "Q6_K": (4e-5, 0.0, 208)}
 VOCAB = 128  # tests.models.test_hf_parity's run_and_compare draws prompts below it
-CONFIG = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2)  # K-quants: rows of whole 256-blocks
+CONFIG = dict(hidden=256, intermediate=256, layers=2, heads=4, kv_heads=2)  # K-quants: rows of whole 256-blocks
 
 
 def gguf_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -19,11 +19,9 @@ def gguf_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np
     (k-quants, which it cannot quantize) random code bytes under fixed fp16 super-block scales."""
     import gguf
 
-    qtype = gguf.GGMLQuantizationType[kind]
-    try:
-        return gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32), qtype)
-    except NotImplementedError:
-        pass
+    if kind not in _K_SCALES:
+        weights = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.05).astype(np.float32)
+        return gguf.quants.quantize(weights, gguf.GGMLQuantizationType[kind])
     spec = BLOCK_TYPES[kind]
     nb = rows * cols // spec.block
     blocks = rng.integers(0, 256, (nb, spec.block_bytes), dtype=np.uint8)

@@ -1,5 +1,5 @@
 """GGUF files kept in their blocks: each block type unpacks to what the `gguf` package dequantizes, and a tiny Llama
-written to a GGUF file in Q4_0 / Q4_1 / Q8_0 / a Q4_K_M-like mix gives in tandem (fp32, CPU, from its blocks) the
+written to a GGUF file in Q4_0 + Q8_0 / Q4_1 / a Q4_K_M-like mix gives in tandem (fp32, CPU, from its blocks) the
 logits and greedy tokens of transformers loading the same file dequantized."""
 
 from __future__ import annotations
@@ -73,18 +73,19 @@ def test_bytes_that_do_not_fit_name_the_tensor():
 # 1's gate / up (8-bit group 32), and a k projection in Q5_0, which is not kept: layer 1's whole qkv is dequantized.
 K_MIX = {"*": "Q4_K", "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K",
          "blk.1.ffn_up.weight": "Q5_K", "blk.1.attn_k.weight": "Q5_0"}
-CASES = {"Q4_0": ({"*": "Q4_0"}, "F32"), "Q4_1": ({"*": "Q4_1"}, "Q8_0"), "Q8_0": ({"*": "Q8_0"}, "Q8_0"),
-         "Q4_K_M": (K_MIX, "Q6_K")}
+# Q4_0 in layer 0, Q8_0 in layer 1 (one model, to keep the test fast).
+Q4_0_Q8_0 = {f"blk.1.{n}.weight": "Q8_0" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                                   "ffn_down")} | {"*": "Q4_0"}
+CASES = {"Q4_0-Q8_0": (Q4_0_Q8_0, "F32"), "Q4_1": ({"*": "Q4_1"}, "Q8_0"), "Q4_K_M": (K_MIX, "Q6_K")}
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 # (layer, module) -> (bits, group) expected for each case; absent: dequantized to the model dtype.
 LAYOUTS = {
-    "Q4_0": {(i, m): (4, 32) for i in (0, 1) for m in ("self_attn.qkv_proj", "self_attn.o_proj",
-                                                        "mlp.gate_up_proj", "mlp.down_proj")},
+    "Q4_0-Q8_0": {(i, m): (8 if i else 4, 32) for i in (0, 1) for m in _LINEARS},
+    "Q4_1": {(i, m): (4, 32) for i in (0, 1) for m in _LINEARS},
     "Q4_K_M": {(0, "self_attn.qkv_proj"): (8, 16), (0, "self_attn.o_proj"): (4, 32), (0, "mlp.gate_up_proj"): (4, 32),
                (0, "mlp.down_proj"): (8, 16), (1, "self_attn.o_proj"): (4, 32), (1, "mlp.gate_up_proj"): (8, 32),
                (1, "mlp.down_proj"): (4, 32)},
 }
-LAYOUTS["Q4_1"] = LAYOUTS["Q4_0"]
-LAYOUTS["Q8_0"] = {key: (8, 32) for key in LAYOUTS["Q4_0"]}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -99,7 +100,7 @@ def test_tiny_llama_from_its_blocks_matches_transformers(case, tmp_path, caplog)
         model, model_config, _ = load_model_and_tokenizer(config, torch.device("cpu"), torch.float32,
                                                           load_tokenizer=False, gguf_blocks=True)
     for i, layer in enumerate(model.model.layers):
-        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        for name in _LINEARS:
             linear = layer.get_submodule(name)
             want = LAYOUTS[case].get((i, name))
             got = (linear.int_bits, linear.group_size) if linear.int_bits else None
