@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from tandem.layers.linear import Linear
+from tandem.layers.moe import RouterLinear
 from tandem.layers.parallel import ParallelLMHead
 from tandem.models.gguf_blocks import BLOCK_TYPES
 from tandem.models.gguf_weights import hf_tensor_name
@@ -40,7 +41,8 @@ class GGUFIntPlan:
 def plan_gguf_int(reader, model: nn.Module) -> GGUFIntPlan:
     """Which of the model's linears a GGUF file's blocks fill as integer weights: a decoder Linear whose every
     part (q / k / v, gate / up) is one of BLOCK_TYPES and whose local input columns hold whole groups. The rest
-    of the quantized tensors (embeddings, the lm_head, MoE experts, other block types) are dequantized."""
+    of the quantized tensors (embeddings, the lm_head, MoE experts and routers, other block types) are
+    dequantized."""
     plan = GGUFIntPlan()
     modules = dict(model.named_modules())
     llama = isinstance(model, LlamaForCausalLM)
@@ -52,7 +54,8 @@ def plan_gguf_int(reader, model: nn.Module) -> GGUFIntPlan:
         name = hf_tensor_name(tensor.name)
         target, part = module_name(name.removesuffix(".weight"))
         module = modules.get(target)
-        if not (llama and name.endswith(".weight") and isinstance(module, Linear)) or isinstance(module, ParallelLMHead):
+        decoder_linear = isinstance(module, Linear) and not isinstance(module, (ParallelLMHead, RouterLinear))
+        if not (llama and name.endswith(".weight") and decoder_linear):
             plan.dequantized[tensor.name] = f"{kind}: not a decoder linear"
         elif kind not in BLOCK_TYPES:
             plan.dequantized[tensor.name] = f"{kind}: block type not kept"

@@ -71,7 +71,7 @@ def test_smollm2_from_its_q4_1_blocks_agrees_with_its_dequantized_fp32_run():
         qkv = model.model.layers[0].self_attn.qkv_proj
         if blocks:  # the 4-bit blocks, in the kernels' layout only: no bf16 copy of the linears
             assert qkv.int_bits == 4 and qkv.group_size == 32 and not hasattr(qkv, "weight")
-            assert not hasattr(qkv, "qweight") and qkv.words.is_cuda
+            assert not hasattr(qkv, "qweight") and qkv.words.device.type == CUDA.type
         got = [t[len(p) - 1:] for t, p in zip(_next_tokens(model, mc, sequences, torch.bfloat16), prompts)]
         same = sum(int((a == b).sum()) for a, b in zip(got, want))
         report[name] = same / report["positions"]

@@ -121,3 +121,28 @@ def test_dequantized_load_is_unchanged_by_default_on_cpu(tmp_path):
     config = EngineConfig(model=path, device="cpu", dtype="float32")
     model, _, _ = load_model_and_tokenizer(config, torch.device("cpu"), torch.float32, load_tokenizer=False)
     assert model.model.layers[0].self_attn.qkv_proj.int_bits == 0  # the CPU dequantizes at load
+
+
+def test_tensor_parallel_shards_of_the_blocks_hold_the_dequantized_weight(tmp_path):
+    """At TP=2 each rank's integer shards (row-parallel: whole groups of 32 or 16 input columns; column-parallel:
+    its output rows of each fused part, q / k rotary order undone) put together give the dequantized load's."""
+    from tandem.config import ParallelConfig
+
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_llama_gguf(path, K_MIX)
+    config = EngineConfig(model=path, device="cpu", dtype="float32")
+    cpu = torch.device("cpu")
+    full, mc, _ = load_model_and_tokenizer(config, cpu, torch.float32, load_tokenizer=False)
+    ranks = [load_model_and_tokenizer(config, cpu, torch.float32, ParallelConfig(rank=r, size=2), load_tokenizer=False,
+                                      gguf_blocks=True)[0] for r in range(2)]
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    for name in _LINEARS:
+        whole = full.get_submodule(f"model.layers.0.{name}").weight.detach()
+        shards = [m.get_submodule(f"model.layers.0.{name}").packed_weight().dequantize() for m in ranks]
+        if name.endswith(("o_proj", "down_proj")):
+            torch.testing.assert_close(torch.cat(shards, dim=1), whole, atol=1e-6, rtol=0)
+            continue
+        parts = whole.split([q, kv, kv] if "qkv" in name else [mc.intermediate_size] * 2)
+        for r, shard in enumerate(shards):
+            expected = torch.cat([p[r * p.shape[0] // 2:(r + 1) * p.shape[0] // 2] for p in parts])
+            torch.testing.assert_close(shard, expected, atol=1e-6, rtol=0)
