@@ -131,11 +131,13 @@ def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,
             fp8_experts = p.dtype == FP8_DTYPE
             continue
         total_bytes += p.numel() * p.element_size()
-        if name.endswith((".scales", ".zeros", ".perm")):  # an integer weight's groups / act order: read only
+        if name.endswith((".scales", ".zeros", ".mins", ".perm")):  # an integer weight's groups / act order: read only
             continue
-        # An integer weight's qweight packs 8 // bits weights a byte: it multiplies by all of them.
-        total += p.numel() * (8 // model.get_submodule(name[: -len(".qweight")]).int_bits
-                              if name.endswith(".qweight") else 1)
+        # An integer weight's qweight packs 8 // bits weights a byte (its kernels' int32 words 32 // bits a word):
+        # it multiplies by all of them.
+        suffix = name.rpartition(".")[2]
+        bits = model.get_submodule(name.rpartition(".")[0]).int_bits if suffix in ("qweight", "words") else 0
+        total += p.numel() * (p.element_size() * 8 // bits if bits else 1)
         if "embed" in name or name.endswith(("wte.weight", "wpe.weight")):
             embed += p.numel()
             embed_bytes += p.numel() * p.element_size()

@@ -16,7 +16,7 @@ from tandem.kernels.fp8 import (
     fp8_quantizes_activations,
     group_block_k,
 )
-from tandem.kernels.int_weight import IntWeight, repack_int_weight
+from tandem.kernels.int_weight import IntWeight, dequantize_repacked, repack_int_weight
 from tandem.kernels.moe_align import fused_moe_ref, route_topk
 from tandem.kernels.reference import dequantize_int_weight, paged_attention_ref, write_kv_ref
 
@@ -250,9 +250,9 @@ def fused_moe(
 
 def int_weight_linear(
     x: torch.Tensor,  # [..., K] in the activation dtype
-    qweight: torch.Tensor,  # uint8 [N, K // 2] (4 bits) or [N, K] (8 bits), the tandem int-N layout
-    scales: torch.Tensor,  # [N, K // group_size] in x's dtype
-    zeros: torch.Tensor,  # [N, K // group_size] in x's dtype
+    qweight: torch.Tensor | None,  # uint8 [N, K // 2] (4 bits) or [N, K] (8 bits), the tandem int-N layout
+    scales: torch.Tensor | None,  # [N, K // group_size] in x's dtype
+    zeros: torch.Tensor | None,  # [N, K // group_size] in x's dtype; all three None: `packed` alone holds W
     bits: int,
     group_size: int,
     bias: torch.Tensor | None = None,  # [N]
@@ -274,6 +274,11 @@ def int_weight_linear(
         if isinstance(out, PartialSums):
             return out
     else:
-        dense = dequantize_int_weight(qweight, scales, zeros, bits, group_size).to(x.dtype)
+        if qweight is None:
+            if packed is None:
+                raise ValueError("int_weight_linear needs qweight, scales and zeros, or the repacked weight")
+            dense = dequantize_repacked(packed).to(x.dtype)
+        else:
+            dense = dequantize_int_weight(qweight, scales, zeros, bits, group_size).to(x.dtype)
         out = torch.nn.functional.linear(x2, dense, bias)
     return out.view(*lead, out.shape[-1])

@@ -206,7 +206,7 @@ def _int_gemm_kernel(
     M, N, K, K_SPLIT, GROUP: tl.constexpr, ONE_BITS, stride_xm, stride_wn, stride_sn, stride_om,
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr, GROUP_M: tl.constexpr,
-    PACKED: tl.constexpr, PREFETCH_LINES: tl.constexpr, USE_PDL: tl.constexpr,
+    PACKED: tl.constexpr, PREFETCH_LINES: tl.constexpr, USE_PDL: tl.constexpr, WORD_GROUPS: tl.constexpr = False,
 ):
     # Program = a BLOCK_M x BLOCK_N output tile over K range [pid_k * K_SPLIT, +K_SPLIT), in K steps of TG
     # group parts of GK elements (as in _int_gemv_kernel). Each step dequantizes its weight tile into x's
@@ -215,6 +215,9 @@ def _int_gemm_kernel(
     # from HBM once per GROUP_M row tiles (L2 reuse). SWAP_AB (few rows): the weight tile is the MMA's A operand (BLOCK_N fills its 64-row height)
     # and the rows its narrow N. EVEN: N and K fill whole tiles, so only x's rows are masked. PACKED: the 4-bit
     # dequantization by inline assembly (GPU, 16-bit x; TANDEM_INT_PACKED=0: the fp32 math, for comparisons).
+    # WORD_GROUPS (groups of fewer than MIN_GEMM_PART elements, GGUF Q6_K's 16): a part spans several groups and
+    # each word reads its own scale and min (a narrower part fails Triton's sm_90 layout of the dequantized tile
+    # for the MMA).
     PER_WORD: tl.constexpr = 32 // BITS
     GK: tl.constexpr = GW * PER_WORD
     BLOCK_K: tl.constexpr = TG * GK
@@ -248,14 +251,18 @@ def _int_gemm_kernel(
     _prefetch_rows(w_ptr, offs_n, N, stride_wn, k_begin // PER_WORD, k_end // PER_WORD, PREFETCH_LINES, USE_PDL)
     pdl_wait(USE_PDL)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        group = (k0 + wg * GK) // GROUP  # [1, TG, 1]
+        if WORD_GROUPS:  # groups smaller than a part: each word's own scale and min, [1, TG, GW]
+            first = k0 + wg * GK + tl.arange(0, GW)[None, None, :] * PER_WORD
+        else:
+            first = k0 + wg * GK  # [1, TG, 1]
+        group = first // GROUP
         if EVEN:
             s = tl.load(s_rows + group)
             mn = tl.load(mn_rows + group)
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             words = tl.load(w_ptrs)  # [BLOCK_N, TG, GW, 1]
         else:
-            w_mask = (wn < N) & (k0 + wg * GK < k_end)
+            w_mask = (wn < N) & (first < k_end)
             s = tl.load(s_rows + group, mask=w_mask, other=0.0)
             mn = tl.load(mn_rows + group, mask=w_mask, other=0.0)
             x = tl.load(x_ptrs, mask=m_mask[:, None] & ((k0 + offs_k) < k_end)[None, :], other=0.0)
@@ -288,6 +295,7 @@ def _int_gemm_kernel(
 
 
 GEMV_STEP_BYTES = 1024  # bytes of each weight row a GEMV program reads per K step
+MIN_GEMM_PART = 32  # elements: the tile GEMM's narrowest group part (below, WORD_GROUPS)
 # K steps of each weight row sent to L2 before the PDL wait (TANDEM_INT_PREFETCH_STEPS; 0: none)
 PREFETCH_STEPS = int(os.environ.get("TANDEM_INT_PREFETCH_STEPS", "2"))
 
@@ -378,6 +386,8 @@ def int_weight_matmul_triton(
     cfg = {**make(m, n, k, bits, group_size, sms), **(config or {})}
     block_k = cfg.pop("BLOCK_K")
     gk = part_elements(block_k, group_size, bits)
+    word_groups = not use_gemv and gk < min(MIN_GEMM_PART, block_k)
+    gk = min(MIN_GEMM_PART, block_k) if word_groups else gk
     split_k = cfg.pop("SPLIT_K")
     k_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
     split_k = triton.cdiv(k, k_split)  # whole steps per split can leave fewer splits
@@ -399,7 +409,7 @@ def int_weight_matmul_triton(
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split_k)
         packed = (x.is_cuda and bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
                   and scales.dtype == x.dtype and os.environ.get("TANDEM_INT_PACKED") != "0")
-        _int_gemm_kernel[grid](*args, PACKED=packed, **common, **cfg)
+        _int_gemm_kernel[grid](*args, PACKED=packed, WORD_GROUPS=word_groups, **common, **cfg)
     if split_k > 1:
         parts = PartialSums(ws, None, bias, out.dtype)
         if defer and DEFER_REDUCE:

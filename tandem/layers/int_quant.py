@@ -105,12 +105,20 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int, name: str = "
 
 def int_linear(
     x: torch.Tensor,  # [..., in] in the model dtype
-    packed: PackedIntWeight,
+    packed: PackedIntWeight | None,  # None: the layer holds only the kernels' layout (Linear.repack_int_)
     bias: torch.Tensor | None,  # [out]
     repacked: IntWeight | None = None,  # the GPU kernels' copy of the same weight (repack_int_weight), if made
+    perm: torch.Tensor | None = None,  # int64 [in]: act order's input columns (packed.perm when packed is given)
 ) -> torch.Tensor:  # [..., out] in x's dtype
-    """x W^T + b for a PackedIntWeight; the one place act order's column permutation is applied."""
-    if packed.perm is not None:
-        x = x.index_select(-1, packed.perm)
+    """x W^T + b for an integer weight; the one place act order's column permutation is applied."""
+    if packed is not None:
+        perm = packed.perm
+    if perm is not None:
+        x = x.index_select(-1, perm)
+    if packed is None:
+        if repacked is None:
+            raise ValueError("an integer linear needs its weight in the int-N layout or the kernels' layout")
+        return int_weight_linear(x, None, None, None, repacked.bits, repacked.group_size, bias=bias,
+                                 packed=repacked)  # type: ignore[return-value]
     return int_weight_linear(x, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size,
                              bias=bias, packed=repacked)  # type: ignore[return-value]

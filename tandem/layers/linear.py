@@ -40,7 +40,9 @@ class Linear(nn.Module):
                                  f"{'integer codes' if self.int_bits else self.weight.dtype}")
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, defer_reduce)
         if self.int_bits:
-            return int_linear(x, self.packed_weight(), self.bias, self._kernel_int_weight(x))
+            repacked = self._kernel_int_weight(x)
+            perm = getattr(self, "perm", None)
+            return int_linear(x, self.packed_weight(), self.bias, repacked, None if perm is None else perm.data)
         if use_gemv(x, self.in_features, self.weight_scale is not None):
             return self._gemv(x, gated=False)
         if self.weight_scale is not None:
@@ -90,17 +92,39 @@ class Linear(nn.Module):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def _kernel_int_weight(self, x: torch.Tensor) -> IntWeight | None:
-        """The GPU kernels' layout of the integer weight, repacked once at the first forward that runs them (the
-        KV budget's profiling forward, before any graph capture); None where they do not run."""
+        """The GPU kernels' layout of the integer weight: made at placement (repack_int_, which the loader runs on
+        a GPU), else at the first forward that runs the kernels (the KV budget's profiling forward, before any
+        graph capture), where on a GPU it replaces the checkpoint layout too; None where they do not run."""
+        if self.kernel_int_weight is not None:
+            return self.kernel_int_weight
         if not use_triton(x) or (x.is_cuda and x.dtype == torch.float32):
             return None
-        if self.kernel_int_weight is None:
+        if x.is_cuda:
+            self.repack_int_()
+        else:  # the interpreter (tests): both layouts kept
             self.kernel_int_weight = repack_int_weight(self.qweight.data, self.scales.data, self.zeros.data,
                                                        self.int_bits, self.group_size)
         return self.kernel_int_weight
 
-    def packed_weight(self) -> PackedIntWeight:
-        """The integer weight's tensors (views of this layer's parameters)."""
+    def repack_int_(self) -> None:
+        """Holds the integer weight in the kernels' layout only: qweight, scales, zeros (the tandem int-N layout)
+        are replaced by the parameters words, scales, mins of repack_int_weight (scales shared), and the
+        kernel_int_weight views them; perm stays. One copy of the weight on the device, made once the checkpoint
+        is loaded. Paths that run no kernel (the CPU, TANDEM_REFERENCE_KERNELS=1) then dequantize that layout."""
+        if not self.int_bits or not hasattr(self, "qweight"):
+            return
+        w = repack_int_weight(self.qweight.data, self.scales.data, self.zeros.data, self.int_bits, self.group_size)
+        del self.qweight, self.zeros
+        self.words = nn.Parameter(w.words, requires_grad=False)  # int32 [out, in * bits // 32]
+        self.scales = nn.Parameter(w.scales, requires_grad=False)  # [out, groups]: the same storage as before
+        self.mins = nn.Parameter(w.mins, requires_grad=False)  # [out, groups]: -zero * scale
+        self.kernel_int_weight = IntWeight(self.words.data, self.scales.data, self.mins.data, w.bits, w.group_size)
+
+    def packed_weight(self) -> PackedIntWeight | None:
+        """The integer weight's tensors in the tandem int-N layout (views of this layer's parameters); None once
+        repack_int_ has replaced them by the kernels' layout."""
+        if not hasattr(self, "qweight"):
+            return None
         perm = getattr(self, "perm", None)
         return PackedIntWeight(self.qweight.data, self.scales.data, self.zeros.data, self.int_bits, self.group_size,
                                None if perm is None else perm.data)

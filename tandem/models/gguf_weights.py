@@ -1,4 +1,5 @@
-"""GGUF tensors -> Hugging Face names and layouts: dequantize with `gguf`, undo llama.cpp's q/k rotary permutation."""
+"""GGUF tensors -> Hugging Face names and layouts: dequantized with `gguf` or, for the linears kept in their blocks,
+in the tandem int-N layout; llama.cpp's q/k rotary permutation undone."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import numpy as np
 import torch
 
 from tandem.config import ModelConfig
+from tandem.models.gguf_blocks import unpack_gguf_tensor, widen
+from tandem.models.int_loading import module_name
 
 # llama.cpp architectures whose converter permutes q/k rows for its interleaved rotary layout.
 _PERMUTED_ARCHS = ("llama",)
@@ -86,16 +89,32 @@ def gguf_moe_config(path: str) -> dict[str, object]:
             "num_experts_per_tok": int(used.contents()) if used is not None else 2}
 
 
-def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (Hugging Face name, float tensor in Hugging Face layout) for every tensor of the file."""
+def open_gguf(path: str):  # -> gguf.GGUFReader
+    """The file's reader; ValueError for an architecture tandem does not run."""
     import gguf
 
     reader = gguf.GGUFReader(path)
     arch = gguf_architecture(reader)
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_GGUF_ARCHS}")
+    return reader
+
+
+def iter_gguf_weights(path: str, config: ModelConfig, layouts: dict[str, tuple[int, int]] | None = None,
+                      reader=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (Hugging Face name, tensor in Hugging Face layout) for every tensor of the file: a float tensor, or
+    for each linear named in `layouts` (module -> (bits, group size): gguf_int.plan_gguf_int) its blocks as
+    `.qweight`, `.scales`, `.zeros` (fp32) in the tandem int-N layout."""
+    import gguf
+
+    reader = reader if reader is not None else open_gguf(path)
+    arch = gguf_architecture(reader)
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
+        layout = (layouts or {}).get(module_name(name.removesuffix(".weight"))[0])
+        if layout is not None:
+            yield from _int_tensors(tensor, name, layout, config, arch in _PERMUTED_ARCHS)
+            continue
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # numpy, Hugging Face [out, in] order
         if not array.flags.writeable:  # unquantized tensors are views of the read-only mmap
             array = np.array(array, copy=True)
@@ -108,3 +127,16 @@ def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, tor
             elif name.endswith("self_attn.k_proj.weight"):
                 weight = unpermute_rotary(weight, config.num_kv_heads)
         yield name, weight
+
+
+def _int_tensors(tensor, name: str, layout: tuple[int, int], config: ModelConfig,
+                 permuted: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """One GGUF tensor kept in its blocks: `<layer>.qweight`, `.scales`, `.zeros` in its module's int-N layout
+    (`layout`: (bits, group size), widened from the block type's own where a fused part needs it), rows in
+    Hugging Face order (llama.cpp's q / k rotary permutation undone on each)."""
+    data = torch.from_numpy(np.array(tensor.data, copy=True))  # uint8 [out, blocks * block bytes]
+    packed = widen(unpack_gguf_tensor(tensor.tensor_type.name, data, int(tensor.shape[0]), tensor.name), *layout)
+    prefix = name.removesuffix(".weight")
+    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(prefix.rsplit(".", 1)[-1])
+    for suffix, t in (("qweight", packed.qweight), ("scales", packed.scales), ("zeros", packed.zeros)):
+        yield f"{prefix}.{suffix}", unpermute_rotary(t, heads) if permuted and heads else t

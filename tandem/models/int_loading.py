@@ -120,6 +120,14 @@ def quantize_linears_int(model: nn.Module, bits: int) -> None:
             module.quantize_int_(bits, name=name)
 
 
+def repack_int_linears(model: nn.Module) -> None:
+    """Every integer Linear's weight in the GPU kernels' layout only (Linear.repack_int_): run once the model is
+    loaded (shards cut, every tensor in place) on a GPU whose 16-bit activations run the kernels."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.int_bits:
+            module.repack_int_()
+
+
 class EmptyOnMeta(TorchFunctionMode):
     """While a model is built: torch.empty (the uninitialized parameters of Linear, Embedding and FusedMoE, which
     the loader fills) on the meta device, everything else (norms' ones, rotary tables) where it would be. An

@@ -20,7 +20,8 @@ from tandem.distributed.group import TPGroup
 from tandem.layers.linear import Embedding, Linear
 from tandem.layers.moe import FusedMoE
 from tandem.layers.quantization import checkpoint_fp8_config, dequantize_fp8_checkpoint
-from tandem.models.gguf_weights import gguf_moe_config, iter_gguf_weights
+from tandem.models.gguf_int import plan_gguf_int, prepare_gguf_int_linears
+from tandem.models.gguf_weights import gguf_moe_config, iter_gguf_weights, open_gguf
 from tandem.models.int_checkpoints import IntCheckpointConfig, checkpoint_int_config
 from tandem.models.int_loading import (
     RTN_METHODS,
@@ -30,6 +31,7 @@ from tandem.models.int_loading import (
     quantize_linears_int,
     quantized_prefixes,
     repack_int_checkpoint,
+    repack_int_linears,
 )
 from tandem.models.registry import MODEL_REGISTRY, model_config_from_hf
 
@@ -128,12 +130,15 @@ def model_max_len(model_config: ModelConfig, requested: int | None = None) -> in
 
 def load_model_and_tokenizer(
     config: EngineConfig, device: torch.device | str, dtype: torch.dtype, tp: TPGroup | ParallelConfig | None = None,
-    load_tokenizer: bool = True,
+    load_tokenizer: bool = True, gguf_blocks: bool | None = None,
 ) -> tuple[nn.Module, ModelConfig, Any]:
     """Returns (model in eval mode on device/dtype, its ModelConfig, tokenizer or None for a named shape).
 
     With tp.size > 1 the model holds rank tp.rank's shard: safetensors are read slice by slice, GGUF
-    tensors are sliced after dequantizing, and dummy weights are drawn at the shard's shape."""
+    tensors are sliced after dequantizing, and dummy weights are drawn at the shard's shape. gguf_blocks: a
+    GGUF's decoder linears run from their quantized blocks (gguf_int) rather than dequantized to the model
+    dtype at load; None: on a GPU in bf16 / fp16, where the kernels run (the CPU, and fp32, would dequantize
+    every weight at every forward), unless the quantization setting re-quantizes the model."""
     device = torch.device(device)
     tp = tp if isinstance(tp, TPGroup) else TPGroup(tp)  # a bare ParallelConfig: the default process group
     source = resolve_source(config)
@@ -144,13 +149,16 @@ def load_model_and_tokenizer(
     int_bits = RTN_METHODS.get(config.quantization or "", 0)
     # Integer models leave their linears' full-precision storage unallocated (on the meta device): the
     # checkpoint's layers or the dummy initialization give each its integer parameters instead.
-    deferred = int_config is not None or (int_bits and source.format == "dummy")
+    if gguf_blocks is None:  # where the int-weight kernels run: a GPU in a 16-bit dtype (fp32 there runs the
+        gguf_blocks = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)  # reference anyway)
+    gguf_blocks = gguf_blocks and source.format == "gguf" and config.quantization is None
+    deferred = int_config is not None or (int_bits and source.format == "dummy") or gguf_blocks
     with torch.device(device), _default_dtype(dtype), EmptyOnMeta() if deferred else contextlib.nullcontext():
         model = model_cls(model_config, tp)
     if source.format == "dummy":
         init_dummy_weights(model, config.seed, device, int_bits)
     elif source.format == "gguf":
-        model.load_weights(iter_gguf_weights(source.path, model_config))
+        _load_gguf(model, source.path, model_config, device, gguf_blocks)
     else:
         _load_safetensors(model, source.path, config, tp, int_config, device)
     if config.quantization == "fp8":
@@ -159,6 +167,8 @@ def load_model_and_tokenizer(
         quantize_linears_int(model, RTN_METHODS[config.quantization])
     if config.quantize_lm_head:
         quantize_lm_head_fp8(model, model_config)
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        repack_int_linears(model)  # one copy of each integer weight, in the layout the kernels read
     tokenizer = _load_tokenizer(config, source) if load_tokenizer else None
     return model.eval(), model_config, tokenizer
 
@@ -185,6 +195,21 @@ def _load_safetensors(model: nn.Module, folder: str, config: EngineConfig, tp: P
     if fp8_config is not None:
         weights = dequantize_fp8_checkpoint(weights, fp8_config)
     model.load_weights(weights)
+
+
+def _load_gguf(model: nn.Module, path: str, model_config: ModelConfig, device: torch.device, blocks: bool) -> None:
+    """Fills the model from a GGUF file: every tensor dequantized, or (blocks) the decoder linears whose block types
+    the int-N layout holds made integer Linears first and filled from their blocks, the rest dequantized (named
+    in a log line)."""
+    reader = open_gguf(path)
+    layouts = None
+    if blocks:
+        plan = plan_gguf_int(reader, model)
+        plan.log(path)
+        prepare_gguf_int_linears(model, plan)
+        materialize_meta(model, device)
+        layouts = plan.layouts
+    model.load_weights(iter_gguf_weights(path, model_config, layouts, reader))
 
 
 def load_model_config(config: EngineConfig) -> ModelConfig:
@@ -431,6 +456,8 @@ def _load_tokenizer(config: EngineConfig, source: ModelSource):
     if source.path is None:
         return None  # named shape: benchmarks feed token ids
     if source.path.endswith(".gguf"):
+        if "tokenizer.ggml.model" not in open_gguf(source.path).fields:
+            return None  # a weights-only file (a benchmark's random one): benchmarks feed token ids
         folder, name = os.path.split(source.path)
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
     if not any(os.path.isfile(os.path.join(source.path, f)) for f in _TOKENIZER_FILES):

@@ -74,5 +74,11 @@ def test_int4_llama3_8b_shape_loads_without_its_bf16_copy():
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     assert 5.5e9 < held < 6.2e9
     assert torch.cuda.max_memory_allocated() - base < 10 * 2**30
+    # One copy of each integer weight, in the kernels' layout (repack_int_ at load): what the device holds is the
+    # parameters plus the buffers (rotary tables), nothing kept beside them.
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert not hasattr(qkv, "qweight") and qkv.words.dtype == torch.int32 and qkv.kernel_int_weight is not None
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert torch.cuda.memory_allocated() - base <= held + buffers + 64 * 2**20
     del model
     torch.cuda.empty_cache()

@@ -96,7 +96,7 @@ def test_repack_keeps_the_weight(bits):
 
 
 # Interpreter cases stay small: N 48 (masked channel tiles), K 256, every group size the formats use.
-GROUPS = [32, 64, 128, None]  # None: one group per row (per-channel)
+GROUPS = [16, 32, 64, 128, None]  # None: one group per row (per-channel); 16: GGUF Q6_K
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -250,9 +250,20 @@ cases = [
                                                     GROUP_M=8, PACKED=True, PREFETCH_LINES=1, USE_PDL=2), 4),
     ("gemm-fp16", _int_gemm_kernel, "fp16", dict(SWAP_AB=False, BLOCK_M=256, BLOCK_N=128, TG=1, GW=8,
                                                   GROUP_M=8, PACKED=True, PREFETCH_LINES=0, USE_PDL=0), 8),
+    # GGUF's groups: Q4_0 / Q4_1 / Q4_K (4 bits, group 32) and Q6_K (8 bits, group 16) at their decode tiles.
+    ("gemv-g32", _int_gemv_kernel, "bf16", dict(GROUP=32, MASK_M=False, BLOCK_M=1, BLOCK_N=8, TG=64, GW=4,
+                                                PREFETCH_LINES=16, USE_PDL=2), 4),
+    ("gemv-w8-g16", _int_gemv_kernel, "bf16", dict(GROUP=16, BITS=8, MASK_M=False, BLOCK_M=1, BLOCK_N=8, TG=64,
+                                                   GW=4, PREFETCH_LINES=16, USE_PDL=2), 4),
+    ("gemm-w8-g16", _int_gemm_kernel, "bf16", dict(GROUP=16, BITS=8, SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, TG=2,
+                                                   GW=8, GROUP_M=8, PACKED=False, PREFETCH_LINES=1, USE_PDL=2,
+                                                   WORD_GROUPS=True), 4),
+    ("gemm-g16", _int_gemm_kernel, "bf16", dict(GROUP=16, SWAP_AB=False, BLOCK_M=64, BLOCK_N=128, TG=4, GW=4,
+                                                GROUP_M=8, PACKED=True, PREFETCH_LINES=1, USE_PDL=2,
+                                                WORD_GROUPS=True), 4),
 ]
 for name, fn, xty, flags, warps in cases:
-    constexprs = dict(GROUP=128, BITS=4, HAS_BIAS=False, SPLIT_K=1, EVEN=True, **flags)
+    constexprs = {**dict(GROUP=128, BITS=4, HAS_BIAS=False, SPLIT_K=1, EVEN=True), **flags}
     types = [f"*{xty}", "*i32", f"*{xty}", f"*{xty}", f"*{xty}", f"*{xty}", "*fp32"] + ["i32"] * 4
     types += ["constexpr"] + ["i32"] * 5
     signature = dict(zip(names, types))
@@ -279,9 +290,10 @@ def test_kernels_compile_for_sm90():
     result = compile_sm90(_COMPILE_SM90)
     for name, info in result.items():
         assert not info["local"] and info["shared"] <= 227 * 1024, (name, info)
-    assert result["gemv"]["v4_loads"]
-    for name in ("gemm-decode", "gemm-fp16"):
+    assert result["gemv"]["v4_loads"] and result["gemv-g32"]["v4_loads"]
+    for name in ("gemm-decode", "gemm-fp16", "gemm-g16"):
         assert result[name]["wgmma"] and result[name]["packed_fma"], (name, result[name])
+    assert result["gemm-w8-g16"]["wgmma"]
     for name in ("gemv", "gemm-decode"):  # under PDL: weight lines to L2 before the wait, nothing written before it
         assert result[name]["prefetch_before_wait"] and not result[name]["stores_before_wait"], (name, result[name])
 
