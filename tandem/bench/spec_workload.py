@@ -7,7 +7,8 @@ and the mean accepted length (1 + accepted drafts per verified sequence).
 Machinery at scale (`--spec-acceptance A`, a named shape with random weights, where real acceptance means nothing):
 a first pass records each request's greedy tokens; the proposer then offers, per position, the recorded next token
 with probability A and a wrong one otherwise, so that a verify step at the shape's real cost accepts what an
-A-accurate proposer would. Random bf16 weights give nearly flat logits, whose argmax a step's shape (one row or
+A-accurate proposer would. This mode measures the machinery, so every step speculates (`adaptive` off: the engine
+does not switch speculation off where it would not pay). Random bf16 weights give nearly flat logits, whose argmax a step's shape (one row or
 k + 1 rows per sequence: other GEMM kernels, other rounding) flips, so the recorded tokens would not be the verify
 step's; the attention and MLP output projections are therefore zeroed in this mode (every weight is still read and
 every kernel still runs, at the same cost), which leaves the residual stream the token's embedding and makes the
@@ -129,6 +130,8 @@ def run_spec_workload(model: str | None, k: int, acceptance: list[float] | None,
                             "prompt_lookup_max": 5}
     if draft_model is not None:
         spec = {"method": "draft_model", "num_speculative_tokens": k, "model": draft_model}
+    if acceptance is not None:  # the machinery's cost: every step speculates (SpecController off)
+        spec["adaptive"] = False
     kwargs: dict[str, Any] = dict(max_num_seqs=max(batch_sizes), max_model_len=2048, speculative_config=spec)
     if model is not None:
         kwargs.update(model=model, load_format="dummy")
