@@ -122,7 +122,7 @@ class EngineCore:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
         self.grammar = GrammarPipeline(self.tokenizer, self.model_config.vocab_size, sorted(eos),
-                                       config.grammar_backend)
+                                       config.grammar_backend, config.strict_json_schema)
         self.overlap = config.overlap
         self._rng = random.Random(config.seed)
         self._requests: dict[str, Request] = {}  # unfinished requests

@@ -24,9 +24,11 @@ from tandem.structured.matcher import HostMask
 
 
 class GrammarPipeline:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], backend: str | None) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], backend: str | None,
+                 strict_json_schema: bool = True) -> None:
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
         self.backend = backend or default_backend()  # --grammar-backend, else TANDEM_STRUCTURED_BACKEND
+        self.strict_json_schema = strict_json_schema
         self._cache: GrammarCache | None = None  # built at the first structured request
         self.compiling: dict[str, tuple[Request, Future]] = {}  # waiting for their grammar
         self.masks: dict[str, Request] = {}  # requests holding a HostMask
@@ -42,7 +44,8 @@ class GrammarPipeline:
         waits here until `admit` finds it compiled."""
         validate(spec, self.backend)
         if self._cache is None:
-            self._cache = GrammarCache(self.tokenizer, self.vocab_size, self.stop_token_ids, backend_name=self.backend)
+            self._cache = GrammarCache(self.tokenizer, self.vocab_size, self.stop_token_ids, backend_name=self.backend,
+                                       strict_json_schema=self.strict_json_schema)
         self.compiling[request.request_id] = (request, self._cache.submit(spec))
 
     def admit(self, schedule: Callable[[Request], None], block: bool) -> list[tuple[Request, Exception]]:
