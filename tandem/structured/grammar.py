@@ -263,6 +263,11 @@ class GrammarCache:
         matcher = _llg().LLMatcher(self._compiler(), _llg_grammar(spec, self.strict_json_schema))
         if matcher.is_error():
             raise ValueError(f"the {_LABEL.get(spec.kind(), spec.kind())} does not compile: {matcher.get_error()}")
+        # The start state's mask, computed once here: the lexer states it builds are shared with every request's
+        # copy, so a request's first mask does not build them on the step (computing a mask leaves the state).
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+        fill_next_token_bitmask(matcher, allocate_token_bitmask(1, self.vocab_size))
         return matcher
 
     def __len__(self) -> int:

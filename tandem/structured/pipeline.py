@@ -10,6 +10,7 @@ prepares the next step (`start_fill`), and `finish` joins that fill (or runs it 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
@@ -49,7 +50,9 @@ class GrammarPipeline:
         waits here until `admit` finds it compiled."""
         validate(spec, self.backend)
         if self._cache is None:
-            self._cache = GrammarCache(self.tokenizer, self.vocab_size, self.stop_token_ids, backend_name=self.backend,
+            # Distinct specs (each tool set is one) compile side by side; a spec seen before is not compiled again.
+            self._cache = GrammarCache(self.tokenizer, self.vocab_size, self.stop_token_ids,
+                                       max_workers=compile_workers(), backend_name=self.backend,
                                        strict_json_schema=self.strict_json_schema)
         self.compiling[request.request_id] = (request, self._cache.submit(spec))
 
@@ -151,6 +154,11 @@ class GrammarPipeline:
             self._pool = None
         if self._cache is not None:
             self._cache.shutdown()
+
+
+def compile_workers() -> int:
+    """Grammar compile threads: a quarter of the cores, 1 to 4 (the masks' threads need the rest)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) // 4))
 
 
 def _timed(fn: Callable[[], None]) -> float:
