@@ -42,15 +42,19 @@ class HostMask:
         return True
 
     @staticmethod
-    def accept_all(tokens: list[tuple[HostMask, int]]) -> int:
+    def accept_all(tokens: list[tuple[HostMask, int]], threaded: bool | None = None) -> int:
         """`accept` of every (mask, sampled token) of one step (each mask at most once), the rows of each backend
-        in one call spread over its threads; the number of tokens a grammar refused."""
+        in one call spread over its threads (`threaded`; default: with 4 threads or more: a token takes a few
+        microseconds, and on 2 cores waking the threads cost more than they saved, 0.41 against 0.22 ms for 64
+        rows); the number of tokens a grammar refused."""
         llg, xgr = [], []
         for mask, token in tokens:
             if mask.matcher is None or mask.is_terminated:
                 continue
             (llg if mask.llguidance else xgr).append((mask.matcher, token))
-        if len(llg) + len(xgr) <= 1:  # nothing to spread: the plain call
+        if threaded is None:
+            threaded = _num_threads() >= 4
+        if len(llg) + len(xgr) <= 1 or not threaded:  # nothing to spread: the plain call
             return sum(not mask.accept(token) for mask, token in tokens if mask.matcher is not None)
         results: list[bool] = []
         if llg:

@@ -28,12 +28,14 @@ def test_parallel_accept_equals_one_accept_per_request(backend):
         for _ in range(6):
             tokens = [ord(rng.choice("abcxy")) - 32 for _ in range(rows)]
             expected = sum(not m.accept(t) for m, t in zip(one, tokens))
-            assert HostMask.accept_all(list(zip(batch, tokens))) == expected
+            assert HostMask.accept_all(list(zip(batch, tokens)), threaded=True) == expected
             HostMask.fill_rows(bits_one, [(j, m, []) for j, m in enumerate(one)])
             HostMask.fill_rows(bits_batch, [(j, m, []) for j, m in enumerate(batch)])
             assert torch.equal(bits_one, bits_batch)
             assert [m.is_terminated for m in one] == [m.is_terminated for m in batch]
         fresh = [HostMask(compiled) for _ in range(2)]
-        assert HostMask.accept_all([(fresh[0], ord("q") - 32), (fresh[1], ord("a") - 32)]) == 1
+        assert HostMask.accept_all([(fresh[0], ord("q") - 32), (fresh[1], ord("a") - 32)], threaded=True) == 1
+        fresh = [HostMask(compiled) for _ in range(2)]
+        assert HostMask.accept_all([(fresh[0], ord("q") - 32), (fresh[1], ord("a") - 32)], threaded=False) == 1
     finally:
         cache.shutdown()
