@@ -189,6 +189,10 @@ class EngineConfig:
     # The grammar backend of structured output (xgrammar or llguidance); None: TANDEM_STRUCTURED_BACKEND, else the
     # default (structured/grammar.py).
     grammar_backend: str | None = None
+    # A JSON schema's object that names its properties and says nothing of others generates only those (and a
+    # prefixItems tuple no further items), as OpenAI's structured outputs and xgrammar's strict mode do; False keeps
+    # the JSON-Schema reading (any other property allowed), where a model can add keys until max_tokens.
+    strict_json_schema: bool = True
     # Speculative decoding: None (off), a SpeculativeConfig or vLLM's dict form ({"method": "ngram", ...}).
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 

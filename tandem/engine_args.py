@@ -47,6 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-backend", default=None, choices=["xgrammar", "llguidance"],
                    help="grammar backend of structured output and tool calls (default: TANDEM_STRUCTURED_BACKEND, "
                         "else llguidance)")
+    g.add_argument("--no-strict-json-schema", action="store_true",
+                   help="read JSON schemas (response_format, guided_json, tools' parameters) as JSON Schema does: "
+                        "an object that does not set additionalProperties may hold properties it does not name "
+                        "(default: it holds only those it names)")
     g.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(fields: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, "
@@ -76,5 +80,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         data_parallel_size=getattr(args, "data_parallel_size", 1),  # generate's and serve's own flag
         grammar_backend=getattr(args, "grammar_backend", None),
+        strict_json_schema=not getattr(args, "no_strict_json_schema", False),
         speculative_config=getattr(args, "speculative_config", None),
     )

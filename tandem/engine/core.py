@@ -145,12 +145,11 @@ class EngineCore:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
         self.grammar = GrammarPipeline(self.tokenizer, self.model_config.vocab_size, sorted(eos),
-                                       config.grammar_backend)
+                                       config.grammar_backend, config.strict_json_schema)
         self.overlap = config.overlap
         self._rng = random.Random(config.seed)
         self._requests: dict[str, Request] = {}  # unfinished requests
         self._inflight: StepHandle | None = None  # step N while step N+1 is being scheduled (overlap)
-        self.num_grammar_rejections = 0  # sampled tokens a request's grammar refused (a masking bug if ever > 0)
         self.timeline: Timeline | None = None
         self.step_log: list[tuple[int, int, int]] | None = None  # (seqs, tokens, context tokens) per step
         self._timeline_base: tuple[object, float] | None = None
@@ -238,6 +237,11 @@ class EngineCore:
     def use_structured_backend(self, name: str) -> None:
         """Compiles later structured requests with backend `name` (xgrammar or llguidance); meant for between runs."""
         self.grammar.use_backend(name)
+
+    @property
+    def num_grammar_rejections(self) -> int:
+        """Sampled tokens a request's grammar refused (a masking bug if ever > 0)."""
+        return self.grammar.num_rejections
 
     def num_host_masks(self) -> int:
         """Requests holding grammar / bad-word state now (0 once every constrained request has ended)."""
@@ -435,13 +439,15 @@ class EngineCore:
         requests = self._requests
         finished_status = RequestStatus.FINISHED
         num_scored = num_tokens = 0
+        grammar_tokens = []  # (HostMask, token): they reach the matchers together, before the next fill
         for req in touched:
             rid = req.request_id
             if rid not in requests:
                 continue  # aborted meanwhile: its token is dropped
             host_mask = req.host_mask
-            if host_mask is not None and req.output_token_ids and not host_mask.accept(req.output_token_ids[-1]):
-                self.num_grammar_rejections += 1
+            # Requests with a grammar get no drafts: one new token each.
+            if host_mask is not None and req.output_token_ids:
+                grammar_tokens.append((host_mask, req.output_token_ids[-1]))
             num_new = req.num_new_tokens if verify else 1
             new_lp = req.output_logprobs[-num_new:] if req.sampling_params.logprobs is not None and num_new else None
             prompt_lp = None
@@ -464,6 +470,7 @@ class EngineCore:
                     self.grammar.drop(req)
             num_tokens += num_new
         self.num_generation_tokens += num_tokens - num_scored
+        self.grammar.advance(grammar_tokens)
         return outputs
 
     def _fail(self, scheduled: list, exc: Exception) -> list[EngineOutput]:

@@ -244,20 +244,26 @@ class OpenAIServing:
 
     def _tool_result(self, body: p.ChatCompletionRequest, mode: str, text: str,
                      finish_reason: str | None) -> tuple[str | None, list[tc.ParsedCall], str | None]:
-        """(content, tool calls, finish_reason) of one finished choice."""
-        if mode == "none" or finish_reason not in ("stop", None):
+        """(content, tool calls, finish_reason) of one finished choice. An output cut by max_tokens keeps its
+        finish_reason "length" and returns the calls completed before the cut (none for a named function, whose
+        one call is the cut one)."""
+        cut = finish_reason == "length"
+        if mode == "none" or finish_reason not in ("stop", None, "length") or (cut and mode == "named"):
             return text, [], finish_reason
         if mode == "named":
             return None, [tc.ParsedCall(body.tool_choice.function.name, text)], "tool_calls"  # type: ignore[union-attr]
         if mode == "required":
+            if cut:
+                calls = tc.array_prefix_calls(text)
+                return (None, calls, finish_reason) if calls else (text, [], finish_reason)
             return None, tc.parse_required(text), "tool_calls"
-        content, calls = tc.parse_tool_calls(self.tool_parser, text)
+        content, calls = (tc.calls_before_cut if cut else tc.parse_tool_calls)(self.tool_parser, text)
         names = {t.function.name for t in body.tools or []}
         if not calls or any(c.name not in names for c in calls):
             return text, [], finish_reason
         if not body.parallel_tool_calls:
             calls = calls[:1]
-        return content, calls, "tool_calls"
+        return content, calls, finish_reason if cut else "tool_calls"
 
     def _check_lengths(self, prompts: list[Prompt], max_tokens: int | None, prompt_param: str,
                        max_param: str) -> None:

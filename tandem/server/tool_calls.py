@@ -98,6 +98,57 @@ def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ParsedCal
     return None, found  # type: ignore[return-value]
 
 
+def calls_before_cut(parser: str, text: str) -> tuple[str | None, list[ParsedCall]]:
+    """(content before the calls or None, the calls complete in it) of an output cut by max_tokens: a call whose
+    text the cut ended is left out, the ones before it come back; none complete: (text, [])."""
+    if parser == "hermes":
+        closed = text[:text.rfind("</tool_call>") + len("</tool_call>")] if "</tool_call>" in text else ""
+        content, calls = parse_tool_calls(parser, closed) if closed else (text, [])
+        return (content, calls) if calls else (text, [])
+    if parser == "mistral":
+        head, marker, tail = text.partition("[TOOL_CALLS]")
+        calls = array_prefix_calls(tail) if marker else []
+        return (head.strip() or None, calls) if calls else (text, [])
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    calls = []
+    for part in body.split(";"):
+        try:
+            found = _calls_of(json.loads(part))
+        except json.JSONDecodeError:
+            found = None
+        if found is None:
+            break
+        calls += found
+    return (None, calls) if calls else (text, [])
+
+
+def array_prefix_calls(text: str) -> list[ParsedCall]:
+    """The calls complete in a JSON array of calls that may be cut anywhere (required_schema's output, Mistral's
+    list): every element before the first one that does not parse whole."""
+    decoder = json.JSONDecoder()
+    pos = text.find("[")
+    if pos < 0:
+        return []
+    calls: list[ParsedCall] = []
+    pos += 1
+    while True:
+        while text[pos:pos + 1].isspace():
+            pos += 1
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return calls
+        call = _call_of(item)
+        if call is None:
+            return calls
+        calls.append(call)
+        while text[pos:pos + 1].isspace():
+            pos += 1
+        if text[pos:pos + 1] != ",":
+            return calls
+        pos += 1
+
+
 def function_parameters(tool: dict[str, Any]) -> dict[str, Any]:
     params = tool["function"].get("parameters")
     return params if isinstance(params, dict) and params else {"type": "object", "properties": {}}

@@ -6,8 +6,9 @@ TANDEM_STRUCTURED_BACKEND (the server's API and engine processes inherit it): ll
 xgrammar. Both fill the same int32 bitmask rows. llguidance computes a mask in tens of microseconds where
 xgrammar can take milliseconds (a string bounded by maxLength checks every token one by one): with half of 64
 requests under a JSON schema it kept 0.945 of the unconstrained tokens/s on an H200, xgrammar 0.620. Ranged JSON
-numbers get at most 6 digits after the point under both (bounded_number_digits), so a model cannot write
-"1.000..." until max_tokens."""
+numbers get at most 6 digits after the point under both, so a model cannot write "1.000..." until max_tokens, and
+a JSON schema's objects generate only the properties they name unless the schema says otherwise
+(strict_json_schema; structured/json_schema.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any
 
 from tandem.config import GRAMMAR_BACKENDS
 from tandem.sampling_params import StructuredOutputParams
+from tandem.structured.json_schema import prepare_json_schema
 
 BACKENDS = GRAMMAR_BACKENDS
 DEFAULT_BACKEND = "llguidance"
@@ -69,50 +71,9 @@ def choice_lark(choices: tuple[str, ...]) -> str:
     return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-# A number with a range has at most this many digits after the point, as under xgrammar's JSON grammar.
-NUMBER_FRACTION_DIGITS = 6
-_MAP_KEYWORDS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "x-guidance"})
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-
-
-def bounded_number_digits(schema_text: str) -> str:
-    """The JSON schema with `multipleOf: 1e-6` on every number that has a range and no multipleOf (and bounds that
-    are such multiples themselves), for llguidance: its ranged numbers otherwise allow any number of digits, and a
-    model can write "1.0000..." under `maximum: 1` until max_tokens. xgrammar bounds them to the same 6 digits.
-    Text that is not JSON is returned as it is (the compiler reports it)."""
-    try:
-        schema = json.loads(schema_text)
-    except ValueError:
-        return schema_text
-    return json.dumps(_bound_digits(schema))
-
-
-def _bound_digits(node: Any) -> Any:
-    if isinstance(node, list):
-        return [_bound_digits(x) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out: dict[str, Any] = {}
-    for key, value in node.items():
-        if key in _DATA_KEYWORDS:
-            out[key] = value
-        elif key in _MAP_KEYWORDS and isinstance(value, dict):
-            out[key] = {name: _bound_digits(sub) for name, sub in value.items()}
-        else:
-            out[key] = _bound_digits(value)
-    types = node.get("type")
-    is_number = types == "number" or (isinstance(types, list) and "number" in types)
-    bounds = [node[k] for k in _BOUNDS if isinstance(node.get(k), (int, float)) and not isinstance(node[k], bool)]
-    scale = 10 ** NUMBER_FRACTION_DIGITS
-    if is_number and bounds and "multipleOf" not in node and all(abs(b * scale - round(b * scale)) < 1e-6
-                                                                 for b in bounds):
-        out["multipleOf"] = 10.0 ** -NUMBER_FRACTION_DIGITS
-    return out
-
-
-def _llg_grammar(spec: StructuredOutputParams) -> str:
+def _llg_grammar(spec: StructuredOutputParams, strict: bool = True) -> str:
     """The llguidance grammar of a spec (checked); ValueError with the compiler's message when it does not compile.
+    `strict`: a JSON schema's objects generate only the properties they name (json_schema.prepare_json_schema).
 
     A `grammar` in GBNF (rules written `name ::= ...`, the start rule `root`) is converted to Lark; any other
     text is taken as Lark (start rule `start`)."""
@@ -122,8 +83,8 @@ def _llg_grammar(spec: StructuredOutputParams) -> str:
         if kind == "json_object":
             grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         elif kind == "json":
-            grammar = llg.LLMatcher.grammar_from_json_schema(bounded_number_digits(spec.json or ""),
-                                                             defaults=JSON_OPTIONS)
+            grammar = llg.LLMatcher.grammar_from_json_schema(
+                prepare_json_schema(spec.json or "", strict, bound_digits=True), defaults=JSON_OPTIONS)
         elif kind == "regex":
             grammar = llg.LLMatcher.grammar_from_regex(spec.regex)
         elif kind == "choice":
@@ -141,15 +102,18 @@ def _llg_grammar(spec: StructuredOutputParams) -> str:
     return grammar
 
 
-def _xgr_grammar(spec: StructuredOutputParams) -> Any:
-    """The xgrammar Grammar of a spec; ValueError with the compiler's message when it does not compile."""
+def _xgr_grammar(spec: StructuredOutputParams, strict: bool = True) -> Any:
+    """The xgrammar Grammar of a spec; ValueError with the compiler's message when it does not compile. The strict
+    reading is tandem's own (json_schema.prepare_json_schema), the same for both backends: xgrammar's strict_mode
+    would also close objects that name no properties at all."""
     xgr = _xgr()
     kind = spec.kind()
     try:
         if kind == "json_object":
             return xgr.Grammar.builtin_json_grammar()
         if kind == "json":
-            return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
+            return xgr.Grammar.from_json_schema(prepare_json_schema(spec.json or "", strict, bound_digits=False),
+                                                any_whitespace=False, strict_mode=False)
         if kind == "regex":
             return xgr.Grammar.from_regex(spec.regex)
         if kind == "choice":
@@ -162,9 +126,11 @@ def _xgr_grammar(spec: StructuredOutputParams) -> Any:
         raise ValueError(f"the {label} does not compile: {exc}") from exc
 
 
-def to_grammar(spec: StructuredOutputParams, backend_name: str | None = None) -> Any:
+def to_grammar(spec: StructuredOutputParams, backend_name: str | None = None, strict: bool = True) -> Any:
     """The spec's grammar for a backend (default: this process's): an xgrammar Grammar or an llguidance string."""
-    return _xgr_grammar(spec) if (backend_name or backend()) == "xgrammar" else _llg_grammar(spec)
+    if (backend_name or backend()) == "xgrammar":
+        return _xgr_grammar(spec, strict)
+    return _llg_grammar(spec, strict)
 
 
 def validate(spec: StructuredOutputParams, backend_name: str | None = None) -> None:
@@ -239,13 +205,14 @@ class GrammarCache:
     CompiledGrammar; llguidance: a matcher in its start state, which each request copies."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_workers: int = 1,
-                 backend_name: str | None = None) -> None:
+                 backend_name: str | None = None, strict_json_schema: bool = True) -> None:
         self.backend = backend_name or backend()
         if self.backend not in BACKENDS:
             raise ValueError(f"structured-output backend must be one of {BACKENDS}, got {self.backend!r}")
         _xgr() if self.backend == "xgrammar" else _llg()  # fail now, in the caller, if the package is missing
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
         self.max_workers = max_workers
+        self.strict_json_schema = strict_json_schema  # the reading of a JSON schema's unnamed properties
         self.compiler: Any = None  # built on the worker thread by the first compile (a second or so)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
@@ -292,10 +259,15 @@ class GrammarCache:
 
     def _compile(self, spec: StructuredOutputParams) -> Any:
         if self.backend == "xgrammar":
-            return self._compiler().compile_grammar(_xgr_grammar(spec))
-        matcher = _llg().LLMatcher(self._compiler(), _llg_grammar(spec))
+            return self._compiler().compile_grammar(_xgr_grammar(spec, self.strict_json_schema))
+        matcher = _llg().LLMatcher(self._compiler(), _llg_grammar(spec, self.strict_json_schema))
         if matcher.is_error():
             raise ValueError(f"the {_LABEL.get(spec.kind(), spec.kind())} does not compile: {matcher.get_error()}")
+        # The start state's mask, computed once here: the lexer states it builds are shared with every request's
+        # copy, so a request's first mask does not build them on the step (computing a mask leaves the state).
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+        fill_next_token_bitmask(matcher, allocate_token_bitmask(1, self.vocab_size))
         return matcher
 
     def __len__(self) -> int:

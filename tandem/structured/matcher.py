@@ -41,6 +41,33 @@ class HostMask:
             return False
         return True
 
+    @staticmethod
+    def accept_all(tokens: list[tuple[HostMask, int]], threaded: bool | None = None) -> int:
+        """`accept` of every (mask, sampled token) of one step (each mask at most once), the rows of each backend
+        in one call spread over its threads (`threaded`; default: with 4 threads or more: a token takes a few
+        microseconds, and on 2 cores waking the threads cost more than they saved, 0.41 against 0.22 ms for 64
+        rows); the number of tokens a grammar refused."""
+        llg, xgr = [], []
+        for mask, token in tokens:
+            if mask.matcher is None or mask.is_terminated:
+                continue
+            (llg if mask.llguidance else xgr).append((mask.matcher, token))
+        if threaded is None:
+            threaded = _num_threads() >= 4
+        if len(llg) + len(xgr) <= 1 or not threaded:  # nothing to spread: the plain call
+            return sum(not mask.accept(token) for mask, token in tokens if mask.matcher is not None)
+        results: list[bool] = []
+        if llg:
+            from llguidance.numpy import consume_token_par
+
+            results += consume_token_par(_llg_executor(), llg)
+        if xgr:
+            results += _xgr_batch().batch_accept_token([m for m, _ in xgr], [t for _, t in xgr])
+        rejected = [token for (_, token), ok in zip(llg + xgr, results) if not ok]
+        for token in rejected:
+            logger.warning("grammar rejected sampled token %d", token)
+        return len(rejected)
+
     @property
     def is_terminated(self) -> bool:
         m = self.matcher

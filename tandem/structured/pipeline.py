@@ -2,13 +2,15 @@
 
 Admission: a structured request's grammar compiles on the cache's worker (each distinct spec once) while the request
 waits here; `admit` hands compiled ones to the scheduler. Masks: a constrained request holds a HostMask (its matcher,
-and multi-token bad words) from admission to its end. Per step: the bitmask rows of a launched step are filled from
-the matchers once the previous step's tokens have reached them, on a worker thread while the engine schedules and
+and multi-token bad words) from admission to its end. Per step: a collected step's sampled tokens are handed over
+(`advance`) and reach the matchers together, spread over the backend's threads, right before the next fill; the
+bitmask rows of a launched step are filled from the matchers on a worker thread while the engine schedules and
 prepares the next step (`start_fill`), and `finish` joins that fill (or runs it here) and enqueues the step's sampling.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
@@ -24,16 +26,22 @@ from tandem.structured.matcher import HostMask
 
 
 class GrammarPipeline:
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], backend: str | None) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], backend: str | None,
+                 strict_json_schema: bool = True) -> None:
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
         self.backend = backend or default_backend()  # --grammar-backend, else TANDEM_STRUCTURED_BACKEND
+        self.strict_json_schema = strict_json_schema
         self._cache: GrammarCache | None = None  # built at the first structured request
         self.compiling: dict[str, tuple[Request, Future]] = {}  # waiting for their grammar
         self.masks: dict[str, Request] = {}  # requests holding a HostMask
         self._pool: ThreadPoolExecutor | None = None
         self._fill: tuple[object, Future[float]] | None = None  # (the step being filled, its job)
+        # Sampled tokens not yet given to their matchers, one list per collected step, oldest first (a mask is in
+        # a step at most once, so each list goes in one parallel call; the lists go in order).
+        self._tokens: list[list[tuple[HostMask, int]]] = []
         self.fill_time_s = 0.0  # CPU time filling bitmasks (and enqueuing the sampling after them)
         self.num_fills = 0
+        self.num_rejections = 0  # sampled tokens a grammar refused (a masking bug if ever > 0)
 
     # ---------------------------------------------------------------- admission
 
@@ -42,7 +50,10 @@ class GrammarPipeline:
         waits here until `admit` finds it compiled."""
         validate(spec, self.backend)
         if self._cache is None:
-            self._cache = GrammarCache(self.tokenizer, self.vocab_size, self.stop_token_ids, backend_name=self.backend)
+            # Distinct specs (each tool set is one) compile side by side; a spec seen before is not compiled again.
+            self._cache = GrammarCache(self.tokenizer, self.vocab_size, self.stop_token_ids,
+                                       max_workers=compile_workers(), backend_name=self.backend,
+                                       strict_json_schema=self.strict_json_schema)
         self.compiling[request.request_id] = (request, self._cache.submit(spec))
 
     def admit(self, schedule: Callable[[Request], None], block: bool) -> list[tuple[Request, Exception]]:
@@ -89,6 +100,8 @@ class GrammarPipeline:
     def drop(self, request: Request) -> None:
         request.host_mask = None
         self.masks.pop(request.request_id, None)
+        if not self.masks and self._fill is None:  # no live mask left: its pending tokens no longer matter
+            self._tokens.clear()
 
     @property
     def active(self) -> bool:
@@ -97,18 +110,33 @@ class GrammarPipeline:
 
     # ---------------------------------------------------------------- per step
 
+    def advance(self, tokens: list[tuple[HostMask, int]]) -> None:
+        """Step N's sampled tokens of constrained requests ((mask, token), each mask once): they reach the matchers
+        right before the next fill, on the thread that runs it (`fill` of start_fill / finish, never later)."""
+        if tokens and self.masks:  # (no live mask: nothing will read these matchers again)
+            self._tokens.append(tokens)
+
+    def _accept_pending(self) -> None:
+        pending, self._tokens = self._tokens, []
+        for tokens in pending:
+            self.num_rejections += HostMask.accept_all(tokens)
+
+    def _accept_and_fill(self, fill: Callable[[], None]) -> float:
+        return _timed(lambda: (self._accept_pending(), fill()))
+
     def start_fill(self, step: object, fill: Callable[[], None]) -> None:
-        """Runs `fill` (the step's bitmask rows from the matchers) on the worker thread."""
+        """Runs `fill` (the step's bitmask rows from the matchers), after the tokens handed to `advance` reach the
+        matchers, on the worker thread."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
-        self._fill = (step, self._pool.submit(_timed, fill))
+        self._fill = (step, self._pool.submit(self._accept_and_fill, fill))
 
     def finish(self, step: object, fill: Callable[[], None], launch: Callable[[], None]) -> None:
         """Joins the worker filling `step`'s rows (raising what it raised), or fills them here where none does, then
         calls `launch` (enqueue the step's sampling); raises on failure."""
         seconds = self.join(step)
         if seconds is None:
-            seconds = _timed(fill)
+            seconds = self._accept_and_fill(fill)
         self.fill_time_s += seconds + _timed(launch)
         self.num_fills += 1
 
@@ -126,6 +154,11 @@ class GrammarPipeline:
             self._pool = None
         if self._cache is not None:
             self._cache.shutdown()
+
+
+def compile_workers() -> int:
+    """Grammar compile threads: a quarter of the cores, 1 to 4 (the masks' threads need the rest)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) // 4))
 
 
 def _timed(fn: Callable[[], None]) -> float:

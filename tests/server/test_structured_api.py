@@ -173,3 +173,61 @@ def test_aborted_constrained_stream_frees_everything(client, live_server):
     stream.close()
     metrics = live_server.wait_idle()
     assert metrics
+
+
+# Tools and schemas as users write them, without additionalProperties: the strict reading is the default.
+LOOSE_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}}}
+LOOSE_TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"]}}}
+LOOSE_TOOLS = [LOOSE_WEATHER, LOOSE_TIME]
+
+
+def _check_strict_call(call) -> None:
+    tool = next(t for t in LOOSE_TOOLS if t["function"]["name"] == call.function.name)
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, tool["function"]["parameters"])
+    assert set(args) <= set(tool["function"]["parameters"]["properties"]), args
+
+
+def test_named_tool_arguments_hold_only_the_named_properties(client):
+    # Read as plain JSON Schema, the model added keys the tool never mentioned until max_tokens.
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Weather?"}],
+                                       tools=LOOSE_TOOLS, tool_choice=choice, max_tokens=60, temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls"
+    _check_strict_call(r.choices[0].message.tool_calls[0])
+    loose_person = {k: v for k, v in PERSON.items() if k != "additionalProperties"}
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=60, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "p", "schema": loose_person}})
+    person = json.loads(r.choices[0].message.content)
+    assert set(person) <= {"name", "age"}, person
+
+
+def test_required_parallel_calls_cut_by_max_tokens_come_back(client, live_server):
+    # The model keeps the list of calls open (every token with a "]" banned) until max_tokens cuts it: the calls
+    # complete before the cut are the response's tool_calls, finish_reason stays "length".
+    tok = live_server.tokenizer
+    no_close = {str(i): -100 for i in range(len(tok)) if "]" in tok.decode([i])}
+    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=LOOSE_TOOLS,
+                  tool_choice="required", max_tokens=64, temperature=0, logit_bias=no_close)
+    r = client.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls, choice.message
+    for call in choice.message.tool_calls:
+        _check_strict_call(call)
+    calls: dict[int, dict] = {}
+    finish = None
+    for ch in client.chat.completions.create(**kwargs, stream=True):
+        for tcd in ch.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(tcd.index, {"name": None, "arguments": ""})
+            entry["name"] = tcd.function.name or entry["name"]
+            entry["arguments"] += tcd.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    assert finish == "length"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls]

@@ -59,3 +59,20 @@ def test_parser_choice_follows_the_template_and_the_override():
 def test_hermes_text_of_earlier_calls():
     text = tc.hermes_text([{"function": {"name": "f", "arguments": '{"a": 1}'}}])
     assert tc.parse_tool_calls("hermes", text)[1][0].name == "f"
+
+
+def test_calls_complete_before_a_cut_come_back():
+    call = {"name": "f", "parameters": {"a": 1}}
+    whole = json.dumps([call, call, call])
+    cut = whole[:whole.rindex("{") + 3]  # inside the third call
+    assert [(c.name, json.loads(c.arguments)) for c in tc.array_prefix_calls(cut)] == [("f", {"a": 1})] * 2
+    assert tc.array_prefix_calls('[{"name": "f", "parameters": {"a"') == []
+    assert tc.array_prefix_calls("") == []
+    block = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    content, calls = tc.calls_before_cut("hermes", "Sure. " + block + block + '<tool_call>\n{"name": "f", "argu')
+    assert content == "Sure." and len(calls) == 2
+    assert tc.calls_before_cut("hermes", 'Sure. <tool_call>\n{"name"') == ('Sure. <tool_call>\n{"name"', [])
+    content, calls = tc.calls_before_cut("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"na')
+    assert content is None and len(calls) == 1
+    content, calls = tc.calls_before_cut("llama3_json", '{"name": "f", "parameters": {"a": 1}}; {"name": "f", "pa')
+    assert content is None and len(calls) == 1

@@ -148,7 +148,7 @@ def test_grammar_backend_flag():
 
 def test_ranged_numbers_have_at_most_six_fraction_digits():
     # As under xgrammar: without the bound, a model can write "1.0000..." under `maximum: 1` until max_tokens.
-    from tandem.structured.grammar import bounded_number_digits
+    from tandem.structured.json_schema import bounded_number_digits
 
     schema = {"type": "object", "properties": {
         "enum": {"type": "number", "maximum": 1},  # a property named like a keyword is still a schema
