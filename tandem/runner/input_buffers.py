@@ -56,6 +56,7 @@ class StepBuffers:
         max_blocks_per_seq: int,
         max_logprobs: int,
         device: torch.device,
+        lora: bool = False,
     ) -> None:
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
@@ -71,6 +72,8 @@ class StepBuffers:
                 "top_k": (max_num_seqs,),
                 # The decode kernel's program order: decode rows by context length, longest first.
                 "decode_order": (max_num_seqs,),
+                # With LoRA adapters: each token's adapter slot in the device pool (-1: none), tandem.lora.
+                **({"lora_slots": (max_num_tokens,)} if lora else {}),
                 "block_tables": (max_num_seqs, max_blocks_per_seq),
             },
             torch.int32,

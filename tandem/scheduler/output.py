@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
+from tandem.lora_request import LoRARequest
 from tandem.request import Request
 
 
@@ -28,3 +29,4 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
     preempted_request_ids: list[str]
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)  # (slot, adapter) to page in first

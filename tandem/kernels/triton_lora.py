@@ -1,0 +1,76 @@
+"""Batched LoRA in the style of Punica's BGMV: per token, shrink x @ A[slot]^T into fp32 rank columns, then expand
+them through B[slot] and add onto the base projection's output. Each program reads its token's slot from the
+static per-token index, so a captured graph serves any mix of adapters."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R,
+                   stride_xm, stride_as, stride_ar, stride_om,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    # grid (tokens, rank tiles): out[t, r] = sum_k x[t, k] * A[slot[t], r, k]
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t)
+    if slot < 0:
+        return
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + r[:, None] * stride_ar
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(x_ptr + t * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+        ak = tl.load(a_rows + k[None, :], mask=(r[:, None] < R) & (k[None, :] < K), other=0.0).to(tl.float32)
+        acc += tl.sum(ak * xk[None, :], axis=1)
+    tl.store(out_ptr + t * stride_om + r, acc, mask=r < R)
+
+
+@triton.jit
+def _expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, N, R,
+                   stride_sm, stride_bs, stride_bn, stride_ym,
+                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    # grid (tokens, output tiles): y[t, n] += sum_r s[t, r] * B[slot[t], n, r]; tokens without an adapter untouched
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t)
+    if slot < 0:
+        return
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_R)
+    s = tl.load(s_ptr + t * stride_sm + r, mask=r < R, other=0.0)
+    b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + n[:, None] * stride_bn + r[None, :],
+                mask=(n[:, None] < N) & (r[None, :] < R), other=0.0).to(tl.float32)
+    delta = tl.sum(b * s[None, :], axis=1)
+    y_ptrs = y_ptr + t * stride_ym + n
+    y = tl.load(y_ptrs, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=n < N)
+
+
+def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    token_slots: torch.Tensor, block_k: int = 256, block_n: int = 64) -> torch.Tensor:
+    """y [n, out] += per-token delta in place; x [n, in], a [slots, rank, in], b [slots, out, rank] (unit last
+    strides), token_slots [n] int (-1: none). The rank columns stay fp32 between the two kernels."""
+    n, k = x.shape
+    rank, out = a.shape[1], b.shape[1]
+    if a.shape[2] != k or b.shape[2] != rank or y.shape != (n, out) or token_slots.shape[0] < n:
+        raise ValueError(f"lora shapes: x {tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}, "
+                         f"y {tuple(y.shape)}, slots {tuple(token_slots.shape)}")
+    if n == 0:
+        return y
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    assert y.stride(-1) == 1 and a.stride(-1) == 1 and b.stride(-1) == 1
+    shrink = torch.empty(n, rank, dtype=torch.float32, device=x.device)  # [n, rank]
+    block_r = min(triton.next_power_of_2(rank), 64)
+    block_k = min(block_k, triton.next_power_of_2(k))
+    _shrink_kernel[(n, triton.cdiv(rank, block_r))](
+        x, a, token_slots, shrink, k, rank, x.stride(0), a.stride(0), a.stride(1), shrink.stride(0),
+        BLOCK_R=block_r, BLOCK_K=block_k)
+    full_r = triton.next_power_of_2(rank)
+    block_n = min(block_n, max(16, 4096 // full_r), triton.next_power_of_2(out))
+    _expand_kernel[(n, triton.cdiv(out, block_n))](
+        shrink, b, token_slots, y, out, rank, shrink.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        BLOCK_N=block_n, BLOCK_R=full_r)
+    return y
