@@ -190,8 +190,8 @@ class EngineConfig:
             return
         if self.quantization == "fp8":
             raise ValueError("enable_lora does not run with quantization fp8 yet (bf16, int4 and int8 weights do)")
-        if self.tensor_parallel_size > 1 or self.data_parallel_size > 1:
-            raise ValueError("enable_lora runs with tensor_parallel_size 1 and data_parallel_size 1 for now")
+        if self.data_parallel_size > 1:
+            raise ValueError("enable_lora runs with data_parallel_size 1 for now")
 
     def resolved_device(self) -> torch.device:
         name = self.device

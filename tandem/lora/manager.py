@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import OrderedDict
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tandem.config import ModelConfig
 from tandem.lora.pack import PackedAdapter, lora_targets, pack_adapter
 from tandem.lora.peft import load_adapter
 from tandem.lora.pool import LoRAPool
@@ -31,8 +33,29 @@ class LoRAManager:
         self.known: dict[int, LoRARequest] = {}  # lora_int_id -> its request (the path to reload it from)
         self.cpu: OrderedDict[int, PackedAdapter] = OrderedDict()  # packed on the host, least recent first
         self._staged: list[tuple[int, PackedAdapter]] = []  # (slot, host copy) to page in with the next H2D
+        self.staged_requests: list[tuple[int, LoRARequest]] = []  # the same, for the other tensor-parallel ranks
         logger.info("LoRA: %d target linears, %d slots of rank %d (%.1f MiB on the device)", len(self.targets),
                     max_loras, max_rank, self.pool.num_bytes / 2**20)
+
+    def module_shapes(self, config: ModelConfig) -> dict[str, tuple[int, int]]:
+        """Every projection an adapter may target, by Hugging Face module name: (in, out) of the whole (unsharded)
+        base projection."""
+        hidden, tp = config.hidden_size, self.tp_size
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        shapes: dict[str, tuple[int, int]] = {}
+        for name, linear in self.targets.items():
+            prefix, kind = name.rsplit(".", 1)
+            if kind == "qkv_proj":
+                shapes.update({f"{prefix}.q_proj": (hidden, q), f"{prefix}.k_proj": (hidden, kv),
+                               f"{prefix}.v_proj": (hidden, kv)})
+            elif kind == "o_proj":
+                shapes[f"{prefix}.o_proj"] = (q, hidden)
+            elif kind == "gate_up_proj":
+                inter = linear.out_features * tp // 2
+                shapes.update({f"{prefix}.gate_proj": (hidden, inter), f"{prefix}.up_proj": (hidden, inter)})
+            else:
+                shapes[f"{prefix}.down_proj"] = (linear.in_features * tp, hidden)
+        return shapes
 
     def add(self, request: LoRARequest) -> None:
         """Registers an adapter, reading and checking it unless known: ValueError naming it when it cannot serve."""
@@ -81,6 +104,21 @@ class LoRAManager:
         """The scheduler's page-ins for a prepared step (host copies made ready now, copied in upload())."""
         for slot, request in loads:
             self._staged.append((slot, self.packed(request)))
+            self.staged_requests.append((slot, request))
+
+    def take_staged_message(self) -> bytes | None:
+        """The page-ins staged since the last call, as the message rank 0 sends the other ranks (each reads its own
+        shards from the adapter's folder); None when there are none."""
+        if not self.staged_requests:
+            return None
+        loads = [(slot, r.lora_name, r.lora_int_id, r.lora_path) for slot, r in self.staged_requests]
+        self.staged_requests = []
+        return json.dumps(loads).encode()
+
+    def stage_message(self, data: bytes) -> None:
+        """A worker: stages the page-ins of rank 0's message for its next step."""
+        self.stage([(slot, LoRARequest(name, lora_id, path)) for slot, name, lora_id, path in json.loads(data)])
+        self.staged_requests = []
 
     def upload(self, h2d: torch.cuda.Stream | None, compute: torch.cuda.Stream | None) -> None:
         """Pages the staged adapters into their slots; call on the H2D stream before the step's h2d_done. A slot

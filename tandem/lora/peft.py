@@ -75,6 +75,18 @@ def read_config(request: LoRARequest, max_rank: int) -> tuple[int, float]:
     return rank, float(scaling)
 
 
+def check_modules(adapter: LoRAAdapter, modules: dict[str, list[int]]) -> None:
+    """ValueError naming the adapter unless each of its modules is one of `modules` (Hugging Face name ->
+    [in, out] features of the base projection) with A [r, in] and B [out, r]."""
+    for module, (a, b) in adapter.weights.items():
+        dims = modules.get(module)
+        if dims is None:
+            raise _fail(adapter.request, f"target module {module!r} is not a projection this model has")
+        if a.shape[1] != dims[0] or b.shape[0] != dims[1]:
+            raise _fail(adapter.request, f"{module} has A {tuple(a.shape)} / B {tuple(b.shape)}, but the base "
+                                         f"projection maps {dims[0]} -> {dims[1]} features")
+
+
 def load_adapter(request: LoRARequest, max_rank: int) -> LoRAAdapter:
     """Reads and checks the folder: every tensor a lora_A / lora_B weight of one of PROJECTIONS, each module with
     both, A [r, in] and B [out, r]. Shapes against the model are checked when it is packed (pack.py)."""

@@ -178,6 +178,9 @@ class ModelRunner:
             raise RuntimeError(f"step {plan.step_index} was prepared, but the runner is at step {self.step_index}")
         handle = StepHandle(prepared.sched, plan, self.events[plan.slot], prepared.num_context_tokens)
         if self.group is not None:
+            lora_message = None if self.lora is None else self.lora.take_staged_message()
+            if lora_message is not None:  # adapters to page in: every rank reads its own shards
+                self.group.send_bytes(lora_message)
             # The other ranks get the filled host buffers before this rank launches (CPU to CPU only).
             regions = plan.regions(self.buffers[plan.slot]) + self.prompt_logprobs.regions(plan.slot)
             self.group.send_step(plan.fields(), regions)
