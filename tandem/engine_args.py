@@ -43,7 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models over the tensor-parallel ranks: whole experts per rank (expert e on rank "
                         "e mod N) instead of every expert sharded; attention stays tensor-parallel")
-    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) beside the base model")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders) beside the base model")
     g.add_argument("--max-loras", type=int, default=1, help="adapters resident on the device at once (slots)")
     g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
     g.add_argument("--max-cpu-loras", type=int, default=None,

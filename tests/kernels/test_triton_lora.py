@@ -45,3 +45,25 @@ def test_lora_kernels_refuse_bad_shapes():
     x, a, b = torch.zeros(2, 8), torch.zeros(1, 4, 16), torch.zeros(1, 8, 4)
     with pytest.raises(ValueError, match="lora shapes"):
         lora_add_triton(torch.zeros(2, 8), x, a, b, torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("force_triton", [False, True], ids=["reference", "triton"])
+def test_linear_adds_each_tokens_adapter(monkeypatch, force_triton):
+    """A Linear holding a LoRADelta: base output plus, per token, its slot's (x A^T) B^T; the gated path too."""
+    from tandem.layers.activation import silu_and_mul
+    from tandem.layers.linear import Linear
+    from tandem.lora.pool import LoRADelta
+
+    if force_triton and not CUDA:
+        monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
+    gen = torch.Generator().manual_seed(3)
+    linear = Linear(48, 64).to(DEVICE)
+    linear.weight.data = torch.randn(64, 48, generator=gen).to(DEVICE)
+    a = (torch.randn(2, 8, 48, generator=gen) * 0.2).to(DEVICE)
+    b = (torch.randn(2, 64, 8, generator=gen) * 0.2).to(DEVICE)
+    slots = torch.tensor([1, -1, 0, 1, -1, -1], dtype=torch.int32, device=DEVICE)
+    linear.lora = LoRADelta(a, b, slots)
+    x = torch.randn(4, 48, generator=gen).to(DEVICE)
+    expected = per_token(x @ linear.weight.t(), x, a, b, slots[:4]).float()
+    torch.testing.assert_close(linear(x), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(linear.forward_silu_and_mul(x), silu_and_mul(expected), atol=1e-4, rtol=1e-4)

@@ -118,3 +118,24 @@ def test_shape_mismatch_and_foreign_modules_are_refused(setup, tmp_path):
                      lora_request=LoRARequest("bad2", 6, bad))
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
         LoRARequest("x", 0, bad)
+
+
+def test_moe_attention_adapter_matches_peft(tmp_path):
+    """The attention of a mixture of experts (Qwen2-MoE: shared expert, one dense layer) under an adapter."""
+    import torch
+    import transformers
+
+    from tests.models.test_moe_parity import tiny_moe_config
+
+    torch.manual_seed(0)
+    base = str(tmp_path / "base")
+    transformers.AutoModelForCausalLM.from_config(tiny_moe_config("qwen2_moe")).float().eval().save_pretrained(base)
+    path = save_adapter(base, str(tmp_path / "attn"), ["q_proj", "k_proj", "v_proj", "o_proj"], r=8, seed=4,
+                        scale=0.5)
+    loras = [LoRARequest("attn", 1, path), None]
+    prompts = PROMPTS[:2]
+    expected = [peft_greedy(base, path, prompts[0], MAX_TOKENS), peft_greedy(base, None, prompts[1], MAX_TOKENS)]
+    assert expected[0] != peft_greedy(base, None, prompts[0], MAX_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = _llm(base, max_loras=1).generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in outs] == expected
