@@ -49,10 +49,91 @@ def _expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, N, R,
     tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=n < N)
 
 
+@triton.jit
+def _shrink_block_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, M, K, R,
+                         stride_xm, stride_as, stride_ar, stride_om,
+                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    # grid (token blocks, rank tiles). A block whose tokens share one adapter (a prefill chunk's, nearly always) is
+    # one tile product over K; a block that mixes adapters runs its rows one by one.
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(slots_ptr + m, mask=m < M, other=-1)
+    top = tl.max(slots, axis=0)
+    if top < 0:
+        return
+    low = tl.min(tl.where(m < M, slots, top), axis=0)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if low == top:
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        a_rows = a_ptr + top.to(tl.int64) * stride_as + r[:, None] * stride_ar
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K),
+                         other=0.0)
+            ak = tl.load(a_rows + k[None, :], mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)
+            acc += tl.dot(xk, tl.trans(ak.to(xk.dtype)))
+        tl.store(out_ptr + m[:, None] * stride_om + r[None, :], acc, mask=(m[:, None] < M) & (r[None, :] < R))
+    else:
+        for i in range(0, BLOCK_M):
+            t = tl.program_id(0) * BLOCK_M + i
+            slot = tl.load(slots_ptr + t, mask=t < M, other=-1)
+            if slot >= 0:
+                acc1 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+                a_rows1 = a_ptr + slot.to(tl.int64) * stride_as + r[:, None] * stride_ar
+                for k0 in range(0, K, BLOCK_K):
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    xk1 = tl.load(x_ptr + t * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+                    ak1 = tl.load(a_rows1 + k[None, :], mask=(r[:, None] < R) & (k[None, :] < K),
+                                  other=0.0).to(tl.float32)
+                    acc1 += tl.sum(ak1 * xk1[None, :], axis=1)
+                tl.store(out_ptr + t * stride_om + r, acc1, mask=r < R)
+
+
+@triton.jit
+def _expand_block_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, M, N, R,
+                         stride_sm, stride_bs, stride_bn, stride_ym,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    # grid (token blocks, output tiles): as _shrink_block_kernel, onto y in place; rows without an adapter untouched.
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(slots_ptr + m, mask=m < M, other=-1)
+    top = tl.max(slots, axis=0)
+    if top < 0:
+        return
+    low = tl.min(tl.where(m < M, slots, top), axis=0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_R)
+    if low == top:
+        b = tl.load(b_ptr + top.to(tl.int64) * stride_bs + n[:, None] * stride_bn + r[None, :],
+                    mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
+        s = tl.load(s_ptr + m[:, None] * stride_sm + r[None, :], mask=(m[:, None] < M) & (r[None, :] < R), other=0.0)
+        delta = tl.dot(s.to(b.dtype), tl.trans(b))  # [BLOCK_M, BLOCK_N] fp32
+        y_ptrs = y_ptr + m[:, None] * stride_ym + n[None, :]
+        mask = (m[:, None] < M) & (n[None, :] < N)
+        y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        for i in range(0, BLOCK_M):
+            t = tl.program_id(0) * BLOCK_M + i
+            slot = tl.load(slots_ptr + t, mask=t < M, other=-1)
+            if slot >= 0:
+                s1 = tl.load(s_ptr + t * stride_sm + r, mask=r < R, other=0.0)
+                b1 = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + n[:, None] * stride_bn + r[None, :],
+                             mask=(n[:, None] < N) & (r[None, :] < R), other=0.0).to(tl.float32)
+                y_ptrs1 = y_ptr + t * stride_ym + n
+                y1 = tl.load(y_ptrs1, mask=n < N, other=0.0).to(tl.float32)
+                tl.store(y_ptrs1, (y1 + tl.sum(b1 * s1[None, :], axis=1)).to(y_ptr.dtype.element_ty), mask=n < N)
+
+
+# Up to this many tokens (decode steps, whose rows mix adapters) one program takes one token; past it, blocks of
+# BLOCK_M tokens (prefill chunks, whose rows share their request's adapter) take tile products.
+PER_TOKEN_MAX = 128
+
+
 def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    token_slots: torch.Tensor, block_k: int = 256, block_n: int = 64) -> torch.Tensor:
+                    token_slots: torch.Tensor, block_k: int = 256, block_n: int = 64,
+                    block_m: int | None = None) -> torch.Tensor:
     """y [n, out] += per-token delta in place; x [n, in], a [slots, rank, in], b [slots, out, rank] (unit last
-    strides), token_slots [n] int (-1: none). The rank columns stay fp32 between the two kernels."""
+    strides), token_slots [n] int (-1: none). The rank columns stay fp32 between the two kernels. block_m: tokens
+    a program takes (1: one each; None: by the token count, PER_TOKEN_MAX)."""
     n, k = x.shape
     rank, out = a.shape[1], b.shape[1]
     if a.shape[2] != k or b.shape[2] != rank or y.shape != (n, out) or token_slots.shape[0] < n:
@@ -63,6 +144,19 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
     x = x if x.stride(-1) == 1 else x.contiguous()
     assert y.stride(-1) == 1 and a.stride(-1) == 1 and b.stride(-1) == 1
     shrink = torch.empty(n, rank, dtype=torch.float32, device=x.device)  # [n, rank]
+    if block_m is None:
+        block_m = 1 if n <= PER_TOKEN_MAX else 32
+    if block_m > 1:
+        full_r = max(16, triton.next_power_of_2(rank))
+        block_k = max(16, min(block_k // 4, triton.next_power_of_2(k)))
+        _shrink_block_kernel[(triton.cdiv(n, block_m), 1)](
+            x, a, token_slots, shrink, n, k, rank, x.stride(0), a.stride(0), a.stride(1), shrink.stride(0),
+            BLOCK_M=block_m, BLOCK_R=full_r, BLOCK_K=block_k)
+        block_n = max(16, min(block_n, triton.next_power_of_2(out)))
+        _expand_block_kernel[(triton.cdiv(n, block_m), triton.cdiv(out, block_n))](
+            shrink, b, token_slots, y, n, out, rank, shrink.stride(0), b.stride(0), b.stride(1), y.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=full_r)
+        return y
     block_r = min(triton.next_power_of_2(rank), 64)
     block_k = min(block_k, triton.next_power_of_2(k))
     _shrink_kernel[(n, triton.cdiv(rank, block_r))](

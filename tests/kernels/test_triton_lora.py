@@ -41,6 +41,26 @@ def test_lora_kernels_match_reference(dtype, n, k, out, rank):
     assert torch.equal(got[untouched], y[untouched])  # a token without an adapter keeps its base output bit for bit
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_token_block_kernels_match_reference(dtype):
+    """Blocks of 16 tokens: whole blocks under one adapter (tile products), blocks that mix adapters or hold tokens
+    without one (row by row), a block with none, and a ragged last block."""
+    gen = torch.Generator().manual_seed(7)
+    n, k, out, rank = 75, 96, 80, 24
+    x = torch.randn(n, k, generator=gen).to(DEVICE, dtype)
+    a = (torch.randn(3, rank, k, generator=gen) * 0.1).to(DEVICE, dtype)
+    b = (torch.randn(3, out, rank, generator=gen) * 0.1).to(DEVICE, dtype)
+    y = torch.randn(n, out, generator=gen).to(DEVICE, dtype)
+    slots = torch.tensor([2] * 16 + [-1] * 16 + [0] * 5 + [1] * 3 + [-1] * 8 + [1] * 16 + [0] * 11,
+                         dtype=torch.int32, device=DEVICE)
+    expected = per_token(y, x, a, b, slots)
+    got = lora_add_triton(y.clone(), x, a, b, slots, block_m=16, block_k=32, block_n=32)
+    exact = dtype == torch.float32 and not CUDA  # a GPU's fp32 tile products round their inputs to TF32
+    tol = dict(atol=1e-4, rtol=1e-4) if exact else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.double(), expected, **tol)
+    assert torch.equal(got[16:32], y[16:32])
+
+
 def test_lora_kernels_refuse_bad_shapes():
     x, a, b = torch.zeros(2, 8), torch.zeros(1, 4, 16), torch.zeros(1, 8, 4)
     with pytest.raises(ValueError, match="lora shapes"):
