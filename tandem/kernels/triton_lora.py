@@ -10,37 +10,43 @@ import triton.language as tl
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R,
-                   stride_xm, stride_as, stride_ar, stride_om,
+def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, K_PER_SPLIT,
+                   stride_xm, stride_as, stride_ar, stride_os, stride_om,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    # grid (tokens, rank tiles): out[t, r] = sum_k x[t, k] * A[slot[t], r, k]
+    # grid (tokens, rank tiles, K splits): out[split, t, r] = sum over the split's k of x[t, k] * A[slot[t], r, k]
+    # (a few tokens alone would leave most SMs idle: the splits spread one token's K over several programs).
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
     if slot < 0:
         return
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    split = tl.program_id(2)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     a_rows = a_ptr + slot.to(tl.int64) * stride_as + r[:, None] * stride_ar
-    for k0 in range(0, K, BLOCK_K):
+    k_end = tl.minimum(K, (split + 1) * K_PER_SPLIT)
+    for k0 in range(split * K_PER_SPLIT, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        xk = tl.load(x_ptr + t * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-        ak = tl.load(a_rows + k[None, :], mask=(r[:, None] < R) & (k[None, :] < K), other=0.0).to(tl.float32)
+        xk = tl.load(x_ptr + t * stride_xm + k, mask=k < k_end, other=0.0).to(tl.float32)
+        ak = tl.load(a_rows + k[None, :], mask=(r[:, None] < R) & (k[None, :] < k_end), other=0.0).to(tl.float32)
         acc += tl.sum(ak * xk[None, :], axis=1)
-    tl.store(out_ptr + t * stride_om + r, acc, mask=r < R)
+    tl.store(out_ptr + split * stride_os + t * stride_om + r, acc, mask=r < R)
 
 
 @triton.jit
-def _expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, N, R,
-                   stride_sm, stride_bs, stride_bn, stride_ym,
+def _expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, N, R, SPLITS,
+                   stride_ss, stride_sm, stride_bs, stride_bn, stride_ym,
                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    # grid (tokens, output tiles): y[t, n] += sum_r s[t, r] * B[slot[t], n, r]; tokens without an adapter untouched
+    # grid (tokens, output tiles): y[t, n] += sum_r s[t, r] * B[slot[t], n, r], s summed over the shrink's K splits;
+    # tokens without an adapter untouched
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
     if slot < 0:
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, BLOCK_R)
-    s = tl.load(s_ptr + t * stride_sm + r, mask=r < R, other=0.0)
+    s = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for j in range(0, SPLITS):
+        s += tl.load(s_ptr + j * stride_ss + t * stride_sm + r, mask=r < R, other=0.0)
     b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + n[:, None] * stride_bn + r[None, :],
                 mask=(n[:, None] < N) & (r[None, :] < R), other=0.0).to(tl.float32)
     delta = tl.sum(b * s[None, :], axis=1)
@@ -130,10 +136,11 @@ PER_TOKEN_MAX = 128
 
 def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     token_slots: torch.Tensor, block_k: int = 256, block_n: int = 64,
-                    block_m: int | None = None) -> torch.Tensor:
+                    block_m: int | None = None, splits: int | None = None) -> torch.Tensor:
     """y [n, out] += per-token delta in place; x [n, in], a [slots, rank, in], b [slots, out, rank] (unit last
     strides), token_slots [n] int (-1: none). The rank columns stay fp32 between the two kernels. block_m: tokens
-    a program takes (1: one each; None: by the token count, PER_TOKEN_MAX)."""
+    a program takes (1: one each; None: by the token count, PER_TOKEN_MAX); splits: K splits of the per-token shrink
+    (None: enough programs for about two an SM)."""
     n, k = x.shape
     rank, out = a.shape[1], b.shape[1]
     if a.shape[2] != k or b.shape[2] != rank or y.shape != (n, out) or token_slots.shape[0] < n:
@@ -143,10 +150,10 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
         return y
     x = x if x.stride(-1) == 1 else x.contiguous()
     assert y.stride(-1) == 1 and a.stride(-1) == 1 and b.stride(-1) == 1
-    shrink = torch.empty(n, rank, dtype=torch.float32, device=x.device)  # [n, rank]
     if block_m is None:
         block_m = 1 if n <= PER_TOKEN_MAX else 32
     if block_m > 1:
+        shrink = torch.empty(n, rank, dtype=torch.float32, device=x.device)  # [n, rank]
         full_r = max(16, triton.next_power_of_2(rank))
         block_k = max(16, min(block_k // 4, triton.next_power_of_2(k)))
         _shrink_block_kernel[(triton.cdiv(n, block_m), 1)](
@@ -157,14 +164,24 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
             shrink, b, token_slots, y, n, out, rank, shrink.stride(0), b.stride(0), b.stride(1), y.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=full_r)
         return y
-    block_r = min(triton.next_power_of_2(rank), 64)
+    block_r = min(triton.next_power_of_2(rank), 16)
     block_k = min(block_k, triton.next_power_of_2(k))
-    _shrink_kernel[(n, triton.cdiv(rank, block_r))](
-        x, a, token_slots, shrink, k, rank, x.stride(0), a.stride(0), a.stride(1), shrink.stride(0),
-        BLOCK_R=block_r, BLOCK_K=block_k)
+    r_tiles, k_tiles = triton.cdiv(rank, block_r), triton.cdiv(k, block_k)
+    if splits is None:  # about two programs an SM
+        splits = max(1, min(k_tiles, triton.cdiv(2 * _num_sms(x.device), n * r_tiles)))
+    k_per_split = triton.cdiv(k_tiles, splits) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    shrink = torch.empty(splits, n, rank, dtype=torch.float32, device=x.device)  # [splits, n, rank] partial sums
+    _shrink_kernel[(n, r_tiles, splits)](
+        x, a, token_slots, shrink, k, rank, k_per_split, x.stride(0), a.stride(0), a.stride(1), shrink.stride(0),
+        shrink.stride(1), BLOCK_R=block_r, BLOCK_K=block_k)
     full_r = triton.next_power_of_2(rank)
     block_n = min(block_n, max(16, 4096 // full_r), triton.next_power_of_2(out))
     _expand_kernel[(n, triton.cdiv(out, block_n))](
-        shrink, b, token_slots, y, out, rank, shrink.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_N=block_n, BLOCK_R=full_r)
+        shrink, b, token_slots, y, out, rank, splits, shrink.stride(0), shrink.stride(1), b.stride(0), b.stride(1),
+        y.stride(0), BLOCK_N=block_n, BLOCK_R=full_r)
     return y
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4

@@ -34,9 +34,11 @@ def test_lora_kernels_match_reference(dtype, n, k, out, rank):
     expected = per_token(y, x, a, b, slots[:n])
     ref = lora_add_ref(y.clone(), x, a, b, slots[:n])
     got = lora_add_triton(y.clone(), x, a, b, slots, block_k=64, block_n=32)  # slots longer than n: padding
+    split = lora_add_triton(y.clone(), x, a, b, slots, block_k=32, block_n=32, splits=3)  # K in three programs
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(ref.double(), expected, **tol)
     torch.testing.assert_close(got.double(), expected, **tol)
+    torch.testing.assert_close(split.double(), expected, **tol)
     untouched = slots[:n] < 0
     assert torch.equal(got[untouched], y[untouched])  # a token without an adapter keeps its base output bit for bit
 
