@@ -141,6 +141,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
@@ -149,7 +150,7 @@ class LLM:
             self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
             for conv in conversations  # type: ignore[union-attr]
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, tokenized: list[tuple[str | None, list[int]]], params_list: list[SamplingParams],
              use_tqdm: bool, loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
