@@ -81,3 +81,13 @@ def test_load_and_unload_at_run_time(lora_server):
     # Loaded again: the same tokens.
     assert live.post("/v1/load_lora_adapter", json={"lora_name": "attn", "lora_path": paths["attn"]}).status_code == 200
     assert _tokens(client, "attn") == peft_greedy(base, paths["attn"], PROMPT, 6)
+
+
+def test_lora_modules_flag_parsing():
+    from tandem.server.launcher import lora_modules_from_args
+
+    assert lora_modules_from_args(["a=/x", "b=/y=z"], True) == {"a": "/x", "b": "/y=z"}
+    for items, enabled, reason in ((["a=/x"], False, "needs --enable-lora"), (["a"], True, "NAME=PATH"),
+                                   (["a=/x", "a=/y"], True, "twice")):
+        with pytest.raises(ValueError, match=reason):
+            lora_modules_from_args(items, enabled)
