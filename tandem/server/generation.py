@@ -70,7 +70,7 @@ class Generation:
 
     def __init__(self, engine: AsyncEngine, tokenizer: Any, metrics: ServerMetrics, request_id: str,
                  prompts: list[Prompt], n: int, params: SamplingParams, arrival: float,
-                 lora_request: Any = None) -> None:
+                 lora_request: Any = None, model: str = "") -> None:
         self.engine = engine
         self.metrics = metrics
         self.request_id = request_id
@@ -79,6 +79,7 @@ class Generation:
         self.error: str | None = None
         self.error_status = 500
         self.created = int(time.time())
+        self.model = model  # the name responses carry: the served model's, or the adapter's
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pending: list[Any] = []  # items that arrived while waiting for acknowledgements
         self.choices: list[Choice] = []

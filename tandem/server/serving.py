@@ -71,7 +71,7 @@ class OpenAIServing:
                 logprobs=self._completion_logprobs(entries) if params.logprobs is not None else None,
                 prompt_logprobs=(self._prompt_logprobs_body(prompt.token_ids, c.prompt_logprobs, body.prompt_logprobs)
                                  if body.prompt_logprobs is not None else None)))
-        return json_response(p.CompletionResponse(id=gen.request_id, created=gen.created, model=self.model_names[0],
+        return json_response(p.CompletionResponse(id=gen.request_id, created=gen.created, model=gen.model,
                                                   choices=choices, usage=gen.usage(),
                                                   metrics=gen.server_metrics()))
 
@@ -110,7 +110,7 @@ class OpenAIServing:
             prompt_logprobs = self._prompt_logprobs_body(prompts[0].token_ids, gen.choices[0].prompt_logprobs,
                                                          body.prompt_logprobs)
         return json_response(p.ChatCompletionResponse(id=gen.request_id, created=gen.created,
-                                                      model=self.model_names[0], choices=choices, usage=gen.usage(),
+                                                      model=gen.model, choices=choices, usage=gen.usage(),
                                                       metrics=gen.server_metrics(), prompt_logprobs=prompt_logprobs))
 
     def models(self) -> p.ModelList:
@@ -300,7 +300,8 @@ class OpenAIServing:
             raise ApiError(400, f"n x prompts = {num_requests} exceeds the server's queue of "
                                 f"{self.engine.max_queue} requests", param="n")
         try:
-            gen = Generation(self.engine, self.tokenizer, self.metrics, request_id, prompts, n, params, arrival, lora)
+            gen = Generation(self.engine, self.tokenizer, self.metrics, request_id, prompts, n, params, arrival, lora,
+                             model=self.model_names[0] if lora is None else lora.lora_name)
         except QueueFullError as exc:
             raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full") from exc
         except EngineUnavailableError as exc:
@@ -318,7 +319,7 @@ class OpenAIServing:
     # per process, pydantic models per chunk cost more than the rest of the stream path together.
     async def _completion_stream(self, gen: Generation, include_usage: bool) -> AsyncIterator[bytes | str]:
         head = {"id": gen.request_id, "object": "text_completion", "created": gen.created,
-                "model": self.model_names[0]}
+                "model": gen.model}
         has_tokenizer = self.tokenizer is not None
         try:
             while not gen.done:
@@ -337,7 +338,7 @@ class OpenAIServing:
 
     async def _chat_stream(self, gen: Generation, include_usage: bool, logprobs: bool) -> AsyncIterator[bytes | str]:
         head = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
-                "model": self.model_names[0]}
+                "model": gen.model}
 
         def chunk(index: int, delta: dict[str, str | None], d: Delta | None = None) -> bytes:
             lp = self._chat_logprobs(d.logprobs).model_dump() if d is not None and logprobs and d.logprobs else None
@@ -365,7 +366,7 @@ class OpenAIServing:
         streams content until the model's call marker, then holds the rest back and sends the parsed calls at
         the end; required sends its calls at the end (the grammar's array is parsed whole)."""
         head = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
-                "model": self.model_names[0]}
+                "model": gen.model}
 
         def chunk(index: int, delta: dict[str, Any], finish: str | None = None, stop: int | str | None = None) -> bytes:
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "stop_reason": stop}
@@ -429,7 +430,7 @@ class OpenAIServing:
             body = p.error_body(public_message(gen.error), type="server_error", code=gen.error_status)
             yield f"data: {json.dumps(body)}\n\n"
         elif include_usage:
-            yield sse(chunk_type(id=gen.request_id, created=gen.created, model=self.model_names[0], choices=[],
+            yield sse(chunk_type(id=gen.request_id, created=gen.created, model=gen.model, choices=[],
                                  usage=gen.usage(), metrics=gen.server_metrics()))
         yield "data: [DONE]\n\n"
 

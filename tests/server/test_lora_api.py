@@ -47,6 +47,7 @@ def test_model_names_the_adapter(lora_server):
     live, base, paths, _ = lora_server
     client = live.openai()
     assert _tokens(client, "all") == peft_greedy(base, paths["all"], PROMPT, 6)
+    assert client.completions.create(model="all", prompt=PROMPT, max_tokens=1).model == "all"
     assert _tokens(client, MODEL_NAME) == peft_greedy(base, None, PROMPT, 6)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         _tokens(client, "nope")
