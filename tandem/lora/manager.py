@@ -104,7 +104,8 @@ class LoRAManager:
         """The scheduler's page-ins for a prepared step (host copies made ready now, copied in upload())."""
         for slot, request in loads:
             self._staged.append((slot, self.packed(request)))
-            self.staged_requests.append((slot, request))
+            if self.tp_size > 1:  # rank 0 forwards them (take_staged_message)
+                self.staged_requests.append((slot, request))
 
     def take_staged_message(self) -> bytes | None:
         """The page-ins staged since the last call, as the message rank 0 sends the other ranks (each reads its own
