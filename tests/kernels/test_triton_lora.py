@@ -89,3 +89,20 @@ def test_linear_adds_each_tokens_adapter(monkeypatch, force_triton):
     expected = per_token(x @ linear.weight.t(), x, a, b, slots[:4]).float()
     torch.testing.assert_close(linear(x), expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(linear.forward_silu_and_mul(x), silu_and_mul(expected), atol=1e-4, rtol=1e-4)
+
+
+def test_integer_weights_take_adapters_too():
+    """A Linear with int8 codes (quantize_int_): its dequantized product plus each token's delta."""
+    from tandem.layers.linear import Linear
+    from tandem.lora.pool import LoRADelta
+
+    gen = torch.Generator().manual_seed(5)
+    linear = Linear(128, 64)
+    linear.weight.data = torch.randn(64, 128, generator=gen)
+    linear.quantize_int_(8)
+    x = torch.randn(3, 128, generator=gen)
+    base = linear(x)
+    a, b = torch.randn(1, 4, 128, generator=gen) * 0.2, torch.randn(1, 64, 4, generator=gen) * 0.2
+    slots = torch.tensor([0, -1, 0], dtype=torch.int32)
+    linear.lora = LoRADelta(a, b, slots)
+    torch.testing.assert_close(linear(x).double(), per_token(base, x, a, b, slots), atol=1e-4, rtol=1e-4)
