@@ -1,9 +1,10 @@
 """tandem: an LLM inference engine whose CPU and GPU work in tandem."""
 
+from tandem.lora_request import LoRARequest
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineCore", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "EngineCore", "EngineConfig"]
 __version__ = "0.1.0"
 
 

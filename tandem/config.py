@@ -195,9 +195,19 @@ class EngineConfig:
     strict_json_schema: bool = True
     # Speculative decoding: None (off), a SpeculativeConfig or vLLM's dict form ({"method": "ngram", ...}).
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
+    # LoRA adapters (tandem/lora/, docs/serving.md): max_loras adapters resident on the device at once (a fixed pool
+    # of slots), each of rank <= max_lora_rank; up to max_cpu_loras kept loaded in host memory (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        self._check_lora()
+        if self.enable_lora and self.speculative_config is not None:
+            raise ValueError("speculative_config with enable_lora is not supported yet: a verify step's rows would "
+                             "need each token's adapter in its own order")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):
@@ -242,6 +252,21 @@ class EngineConfig:
                              f"'auto', not {self.device!r} (restrict the GPUs with CUDA_VISIBLE_DEVICES)")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (not isinstance(cpu, int) or isinstance(cpu, bool) or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")
+        if not self.enable_lora:
+            return
+        if self.quantization == "fp8":
+            raise ValueError("enable_lora does not run with quantization fp8 yet (bf16, int4 and int8 weights do)")
+        if self.data_parallel_size > 1:
+            raise ValueError("enable_lora runs with data_parallel_size 1 for now")
 
     def resolved_device(self) -> torch.device:
         name = self.device

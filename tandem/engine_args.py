@@ -44,6 +44,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models over the tensor-parallel ranks: whole experts per rank (expert e on rank "
                         "e mod N) instead of every expert sharded; attention stays tensor-parallel")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders) beside the base model")
+    g.add_argument("--max-loras", type=int, default=1, help="adapters resident on the device at once (slots)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded in host memory, least recently used out first (default: --max-loras)")
     g.add_argument("--grammar-backend", default=None, choices=["xgrammar", "llguidance"],
                    help="grammar backend of structured output and tool calls (default: TANDEM_STRUCTURED_BACKEND, "
                         "else llguidance)")
@@ -82,4 +88,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         grammar_backend=getattr(args, "grammar_backend", None),
         strict_json_schema=not getattr(args, "no_strict_json_schema", False),
         speculative_config=getattr(args, "speculative_config", None),
+        enable_lora=getattr(args, "enable_lora", False), max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16), max_cpu_loras=getattr(args, "max_cpu_loras", None),
     )

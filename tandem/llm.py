@@ -15,6 +15,7 @@ from tandem.config import EngineConfig, relaxed_gc
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.engine.core import EngineCore, EngineOutput, all_plain_ints
 from tandem.outputs import CompletionOutput, RequestOutput, prompt_logprobs_dicts
+from tandem.lora_request import LoRARequest
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
 
@@ -118,7 +119,9 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """lora_request: one adapter for every prompt, or a list aligned with the prompts (None: the base model)."""
         items = self._normalize_prompts(prompts)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(items)
@@ -128,8 +131,9 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(items):
                 raise ValueError(f"got {len(params_list)} sampling params for {len(items)} prompts")
+        loras = _aligned_loras(lora_request, len(items))
         tokenized = [self._tokenize(p) for p in items]  # raises before anything is queued
-        return self._run(tokenized, params_list, use_tqdm)
+        return self._run(tokenized, params_list, use_tqdm, loras)
 
     def chat(
         self,
@@ -137,6 +141,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
@@ -145,10 +150,10 @@ class LLM:
             self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
             for conv in conversations  # type: ignore[union-attr]
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, tokenized: list[tuple[str | None, list[int]]], params_list: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         engine = self.engine
         results: list[RequestOutput] = []
         seqs: dict[str, tuple[int, _Sequence]] = {}  # engine request id -> (prompt index, sequence)
@@ -162,7 +167,11 @@ class LLM:
                     sub_params = params
                     if params.n > 1 and params.seed is not None:
                         sub_params = _with_seed(params, params.seed + j)
-                    engine.add_request(sub_id, ids, sub_params)
+                    lora = None if loras is None else loras[i]
+                    if lora is None:
+                        engine.add_request(sub_id, ids, sub_params)
+                    else:
+                        engine.add_request(sub_id, ids, sub_params, lora_request=lora)
                     added.append(sub_id)
                     detok = (IncrementalDetokenizer(self.tokenizer, ids, params)
                              if self.tokenizer is not None else None)
@@ -250,6 +259,20 @@ class LLM:
             seq.stop_reason = out.stop_reason
             return True
         return False
+
+
+def _aligned_loras(lora_request: Any, num_prompts: int) -> list[LoRARequest | None] | None:
+    """One adapter (or None) per prompt; ValueError for a list of another length or anything not a LoRARequest."""
+    if lora_request is None:
+        return None
+    loras = [lora_request] * num_prompts if isinstance(lora_request, LoRARequest) else lora_request
+    if not isinstance(loras, Sequence) or isinstance(loras, str) or len(loras) != num_prompts:
+        raise ValueError(f"lora_request must be a LoRARequest or a list of {num_prompts} (one per prompt, None for "
+                         "the base model)")
+    for lora in loras:
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request entries must be LoRARequest or None, got {type(lora).__name__}")
+    return list(loras)
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.lora_request import LoRARequest
 from tandem.sampling_params import SamplingParams
 
 # One sampled token's log-probability and the top-n (token id, log-probability) pairs beside it.
@@ -59,6 +60,9 @@ class Request:
     # The CPU-side next-token constraint (structured.HostMask: a grammar and/or multi-token bad words), or None.
     host_mask: Any = None
     first_scheduled_time: float | None = None
+    # The LoRA adapter it runs with (None: the base model) and, while admitted, the device slot holding it.
+    lora_request: LoRARequest | None = None
+    lora_slot: int = -1
     first_token_time: float | None = None
     # Speculative decoding: the tokens proposed for the next step (set before it is scheduled, consumed by it),
     # the most the proposer may offer this request (shrinks after rejections, grows after full acceptance),

@@ -523,9 +523,9 @@ def _print_table(results: list[dict[str, Any]]) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
     for n in names:
-        if n not in WORKLOADS and n not in ("serve", "structured", "score", "spec"):
+        if n not in WORKLOADS and n not in ("serve", "structured", "score", "spec", "lora"):
             raise ValueError(f"unknown workload {n!r}; choose from "
-                             f"{sorted(WORKLOADS) + ['serve', 'structured', 'score', 'spec']} or all")
+                             f"{sorted(WORKLOADS) + ['serve', 'structured', 'score', 'spec', 'lora']} or all")
     peers = [] if args.no_peers else args.peers.split(",")
     for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
                         ("--data-parallel-size", args.data_parallel_size)):
@@ -567,12 +567,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                              [int(b) for b in args.spec_batch.split(",")],
                                              int(256 * args.scale) or 1, args.spec_draft_model))
             continue
+        if n == "lora":  # adapters against the base model at the same batch sizes
+            from tandem.bench.lora_workload import run_lora_workload
+
+            print("== lora: random rank-16 adapters on all seven projections against the base model", flush=True)
+            results.append(run_lora_workload(args.lora_model, args.scale))
+            continue
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
         results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.quantization,
                                       args.tensor_parallel_size, args.data_parallel_size, args.kv_cache_dtype,
                                       args.quantize_lm_head, args.enable_expert_parallel, args.checkpoint))
         _print_table(results[-1:])
-    _print_table([r for r in results if r["workload"] not in ("serve", "structured", "score", "spec")])
+    _print_table([r for r in results if r["workload"] not in ("serve", "structured", "score", "spec", "lora")])
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -623,6 +629,8 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
     bench.add_argument("--structured-backends", default=None,
                        help="comma list of grammar backends (xgrammar, llguidance) whose constrained passes run on the "
                             "same engine, side by side (default: TANDEM_STRUCTURED_BACKEND, else llguidance)")
+    bench.add_argument("--lora-model", default="llama-3-8b",
+                       help="shape of the lora workload (a named shape or a model folder; random weights)")
     bench.add_argument("--score-model", default="llama-3-8b",
                        help="shape of the score workload (a named shape or a model folder; random weights), "
                             "or 'embedded' for SmolLM2")

@@ -33,7 +33,7 @@ INIT_TIMEOUT = timedelta(minutes=10)  # weight loading of a 70B shard can take m
 
 LEAVE_TIMEOUT_S = 10.0  # a clean leave takes well under a second; past this the process is left as it is
 _IDLE_TIMEOUT = timedelta(days=365)
-_OP_STEP, _OP_STOP, _OP_REPORT, _OP_ALL_REDUCE_BENCH = 1, 2, 3, 4
+_OP_STEP, _OP_STOP, _OP_REPORT, _OP_ALL_REDUCE_BENCH, _OP_BYTES = 1, 2, 3, 4, 5
 STEP_FIELDS = 16  # ints a step's header carries between the op code and the payload's byte count
 _HEADER_LEN = STEP_FIELDS + 2
 
@@ -66,6 +66,7 @@ class TensorParallelGroup:
         self._header_np = self._header.numpy()
         self._stage: torch.Tensor | None = None
         self._stage_np = np.empty(0, dtype=np.uint8)
+        self.received = b""  # a worker's last send_bytes message
         self.failure: str | None = None
         self.closed = False
         self._stop_sent = False
@@ -141,14 +142,31 @@ class TensorParallelGroup:
         except Exception as exc:
             self.raise_failure(exc)
 
+    def send_bytes(self, data: bytes) -> None:
+        """Rank 0, before a step: a message every worker reads as "bytes" from recv_step (then in `received`)."""
+        self.check_alive()
+        self._header_np[:] = 0
+        self._header_np[:2] = (_OP_BYTES, len(data))
+        try:
+            dist.broadcast(self._header, src=0, group=self.cpu_group)
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.cpu_group)
+        except Exception as exc:
+            self.raise_failure(exc)
+
     def recv_step(self) -> np.ndarray | str | None:
-        """Worker: the next step's header fields, "report" when rank 0 asks for GPU spans, None when it says stop."""
+        """Worker: the next step's header fields, "report" when rank 0 asks for GPU spans, "bytes" for a message
+        from send_bytes (kept in `received`), None when it says stop."""
         dist.broadcast(self._header, src=0, group=self.cpu_group)
         op = int(self._header_np[0])
         if op == _OP_STOP:
             return None
         if op == _OP_REPORT:
             return "report"
+        if op == _OP_BYTES:  # a message between steps (LoRA page-ins): its bytes follow
+            data = torch.empty(int(self._header_np[1]), dtype=torch.uint8)
+            dist.broadcast(data, src=0, group=self.cpu_group)
+            self.received = data.numpy().tobytes()
+            return "bytes"
         if op == _OP_ALL_REDUCE_BENCH:
             num_tokens, hidden, count, reps = (int(x) for x in self._header_np[1:5])
             self._all_reduce_loop(num_tokens, hidden, count, reps)

@@ -20,10 +20,12 @@ from tandem.engine.messages import (
     AddRequest,
     ClientCommand,
     EngineBatch,
+    UnloadLoRA,
     WireStats,
     merge_reported,
 )
 from tandem.engine.router import ReplicaRouter, SharedLoad, work
+from tandem.lora_request import LoRARequest
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
 
@@ -196,8 +198,10 @@ class AsyncEngine:
             self._watchers.append(asyncio.ensure_future(self._watch_silence(self.engine_timeout)))
         self._started = True
 
-    def add(self, requests: list[tuple[str, list[int], SamplingParams]], stream: asyncio.Queue) -> None:
-        """Submits requests whose items (Accepted, then EngineOutputs / Rejected / Failed) go to stream.
+    def add(self, requests: list[tuple[str, list[int], SamplingParams]], stream: asyncio.Queue,
+            lora_request: LoRARequest | None = None) -> None:
+        """Submits requests whose items (Accepted, then EngineOutputs / Rejected / Failed) go to stream, all with
+        the LoRA adapter `lora_request` (None: the base model).
 
         All or none are submitted: raises QueueFullError if they do not fit under max_queue.
         """
@@ -215,7 +219,13 @@ class AsyncEngine:
             self._streams[request_id] = stream
             self._replica_of[request_id] = replica
             self._work_of[request_id] = work(prompt_token_ids, params.max_tokens)
-            self._send(replica, AddRequest(request_id, prompt_token_ids, params, self.client_index))
+            self._send(replica, AddRequest(request_id, prompt_token_ids, params, self.client_index, lora_request))
+
+    def unload_lora(self, lora_int_id: int) -> None:
+        """Tells every live replica to forget an adapter (its requests in flight finish with it)."""
+        for replica, state in enumerate(self.replica_state):
+            if state != DEAD:
+                self._send(replica, UnloadLoRA(lora_int_id))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
               stop_reason: str | None = None) -> None:

@@ -17,6 +17,7 @@ from functools import partial
 
 from tandem.config import EngineConfig
 from tandem.engine.draft_model import DraftModelProposer, draft_engine_config
+from tandem.lora_request import LoRARequest
 from tandem.outputs import EngineOutput
 from tandem.profiling.timeline import Timeline
 from tandem.request import FinishReason, Logprobs, Request, RequestStatus
@@ -139,6 +140,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, block_size=config.block_size, num_blocks=self.runner.num_blocks,
             enable_prefix_caching=config.enable_prefix_caching, enable_chunked_prefill=config.enable_chunked_prefill,
+            max_loras=config.max_loras if config.enable_lora else 0,
         ))
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -165,10 +167,13 @@ class EngineCore:
 
     # ---------------------------------------------------------------- requests
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    lora_request: LoRARequest | None = None) -> None:
         self._check_open()
         check_new_request(request_id, prompt_token_ids, params, self._requests, self.model_config.vocab_size,
                           self.max_model_len)
+        if lora_request is not None:
+            self.add_lora(lora_request)  # ValueError naming the adapter when it cannot serve
         if self.config.tensor_parallel_size > 1 and params.uses_logits_state:
             raise ValueError("penalties, logit_bias, allowed_token_ids and bad_words are not supported with "
                              "tensor_parallel_size > 1")
@@ -189,6 +194,7 @@ class EngineCore:
             sampling_seed=seed,
             banned_token_ids=banned,
             bad_word_ids=bad_seqs,
+            lora_request=lora_request,
         )
         if self.spec is not None:
             request.spec_k = self.spec.num_speculative_tokens
@@ -202,6 +208,27 @@ class EngineCore:
                 self.grammar.attach(request, None)
         self._requests[request_id] = request
         self.num_prompt_tokens += len(prompt_token_ids)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Loads an adapter into host memory (at once, so that a bad one fails here); it pages into a device slot
+        when a request that uses it is admitted. ValueError naming the adapter when it cannot serve."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.runner.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} given, but the engine was started without "
+                             "enable_lora")
+        self.runner.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Unloads an adapter: requests already queued or running with it finish with it; new ones must load it
+        again. Unknown ids are ignored."""
+        if self.runner.lora is not None:
+            self.runner.lora.remove(lora_int_id)
+            if self.scheduler.lora_slots is not None:
+                self.scheduler.lora_slots.forget(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.runner.lora is None else list(self.runner.lora.known.values())
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
                       stop_reason: int | str | None = None) -> None:

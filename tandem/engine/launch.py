@@ -66,7 +66,7 @@ class Engines:
         """What the API sees: the smallest context any replica allows, the KV blocks of all of them."""
         infos = [r.info for r in self.replicas]
         return EngineInfo(min(i.max_model_len for i in infos), infos[0].vocab_size,
-                          sum(i.num_blocks for i in infos), infos[0].pid)
+                          sum(i.num_blocks for i in infos), infos[0].pid, infos[0].lora_modules)
 
     @property
     def processes(self) -> list[BaseProcess]:

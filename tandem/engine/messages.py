@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from tandem.lora_request import LoRARequest
 from tandem.outputs import EngineOutput
 from tandem.sampling_params import SamplingParams
 
@@ -15,6 +16,13 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams  # validated by the API process; msgspec rebuilds the frozen dataclass
     client_index: int  # which API process gets this request's outputs
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
+
+
+class UnloadLoRA(msgspec.Struct, tag="unload_lora", array_like=True):
+    """Forget an adapter: requests queued or running with it finish with it; new ones must name a loaded one."""
+
+    lora_int_id: int
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
@@ -33,7 +41,7 @@ class AbortClient(msgspec.Struct, tag="abort_client", array_like=True):
     client_index: int
 
 
-ClientCommand = AddRequest | AbortRequest | Shutdown | AbortClient
+ClientCommand = AddRequest | AbortRequest | Shutdown | AbortClient | UnloadLoRA
 
 
 # ---- engine core -> one API process (one message per engine step) ------------------------
@@ -82,6 +90,9 @@ class EngineInfo(msgspec.Struct, tag="info"):
     vocab_size: int
     num_blocks: int
     pid: int
+    # With LoRA on: every projection an adapter may target, by Hugging Face module name -> [in, out] features
+    # (the API processes check an adapter's shapes against it before they name it in a request).
+    lora_modules: dict[str, list[int]] = {}
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

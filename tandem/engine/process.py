@@ -39,6 +39,7 @@ from tandem.engine.messages import (
     EngineInfo,
     Rejection,
     Shutdown,
+    UnloadLoRA,
     stats_to_wire,
 )
 from tandem.outputs import EngineOutput
@@ -170,6 +171,8 @@ class EngineCoreLoop:
                                                 command.stop_reason)
                     except Exception:
                         logger.exception("abort_request(%s) failed", command.request_id)
+            elif isinstance(command, UnloadLoRA):
+                self.core.remove_lora(command.lora_int_id)
             elif isinstance(command, AbortClient):
                 self._abort_client(command.client_index)
             elif isinstance(command, Shutdown):
@@ -198,7 +201,10 @@ class EngineCoreLoop:
                                                  f"{self.max_queue} requests); retry later", 429))
             return
         try:
-            self.core.add_request(rid, command.prompt_token_ids, command.params)
+            if command.lora_request is None:
+                self.core.add_request(rid, command.prompt_token_ids, command.params)
+            else:
+                self.core.add_request(rid, command.prompt_token_ids, command.params, command.lora_request)
         except ValueError as exc:
             batch.rejected.append(Rejection(rid, str(exc), 400))
             return
@@ -292,6 +298,14 @@ class EngineCoreLoop:
         return EngineBatch([], [], [], None, self.engine_index)
 
 
+def lora_modules_of(core: Any) -> dict[str, list[int]]:
+    """The engine's adapter targets for EngineInfo ({} without LoRA, or for an engine core class without it)."""
+    lora = getattr(getattr(core, "runner", None), "lora", None)
+    if lora is None:
+        return {}
+    return {name: list(dims) for name, dims in lora.module_shapes(core.model_config).items()}
+
+
 def _failed(request_id: str, message: str) -> EngineOutput:
     return EngineOutput(request_id, [], None, True, FinishReason.ABORT, None, 0, 0, error=message)
 
@@ -337,7 +351,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addrs: list[st
         startup.send_bytes(encoder.encode(EngineFailed(message)))
         sys.exit(1)
     startup.send_bytes(encoder.encode(EngineInfo(core.max_model_len, core.model_config.vocab_size,
-                                                 core.runner.num_blocks, os.getpid())))
+                                                 core.runner.num_blocks, os.getpid(), lora_modules_of(core))))
     startup.close()
     trace_path = os.environ.get(TIMELINE_ENV)
     if trace_path:

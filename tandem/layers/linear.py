@@ -30,8 +30,16 @@ class Linear(nn.Module):
         # the weight parameter is then replaced by qweight, scales, zeros (and perm) in the tandem int-N layout.
         self.int_bits = 0
         self.group_size = 0
+        # With LoRA adapters (tandem.lora): an object whose add(x, y) adds each token's adapter delta onto the
+        # base output y in place; None without adapters.
+        self.lora = None
 
     def forward(self, x: torch.Tensor | QuantizedRows, defer_reduce: bool = False) -> torch.Tensor | PartialSums:
+        if self.lora is not None:  # the base output whole (never deferred), then each token's adapter delta
+            return self.lora.add(x, self.base_forward(x))
+        return self.base_forward(x, defer_reduce)
+
+    def base_forward(self, x: torch.Tensor | QuantizedRows, defer_reduce: bool = False) -> torch.Tensor | PartialSums:
         """defer_reduce (the output feeds only RMSNorm's add + norm, which takes PartialSums): a GEMM split
         over K may return its partial sums instead of running the reduce kernel."""
         if isinstance(x, QuantizedRows):  # from an RMSNorm / SiLU-and-mul kernel, for this FP8 weight
@@ -59,7 +67,7 @@ class Linear(nn.Module):
         an FP8 linear): where that linear would quantize it per token, the silu_and_mul kernel writes it
         quantized (QuantizedRows). Quantized rows up to W8A8_MAX_M on a GPU (or the interpreter) run the W8A8
         GEMM with silu(gate) * up in its epilogue, quantized for fp8_out from the row maxima it writes."""
-        if self.int_bits:
+        if self.int_bits or self.lora is not None:
             return silu_and_mul(self(x))
         if isinstance(x, QuantizedRows):
             if self.bias is None and x.q.shape[0] <= W8A8_MAX_M and use_triton(x.q):

@@ -50,6 +50,7 @@ class ModelExecutor:
         self.piecewise: PiecewiseGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None  # flat verify steps (one row per token), by row count
         self.graph_logits = torch.empty(0, device=self.device)  # [max_num_seqs, vocab] once decode graphs exist
+        self.lora = None  # tandem.lora's LoRAPool with adapters on: the forward reads each token's slot from it
 
     # ---------------------------------------------------------------- one step
 
@@ -134,6 +135,8 @@ class ModelExecutor:
         # nothing, and add them onto this step's placeholder zeros.
         carried = prev.out_tokens.index_select(0, carry_src.clamp(min=0)) * (carry_src >= 0)
         input_ids.add_(carried.to(input_ids.dtype))
+        if self.lora is not None:  # the step's per-token adapter slots into the pool's static index
+            self.lora.select(ints["lora_slots"][:num_tokens])
         return self.model(input_ids, ints["positions"][:num_tokens], self.kv_cache, meta)
 
     def forward(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,

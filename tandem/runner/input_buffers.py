@@ -57,6 +57,7 @@ class StepBuffers:
         max_logprobs: int,
         device: torch.device,
         max_drafts: int = 0,
+        lora: bool = False,
     ) -> None:
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
@@ -82,6 +83,8 @@ class StepBuffers:
                 "row_rank": (max_rows,),
                 "row_draft": (max_rows,),
                 "num_drafts": (max_rows,),
+                # With LoRA adapters: each token's adapter slot in the device pool (-1: none), tandem.lora.
+                **({"lora_slots": (max_num_tokens,)} if lora else {}),
                 "block_tables": (max_rows, max_blocks_per_seq),
             },
             torch.int32,

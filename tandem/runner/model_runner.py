@@ -22,6 +22,7 @@ from tandem.config import EngineConfig, ParallelConfig
 from tandem.distributed.group import TPGroup
 from tandem.distributed.ranks import TensorParallelGroup, WorkerDiedError
 from tandem.layers.parallel import local_kv_heads
+from tandem.lora.manager import LoRAManager
 from tandem.models.loader import model_max_len
 from tandem.request import Logprobs
 from tandem.runner.executor import ModelExecutor
@@ -61,8 +62,12 @@ class ModelRunner:
         # Flat verify steps (decode graphs of one row per token) for as many sequences as speculation runs for.
         self.max_verify_rows = (min(spec.disable_by_batch_size, config.max_num_seqs) * (1 + max_drafts)  # type: ignore[union-attr]
                                 if spec is not None else 0)
+        # LoRA adapters (tandem.lora): the device pool is allocated before the KV cache is sized from what is left.
+        self.lora = None if not config.enable_lora else LoRAManager(
+            loaded.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, self.max_num_tokens,
+            self.dtype, self.device, self.parallel.size)
         self.buffers = [StepBuffers(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, MAX_LOGPROBS,
-                                    self.device, max_drafts) for _ in range(2)]
+                                    self.device, max_drafts, lora=self.lora is not None) for _ in range(2)]
         vocab = self.model_config.vocab_size
         self.logits_state = LogitsState(self.max_num_seqs, vocab, self.device)
         self.host_masks = HostMaskBuffers(self.max_num_seqs, vocab, self.device)
@@ -80,6 +85,7 @@ class ModelRunner:
         self.executor = ModelExecutor(loaded.model, layout.allocate(self.num_blocks, self.device), self.buffers,
                                       self.max_model_len, self.model_config.num_heads // self.parallel.size,
                                       self.num_kv_heads, _device_sms(self.device))
+        self.executor.lora = None if self.lora is None else self.lora.pool
         self._start_device()
         self.timing = False
         self.events = [StepEvents(self.device, False) for _ in range(2)]
@@ -168,6 +174,10 @@ class ModelRunner:
             shape = write_step(self.buffers[slot], sched, self._prev_rows, self.block_size, graph_bs, rows,
                                piece_tokens)
         self.logits_state.prepare(slot, sched.scheduled, shape.any_logits_state)
+        if self.lora is not None:  # each token's adapter slot, and the adapters to page in before the step
+            self.lora.write_slots(self.buffers[slot].ints.np["lora_slots"], sched.scheduled, num_tokens,
+                                  max(num_tokens, graph_bs or 0, piece_tokens or 0))
+            self.lora.stage(sched.lora_loads)
         self._prev_rows = rows
         plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,
                         shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self.step_index, self.timing,
@@ -188,6 +198,9 @@ class ModelRunner:
         handle = StepHandle(prepared.sched, plan, self.events[plan.slot], prepared.num_context_tokens,
                             draft_rows=prepared.draft_rows)
         if self.group is not None:
+            lora_message = None if self.lora is None else self.lora.take_staged_message()
+            if lora_message is not None:  # adapters to page in: every rank reads its own shards
+                self.group.send_bytes(lora_message)
             # The other ranks get the filled host buffers before this rank launches (CPU to CPU only).
             regions = plan.regions(self.buffers[plan.slot]) + self.prompt_logprobs.regions(plan.slot)
             self.group.send_step(plan.fields(), regions)
@@ -208,6 +221,8 @@ class ModelRunner:
         only the H2D and the forward (`_enqueue_sampling` adds the rest). Returns the step's logits rows."""
         buf, events, streams = self.buffers[plan.slot], self.events[plan.slot], self.streams
         with streams.on("h2d"):
+            if self.lora is not None:
+                self.lora.upload(*((streams.h2d, streams.compute) if streams.cuda else (None, None)))
             buf.upload(plan.graph_bs or plan.attention_rows)
             self.logits_state.upload(plan.slot)
             self.prompt_logprobs.upload(plan.slot)

@@ -73,6 +73,8 @@ class RankWorker:
             if isinstance(fields, str):  # between steps: "report" (GPU spans) or "bench" (an all-reduce timing, done)
                 if fields == "report":
                     self.group.send_spans(self.take_spans())
+                elif fields == "bytes" and self.runner.lora is not None:  # LoRA page-ins for the next step
+                    self.runner.lora.stage_message(self.group.received)
                 continue
             self.launch(StepPlan.from_fields(fields))
 

@@ -23,6 +23,13 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
     return _hash_block(parent, tuple(token_ids))
 
 
+def adapter_root(request: Request) -> BlockHash | None:
+    """The parent of a request's first block: None for the base model, a digest of the adapter's identity under a
+    LoRA adapter, so KV computed under one adapter is never reused under another or without it."""
+    lora = request.lora_request
+    return None if lora is None else hashlib.blake2b(lora.cache_key(), digest_size=16).digest()
+
+
 HASH_MEMO_BLOCKS = 1 << 14  # (parent, tokens) keys remembered, least recently used out first (~5 MB)
 
 
@@ -101,7 +108,7 @@ class KVCacheManager:
         assert num_blocks * self.block_size <= request.num_tokens, "hashing a block with unknown tokens"
         tokens, size = request.all_token_ids, self.block_size
         for j in range(len(hashes), num_blocks):
-            parent = hashes[j - 1] if j else None
+            parent = hashes[j - 1] if j else adapter_root(request)
             hashes.append(hash_block_tokens(parent, tokens[j * size : (j + 1) * size]))
         return hashes
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
+from tandem.lora_request import LoRARequest
 from tandem.request import Request
 
 
@@ -32,3 +33,4 @@ class SchedulerOutput:
     num_scheduled_tokens: int
     preempted_request_ids: list[str]
     num_draft_tokens: int = 0  # proposed tokens the step verifies (0: a plain step)
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)  # (slot, adapter) to page in first

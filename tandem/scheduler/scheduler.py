@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from tandem.request import FinishReason, Logprobs, Request, RequestStatus
 from tandem.scheduler.kv_cache_manager import KVCacheManager
+from tandem.scheduler.lora_slots import AdapterSlots
 from tandem.scheduler.output import ScheduledRequest, SchedulerOutput
 
 PLACEHOLDER_TOKEN_ID = 0  # input id of a pending position; the runner adds the carried token on the GPU
@@ -23,6 +24,7 @@ class SchedulerConfig:
     num_blocks: int  # including the reserved block 0
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    max_loras: int = 0  # LoRA adapters resident at once (device slots); 0: adapters off
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -54,6 +56,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # unfinished requests (waiting or running) by id
         self.num_preemptions = 0
+        self.lora_slots = AdapterSlots(config.max_loras) if config.max_loras else None
 
     # --- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -176,8 +179,11 @@ class Scheduler:
         if not preempted:
             budget = self._admit(budget, scheduled)
         total = self.config.max_num_batched_tokens - budget
-        return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=total, preempted_request_ids=preempted,
-                               num_draft_tokens=num_drafts)
+        out = SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=total, preempted_request_ids=preempted,
+                              num_draft_tokens=num_drafts)
+        if self.lora_slots is not None:
+            out.lora_loads = self.lora_slots.take_loads()
+        return out
 
     def _preempt_until_fits(self, request: Request, num_new: int, preempted: list[str]) -> list[int] | None:
         """Preempts from the tail of `running` until `request`'s allocation fits; None if `request` itself went."""
@@ -194,6 +200,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the KV, start over from the front of the queue."""
         self.kv_cache_manager.free(request)
+        if self.lora_slots is not None:
+            self.lora_slots.release(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -216,8 +224,13 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
+            lora_slots = self.lora_slots
+            if lora_slots is not None and not lora_slots.acquire(request):
+                break  # every adapter slot is in use: it waits, as for blocks
             block_ids = kv.allocate_slots(request, num_new, computed_blocks)
             if block_ids is None:
+                if lora_slots is not None:
+                    lora_slots.release(request)
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -362,6 +375,8 @@ class Scheduler:
             was_waiting |= request.status is RequestStatus.WAITING  # preempted while its last step was in flight
             request.status = finished
             self.kv_cache_manager.free(request)
+            if self.lora_slots is not None:
+                self.lora_slots.release(request)
             del self.requests[request.request_id]
         self.running[:] = [r for r in self.running if r.status is not finished]
         if was_waiting:
@@ -372,6 +387,8 @@ class Scheduler:
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
         self.kv_cache_manager.free(request)
+        if self.lora_slots is not None:
+            self.lora_slots.release(request)
         del self.requests[request.request_id]
         for queue in (self.running, self.waiting):
             for i, queued in enumerate(queue):

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.engine.client import AsyncEngine
 from tandem.server import protocol as p
 from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
+from tandem.server.adapters import ServedAdapters
 from tandem.server.playground import add_playground_routes
 from tandem.server.protocol import ApiError
 from tandem.server.security import ApiKeyMiddleware, cors_middleware_kwargs, public_message
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 def build_app(engine: AsyncEngine, tokenizer: Any, *, model_names: list[str], max_model_len: int,
               vocab_size: int, api_key: str | None = None, api_restarts: int = 0,
               tool_call_parser: str | None = None, public_metrics: bool = False,
-              allowed_origins: list[str] | None = None) -> FastAPI:
+              allowed_origins: list[str] | None = None, adapters: ServedAdapters | None = None) -> FastAPI:
     """An app in front of the engine core that `engine` talks to; it connects and disconnects with the app's lifespan.
 
     With `api_key`, every route but /health (and /metrics with `public_metrics`) needs it; CORS headers are
@@ -35,7 +36,8 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_names: list[str], ma
     """
     metrics = ServerMetrics()
     metrics.api_server_restarts.set(api_restarts)
-    serving = OpenAIServing(engine, tokenizer, metrics, model_names, max_model_len, vocab_size, tool_call_parser)
+    serving = OpenAIServing(engine, tokenizer, metrics, model_names, max_model_len, vocab_size, tool_call_parser,
+                            adapters)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -72,6 +74,14 @@ def build_app(engine: AsyncEngine, tokenizer: Any, *, model_names: list[str], ma
     @app.get("/v1/models", response_model=p.ModelList)
     async def models() -> p.ModelList:
         return serving.models()
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=_json_body(p.LoadLoRAAdapterRequest))
+    async def load_lora_adapter(request: Request) -> Response:
+        return serving.load_lora_adapter(await request.body())
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_json_body(p.UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(request: Request) -> Response:
+        return serving.unload_lora_adapter(await request.body())
 
     @app.get("/health")
     async def health() -> Response:

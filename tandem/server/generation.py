@@ -69,7 +69,8 @@ class Generation:
     """
 
     def __init__(self, engine: AsyncEngine, tokenizer: Any, metrics: ServerMetrics, request_id: str,
-                 prompts: list[Prompt], n: int, params: SamplingParams, arrival: float) -> None:
+                 prompts: list[Prompt], n: int, params: SamplingParams, arrival: float,
+                 lora_request: Any = None, model: str = "") -> None:
         self.engine = engine
         self.metrics = metrics
         self.request_id = request_id
@@ -78,6 +79,7 @@ class Generation:
         self.error: str | None = None
         self.error_status = 500
         self.created = int(time.time())
+        self.model = model  # the name responses carry: the served model's, or the adapter's
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pending: list[Any] = []  # items that arrived while waiting for acknowledgements
         self.choices: list[Choice] = []
@@ -93,7 +95,11 @@ class Generation:
                 self.choices.append(Choice(index, sub_id, prompt_index, detok))
                 submissions.append((sub_id, prompt.token_ids, sub_params))
         self._by_id = {c.request_id: c for c in self.choices}
-        engine.add(submissions, self._queue)  # QueueFullError / EngineUnavailableError propagate
+        # QueueFullError / EngineUnavailableError propagate
+        if lora_request is None:
+            engine.add(submissions, self._queue)
+        else:  # every choice runs with the adapter the request's `model` names
+            engine.add(submissions, self._queue, lora_request)
 
     @property
     def done(self) -> bool:

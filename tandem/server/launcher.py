@@ -70,6 +70,7 @@ class ApiSettings:
     limits: HttpLimits = field(default_factory=HttpLimits)
     public_metrics: bool = False  # /metrics without the API key
     allowed_origins: list[str] = field(default_factory=list)  # CORS: none unless given
+    lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT folder, served from the start
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -98,6 +99,7 @@ def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
 
     from tandem.engine.client import AsyncEngine
     from tandem.models.loader import load_tokenizer
+    from tandem.server.adapters import ServedAdapters
     from tandem.server.app import build_app
     from tandem.server.limits import bounded_uvicorn_config
 
@@ -115,10 +117,15 @@ def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
                                on_engine_death=on_engine_death, block_size=settings.engine_config.block_size,
                                engine_timeout=settings.engine_timeout, step_timeout=settings.engine_step_timeout,
                                dead_replicas=endpoints.dead_replicas, shared_load=endpoints.shared_load)
+    adapters = ServedAdapters(settings.engine_config.enable_lora, settings.model_names, info.lora_modules,
+                              settings.engine_config.max_lora_rank)
+    for name, path in settings.lora_modules.items():  # ValueError naming the adapter: the server does not start
+        adapters.load(name, path)
     app = build_app(async_engine, load_tokenizer(settings.engine_config), model_names=settings.model_names,
                     max_model_len=info.max_model_len, vocab_size=info.vocab_size, api_key=settings.api_key,
                     api_restarts=api_restarts, tool_call_parser=settings.tool_call_parser,
-                    public_metrics=settings.public_metrics, allowed_origins=settings.allowed_origins)
+                    public_metrics=settings.public_metrics, allowed_origins=settings.allowed_origins,
+                    adapters=adapters)
     config = bounded_uvicorn_config(app, settings.limits, app.state.metrics.count_rejected, host=settings.host,
                                     port=settings.port, log_level=settings.log_level, access_log=False,
                                     timeout_graceful_shutdown=settings.graceful_timeout, lifespan="on",
@@ -357,6 +364,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds one engine step may run (deadlocked, stuck in a kernel, or just long: the first "
                         "steps compile kernels) before the replica's open requests fail and it is taken out")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served from the start, each under its name as `model` "
+                        "(needs --enable-lora)")
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="the model's tool-call format (default: chosen from its chat template)")
     add_limit_args(g)
@@ -375,6 +385,21 @@ def model_names_from_args(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def lora_modules_from_args(items: list[str], enabled: bool) -> dict[str, str]:
+    """`--lora-modules name=path ...` as {name: path}; ValueError for a malformed or repeated entry."""
+    if items and not enabled:
+        raise ValueError("--lora-modules needs --enable-lora")
+    modules: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH entries, got {item!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    return modules
+
+
 def serve_main(args: argparse.Namespace) -> int:
     """`tandem serve`: exit 0 after a graceful SIGTERM/SIGINT shutdown, 1 if the engine or a process failed."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -387,7 +412,8 @@ def serve_main(args: argparse.Namespace) -> int:
                                graceful_timeout=args.graceful_timeout, log_level=args.log_level,
                                engine_timeout=args.engine_timeout, engine_step_timeout=args.engine_step_timeout,
                                tool_call_parser=args.tool_call_parser, limits=limits_from_args(args),
-                               public_metrics=args.public_metrics, allowed_origins=args.allowed_origin or [])
+                               public_metrics=args.public_metrics, allowed_origins=args.allowed_origin or [],
+                               lora_modules=lora_modules_from_args(args.lora_modules, args.enable_lora))
         # The front end grows with the replicas: two replicas behind one API process's event loop stream
         # at that loop's pace, not at the GPUs'.
         num_api_servers = args.api_server_count if args.api_server_count is not None else args.data_parallel_size

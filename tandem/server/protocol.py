@@ -360,6 +360,17 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tandem"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter's folder
+    parent: str | None = None  # a LoRA adapter's base model
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str
 
 
 class ModelList(BaseModel):

@@ -14,9 +14,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from tandem.engine.client import AsyncEngine, EngineUnavailableError, QueueFullError
+from tandem.lora_request import LoRARequest
 from tandem.sampling_params import SamplingParams, StructuredOutputParams
 from tandem.server import protocol as p
 from tandem.server import tool_calls as tc
+from tandem.server.adapters import ServedAdapters
 from tandem.server.generation import Delta, Generation, Prompt, _param_of
 from tandem.server.metrics import ServerMetrics
 from tandem.server.prompts import PromptEncoder
@@ -29,7 +31,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions; ch
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Any, metrics: ServerMetrics, model_names: list[str],
-                 max_model_len: int, vocab_size: int, tool_call_parser: str | None = None) -> None:
+                 max_model_len: int, vocab_size: int, tool_call_parser: str | None = None,
+                 adapters: ServedAdapters | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -39,17 +42,18 @@ class OpenAIServing:
         self.encoder = PromptEncoder(tokenizer, max_model_len) if tokenizer is not None else None
         self._token_strings: dict[int, str] = {}
         self.tool_parser = tc.pick_parser(tokenizer, tool_call_parser)
+        self.adapters = adapters or ServedAdapters(False, model_names, {}, 0)
 
     # ---- endpoints -------------------------------------------------------------------------
 
     async def completions(self, raw: bytes, http_request: Request) -> Response:
         arrival = time.monotonic()
         body = parse_body(p.CompletionRequest, raw)
-        self._check_model(body.model)
+        lora = self.adapters.resolve(body.model)
         prompts = await self._completion_prompts(body.prompt)
         max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = self._params(body, max_tokens, "max_tokens", body.logprobs, prompt_logprobs=_echo_k(body, max_tokens))
-        gen = await self._start(p.random_id("cmpl"), prompts, body.n, params, arrival, "prompt", "max_tokens")
+        gen = await self._start(p.random_id("cmpl"), prompts, body.n, params, arrival, "prompt", "max_tokens", lora)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse_response(self._completion_stream(gen, include_usage))
@@ -67,14 +71,14 @@ class OpenAIServing:
                 logprobs=self._completion_logprobs(entries) if params.logprobs is not None else None,
                 prompt_logprobs=(self._prompt_logprobs_body(prompt.token_ids, c.prompt_logprobs, body.prompt_logprobs)
                                  if body.prompt_logprobs is not None else None)))
-        return json_response(p.CompletionResponse(id=gen.request_id, created=gen.created, model=self.model_names[0],
+        return json_response(p.CompletionResponse(id=gen.request_id, created=gen.created, model=gen.model,
                                                   choices=choices, usage=gen.usage(),
                                                   metrics=gen.server_metrics()))
 
     async def chat(self, raw: bytes, http_request: Request) -> Response:
         arrival = time.monotonic()
         body = parse_body(p.ChatCompletionRequest, raw)
-        self._check_model(body.model)
+        lora = self.adapters.resolve(body.model)
         prompts = [await self._chat_prompt(body)]
         if body.max_completion_tokens is not None:
             max_tokens, max_param = body.max_completion_tokens, "max_completion_tokens"
@@ -84,7 +88,8 @@ class OpenAIServing:
         mode = body.tool_mode()
         tool_spec = self._tool_constraint(body, mode)
         params = self._params(body, max_tokens, max_param, logprobs, tool_spec, body.prompt_logprobs)
-        gen = await self._start(p.random_id("chatcmpl"), prompts, body.n, params, arrival, "messages", max_param)
+        gen = await self._start(p.random_id("chatcmpl"), prompts, body.n, params, arrival, "messages", max_param,
+                                lora)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             if mode != "none":
@@ -105,18 +110,33 @@ class OpenAIServing:
             prompt_logprobs = self._prompt_logprobs_body(prompts[0].token_ids, gen.choices[0].prompt_logprobs,
                                                          body.prompt_logprobs)
         return json_response(p.ChatCompletionResponse(id=gen.request_id, created=gen.created,
-                                                      model=self.model_names[0], choices=choices, usage=gen.usage(),
+                                                      model=gen.model, choices=choices, usage=gen.usage(),
                                                       metrics=gen.server_metrics(), prompt_logprobs=prompt_logprobs))
 
     def models(self) -> p.ModelList:
-        return p.ModelList(data=[p.ModelCard(id=self.model_names[0], max_model_len=self.max_model_len)])
+        base = self.model_names[0]
+        cards = [p.ModelCard(id=base, max_model_len=self.max_model_len)]
+        cards += [p.ModelCard(id=name, max_model_len=self.max_model_len, root=lora.lora_path, parent=base)
+                  for name, lora in self.adapters.by_name.items()]
+        return p.ModelList(data=cards)
+
+    def load_lora_adapter(self, raw: bytes) -> Response:
+        body = parse_body(p.LoadLoRAAdapterRequest, raw)
+        try:
+            self.adapters.load(body.lora_name, body.lora_path)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="lora_path") from exc
+        return json_response(p.ModelCard(id=body.lora_name, max_model_len=self.max_model_len, root=body.lora_path,
+                                         parent=self.model_names[0]))
+
+    def unload_lora_adapter(self, raw: bytes) -> Response:
+        """Requests already running with the adapter finish with it; new ones naming it get 404."""
+        body = parse_body(p.UnloadLoRAAdapterRequest, raw)
+        lora = self.adapters.unload(body.lora_name)
+        self.engine.unload_lora(lora.lora_int_id)
+        return json_response(p.ModelCard(id=lora.lora_name, root=lora.lora_path, parent=self.model_names[0]))
 
     # ---- request -> engine requests -----------------------------------------------------------
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise ApiError(400, f"model {model!r} does not exist; this server serves {self.model_names[0]!r}",
-                           param="model", code="model_not_found")
 
     async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
         if isinstance(prompt, str):
@@ -279,14 +299,15 @@ class OpenAIServing:
                                     f"{self.max_model_len} tokens", param=max_param)
 
     async def _start(self, request_id: str, prompts: list[Prompt], n: int, params: SamplingParams,
-                     arrival: float, prompt_param: str, max_param: str) -> Generation:
+                     arrival: float, prompt_param: str, max_param: str, lora: LoRARequest | None = None) -> Generation:
         self._check_lengths(prompts, params.max_tokens, prompt_param, max_param)
         num_requests = n * len(prompts)
         if num_requests > self.engine.max_queue:
             raise ApiError(400, f"n x prompts = {num_requests} exceeds the server's queue of "
                                 f"{self.engine.max_queue} requests", param="n")
         try:
-            gen = Generation(self.engine, self.tokenizer, self.metrics, request_id, prompts, n, params, arrival)
+            gen = Generation(self.engine, self.tokenizer, self.metrics, request_id, prompts, n, params, arrival, lora,
+                             model=self.model_names[0] if lora is None else lora.lora_name)
         except QueueFullError as exc:
             raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full") from exc
         except EngineUnavailableError as exc:
@@ -304,7 +325,7 @@ class OpenAIServing:
     # per process, pydantic models per chunk cost more than the rest of the stream path together.
     async def _completion_stream(self, gen: Generation, include_usage: bool) -> AsyncIterator[bytes | str]:
         head = {"id": gen.request_id, "object": "text_completion", "created": gen.created,
-                "model": self.model_names[0]}
+                "model": gen.model}
         has_tokenizer = self.tokenizer is not None
         try:
             while not gen.done:
@@ -323,7 +344,7 @@ class OpenAIServing:
 
     async def _chat_stream(self, gen: Generation, include_usage: bool, logprobs: bool) -> AsyncIterator[bytes | str]:
         head = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
-                "model": self.model_names[0]}
+                "model": gen.model}
 
         def chunk(index: int, delta: dict[str, str | None], d: Delta | None = None) -> bytes:
             lp = self._chat_logprobs(d.logprobs).model_dump() if d is not None and logprobs and d.logprobs else None
@@ -351,7 +372,7 @@ class OpenAIServing:
         streams content until the model's call marker, then holds the rest back and sends the parsed calls at
         the end; required sends its calls at the end (the grammar's array is parsed whole)."""
         head = {"id": gen.request_id, "object": "chat.completion.chunk", "created": gen.created,
-                "model": self.model_names[0]}
+                "model": gen.model}
 
         def chunk(index: int, delta: dict[str, Any], finish: str | None = None, stop: int | str | None = None) -> bytes:
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "stop_reason": stop}
@@ -415,7 +436,7 @@ class OpenAIServing:
             body = p.error_body(public_message(gen.error), type="server_error", code=gen.error_status)
             yield f"data: {json.dumps(body)}\n\n"
         elif include_usage:
-            yield sse(chunk_type(id=gen.request_id, created=gen.created, model=self.model_names[0], choices=[],
+            yield sse(chunk_type(id=gen.request_id, created=gen.created, model=gen.model, choices=[],
                                  usage=gen.usage(), metrics=gen.server_metrics()))
         yield "data: [DONE]\n\n"
 

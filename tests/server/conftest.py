@@ -86,8 +86,10 @@ class LiveServer:
             time.sleep(0.1)
 
 
-def start_server(api_key: str | None = None, max_queue: int = 128, **engine_kwargs: Any) -> LiveServer:
-    """The engine core in its own process (as `tandem serve` runs it) and the API app in a uvicorn thread here."""
+def start_server(api_key: str | None = None, max_queue: int = 128, api_settings: dict[str, Any] | None = None,
+                 **engine_kwargs: Any) -> LiveServer:
+    """The engine core in its own process (as `tandem serve` runs it) and the API app in a uvicorn thread here;
+    api_settings: more ApiSettings fields."""
     from tandem.config import EngineConfig
     from tandem.engine.launch import start_engines
     from tandem.server.launcher import ApiSettings, EngineEndpoints, build_api_server
@@ -98,7 +100,7 @@ def start_server(api_key: str | None = None, max_queue: int = 128, **engine_kwar
     engines = start_engines(config, max_queue=max_queue, log_level="warning",
                             core_class="tests.server.flaky_core:FlakyEngineCore")
     settings = ApiSettings(config, [MODEL_NAME], port=free_port(), api_key=api_key, max_queue=max_queue,
-                           graceful_timeout=5, log_level="warning")
+                           graceful_timeout=5, log_level="warning", **(api_settings or {}))
     server, app, _ = build_api_server(settings, EngineEndpoints.of(engines, 0))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()

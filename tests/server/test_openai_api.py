@@ -135,7 +135,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "hello " * 400}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),
     ({"prompt": [-1]}, "prompt"),
-    ({"prompt": "x", "model": "gpt-17"}, "model"),
     ({"prompt": "x", "temperature": -0.5}, "temperature"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
@@ -169,7 +168,6 @@ BAD_CHAT = [
     ({"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"messages": CHAT, "logprobs": 1}, "logprobs"),
-    ({"messages": CHAT, "model": "nope"}, "model"),
 ]
 
 
@@ -189,6 +187,15 @@ def test_bad_completion_input(live_server, body, param):
 @pytest.mark.parametrize("body,param", BAD_CHAT, ids=[p for _, p in BAD_CHAT])
 def test_bad_chat_input(live_server, body, param):
     _check_400(live_server.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 2, **body}), param)
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "x", "model": "gpt-17"}),
+                                       ("/v1/chat/completions", {"messages": CHAT, "model": "nope"})])
+def test_unknown_model_is_404(live_server, path, body):
+    r = live_server.post(path, json={"max_tokens": 2, **body})
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert error["param"] == "model" and error["code"] == "model_not_found" and body["model"] in error["message"]
 
 
 def test_bad_bodies_then_normal_request(live_server, client):

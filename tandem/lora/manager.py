@@ -1,0 +1,146 @@
+"""LoRAManager: one rank's adapters: the registry of known adapters, the host-side LRU of packed ones
+(max_cpu_loras), the device pool they page into, and the per-token slot region of each step's buffers."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+
+import numpy as np
+import torch
+from torch import nn
+
+from tandem.config import ModelConfig
+from tandem.lora.pack import PackedAdapter, lora_targets, pack_adapter
+from tandem.lora.peft import load_adapter
+from tandem.lora.pool import LoRAPool
+from tandem.lora_request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int | None,
+                 max_num_tokens: int, dtype: torch.dtype, device: torch.device, tp_size: int = 1) -> None:
+        self.targets = lora_targets(model)
+        if not self.targets:
+            raise ValueError(f"enable_lora: {type(model).__name__} has no projection an adapter can target "
+                             "(q/k/v/o/gate/up/down of the Llama-family decoders)")
+        self.max_rank, self.dtype, self.device, self.tp_size = max_rank, dtype, device, tp_size
+        self.max_cpu_loras = max_cpu_loras or max_loras
+        self.pool = LoRAPool(self.targets, max_loras, max_rank, max_num_tokens, dtype, device)
+        self.known: dict[int, LoRARequest] = {}  # lora_int_id -> its request (the path to reload it from)
+        self.cpu: OrderedDict[int, PackedAdapter] = OrderedDict()  # packed on the host, least recent first
+        self._staged: list[tuple[int, PackedAdapter]] = []  # (slot, host copy) to page in with the next H2D
+        self.staged_requests: list[tuple[int, LoRARequest]] = []  # the same, for the other tensor-parallel ranks
+        logger.info("LoRA: %d target linears, %d slots of rank %d (%.1f MiB on the device)", len(self.targets),
+                    max_loras, max_rank, self.pool.num_bytes / 2**20)
+
+    def module_shapes(self, config: ModelConfig) -> dict[str, tuple[int, int]]:
+        """Every projection an adapter may target, by Hugging Face module name: (in, out) of the whole (unsharded)
+        base projection."""
+        hidden, tp = config.hidden_size, self.tp_size
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        shapes: dict[str, tuple[int, int]] = {}
+        for name, linear in self.targets.items():
+            prefix, kind = name.rsplit(".", 1)
+            if kind == "qkv_proj":
+                shapes.update({f"{prefix}.q_proj": (hidden, q), f"{prefix}.k_proj": (hidden, kv),
+                               f"{prefix}.v_proj": (hidden, kv)})
+            elif kind == "o_proj":
+                shapes[f"{prefix}.o_proj"] = (q, hidden)
+            elif kind == "gate_up_proj":
+                inter = linear.out_features * tp // 2
+                shapes.update({f"{prefix}.gate_proj": (hidden, inter), f"{prefix}.up_proj": (hidden, inter)})
+            else:
+                shapes[f"{prefix}.down_proj"] = (linear.in_features * tp, hidden)
+        return shapes
+
+    def add(self, request: LoRARequest) -> None:
+        """Registers an adapter, reading and checking it unless known: ValueError naming it when it cannot serve."""
+        known = self.known.get(request.lora_int_id)
+        if known is not None:
+            if known != request:
+                raise ValueError(f"lora_int_id {request.lora_int_id} already names adapter {known.lora_name!r} "
+                                 f"({known.lora_path}); {request.lora_name!r} needs an id of its own")
+            return
+        for other in self.known.values():
+            if other.lora_name == request.lora_name:
+                raise ValueError(f"LoRA adapter name {request.lora_name!r} is already loaded with lora_int_id "
+                                 f"{other.lora_int_id}")
+        self._cache(self._pack(request))
+        self.known[request.lora_int_id] = request
+
+    def remove(self, lora_int_id: int) -> None:
+        """Forgets an adapter; requests already queued with it still run with it (their LoRARequest says where
+        it lives, should it need to page in again)."""
+        self.known.pop(lora_int_id, None)
+        self.cpu.pop(lora_int_id, None)
+
+    def packed(self, request: LoRARequest) -> PackedAdapter:
+        """The host copy of an adapter, read again from its folder if the LRU dropped it."""
+        adapter = self.cpu.get(request.lora_int_id)
+        if adapter is None:
+            adapter = self._pack(request)
+            self._cache(adapter)
+        else:
+            self.cpu.move_to_end(request.lora_int_id)
+        return adapter
+
+    def _pack(self, request: LoRARequest) -> PackedAdapter:
+        adapter = load_adapter(request, self.max_rank)
+        return pack_adapter(adapter, self.targets, self.max_rank, self.dtype, pin=self.device.type == "cuda",
+                            tp_size=self.tp_size)
+
+    def _cache(self, adapter: PackedAdapter) -> None:
+        self.cpu[adapter.lora_int_id] = adapter
+        while len(self.cpu) > self.max_cpu_loras:
+            self.cpu.popitem(last=False)
+
+    # ---------------------------------------------------------------- per step
+
+    def stage(self, loads: list[tuple[int, LoRARequest]]) -> None:
+        """The scheduler's page-ins for a prepared step (host copies made ready now, copied in upload())."""
+        for slot, request in loads:
+            self._staged.append((slot, self.packed(request)))
+            if self.tp_size > 1:  # rank 0 forwards them (take_staged_message)
+                self.staged_requests.append((slot, request))
+
+    def take_staged_message(self) -> bytes | None:
+        """The page-ins staged since the last call, as the message rank 0 sends the other ranks (each reads its own
+        shards from the adapter's folder); None when there are none."""
+        if not self.staged_requests:
+            return None
+        loads = [(slot, r.lora_name, r.lora_int_id, r.lora_path) for slot, r in self.staged_requests]
+        self.staged_requests = []
+        return json.dumps(loads).encode()
+
+    def stage_message(self, data: bytes) -> None:
+        """A worker: stages the page-ins of rank 0's message for its next step."""
+        self.stage([(slot, LoRARequest(name, lora_id, path)) for slot, name, lora_id, path in json.loads(data)])
+        self.staged_requests = []
+
+    def upload(self, h2d: torch.cuda.Stream | None, compute: torch.cuda.Stream | None) -> None:
+        """Pages the staged adapters into their slots; call on the H2D stream before the step's h2d_done. A slot
+        being replaced may still be read by a step in flight (its requests finished while it ran), so on a GPU the
+        copies first wait for everything enqueued on the compute stream so far (a device-side wait)."""
+        if not self._staged:
+            return
+        if h2d is not None and compute is not None:
+            h2d.wait_stream(compute)
+        for slot, adapter in self._staged:
+            self.pool.load(slot, adapter)
+        self._staged.clear()
+
+    @staticmethod
+    def write_slots(region: np.ndarray, scheduled: list, num_tokens: int, padded_tokens: int) -> None:
+        """A step's per-token adapter slots into its pinned region ([max_num_tokens] int32): each row's slot for
+        each of its scheduled tokens, -1 on padding rows."""
+        slots = [s.request.lora_slot for s in scheduled]
+        if num_tokens == len(scheduled):
+            region[:num_tokens] = slots
+        else:
+            region[:num_tokens] = np.repeat(slots, [s.num_scheduled_tokens for s in scheduled])
+        if padded_tokens > num_tokens:
+            region[num_tokens:padded_tokens] = -1

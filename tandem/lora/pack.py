@@ -1,0 +1,86 @@
+"""Packs an adapter's A / B pairs into the layout of the model's (fused, possibly sharded) linears: per linear one
+A [parts * max_rank, in_local] and one B [out_local, parts * max_rank], the scale folded into B."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tandem.layers.linear import Linear
+from tandem.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from tandem.lora.peft import LoRAAdapter
+
+# Hugging Face projection -> (tandem's linear that holds it, its part in that linear's fused output rows).
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+         "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0)}
+TARGETS = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
+
+
+@dataclass(slots=True)
+class PackedAdapter:
+    """One adapter in the pool's layout, on the host (pinned where the device is a GPU): per target linear name,
+    (A [parts * max_rank, in_local], B [out_local, parts * max_rank]) in the model dtype; linears the adapter does
+    not touch are absent (their slot rows are zeroed when it pages in)."""
+
+    lora_int_id: int
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    num_bytes: int
+
+
+def lora_targets(model: nn.Module) -> dict[str, Linear]:
+    """The linears an adapter may touch, by module name: the dense decoders' fused qkv, o, fused gate_up, down."""
+    return {name: m for name, m in model.named_modules()
+            if name.rsplit(".", 1)[-1] in TARGETS and isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+
+
+def num_parts(linear: Linear) -> int:
+    return len(linear.parts) if isinstance(linear, ColumnParallelLinear) else 1
+
+
+def pack_adapter(adapter: LoRAAdapter, targets: dict[str, Linear], max_rank: int, dtype: torch.dtype,
+                 pin: bool, tp_size: int = 1) -> PackedAdapter:
+    """tp_size: the ranks the column-parallel linears' rows are split over (this rank keeps its shard, as the base
+    layer does: B's output rows there, A's input columns in a row-parallel linear). ValueError naming the adapter for a module the model lacks or a shape that does not match its base."""
+    where = f"LoRA adapter {adapter.name!r} ({adapter.request.lora_path})"
+    packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    r, num_bytes = adapter.rank, 0
+    for module, (a, b) in adapter.weights.items():
+        prefix, _, proj = module.rpartition(".")
+        target_name, part = FUSED[proj]
+        name = f"{prefix}.{target_name}"
+        linear = targets.get(name)
+        if linear is None:
+            raise ValueError(f"{where}: target module {module!r} is not a projection this model has")
+        parts = num_parts(linear)
+        if name not in packed:
+            packed[name] = (torch.zeros(parts * max_rank, linear.in_features),
+                            torch.zeros(linear.out_features, parts * max_rank))
+        big_a, big_b = packed[name]
+        cols = slice(part * max_rank, part * max_rank + r)
+        if isinstance(linear, ColumnParallelLinear):
+            start, rows = linear.parts[part]
+            # Split rows: the whole projection has rows * tp_size; replicated KV heads: fewer, never more.
+            if a.shape[1] != linear.in_features or not start + rows <= b.shape[0] <= rows * tp_size:
+                raise ValueError(f"{where}: {module} has A {tuple(a.shape)} / B {tuple(b.shape)}, but the base "
+                                 f"projection maps {linear.in_features} -> {rows * tp_size} features")
+            local_b, offset = linear.shard_for_load(b, part)
+            big_a[cols] = a
+            big_b[offset : offset + rows, cols] = local_b * adapter.scaling
+        else:
+            full_in = linear.in_features * linear.tp.size
+            if a.shape[1] != full_in or b.shape[0] != linear.out_features:
+                raise ValueError(f"{where}: {module} has A {tuple(a.shape)} / B {tuple(b.shape)}, but the base "
+                                 f"projection maps {full_in} -> {linear.out_features} features")
+            big_a[cols] = linear.shard_for_load(a, is_bias=False)
+            big_b[:, cols] = b * adapter.scaling
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, (big_a, big_b) in packed.items():
+        host_a, host_b = big_a.to(dtype), big_b.to(dtype)
+        if pin:
+            host_a, host_b = host_a.pin_memory(), host_b.pin_memory()
+        out[name] = (host_a, host_b)
+        num_bytes += host_a.nbytes + host_b.nbytes
+    return PackedAdapter(adapter.request.lora_int_id, out, num_bytes)

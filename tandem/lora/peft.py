@@ -1,0 +1,126 @@
+"""Reads a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) into per-projection A / B pairs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from tandem.lora_request import LoRARequest
+
+# The projections an adapter may target, by their Hugging Face names.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PREFIX = "base_model.model."
+_TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[\w-]+)?\.weight$")
+
+
+@dataclass(slots=True)
+class LoRAAdapter:
+    """An adapter as read from disk: per HF module name (`model.layers.3.self_attn.q_proj`), A [r, in] and
+    B [out, r] in fp32, and the scale PEFT applies to B @ A (alpha / r, or alpha / sqrt(r) with rsLoRA)."""
+
+    request: LoRARequest
+    rank: int
+    scaling: float
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def name(self) -> str:
+        return self.request.lora_name
+
+
+def _fail(request: LoRARequest, reason: str) -> ValueError:
+    return ValueError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}): {reason}")
+
+
+def read_config(request: LoRARequest, max_rank: int) -> tuple[int, float]:
+    """(rank, scaling) from adapter_config.json; ValueError naming the adapter for anything tandem cannot serve."""
+    path = os.path.join(request.lora_path, "adapter_config.json")
+    if not os.path.isdir(request.lora_path):
+        raise _fail(request, "the path is not a folder")
+    if not os.path.isfile(path):
+        raise _fail(request, "adapter_config.json is missing")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise _fail(request, f"adapter_config.json cannot be read: {exc}") from None
+    if not isinstance(config, dict):
+        raise _fail(request, "adapter_config.json is not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise _fail(request, f"peft_type {config.get('peft_type')!r} is not LORA")
+    if config.get("modules_to_save"):
+        raise _fail(request, f"modules_to_save ({config['modules_to_save']}) is not supported: the adapter "
+                             "replaces whole modules, which a shared base model cannot serve per request")
+    for key, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) layouts"),
+                      ("rank_pattern", "per-module ranks (rank_pattern)"),
+                      ("alpha_pattern", "per-module alphas (alpha_pattern)"),
+                      ("layers_to_transform", "layers_to_transform")):
+        if config.get(key):
+            raise _fail(request, f"{what} is not supported")
+    if config.get("bias", "none") != "none":
+        raise _fail(request, f"bias={config['bias']!r} is not supported (only 'none')")
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise _fail(request, f"r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise _fail(request, f"rank {rank} exceeds max_lora_rank {max_rank}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise _fail(request, f"lora_alpha must be a number, got {alpha!r}")
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return rank, float(scaling)
+
+
+def check_modules(adapter: LoRAAdapter, modules: dict[str, list[int]]) -> None:
+    """ValueError naming the adapter unless each of its modules is one of `modules` (Hugging Face name ->
+    [in, out] features of the base projection) with A [r, in] and B [out, r]."""
+    for module, (a, b) in adapter.weights.items():
+        dims = modules.get(module)
+        if dims is None:
+            raise _fail(adapter.request, f"target module {module!r} is not a projection this model has")
+        if a.shape[1] != dims[0] or b.shape[0] != dims[1]:
+            raise _fail(adapter.request, f"{module} has A {tuple(a.shape)} / B {tuple(b.shape)}, but the base "
+                                         f"projection maps {dims[0]} -> {dims[1]} features")
+
+
+def load_adapter(request: LoRARequest, max_rank: int) -> LoRAAdapter:
+    """Reads and checks the folder: every tensor a lora_A / lora_B weight of one of PROJECTIONS, each module with
+    both, A [r, in] and B [out, r]. Shapes against the model are checked when it is packed (pack.py)."""
+    from safetensors import safe_open  # the loader's dependency; imported where adapters are read
+
+    rank, scaling = read_config(request, max_rank)
+    path = os.path.join(request.lora_path, "adapter_model.safetensors")
+    if not os.path.isfile(path):
+        raise _fail(request, "adapter_model.safetensors is missing (only safetensors adapters load)")
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                name = key[len(_PREFIX):] if key.startswith(_PREFIX) else key
+                match = _TENSOR.match(name)
+                if match is None:
+                    raise _fail(request, f"tensor {key!r} is not a LoRA A/B weight of a linear projection")
+                module = match["module"]
+                if module.rsplit(".", 1)[-1] not in PROJECTIONS:
+                    raise _fail(request, f"target module {module!r} is not one of {', '.join(PROJECTIONS)}")
+                halves.setdefault(module, {})[match["which"]] = f.get_tensor(key).to(torch.float32)
+    except ValueError:
+        raise
+    except Exception as exc:  # a corrupt file: safetensors raises its own error types
+        raise _fail(request, f"adapter_model.safetensors cannot be read: {exc}") from None
+    if not halves:
+        raise _fail(request, "adapter_model.safetensors holds no LoRA weights")
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"}:
+            raise _fail(request, f"{module} has lora_{''.join(pair)} but not both lora_A and lora_B")
+        a, b = pair["A"], pair["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise _fail(request, f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not have rank "
+                                 f"{rank} (A [r, in], B [out, r])")
+        weights[module] = (a, b)
+    return LoRAAdapter(request, rank, scaling, weights)

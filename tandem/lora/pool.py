@@ -1,0 +1,64 @@
+"""The device side of LoRA: a fixed pool of max_loras slots per target linear (stacked A and B), the static
+per-token slot index every linear reads, and the delta each target linear adds to its base output."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.kernels.lora import lora_add
+from tandem.layers.linear import Linear
+from tandem.lora.pack import PackedAdapter, num_parts
+
+
+class LoRADelta:
+    """What a target Linear holds as `.lora`: its slice of the pool and the shared token index. Linear.forward adds
+    `add(x, y)` onto its base output y (before a row-parallel layer's all-reduce: A's input columns are sharded like
+    the base weight, so the ranks' partial deltas sum with the partial products)."""
+
+    __slots__ = ("a", "b", "token_slots")
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor) -> None:
+        self.a = a  # [max_loras, parts * max_rank, in_local]
+        self.b = b  # [max_loras, out_local, parts * max_rank], the adapter's scale folded in
+        self.token_slots = token_slots  # [max_num_tokens] int32, -1: no adapter
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return lora_add(y, x, self.a, self.b, self.token_slots)
+
+
+class LoRAPool:
+    """max_loras slots of every target linear, zero until an adapter pages in; attaches a LoRADelta to each
+    target. The token index is one static tensor: each step's forward first copies its slot buffers' per-token
+    slots into it (select), so captured graphs replay any mix of adapters without recapture."""
+
+    def __init__(self, targets: dict[str, Linear], max_loras: int, max_rank: int, max_num_tokens: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.max_loras = max_loras
+        self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device)
+        self.slots: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, linear in targets.items():
+            cols = num_parts(linear) * max_rank
+            a = torch.zeros(max_loras, cols, linear.in_features, dtype=dtype, device=device)
+            b = torch.zeros(max_loras, linear.out_features, cols, dtype=dtype, device=device)
+            self.slots[name] = (a, b)
+            linear.lora = LoRADelta(a, b, self.token_slots)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.slots.values())
+
+    def load(self, slot: int, adapter: PackedAdapter) -> None:
+        """Copies a packed adapter into `slot` (non-blocking from pinned memory: call on the H2D stream, ordered
+        after every step that may still read the slot); linears it leaves alone get zeros there."""
+        for name, (a, b) in self.slots.items():
+            pair = adapter.weights.get(name)
+            if pair is None:
+                a[slot].zero_()
+                b[slot].zero_()
+            else:
+                a[slot].copy_(pair[0], non_blocking=True)
+                b[slot].copy_(pair[1], non_blocking=True)
+
+    def select(self, step_slots: torch.Tensor) -> None:
+        """The step's per-token slots (a slot buffer's device region, [num_tokens]) into the static index."""
+        self.token_slots[: step_slots.shape[0]].copy_(step_slots)

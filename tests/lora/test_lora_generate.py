@@ -1,0 +1,141 @@
+"""LoRA adapters end to end on the CPU in fp32: one batch mixing three adapters and the base model gives, per
+request, the greedy tokens of transformers + peft with its adapter (overlap on and off; rsLoRA and attention-only
+adapters; adapters paging through fewer slots than adapters); bad adapters are refused naming them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tandem import LLM, LoRARequest, SamplingParams
+from tests.lora.adapters import peft_greedy, save_adapter, save_base
+
+pytest.importorskip("peft")
+
+MAX_TOKENS = 6
+PROMPTS = [[5, 9, 17, 33, 2, 71], [40, 41, 42], [8, 100, 3, 60, 12, 13, 14, 15, 90], [7, 7, 7, 21],
+           [99, 1, 64, 30, 2]]
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def setup(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    base = save_base(request.param, str(root / "base"))
+    adapters = {
+        "all": save_adapter(base, str(root / "all"), ALL, r=8, alpha=16, seed=1),
+        "attn-rslora": save_adapter(base, str(root / "attn"), ["q_proj", "k_proj", "v_proj", "o_proj"], r=4,
+                                    alpha=8, use_rslora=True, seed=2, scale=0.5),
+        "mlp": save_adapter(base, str(root / "mlp"), ["gate_proj", "down_proj", "up_proj"], r=16, alpha=8, seed=3),
+    }
+    lora = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(adapters.items())}
+    # Request i runs with adapter `order[i]` (None: the base model).
+    order = ["all", None, "attn-rslora", "mlp", "all"]
+    expected = [peft_greedy(base, None if a is None else adapters[a], p, MAX_TOKENS) for a, p in zip(order, PROMPTS)]
+    base_tokens = [peft_greedy(base, None, p, MAX_TOKENS) for p in PROMPTS]
+    # The adapters must change the answer, or the test could not fail.
+    assert sum(e != b for e, b in zip(expected, base_tokens)) >= 3
+    return base, lora, [None if a is None else lora[a] for a in order], expected
+
+
+def _llm(base: str, **kwargs) -> LLM:
+    kwargs.setdefault("max_lora_rank", 16)
+    return LLM(base, device="cpu", dtype="float32", enable_lora=True, num_kv_blocks=64, max_model_len=64, **kwargs)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_mixed_batch_matches_peft(setup, overlap):
+    base, _, loras, expected = setup
+    llm = _llm(base, max_loras=3, overlap=overlap)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_adapters_page_through_fewer_slots(setup):
+    """Three adapters, one device slot and one host copy: requests wait for the slot and adapters are read again;
+    the prefix cache never serves one adapter's KV to another (the same prompt under every adapter)."""
+    base, lora, loras, expected = setup
+    llm = _llm(base, max_loras=1, max_cpu_loras=1)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    prompt = PROMPTS[2] * 4  # two full blocks of 16: cacheable
+    runs = [None, lora["all"], lora["mlp"], None, lora["all"]]
+    outs = llm.generate([prompt] * len(runs), params, use_tqdm=False, lora_request=runs)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got[0] == got[3] and got[1] == got[4] and len({tuple(g) for g in got[:3]}) == 3
+    base_folder = base
+    assert got[1] == peft_greedy(base_folder, lora["all"].lora_path, prompt, MAX_TOKENS)
+
+
+def test_bad_adapters_are_refused_by_name(setup, tmp_path):
+    base, lora, _, _ = setup
+    llm = _llm(base, max_loras=1, max_lora_rank=8)
+    params = SamplingParams(max_tokens=2)
+    cases = {
+        "missing": (LoRARequest("missing", 10, str(tmp_path / "nowhere")), "not a folder"),
+        "too-big": (LoRARequest("too-big", 11, lora["mlp"].lora_path), "rank 16 exceeds max_lora_rank 8"),
+    }
+    saves = tmp_path / "saves"
+    save_adapter(base, str(saves), ["q_proj"], r=4)
+    with open(saves / "adapter_config.json") as f:
+        config = json.load(f)
+    config["modules_to_save"] = ["lm_head"]
+    with open(saves / "adapter_config.json", "w") as f:
+        json.dump(config, f)
+    cases["saves"] = (LoRARequest("saves", 12, str(saves)), "modules_to_save")
+    for name, (req, reason) in cases.items():
+        with pytest.raises(ValueError, match=reason) as err:
+            llm.generate([[1, 2, 3]], params, use_tqdm=False, lora_request=req)
+        assert repr(name) in str(err.value)
+    # The engine goes on serving after a refusal.
+    assert len(llm.generate([[1, 2, 3]], params, use_tqdm=False, lora_request=lora["all"])[0].outputs[0].token_ids)
+    with pytest.raises(ValueError, match="list of 2"):
+        llm.generate([[1, 2], [3, 4]], params, use_tqdm=False, lora_request=[lora["all"]])
+    with pytest.raises(ValueError, match="without enable_lora"):
+        LLM(base, device="cpu", dtype="float32", num_kv_blocks=16).generate(
+            [[1, 2]], params, use_tqdm=False, lora_request=lora["all"])
+
+
+def test_shape_mismatch_and_foreign_modules_are_refused(setup, tmp_path):
+    base, _, _, _ = setup
+    llm = _llm(base, max_loras=1)
+    other = save_base("mistral", str(tmp_path / "other"))  # head_dim 32: q_proj maps 64 -> 128
+    bad = save_adapter(other, str(tmp_path / "bad"), ["q_proj"], r=4)
+    with pytest.raises(ValueError, match="'bad'.*q_proj has A"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=1), use_tqdm=False,
+                     lora_request=LoRARequest("bad", 5, bad))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(bad, "adapter_model.safetensors"))
+    renamed = {k.replace("layers.0.", "layers.7."): v for k, v in tensors.items() if "layers.0." in k}
+    save_file(renamed, os.path.join(bad, "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="'bad2'.*not a projection this model has"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=1), use_tqdm=False,
+                     lora_request=LoRARequest("bad2", 6, bad))
+    with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("x", 0, bad)
+
+
+def test_moe_attention_adapter_matches_peft(tmp_path):
+    """The attention of a mixture of experts (Qwen2-MoE: shared expert, one dense layer) under an adapter."""
+    import torch
+    import transformers
+
+    from tests.models.test_moe_parity import tiny_moe_config
+
+    torch.manual_seed(0)
+    base = str(tmp_path / "base")
+    transformers.AutoModelForCausalLM.from_config(tiny_moe_config("qwen2_moe")).float().eval().save_pretrained(base)
+    path = save_adapter(base, str(tmp_path / "attn"), ["q_proj", "k_proj", "v_proj", "o_proj"], r=8, seed=4,
+                        scale=0.5)
+    loras = [LoRARequest("attn", 1, path), None]
+    prompts = PROMPTS[:2]
+    expected = [peft_greedy(base, path, prompts[0], MAX_TOKENS), peft_greedy(base, None, prompts[1], MAX_TOKENS)]
+    assert expected[0] != peft_greedy(base, None, prompts[0], MAX_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = _llm(base, max_loras=1).generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in outs] == expected
