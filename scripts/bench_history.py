@@ -77,7 +77,7 @@ def workload_key(result: dict[str, Any]) -> str:
         return f"serve-{result.get('model', 'unknown')}"
     if name == "spec":  # speculative decoding: the target, the draft model, and whether acceptance was set
         model = str(result.get("model") or "embedded").split(" ")[0].lower()
-        name += f"-{model}"
+        name += f"-{model}-k{result.get('k')}"
         if result.get("draft_model"):
             name += f"-draft-{result['draft_model']}"
         if any("acceptance" in row for row in result.get("rows", ())):
