@@ -10,6 +10,30 @@ import triton.language as tl
 
 
 @triton.jit
+def _shrink_row(x_ptr, a_ptr, t, slot, r, R, k_start, k_end, stride_xm, stride_as, stride_ar,
+                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One token's rank columns over k in [k_start, k_end): sum_k x[t, k] * A[slot, r, k], in fp32.
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + r[:, None] * stride_ar
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(x_ptr + t * stride_xm + k, mask=k < k_end, other=0.0).to(tl.float32)
+        ak = tl.load(a_rows + k[None, :], mask=(r[:, None] < R) & (k[None, :] < k_end), other=0.0).to(tl.float32)
+        acc += tl.sum(ak * xk[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _expand_row(s, b_ptr, y_ptr, t, slot, n, r, N, R, stride_bs, stride_bn, stride_ym):
+    # One token's y[t, n] += sum_r s[r] * B[slot, n, r] (s: its fp32 rank columns).
+    b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + n[:, None] * stride_bn + r[None, :],
+                mask=(n[:, None] < N) & (r[None, :] < R), other=0.0).to(tl.float32)
+    y_ptrs = y_ptr + t * stride_ym + n
+    y = tl.load(y_ptrs, mask=n < N, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + tl.sum(b * s[None, :], axis=1)).to(y_ptr.dtype.element_ty), mask=n < N)
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, K_PER_SPLIT,
                    stride_xm, stride_as, stride_ar, stride_os, stride_om,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -21,14 +45,9 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, K, R, K_PER_SPLIT,
         return
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     split = tl.program_id(2)
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    a_rows = a_ptr + slot.to(tl.int64) * stride_as + r[:, None] * stride_ar
     k_end = tl.minimum(K, (split + 1) * K_PER_SPLIT)
-    for k0 in range(split * K_PER_SPLIT, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xk = tl.load(x_ptr + t * stride_xm + k, mask=k < k_end, other=0.0).to(tl.float32)
-        ak = tl.load(a_rows + k[None, :], mask=(r[:, None] < R) & (k[None, :] < k_end), other=0.0).to(tl.float32)
-        acc += tl.sum(ak * xk[None, :], axis=1)
+    acc = _shrink_row(x_ptr, a_ptr, t, slot, r, R, split * K_PER_SPLIT, k_end, stride_xm, stride_as, stride_ar,
+                      BLOCK_R, BLOCK_K)
     tl.store(out_ptr + split * stride_os + t * stride_om + r, acc, mask=r < R)
 
 
@@ -47,12 +66,7 @@ def _expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, N, R, SPLITS,
     s = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for j in range(0, SPLITS):
         s += tl.load(s_ptr + j * stride_ss + t * stride_sm + r, mask=r < R, other=0.0)
-    b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + n[:, None] * stride_bn + r[None, :],
-                mask=(n[:, None] < N) & (r[None, :] < R), other=0.0).to(tl.float32)
-    delta = tl.sum(b * s[None, :], axis=1)
-    y_ptrs = y_ptr + t * stride_ym + n
-    y = tl.load(y_ptrs, mask=n < N, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=n < N)
+    _expand_row(s, b_ptr, y_ptr, t, slot, n, r, N, R, stride_bs, stride_bn, stride_ym)
 
 
 @triton.jit
@@ -83,14 +97,8 @@ def _shrink_block_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, M, K, R,
             t = tl.program_id(0) * BLOCK_M + i
             slot = tl.load(slots_ptr + t, mask=t < M, other=-1)
             if slot >= 0:
-                acc1 = tl.zeros((BLOCK_R,), dtype=tl.float32)
-                a_rows1 = a_ptr + slot.to(tl.int64) * stride_as + r[:, None] * stride_ar
-                for k0 in range(0, K, BLOCK_K):
-                    k = k0 + tl.arange(0, BLOCK_K)
-                    xk1 = tl.load(x_ptr + t * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-                    ak1 = tl.load(a_rows1 + k[None, :], mask=(r[:, None] < R) & (k[None, :] < K),
-                                  other=0.0).to(tl.float32)
-                    acc1 += tl.sum(ak1 * xk1[None, :], axis=1)
+                acc1 = _shrink_row(x_ptr, a_ptr, t, slot, r, R, 0, K, stride_xm, stride_as, stride_ar, BLOCK_R,
+                                   BLOCK_K)
                 tl.store(out_ptr + t * stride_om + r, acc1, mask=r < R)
 
 
@@ -121,12 +129,8 @@ def _expand_block_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, M, N, R,
             t = tl.program_id(0) * BLOCK_M + i
             slot = tl.load(slots_ptr + t, mask=t < M, other=-1)
             if slot >= 0:
-                s1 = tl.load(s_ptr + t * stride_sm + r, mask=r < R, other=0.0)
-                b1 = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + n[:, None] * stride_bn + r[None, :],
-                             mask=(n[:, None] < N) & (r[None, :] < R), other=0.0).to(tl.float32)
-                y_ptrs1 = y_ptr + t * stride_ym + n
-                y1 = tl.load(y_ptrs1, mask=n < N, other=0.0).to(tl.float32)
-                tl.store(y_ptrs1, (y1 + tl.sum(b1 * s1[None, :], axis=1)).to(y_ptr.dtype.element_ty), mask=n < N)
+                s1 = tl.load(s_ptr + t * stride_sm + r, mask=r < R, other=0.0).to(tl.float32)
+                _expand_row(s1, b_ptr, y_ptr, t, slot, n, r, N, R, stride_bs, stride_bn, stride_ym)
 
 
 # Up to this many tokens (decode steps, whose rows mix adapters) one program takes one token; past it, blocks of
