@@ -70,17 +70,25 @@ def _expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, N, R, SPLITS,
 
 
 @triton.jit
+def _block_slots(slots_ptr, M, BLOCK_M: tl.constexpr):
+    # The program's token block: its rows, and the lowest and highest slot among its tokens (-1: no adapter at all;
+    # low == top: one adapter for the whole block).
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(slots_ptr + m, mask=m < M, other=-1)
+    top = tl.max(slots, axis=0)
+    low = tl.min(tl.where(m < M, slots, top), axis=0)
+    return m, low, top
+
+
+@triton.jit
 def _shrink_block_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, M, K, R,
                          stride_xm, stride_as, stride_ar, stride_om,
                          BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     # grid (token blocks, rank tiles). A block whose tokens share one adapter (a prefill chunk's, nearly always) is
     # one tile product over K; a block that mixes adapters runs its rows one by one.
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(slots_ptr + m, mask=m < M, other=-1)
-    top = tl.max(slots, axis=0)
+    m, low, top = _block_slots(slots_ptr, M, BLOCK_M)
     if top < 0:
         return
-    low = tl.min(tl.where(m < M, slots, top), axis=0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     if low == top:
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -107,12 +115,9 @@ def _expand_block_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, M, N, R,
                          stride_sm, stride_bs, stride_bn, stride_ym,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     # grid (token blocks, output tiles): as _shrink_block_kernel, onto y in place; rows without an adapter untouched.
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(slots_ptr + m, mask=m < M, other=-1)
-    top = tl.max(slots, axis=0)
+    m, low, top = _block_slots(slots_ptr, M, BLOCK_M)
     if top < 0:
         return
-    low = tl.min(tl.where(m < M, slots, top), axis=0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, BLOCK_R)
     if low == top:
