@@ -105,7 +105,8 @@ StartupReply = EngineInfo | EngineFailed
 
 
 def stats_to_wire(stats: object) -> WireStats:
-    return WireStats(**{name: getattr(stats, name) for name in WireStats.__struct_fields__})
+    # Figures a stats object lacks (an engine without speculative decoding's counters) keep their defaults.
+    return WireStats(**{name: getattr(stats, name) for name in WireStats.__struct_fields__ if hasattr(stats, name)})
 
 
 def merge_reported(parts: list[WireStats | None]) -> WireStats | None:
