@@ -268,6 +268,13 @@ class EngineConfig:
         if self.data_parallel_size > 1:
             raise ValueError("enable_lora runs with data_parallel_size 1 for now")
 
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config as __post_init__ left it (a dict is parsed there)."""
+        spec = self.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)
+        return spec
+
     def resolved_device(self) -> torch.device:
         name = self.device
         if name == "auto":

@@ -109,8 +109,7 @@ def bad_word_token_ids(tokenizer: object, words: tuple[str, ...]) -> tuple[tuple
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        spec = config.speculative_config
-        self.spec = spec if spec is not None and not isinstance(spec, dict) else None
+        self.spec = config.speculative
         draft = None
         if self.spec is not None and self.spec.method == "draft_model":
             # Before the target's runner, which then sizes its KV cache around the draft's memory.

@@ -156,8 +156,9 @@ class ModelExecutor:
 
     def sample_into(self, slot: int, logits: torch.Tensor, num_seqs: int, all_greedy: bool,
                     any_top_k_top_p: bool, num_logprobs: int, num_rows: int | None = None) -> None:
-        """Samples logits [num_rows, vocab] with the slot's static per-sequence parameters into its output buffers
-        (rows beyond num_seqs, a verify step's draft rows, take their sequence's parameters and their own position).
+        """Samples logits [num_rows, vocab] (default num_seqs rows) with the slot's static per-row parameters into its
+        output buffers (a verify step's draft rows, beyond num_seqs, hold their sequence's parameters and their own
+        position: input_buffers._write_verify_rows).
 
         Any top-n request computes the top MAX_LOGPROBS (the host reads the first n columns), so eager steps
         and captured graphs, which cannot know n, run the same ops.
@@ -165,18 +166,12 @@ class ModelExecutor:
         buf = self.buffers[slot]
         ints, longs, floats = buf.ints.dev, buf.longs.dev, buf.floats.dev
         top_n = MAX_LOGPROBS if num_logprobs > 0 else num_logprobs
-        rows = num_seqs if num_rows is None else num_rows
-        params = [floats["temperature"], ints["top_k"], floats["top_p"], longs["seeds"], floats["min_p"]]
-        if rows > num_seqs:
-            seq = ints["row_seq"][num_seqs:rows]
-            params = [torch.cat([p[:num_seqs], p.index_select(0, seq)]) for p in params]
-        else:
-            params = [p[:rows] for p in params]
-        temperature, top_k, top_p, seeds, min_p = params
-        num_rows = rows
+        num_rows = num_seqs if num_rows is None else num_rows
         out = sample(
-            logits, temperature, top_k, top_p, seeds, longs["sample_pos"][:num_rows],
-            all_greedy=all_greedy, any_top_k_top_p=any_top_k_top_p, num_logprobs=top_n, min_p=min_p,
+            logits, floats["temperature"][:num_rows], ints["top_k"][:num_rows], floats["top_p"][:num_rows],
+            longs["seeds"][:num_rows], longs["sample_pos"][:num_rows],
+            all_greedy=all_greedy, any_top_k_top_p=any_top_k_top_p, num_logprobs=top_n,
+            min_p=floats["min_p"][:num_rows],
         )
         buf.out_tokens[:num_rows].copy_(out.token_ids)
         if out.logprobs is not None:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from tandem.request import Request
-from tandem.scheduler.output import SchedulerOutput
+from tandem.scheduler.output import ScheduledRequest, SchedulerOutput
 
 
 class PackedBuffer:
@@ -189,7 +189,7 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
     sampled tokens (the carry-over sources). The sampling rows are rewritten only when the slot's last
     step held other requests (or another order): in steady decode the batch repeats step after step.
     """
-    ints, longs, floats = buf.ints.np, buf.longs.np, buf.floats.np
+    ints, longs = buf.ints.np, buf.longs.np
     input_ids, positions, slot_mapping = ints["input_ids"], ints["positions"], longs["slot_mapping"]
     block_tables, table_rows, table_lens = ints["block_tables"], buf.table_rows, buf.table_lens
     bs = block_size
@@ -282,11 +282,7 @@ def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, in
         num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), num_seqs)
     sample_pos[:num_seqs] = seq_lens[:num_seqs]
     ints["logits_indices"][:num_seqs] = qsl[1 : num_seqs + 1] - 1
-    requests = [s.request for s in scheduled]
-    if buf.sampling_rows is None or requests != buf.sampling_rows:  # == compares identities first
-        buf.sampling_state = _write_sampling(buf, requests)
-    buf.sampling_rows = requests
-    all_greedy, any_filter, num_logprobs, any_logits_state = buf.sampling_state
+    all_greedy, any_filter, num_logprobs, any_logits_state = _sampling_rows(buf, scheduled)
     if pad_tokens_to is not None and pad_tokens_to > t:
         # Padding tokens of a piecewise graph: no KV write and no carry; the attention between the pieces
         # covers only the step's sequences, and no logits row reads them.
@@ -347,8 +343,14 @@ def _write_verify_rows(buf: StepBuffers, num_seqs: int, num_rows: int, seqs: lis
                        drafts: list[int], counts: list[int], pad_to: int) -> None:
     """What ModelExecutor.verify reads for rows 0..pad_to-1: draft rows (num_seqs..num_rows-1) name their sequence,
     their draft's index and the draft; every other row (a sequence's own, or padding) names itself, with an index
-    past any draft count and no draft, so it changes no count."""
-    ints = buf.ints.np
+    past any draft count and no draft, so it changes no count. Draft rows also get their sequence's sampling
+    parameters, so that the sampler (and a verify graph) reads per-row parameters for every row."""
+    ints, longs, floats = buf.ints.np, buf.longs.np, buf.floats.np
+    if num_rows > num_seqs:
+        idx = np.asarray(seqs)
+        for region in (floats["temperature"], floats["top_p"], floats["min_p"], ints["top_k"], longs["seeds"]):
+            region[num_seqs:num_rows] = region[idx]
+        buf.sampling_rows = None  # rows past num_seqs now hold draft rows: a later step rewrites its own
     never = buf.max_rows  # > any draft count
     ints["row_seq"][:num_seqs] = np.arange(num_seqs)
     ints["row_rank"][:num_seqs] = never
@@ -362,6 +364,16 @@ def _write_verify_rows(buf: StepBuffers, num_seqs: int, num_rows: int, seqs: lis
         ints["row_rank"][num_rows:pad_to] = never
         ints["row_draft"][num_rows:pad_to] = -1
     ints["num_drafts"][num_seqs:pad_to] = 0
+
+
+def _sampling_rows(buf: StepBuffers, scheduled: list[ScheduledRequest]) -> tuple[bool, bool, int, bool]:
+    """Rows 0..n-1's sampling parameters, rewritten only when the slot's last step held other requests (or another
+    order): in steady decode the batch repeats step after step. Returns _write_sampling's summary."""
+    requests = [s.request for s in scheduled]
+    if buf.sampling_rows is None or requests != buf.sampling_rows:  # == compares identities first
+        buf.sampling_state = _write_sampling(buf, requests)
+    buf.sampling_rows = requests
+    return buf.sampling_state
 
 
 def _write_sampling(buf: StepBuffers, requests: list[Request]) -> tuple[bool, bool, int, bool]:
@@ -391,15 +403,11 @@ def write_flat_verify(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[
     one per draft (the position before the draft, whose sampled token the draft is checked against), with their
     sequence's sampling parameters written beside them. Logits rows are the attention rows.
     """
-    ints, longs, floats = buf.ints.np, buf.longs.np, buf.floats.np
+    ints, longs = buf.ints.np, buf.longs.np
     bs = block_size
     scheduled = sched.scheduled
     num_seqs = len(scheduled)
-    requests = [s.request for s in scheduled]
-    if buf.sampling_rows is None or requests != buf.sampling_rows:
-        buf.sampling_state = _write_sampling(buf, requests)
-    buf.sampling_rows = requests
-    all_greedy, any_filter, num_logprobs, any_logits_state = buf.sampling_state
+    all_greedy, any_filter, num_logprobs, any_logits_state = _sampling_rows(buf, scheduled)
     ids: list[int] = []
     pos: list[int] = []
     carry: list[int] = []
@@ -451,11 +459,6 @@ def write_flat_verify(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[
     longs["sample_pos"][:num_rows] = seq_lens[:num_rows]
     ints["logits_indices"][:num_rows] = np.arange(num_rows)
     _write_verify_rows(buf, num_seqs, num_rows, seqs, ranks, drafts, counts, max(num_rows, pad_to or 0))
-    if num_rows > num_seqs:  # the draft rows sample with their sequence's parameters
-        idx = np.asarray(seqs)
-        for region in (floats["temperature"], floats["top_p"], floats["min_p"], ints["top_k"], longs["seeds"]):
-            region[num_seqs:num_rows] = region[idx]
-        buf.sampling_rows = None  # rows past num_seqs now hold draft rows: a later step rewrites its own
     if pad_to is not None and pad_to > num_rows:
         _write_padding(buf, num_rows, num_rows, pad_to)
     order_rows = max(num_rows, pad_to or 0)

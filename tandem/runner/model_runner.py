@@ -57,10 +57,10 @@ class ModelRunner:
         self.max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.streams = DeviceStreams(self.device)
-        spec = config.speculative_config
-        max_drafts = spec.num_speculative_tokens if spec is not None else 0  # type: ignore[union-attr]
+        spec = config.speculative
+        max_drafts = spec.num_speculative_tokens if spec is not None else 0
         # Flat verify steps (decode graphs of one row per token) for as many sequences as speculation runs for.
-        self.max_verify_rows = (min(spec.disable_by_batch_size, config.max_num_seqs) * (1 + max_drafts)  # type: ignore[union-attr]
+        self.max_verify_rows = (min(spec.disable_by_batch_size, config.max_num_seqs) * (1 + max_drafts)
                                 if spec is not None else 0)
         # LoRA adapters (tandem.lora): the device pool is allocated before the KV cache is sized from what is left.
         self.lora = None if not config.enable_lora else LoRAManager(
