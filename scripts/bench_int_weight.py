@@ -34,8 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gemv import cuda_setup, graph_us, l2_bytes, write_rows  # noqa: E402
 
-from tandem.kernels.int_weight import dequantize_repacked, repack_int_weight  # noqa: E402
+from tandem.kernels.int_weight import repack_int_weight  # noqa: E402
 from tandem.kernels.triton_int_weight import (  # noqa: E402
+    dequant_min_rows,
+    dequantize_int_weight_triton,
     int_gemm_config,
     int_gemv_config,
     int_weight_matmul_triton,
@@ -125,8 +127,9 @@ def main() -> None:
                 bf16 = graph_us([lambda w=w: F.linear(x, w) for w in dense])
                 gemv = use_int_gemv(m)
                 make = int_gemv_config if gemv else int_gemm_config
-                row = {"proj": name, "N": n, "K": k, "bits": bits, "group": args.group, "M": m, "path":
-                       "gemv" if gemv else "gemm", "config": make(m, n, k, bits, args.group, sms), "us": us,
+                path = "gemv" if gemv else "dequant+cublas" if m >= dequant_min_rows() else "gemm"
+                row = {"proj": name, "N": n, "K": k, "bits": bits, "group": args.group, "M": m, "path": path,
+                       "config": make(m, n, k, bits, args.group, sms), "us": us,
                        "copy_fraction": frac(us), "tflops": flops / (us * 1e-6) / 1e12, "bf16_us": bf16,
                        "bf16_copy_fraction": n * k * 2 / (bf16 * 1e-6) / 1e9 / copy_gbs,
                        "bf16_tflops": flops / (bf16 * 1e-6) / 1e12, "speedup_vs_bf16": bf16 / us}
@@ -142,7 +145,8 @@ def main() -> None:
                     t = graph_us([lambda w=w, kw=kw: int_weight_matmul_triton(x, w, **kw) for w in weights])
                     row["variants"][label] = {"us": t, "copy_fraction": frac(t)}
                 if m == prefill and m > 64:
-                    deq = graph_us([lambda w=w: F.linear(x, dequantize_repacked(w)) for w in weights[:2]])
+                    deq = graph_us([lambda w=w: F.linear(x, dequantize_int_weight_triton(w, x.dtype))
+                                    for w in weights[:2]])
                     row["dequant_cublas_us"] = deq
                 if args.sweep and (m in (1, 4) or m == 16 or m == prefill):
                     table = sweep(x, weights, gemv, gemv_grid() if gemv else gemm_grid(m), frac)

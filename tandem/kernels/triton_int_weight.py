@@ -294,6 +294,56 @@ def _int_gemm_kernel(
         tl.store(ws_ptr + (pid_k * M + rows).to(tl.int64) * N + cols, acc, mask=mask)
 
 
+@triton.jit
+def _int_dequant_kernel(w_ptr, s_ptr, mn_ptr, out_ptr, N, K, GROUP: tl.constexpr, ONE_BITS, stride_wn, stride_sn,
+                        stride_on, BITS: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr,
+                        PACKED: tl.constexpr):
+    # grid (N tiles, K tiles): W [BLOCK_N, TG * GK] = q * s + mn rounded once to out's dtype, as the tile GEMM
+    # dequantizes its weight tiles (the same helpers, so the dense product matches the GEMM's weights bit for bit).
+    PER_WORD: tl.constexpr = 32 // BITS
+    GK: tl.constexpr = GW * PER_WORD
+    BLOCK_K: tl.constexpr = TG * GK
+    out_ty: tl.constexpr = out_ptr.dtype.element_ty
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wn = offs_n[:, None, None]
+    wg = tl.arange(0, TG)[None, :, None]
+    first = tl.program_id(1) * BLOCK_K + wg * GK  # [1, TG, 1]: each part's first element
+    n_ok = wn < N
+    group = first // GROUP
+    s = tl.load(s_ptr + wn.to(tl.int64) * stride_sn + group, mask=n_ok & (first < K), other=0.0)
+    mn = tl.load(mn_ptr + wn.to(tl.int64) * stride_sn + group, mask=n_ok & (first < K), other=0.0)
+    words = tl.load(w_ptr + wn.to(tl.int64) * stride_wn + (first // PER_WORD + tl.arange(0, GW)[None, None, :]),
+                    mask=n_ok & (first < K), other=0)  # [BLOCK_N, TG, GW]
+    if BITS == 4:
+        w = tl.reshape(_word_weights(words, s, mn, out_ty, PACKED), [BLOCK_N, BLOCK_K])
+    else:
+        shifts = _code_slots(tl.arange(0, PER_WORD)[None, None, None, :], BITS) * BITS
+        f = _codes_plus_one(words[:, :, :, None], shifts, ONE_BITS, BITS)  # [BLOCK_N, TG, GW, PER_WORD]
+        s4 = s.to(tl.float32)[:, :, :, None] * (1 << BITS)
+        w = tl.reshape(((f - 1.0) * s4 + mn.to(tl.float32)[:, :, :, None]).to(out_ty), [BLOCK_N, BLOCK_K])
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + k[None, :], w,
+             mask=(offs_n[:, None] < N) & (k[None, :] < K))
+
+
+def dequantize_int_weight_triton(weight: IntWeight, dtype: torch.dtype, out: torch.Tensor | None = None
+                                 ) -> torch.Tensor:  # [N, K] in dtype
+    """The dense weight an IntWeight holds (q * scale + min rounded once to dtype, the tile GEMM's weights), one
+    pass at the copy bandwidth: the large-M path multiplies it with cuBLAS. out: a [N, K] buffer to fill."""
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=dtype, device=weight.words.device) if out is None else out
+    bits, per_word = weight.bits, WORD_BITS // weight.bits
+    block_k = 256 if bits == 4 else 128
+    gk = part_elements(block_k, weight.group_size, bits)
+    packed = (weight.words.is_cuda and bits == 4 and dtype in (torch.bfloat16, torch.float16)
+              and weight.scales.dtype == dtype and os.environ.get("TANDEM_INT_PACKED") != "0")
+    _int_dequant_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_k))](
+        weight.words, weight.scales, weight.mins, out, n, k, weight.group_size, ONE_BITS, weight.words.stride(0),
+        weight.scales.stride(0), out.stride(0), BITS=bits, BLOCK_N=32, TG=block_k // gk, GW=gk // per_word,
+        PACKED=packed, num_warps=4)
+    return out
+
+
 GEMV_STEP_BYTES = 1024  # bytes of each weight row a GEMV program reads per K step
 MIN_GEMM_PART = 32  # elements: the tile GEMM's narrowest group part (below, WORD_GROUPS)
 # K steps of each weight row sent to L2 before the PDL wait (TANDEM_INT_PREFETCH_STEPS; 0: none)
@@ -376,6 +426,10 @@ def int_weight_matmul_triton(
     bits, group_size = weight.bits, weight.group_size
     per_word = WORD_BITS // bits
     m = x.shape[0]
+    if gemv is None and config is None and m >= dequant_min_rows() and x.is_cuda:
+        # Many rows: the tensor cores, not the weight stream, set the time; the weight dequantized once at the
+        # copy bandwidth then cuBLAS beats dequantizing each tile inside a Triton GEMM (kernels-int-weight.json).
+        return torch.nn.functional.linear(x, dequantize_int_weight_triton(weight, x.dtype), bias)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -416,6 +470,16 @@ def int_weight_matmul_triton(
             return parts
         reduce_partial_sums_triton(parts, out)
     return out
+
+
+DEQUANT_MIN_ROWS = 512  # rows from which the weight is dequantized whole and multiplied by cuBLAS
+
+
+def dequant_min_rows() -> int:
+    """DEQUANT_MIN_ROWS, or TANDEM_INT_DEQUANT_MIN_ROWS (read per call; 0 or less: never)."""
+    override = os.environ.get("TANDEM_INT_DEQUANT_MIN_ROWS")
+    value = int(override) if override is not None else DEQUANT_MIN_ROWS
+    return value if value > 0 else 1 << 62
 
 
 INT_GEMV_MAX_ROWS = 1  # rows up to which the CUDA-core GEMV runs; above, the tile GEMM (tensor cores)

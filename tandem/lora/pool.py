@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.lora import lora_add
+from tandem.kernels.lora import lora_add, lora_counters
 from tandem.layers.linear import Linear
 from tandem.lora.pack import PackedAdapter, num_parts
 
@@ -15,15 +15,17 @@ class LoRADelta:
     `add(x, y)` onto its base output y (before a row-parallel layer's all-reduce: A's input columns are sharded like
     the base weight, so the ranks' partial deltas sum with the partial products)."""
 
-    __slots__ = ("a", "b", "token_slots")
+    __slots__ = ("a", "b", "token_slots", "counters")
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor) -> None:
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
+                 counters: torch.Tensor | None = None) -> None:
         self.a = a  # [max_loras, parts * max_rank, in_local]
         self.b = b  # [max_loras, out_local, parts * max_rank], the adapter's scale folded in
         self.token_slots = token_slots  # [max_num_tokens] int32, -1: no adapter
+        self.counters = counters  # the kernels' split counters, one buffer for the pool (None: off the GPU)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return lora_add(y, x, self.a, self.b, self.token_slots)
+        return lora_add(y, x, self.a, self.b, self.token_slots, self.counters)
 
 
 class LoRAPool:
@@ -35,13 +37,14 @@ class LoRAPool:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.max_loras = max_loras
         self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device)
+        self.counters = lora_counters(max_loras, device)
         self.slots: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, linear in targets.items():
             cols = num_parts(linear) * max_rank
             a = torch.zeros(max_loras, cols, linear.in_features, dtype=dtype, device=device)
             b = torch.zeros(max_loras, linear.out_features, cols, dtype=dtype, device=device)
             self.slots[name] = (a, b)
-            linear.lora = LoRADelta(a, b, self.token_slots)
+            linear.lora = LoRADelta(a, b, self.token_slots, self.counters)
 
     @property
     def num_bytes(self) -> int:

@@ -14,6 +14,7 @@ from tandem.kernels.reference import dequantize_int_weight
 from tandem.kernels.triton_int_weight import (
     int_gemm_config,
     int_gemv_config,
+    dequantize_int_weight_triton,
     int_weight_matmul_triton,
     part_elements,
     swap_ab_config,
@@ -190,10 +191,26 @@ def test_ops_dispatch(monkeypatch):
     assert module.use_int_gemv(4) and not module.use_int_gemv(5)
 
 
+@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, 64), (8, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dequantize_kernel_writes_the_weight(bits, group, dtype):
+    """The large-M path's dense weight: the kernel's [N, K] (ragged N and K tails masked) equals the reference
+    dequantization of the repacked weight; in fp16 each weight rounded once, as the tile GEMM rounds it."""
+    n, k = 40, 3 * 256 + 128 if group != 16 else 272
+    qweight, scales, zeros, _ = make_weight(n, k, bits, group, dtype, seed=bits * 100 + group)
+    packed = repack_int_weight(qweight, scales, zeros, bits, group)
+    got = dequantize_int_weight_triton(packed, dtype)
+    want = dequantize_repacked(packed).float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    else:
+        torch.testing.assert_close(got.float(), want, atol=2e-3 * want.abs().max().item(), rtol=2e-3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("m", [1, 4, 16, 64, 300])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 300, 600])
 def test_gpu_llama_shapes_in_bf16(bits, m):
     """bf16 on the GPU, an 8B-sized projection (K 4096, group 128), every path by its row count: close to the fp32
     product of the reference dequantization (assert_close_to says how close)."""
