@@ -35,6 +35,8 @@ class LoRAManager:
         self.host = HostAdapters(self._pack, self.max_cpu_loras)  # host copies (LRU), made on a loader thread
         self._staged: list[tuple[int, PackedAdapter]] = []  # (slot, host copy) to page in with the next H2D
         self._staged_wait = False  # a staged page-in overwrites a slot the step in flight may read
+        self.num_page_ins = 0  # adapters copied into a device slot so far
+        self.num_host_copies = 0  # host copies made so far (read, packed, pinned)
         self.staged_requests: list[tuple[int, LoRARequest]] = []  # the same, for the other tensor-parallel ranks
         logger.info("LoRA: %d target linears, %d slots of rank %d (%.1f MiB on the device)", len(self.targets),
                     max_loras, max_rank, self.pool.num_bytes / 2**20)
@@ -109,6 +111,7 @@ class LoRAManager:
         return adapter if adapter is not None else self.host.put(self._pack(request))
 
     def _pack(self, request: LoRARequest) -> PackedAdapter:
+        self.num_host_copies += 1
         adapter = load_adapter(request, self.max_rank)
         return pack_adapter(adapter, self.targets, self.max_rank, self.dtype, pin=self.device.type == "cuda",
                             tp_size=self.tp_size)
@@ -122,6 +125,7 @@ class LoRAManager:
         """The scheduler's page-ins for a prepared step (copied in upload()); `wait`: one of them overwrites a slot
         the step in flight may still read."""
         self._staged_wait |= wait and bool(loads)
+        self.num_page_ins += len(loads)
         for slot, request in loads:
             self._staged.append((slot, self.packed(request)))
             if self.tp_size > 1:  # rank 0 forwards them (take_staged_message)
