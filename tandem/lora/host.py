@@ -29,6 +29,7 @@ class HostAdapters:
         self.wanted: OrderedDict[int, LoRARequest] = OrderedDict()  # waiting for room, in order
         self.pins: dict[int, int] = {}  # lora_int_id -> requests that need its copy
         self.forgotten: set[int] = set()  # unloaded while pinned: the copy goes with the last pin
+        self.failures: list[BaseException] = []  # copies no request pinned that failed (wait() raises the first)
         self._pool: ThreadPoolExecutor | None = None
 
     def want(self, request: LoRARequest) -> None:
@@ -108,18 +109,24 @@ class HostAdapters:
             futures_wait([f for _, f in self.loading.values()], timeout=timeout, return_when=FIRST_COMPLETED)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Blocks until the copies under way (and those wanted) are made; raises the first failure of one that
-        no request pinned (a pinned one's failure goes to its requests through ready())."""
-        while self.loading:
-            futures_wait([f for _, f in self.loading.values()], timeout=timeout)
-            failed = self._reap()
-            if failed:
-                raise failed[0]
-            if self.wanted and not any(not f.done() for _, f in self.loading.values()):
-                break  # no room for the rest: every copy is pinned
-        for lora_id, (request, future) in list(self.loading.items()):
-            if future.done():
-                self.ready(request)
+        """Blocks until the copies under way, and those wanted that fit, are made (a preload before a benchmark);
+        raises the first failure of a copy no request pinned (a pinned one's failure goes to its requests through
+        ready()). TimeoutError when `timeout` seconds pass first."""
+        while True:
+            self._start()
+            pending = [f for _, f in self.loading.values() if not f.done()]
+            if not pending:
+                break
+            done, _ = futures_wait(pending, timeout=timeout)
+            if not done:
+                raise TimeoutError(f"LoRA host copies not made within {timeout} s")
+        self._reap()
+        for request, future in list(self.loading.values()):
+            if future.exception() is None:
+                self.ready(request)  # pinned: in the LRU now
+        if self.failures:
+            failure, self.failures = self.failures[0], []
+            raise failure
 
     def shutdown(self) -> None:
         if self._pool is not None:
@@ -146,17 +153,15 @@ class HostAdapters:
                 return True
         return False
 
-    def _reap(self) -> list[Exception]:
-        """Moves finished copies that no request pinned into the LRU (preloads); returns and drops the failures."""
-        failed: list[Exception] = []
+    def _reap(self) -> None:
+        """Moves finished copies that no request pinned (preloads) into the LRU; keeps their failures for wait()."""
         for lora_id, (_, future) in list(self.loading.items()):
             if lora_id in self.pins or not future.done():
                 continue
             del self.loading[lora_id]
-            exc = future.exception()
+            exc = None if future.cancelled() else future.exception()
             if exc is not None:
                 logger.warning("LoRA adapter %d could not be loaded: %s", lora_id, exc)
-                failed.append(exc)  # type: ignore[arg-type]
-            else:
+                self.failures.append(exc)
+            elif not future.cancelled():
                 self.cpu[lora_id] = future.result()
-        return failed
