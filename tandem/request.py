@@ -63,6 +63,9 @@ class Request:
     # The LoRA adapter it runs with (None: the base model) and, while admitted, the device slot holding it.
     lora_request: LoRARequest | None = None
     lora_slot: int = -1
+    # Steps in which it waited for an adapter slot while a later request was admitted onto one (the scheduler's
+    # starvation bound, SchedulerConfig.max_lora_skips).
+    num_lora_skips: int = 0
     first_token_time: float | None = None
     # Speculative decoding: the tokens proposed for the next step (set before it is scheduled, consumed by it),
     # the most the proposer may offer this request (shrinks after rejections, grows after full acceptance),

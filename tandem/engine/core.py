@@ -150,6 +150,7 @@ class EngineCore:
         self.overlap = config.overlap
         self._rng = random.Random(config.seed)
         self._requests: dict[str, Request] = {}  # unfinished requests
+        self._loading: dict[str, Request] = {}  # waiting for their adapter's host copy, in arrival order
         self._inflight: StepHandle | None = None  # step N while step N+1 is being scheduled (overlap)
         self.timeline: Timeline | None = None
         self.step_log: list[tuple[int, int, int]] | None = None  # (seqs, tokens, context tokens) per step
@@ -197,20 +198,36 @@ class EngineCore:
         )
         if self.spec is not None:
             request.spec_k = self.spec.num_speculative_tokens
+        if lora_request is not None:
+            self.runner.lora.pin(lora_request)  # its host copy is made (on the loader thread) and kept till it ends
+        try:
+            if spec is not None:
+                self.grammar.submit(request, spec)  # scheduled once its grammar is compiled (at once if seen before)
+            else:
+                self._schedule(request)  # raises ValueError if it can never fit the KV pool
+                if bad_seqs:
+                    self.grammar.attach(request, None)
+        except Exception:
+            if lora_request is not None:
+                self.runner.lora.unpin(lora_request.lora_int_id)
+            raise
         if params.prompt_logprobs is not None:
             self.runner.prompt_logprobs.add(request)  # its prompt rows get scored as they are computed
-        if spec is not None:
-            self.grammar.submit(request, spec)  # scheduled once its grammar is compiled (at once if seen before)
-        else:
-            self.scheduler.add_request(request)  # raises ValueError if it can never fit the KV pool
-            if bad_seqs:
-                self.grammar.attach(request, None)
         self._requests[request_id] = request
         self.num_prompt_tokens += len(prompt_token_ids)
 
+    def _schedule(self, request: Request) -> None:
+        """Hands a request to the scheduler, or holds it here while its adapter's host copy is being made."""
+        lora = request.lora_request
+        if lora is not None and not self.runner.lora.ready(lora):  # type: ignore[union-attr]
+            self._loading[request.request_id] = request
+        else:
+            self.scheduler.add_request(request)
+
     def add_lora(self, lora_request: LoRARequest) -> None:
-        """Loads an adapter into host memory (at once, so that a bad one fails here); it pages into a device slot
-        when a request that uses it is admitted. ValueError naming the adapter when it cannot serve."""
+        """Checks an adapter (its config and tensor shapes, at once, so that a bad one fails here) and starts making
+        its host copy on the loader thread; it pages into a device slot when a request that uses it is admitted.
+        ValueError naming the adapter when it cannot serve."""
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         if self.runner.lora is None:
@@ -235,9 +252,9 @@ class EngineCore:
         if request_id not in self._requests:
             return
         compiling = self.grammar.compiling.pop(request_id, None)
-        if compiling is not None:
-            request = compiling[0]
-            request.status, request.finish_reason, request.stop_reason = RequestStatus.FINISHED, reason, stop_reason
+        held = compiling[0] if compiling is not None else self._loading.pop(request_id, None)
+        if held is not None:
+            held.status, held.finish_reason, held.stop_reason = RequestStatus.FINISHED, reason, stop_reason
         else:
             self.scheduler.finish_request(request_id, reason, stop_reason)
         self._forget(request_id)
@@ -251,8 +268,12 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
-        if request is not None and request.host_mask is not None:
+        if request is None:
+            return
+        if request.host_mask is not None:
             self.grammar.drop(request)
+        if request.lora_request is not None:
+            self.runner.lora.unpin(request.lora_request.lora_int_id)  # type: ignore[union-attr]
 
     # ---------------------------------------------------------------- structured output
 
@@ -286,13 +307,47 @@ class EngineCore:
         """Moves requests whose grammar compiled into the scheduler; a failed compile fails its request."""
         idle = self._inflight is None and not self.scheduler.num_running() and not self.scheduler.num_waiting()
         outputs = []
-        for request, exc in self.grammar.admit(self.scheduler.add_request, block=idle):
-            message = f"structured output: {exc}"
-            request.status, request.finish_reason, request.error = RequestStatus.FINISHED, FinishReason.ABORT, message
-            self._requests.pop(request.request_id, None)
-            outputs.append(EngineOutput(request.request_id, [], None, True, FinishReason.ABORT, None,
-                                        request.num_prompt_tokens, 0, error=message))
+        for request, exc in self.grammar.admit(self._schedule, block=idle):
+            outputs.append(self._refuse(request, f"structured output: {exc}"))
         return outputs
+
+    def _admit_loaded(self) -> list[EngineOutput]:
+        """Moves requests whose adapter's host copy is made into the scheduler, in arrival order; an adapter that
+        failed to load fails its requests (only those), naming it."""
+        lora = self.runner.lora
+        assert lora is not None
+        if self._inflight is None and not self.scheduler.num_running() and not self.scheduler.num_waiting():
+            lora.host.wait_any(0.05)  # nothing else to do: wait a little for a copy rather than spin
+        outputs = []
+        failed: dict[int, str] = {}  # lora_int_id -> why its host copy could not be made
+        for rid, request in list(self._loading.items()):
+            lora_request = request.lora_request
+            assert lora_request is not None
+            message = failed.get(lora_request.lora_int_id)
+            if message is None:
+                try:
+                    if not lora.ready(lora_request):
+                        continue
+                except Exception as exc:  # ValueErrors name the adapter; anything else gets its name here
+                    message = str(exc) if isinstance(exc, ValueError) else \
+                        f"LoRA adapter {lora_request.lora_name!r} could not be loaded: {exc!r}"
+                    failed[lora_request.lora_int_id] = message
+            del self._loading[rid]
+            if message is None:
+                try:
+                    self.scheduler.add_request(request)
+                    continue
+                except ValueError as exc:
+                    message = str(exc)
+            outputs.append(self._refuse(request, message))
+        return outputs
+
+    def _refuse(self, request: Request, message: str) -> EngineOutput:
+        """Ends a request that never reached the scheduler (its grammar or adapter failed), with the reason."""
+        request.status, request.finish_reason, request.error = RequestStatus.FINISHED, FinishReason.ABORT, message
+        self._forget(request.request_id)
+        return EngineOutput(request.request_id, [], None, True, FinishReason.ABORT, None, request.num_prompt_tokens,
+                            0, error=message)
 
     # ---------------------------------------------------------------- the loop
 
@@ -305,6 +360,8 @@ class EngineCore:
             previous, self._inflight = self._inflight, None
             return self._collect(previous)
         outputs = self._admit_compiled() if self.grammar.compiling else []
+        if self._loading:
+            outputs += self._admit_loaded()
         speculated, self._speculated = self._speculated, False
         self._collected_prefill = False
         inflight = self._inflight
@@ -494,6 +551,8 @@ class EngineCore:
                 del requests[rid]
                 if host_mask is not None:
                     self.grammar.drop(req)
+                if req.lora_request is not None:
+                    self.runner.lora.unpin(req.lora_request.lora_int_id)  # type: ignore[union-attr]
             num_tokens += num_new
         self.num_generation_tokens += num_tokens - num_scored
         self.grammar.advance(grammar_tokens)
@@ -554,6 +613,9 @@ class EngineCore:
             except Exception:
                 logger.exception("filling grammar rows failed during shutdown")
         self.grammar.shutdown()
+        if self.runner.lora is not None:
+            self.runner.lora.shutdown()
+        self._loading.clear()
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.shutdown()
         self._inflight = None  # the runner finishes (or, after a failure, aborts) what is still on the device

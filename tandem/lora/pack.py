@@ -3,6 +3,7 @@ A [parts * max_rank, in_local] and one B [out_local, parts * max_rank], the scal
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 
 from tandem.layers.linear import Linear
 from tandem.layers.parallel import ColumnParallelLinear, RowParallelLinear
-from tandem.lora.peft import LoRAAdapter
+from tandem.lora.peft import AdapterHeader, LoRAAdapter
 
 # Hugging Face projection -> (tandem's linear that holds it, its part in that linear's fused output rows).
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -40,20 +41,47 @@ def num_parts(linear: Linear) -> int:
     return len(linear.parts) if isinstance(linear, ColumnParallelLinear) else 1
 
 
+def _target(where: str, module: str, a_shape: Sequence[int], b_shape: Sequence[int], targets: dict[str, Linear],
+            tp_size: int) -> tuple[str, Linear, int]:
+    """(tandem's linear name, the linear, the part) that holds HF `module`; ValueError naming the adapter (`where`)
+    when the model lacks it or A [r, in] / B [out, r] do not match its base projection."""
+    prefix, _, proj = module.rpartition(".")
+    target_name, part = FUSED[proj]
+    name = f"{prefix}.{target_name}"
+    linear = targets.get(name)
+    if linear is None:
+        raise ValueError(f"{where}: target module {module!r} is not a projection this model has")
+    if isinstance(linear, ColumnParallelLinear):
+        start, rows = linear.parts[part]
+        # Split rows: the whole projection has rows * tp_size; replicated KV heads: fewer, never more.
+        if a_shape[1] != linear.in_features or not start + rows <= b_shape[0] <= rows * tp_size:
+            raise ValueError(f"{where}: {module} has A {tuple(a_shape)} / B {tuple(b_shape)}, but the base "
+                             f"projection maps {linear.in_features} -> {rows * tp_size} features")
+    else:
+        full_in = linear.in_features * linear.tp.size
+        if a_shape[1] != full_in or b_shape[0] != linear.out_features:
+            raise ValueError(f"{where}: {module} has A {tuple(a_shape)} / B {tuple(b_shape)}, but the base "
+                             f"projection maps {full_in} -> {linear.out_features} features")
+    return name, linear, part
+
+
+def check_header(header: AdapterHeader, targets: dict[str, Linear], tp_size: int = 1) -> None:
+    """pack_adapter's checks of modules and shapes, from the header alone (before any weight is read)."""
+    where = f"LoRA adapter {header.request.lora_name!r} ({header.request.lora_path})"
+    for module, (a_shape, b_shape) in header.shapes.items():
+        _target(where, module, a_shape, b_shape, targets, tp_size)
+
+
 def pack_adapter(adapter: LoRAAdapter, targets: dict[str, Linear], max_rank: int, dtype: torch.dtype,
                  pin: bool, tp_size: int = 1) -> PackedAdapter:
     """tp_size: the ranks the column-parallel linears' rows are split over (this rank keeps its shard, as the base
-    layer does: B's output rows there, A's input columns in a row-parallel linear). ValueError naming the adapter for a module the model lacks or a shape that does not match its base."""
+    layer does: B's output rows there, A's input columns in a row-parallel linear). ValueError naming the adapter for
+    a module the model lacks or a shape that does not match its base."""
     where = f"LoRA adapter {adapter.name!r} ({adapter.request.lora_path})"
     packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     r, num_bytes = adapter.rank, 0
     for module, (a, b) in adapter.weights.items():
-        prefix, _, proj = module.rpartition(".")
-        target_name, part = FUSED[proj]
-        name = f"{prefix}.{target_name}"
-        linear = targets.get(name)
-        if linear is None:
-            raise ValueError(f"{where}: target module {module!r} is not a projection this model has")
+        name, linear, part = _target(where, module, a.shape, b.shape, targets, tp_size)
         parts = num_parts(linear)
         if name not in packed:
             packed[name] = (torch.zeros(parts * max_rank, linear.in_features),
@@ -61,19 +89,11 @@ def pack_adapter(adapter: LoRAAdapter, targets: dict[str, Linear], max_rank: int
         big_a, big_b = packed[name]
         cols = slice(part * max_rank, part * max_rank + r)
         if isinstance(linear, ColumnParallelLinear):
-            start, rows = linear.parts[part]
-            # Split rows: the whole projection has rows * tp_size; replicated KV heads: fewer, never more.
-            if a.shape[1] != linear.in_features or not start + rows <= b.shape[0] <= rows * tp_size:
-                raise ValueError(f"{where}: {module} has A {tuple(a.shape)} / B {tuple(b.shape)}, but the base "
-                                 f"projection maps {linear.in_features} -> {rows * tp_size} features")
+            rows = linear.parts[part][1]
             local_b, offset = linear.shard_for_load(b, part)
             big_a[cols] = a
             big_b[offset : offset + rows, cols] = local_b * adapter.scaling
         else:
-            full_in = linear.in_features * linear.tp.size
-            if a.shape[1] != full_in or b.shape[0] != linear.out_features:
-                raise ValueError(f"{where}: {module} has A {tuple(a.shape)} / B {tuple(b.shape)}, but the base "
-                                 f"projection maps {full_in} -> {linear.out_features} features")
             big_a[cols] = linear.shard_for_load(a, is_bias=False)
             big_b[:, cols] = b * adapter.scaling
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

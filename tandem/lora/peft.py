@@ -87,16 +87,29 @@ def check_modules(adapter: LoRAAdapter, modules: dict[str, list[int]]) -> None:
                                          f"projection maps {dims[0]} -> {dims[1]} features")
 
 
-def load_adapter(request: LoRARequest, max_rank: int) -> LoRAAdapter:
-    """Reads and checks the folder: every tensor a lora_A / lora_B weight of one of PROJECTIONS, each module with
-    both, A [r, in] and B [out, r]. Shapes against the model are checked when it is packed (pack.py)."""
+@dataclass(slots=True)
+class AdapterHeader:
+    """What an adapter folder says without reading its weights (adapter_config.json and the safetensors header):
+    per HF module name the keys of its A and B tensors and their shapes, A [r, in] and B [out, r]."""
+
+    request: LoRARequest
+    rank: int
+    scaling: float
+    keys: dict[str, tuple[str, str]]
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def read_header(request: LoRARequest, max_rank: int) -> AdapterHeader:
+    """Reads and checks the folder's config and tensor names and shapes (milliseconds: no weight is read): every
+    tensor a lora_A / lora_B weight of one of PROJECTIONS, each module with both, A [r, in] and B [out, r].
+    Shapes against the model are checked when it is packed (pack.py)."""
     from safetensors import safe_open  # the loader's dependency; imported where adapters are read
 
     rank, scaling = read_config(request, max_rank)
     path = os.path.join(request.lora_path, "adapter_model.safetensors")
     if not os.path.isfile(path):
         raise _fail(request, "adapter_model.safetensors is missing (only safetensors adapters load)")
-    halves: dict[str, dict[str, torch.Tensor]] = {}
+    halves: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
     try:
         with safe_open(path, framework="pt") as f:
             for key in f.keys():
@@ -107,20 +120,42 @@ def load_adapter(request: LoRARequest, max_rank: int) -> LoRAAdapter:
                 module = match["module"]
                 if module.rsplit(".", 1)[-1] not in PROJECTIONS:
                     raise _fail(request, f"target module {module!r} is not one of {', '.join(PROJECTIONS)}")
-                halves.setdefault(module, {})[match["which"]] = f.get_tensor(key).to(torch.float32)
+                halves.setdefault(module, {})[match["which"]] = (key, tuple(f.get_slice(key).get_shape()))
     except ValueError:
         raise
     except Exception as exc:  # a corrupt file: safetensors raises its own error types
         raise _fail(request, f"adapter_model.safetensors cannot be read: {exc}") from None
     if not halves:
         raise _fail(request, "adapter_model.safetensors holds no LoRA weights")
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    keys: dict[str, tuple[str, str]] = {}
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for module, pair in sorted(halves.items()):
         if set(pair) != {"A", "B"}:
             raise _fail(request, f"{module} has lora_{''.join(pair)} but not both lora_A and lora_B")
-        a, b = pair["A"], pair["B"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
-            raise _fail(request, f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not have rank "
-                                 f"{rank} (A [r, in], B [out, r])")
-        weights[module] = (a, b)
-    return LoRAAdapter(request, rank, scaling, weights)
+        (key_a, a), (key_b, b) = pair["A"], pair["B"]
+        if len(a) != 2 or len(b) != 2 or a[0] != rank or b[1] != rank:
+            raise _fail(request, f"{module}: lora_A {a} / lora_B {b} do not have rank {rank} (A [r, in], B [out, r])")
+        keys[module], shapes[module] = (key_a, key_b), (a, b)
+    return AdapterHeader(request, rank, scaling, keys, shapes)
+
+
+def load_adapter(request: LoRARequest, max_rank: int, header: AdapterHeader | None = None) -> LoRAAdapter:
+    """Reads the folder's weights (checked as read_header does; `header`: already read) into fp32 A / B pairs."""
+    from safetensors import safe_open
+
+    if header is None:
+        header = read_header(request, max_rank)
+    path = os.path.join(request.lora_path, "adapter_model.safetensors")
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    try:
+        with safe_open(path, framework="pt") as f:
+            for module, (key_a, key_b) in header.keys.items():
+                a, b = f.get_tensor(key_a).to(torch.float32), f.get_tensor(key_b).to(torch.float32)
+                if (tuple(a.shape), tuple(b.shape)) != header.shapes[module]:
+                    raise _fail(request, f"{module} changed on disk while it was read")
+                weights[module] = (a, b)
+    except ValueError:
+        raise
+    except Exception as exc:  # gone or corrupt since the header was read
+        raise _fail(request, f"adapter_model.safetensors cannot be read: {exc}") from None
+    return LoRAAdapter(request, header.rank, header.scaling, weights)

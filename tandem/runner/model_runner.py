@@ -177,7 +177,7 @@ class ModelRunner:
         if self.lora is not None:  # each token's adapter slot, and the adapters to page in before the step
             self.lora.write_slots(self.buffers[slot].ints.np["lora_slots"], sched.scheduled, num_tokens,
                                   max(num_tokens, graph_bs or 0, piece_tokens or 0))
-            self.lora.stage(sched.lora_loads)
+            self.lora.stage(sched.lora_loads, sched.lora_loads_wait)
         self._prev_rows = rows
         plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,
                         shape.num_logprobs, shape.max_query_len, shape.max_seq_len, self.step_index, self.timing,
@@ -221,11 +221,11 @@ class ModelRunner:
         only the H2D and the forward (`_enqueue_sampling` adds the rest). Returns the step's logits rows."""
         buf, events, streams = self.buffers[plan.slot], self.events[plan.slot], self.streams
         with streams.on("h2d"):
-            if self.lora is not None:
-                self.lora.upload(*((streams.h2d, streams.compute) if streams.cuda else (None, None)))
             buf.upload(plan.graph_bs or plan.attention_rows)
             self.logits_state.upload(plan.slot)
             self.prompt_logprobs.upload(plan.slot)
+            if self.lora is not None:  # last: where a page-in waits for the step in flight, only it waits
+                self.lora.upload(*((streams.h2d, streams.compute) if streams.cuda else (None, None)))
             streams.record("h2d", events.h2d_done)
         streams.wait("compute", events.h2d_done)
         with streams.on("compute"):

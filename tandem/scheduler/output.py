@@ -34,3 +34,5 @@ class SchedulerOutput:
     preempted_request_ids: list[str]
     num_draft_tokens: int = 0  # proposed tokens the step verifies (0: a plain step)
     lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)  # (slot, adapter) to page in first
+    # A page-in overwrites a slot the step in flight may still read: the copies wait for that step's compute.
+    lora_loads_wait: bool = False

@@ -25,9 +25,12 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_loras: int = 0  # LoRA adapters resident at once (device slots); 0: adapters off
+    # Steps a waiting request may be passed over by later requests that run on an adapter (while it waits for a
+    # slot) before it holds them back: then no later adapter request is admitted ahead of it (Scheduler._admit).
+    max_lora_skips: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_lora_skips"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -111,6 +114,8 @@ class Scheduler:
 
     # --- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.lora_slots is not None:
+            self.lora_slots.begin_step()
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -182,6 +187,7 @@ class Scheduler:
         out = SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=total, preempted_request_ids=preempted,
                               num_draft_tokens=num_drafts)
         if self.lora_slots is not None:
+            out.lora_loads_wait = self.lora_slots.loads_overwrite_busy
             out.lora_loads = self.lora_slots.take_loads()
         return out
 
@@ -209,12 +215,41 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        """Admits waiting requests in FIFO order, stopping at the first that does not fit; returns the budget left."""
+        """Admits waiting requests in arrival order while the budget, the sequence limit and free blocks allow;
+        returns the budget left. The first request that does not fit the budget or the blocks stops admission, and
+        so does a preempted request whose last token is still in flight.
+
+        LoRA: a request whose adapter can get no device slot (every slot held by running requests' adapters) is
+        passed over, not waited on: later requests whose adapter is resident (or that use none) are admitted
+        ahead of it. A free slot always goes to the earliest waiting request that needs one (the scan is in
+        order), so what could starve a passed-over request is later requests keeping the slots busy. Each step in
+        which a later request is admitted onto an adapter slot ahead of it counts as one skip; once a request has
+        been skipped max_lora_skips times, no request behind it that runs on an adapter is admitted (base-model
+        requests still are) until it has a slot: the slots in use drain as their requests finish, and it takes the
+        first one freed."""
         kv = self.kv_cache_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        waiting, running = self.waiting, self.running
+        lora_slots = self.lora_slots
+        max_skips = self.config.max_lora_skips
+        passed: list[tuple[Request, int]] | None = None  # (passed over for a slot, its position in the scan)
+        held_back = False  # a request skipped max_lora_skips times is waiting: later adapter requests wait too
+        last_lora_admit = -1  # scan position of the last admitted request that runs on an adapter
+        pos = idx = 0
+        while idx < len(waiting) and budget > 0 and len(running) < self.config.max_num_seqs:
+            request = waiting[idx]
+            pos += 1
             if request.num_pending_tokens > 0:
                 break  # preempted with a token in flight; its tokens are not all known yet
+            uses_slot = lora_slots is not None and request.lora_request is not None
+            if uses_slot and (held_back or not lora_slots.can_acquire(request)):  # type: ignore[union-attr]
+                if not held_back:
+                    if request.num_lora_skips >= max_skips:
+                        held_back = True
+                    if passed is None:
+                        passed = []
+                    passed.append((request, pos))
+                idx += 1
+                continue
             if request.sampling_params.prompt_logprobs is None:
                 computed_blocks, num_cached = kv.get_computed_blocks(request)
             else:  # a cached prefix has no logits: compute the whole prompt (its blocks are still published)
@@ -224,16 +259,21 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            lora_slots = self.lora_slots
-            if lora_slots is not None and not lora_slots.acquire(request):
-                break  # every adapter slot is in use: it waits, as for blocks
+            if uses_slot:
+                acquired = lora_slots.acquire(request)  # type: ignore[union-attr]
+                assert acquired, "can_acquire said a slot was there"
             block_ids = kv.allocate_slots(request, num_new, computed_blocks)
             if block_ids is None:
-                if lora_slots is not None:
-                    lora_slots.release(request)
+                if uses_slot:
+                    lora_slots.release(request)  # type: ignore[union-attr]
                 break
-            self.waiting.popleft()
-            self.running.append(request)
+            if idx == 0:
+                waiting.popleft()
+            else:
+                del waiting[idx]
+            if uses_slot:
+                last_lora_admit = pos
+            running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
@@ -242,6 +282,10 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             scheduled.append(self._schedule_tokens(request, num_new, block_ids))
             budget -= num_new
+        if passed is not None:
+            for request, at in passed:
+                if at < last_lora_admit:
+                    request.num_lora_skips += 1
         return budget
 
     def _schedule_tokens(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:

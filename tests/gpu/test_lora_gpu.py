@@ -79,3 +79,29 @@ def test_load_unload_load_gives_the_same_tokens(adapters):
     llm.shutdown()
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     assert [o.outputs[0].token_ids for o in others] != [o.outputs[0].token_ids for o in first]
+
+
+@pytest.mark.gpu
+def test_paging_through_two_slots_matches_every_adapter_resident(adapters, tmp_path):
+    """Six adapters, requests of staggered lengths in a shuffled order, overlap on: through two slots (requests
+    passed over while their adapter waits for a slot; page-ins into slots idle for a while copied without waiting
+    for the step in flight, into slots it just released after waiting) the tokens equal those of six slots."""
+    import random
+
+    base, loras = adapters
+    more = [LoRARequest(f"x{i}", 10 + i, save_adapter(base, str(tmp_path / f"x{i}"), ALL, r=8, seed=10 + i))
+            for i in range(3)]
+    six = loras + more
+    order = [six[i % 6] if i % 5 else None for i in range(30)]
+    random.Random(1).shuffle(order)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(30)]
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + (i * 7) % 13, ignore_eos=True, logprobs=5)
+              for i in range(30)]
+    runs = []
+    for max_loras in (6, 2):
+        llm = LLM(base, device="cuda", dtype="bfloat16", enable_lora=True, max_loras=max_loras, max_lora_rank=16,
+                  max_model_len=128, num_kv_blocks=128, max_num_seqs=8)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=order)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+        llm.shutdown()
+    assert_same_greedy(runs[0], runs[1], "two slots vs six")
