@@ -136,9 +136,10 @@ class EngineCore:
                 self.runner.shutdown()
                 raise
         self.proposer: NgramProposer | DraftModelProposer | Eagle3Proposer | None = draft
+        self.eagle3: Eagle3Proposer | None = None  # fed every collected step while any proposer is on
         if head is not None:
             try:
-                self.proposer = eagle3_proposer(head, self.runner)
+                self.proposer = self.eagle3 = eagle3_proposer(head, self.runner)
             except ValueError:
                 self.runner.shutdown()
                 raise
@@ -441,12 +442,13 @@ class EngineCore:
                 request.add_prompt_logprobs(first_token, entries)
         outputs = self._timed("update", lambda: self._update(handle.sched, result.token_ids, result.logprobs,
                                                              result.verified))
-        proposer = self.proposer
-        if isinstance(proposer, Eagle3Proposer) and len(self.scheduler.running) <= self.spec.disable_by_batch_size:
+        eagle3 = self.eagle3
+        if (eagle3 is not None and self.proposer is not None and self.spec is not None
+                and len(self.scheduler.running) <= self.spec.disable_by_batch_size):
             # The head reads the hidden states of every position the target computed, drafts or not (above
             # disable_by_batch_size no drafts are proposed, and the positions computed then go unread).
-            self._timed("observe", lambda: proposer.observe(handle.sched, handle.plan.flat,
-                                                             aux_states(self.runner, handle.slot)))
+            self._timed("observe", lambda: eagle3.observe(handle.sched, handle.plan.flat,
+                                                           aux_states(self.runner, handle.slot)))
         return outputs
 
     def _update(self, sched: SchedulerOutput, token_ids: list[int], logprobs: list[Logprobs] | None,

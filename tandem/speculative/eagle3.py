@@ -44,6 +44,12 @@ def step_rows(sched: SchedulerOutput, flat: bool) -> Iterator[tuple[ScheduledReq
             offset += n
 
 
+def _ints(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
+    """int64 values on the device without waiting for the device: torch.tensor(..., device=cuda) copies
+    synchronously, and would wait for the step in flight on the stream."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
 def _attention(head: Eagle3Head, q: torch.Tensor, q_pos: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor],
                k_ctx: torch.Tensor, v_ctx: torch.Tensor, ctx_pos: torch.Tensor) -> torch.Tensor:
     """Causal attention of rows q [n, heads, dim] (row j at (batch, index) where[0][j], where[1][j]; q_pos [B, Q]
@@ -92,8 +98,8 @@ class Eagle3Proposer:
             slots.append(self._slots(blocks, end) + [0] * (width - end))
             positions.append(list(range(end)) + [_FAR] * (width - end))
         device = self.kv.device
-        index = torch.tensor(slots, dtype=torch.int64, device=device)
-        return self.kv[0][index], self.kv[1][index], torch.tensor(positions, dtype=torch.int64, device=device)
+        index = _ints(slots, device)
+        return self.kv[0][index], self.kv[1][index], _ints(positions, device)
 
     @torch.inference_mode()
     def observe(self, sched: SchedulerOutput, flat: bool, aux: torch.Tensor) -> None:
@@ -129,11 +135,10 @@ class Eagle3Proposer:
     def _feed(self, rows: list[int], positions: list[int], tokens: list[int], slots: list[int],
               groups: list[tuple[Request, list[int], int, int]], aux: torch.Tensor) -> None:
         head, device = self.head, self.kv.device
-        long = dict(dtype=torch.int64, device=device)
-        hidden = head.fuse(aux.index_select(0, torch.tensor(rows, **long)))
-        pos = torch.tensor(positions, **long)
-        q, k, v, residual = head.qkv_rows(torch.tensor(tokens, **long), hidden, pos)
-        slot_index = torch.tensor(slots, **long)
+        hidden = head.fuse(aux.index_select(0, _ints(rows, device)))
+        pos = _ints(positions, device)
+        q, k, v, residual = head.qkv_rows(_ints(tokens, device), hidden, pos)
+        slot_index = _ints(slots, device)
         self.kv[0].index_copy_(0, slot_index, k)
         self.kv[1].index_copy_(0, slot_index, v)
         k_ctx, v_ctx, ctx_pos = self._context([(blocks, positions[first + n - 1] + 1)
@@ -146,8 +151,8 @@ class Eagle3Proposer:
             q_pos[b][:n] = positions[first : first + n]
             batch_idx.extend([b] * n)
             query_idx.extend(range(n))
-        where = (torch.tensor(batch_idx, **long), torch.tensor(query_idx, **long))
-        out = _attention(head, q, torch.tensor(q_pos, **long), where, k_ctx, v_ctx, ctx_pos)
+        where = (_ints(batch_idx, device), _ints(query_idx, device))
+        out = _attention(head, q, _ints(q_pos, device), where, k_ctx, v_ctx, ctx_pos)
         stream = head.finish_rows(out, residual)
         for request, blocks, first, n in groups:
             row = first + n - 1
@@ -179,7 +184,7 @@ class Eagle3Proposer:
         stream = torch.stack([e.stream for _, e in chosen])  # [B, hidden]
         token = head.draft(stream)
         out = [token]
-        pos = torch.tensor([e.position + 1 for _, e in chosen], **long)  # the row after the last fed one
+        pos = _ints([e.position + 1 for _, e in chosen], device)  # the row after the last fed one
         where = (torch.arange(len(chosen), **long), torch.zeros(len(chosen), **long))
         for _ in range(num - 1):
             q, k, v, residual = head.qkv_rows(token, stream, pos)
