@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +16,7 @@ from tandem.scheduler.output import SchedulerOutput, ScheduledRequest
 from tandem.speculative.eagle3_head import Eagle3Head
 
 _FAR = 1 << 30  # position of padding context entries: no query reaches them
+QUERY_CHUNK = 256  # query rows per attention call
 
 
 @dataclass(slots=True)
@@ -44,10 +46,14 @@ def step_rows(sched: SchedulerOutput, flat: bool) -> Iterator[tuple[ScheduledReq
             offset += n
 
 
-def _ints(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
+def _ints(values: list[int] | list[list[int]] | np.ndarray, device: torch.device) -> torch.Tensor:
     """int64 values on the device without waiting for the device: torch.tensor(..., device=cuda) copies
     synchronously, and would wait for the step in flight on the stream."""
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+    host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host
+    # From pinned memory (PyTorch caches those blocks): a pageable source may make the copy wait for the stream.
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _attention(head: Eagle3Head, q: torch.Tensor, q_pos: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor],
@@ -60,11 +66,14 @@ def _attention(head: Eagle3Head, q: torch.Tensor, q_pos: torch.Tensor, where: tu
     padded = q.new_zeros(batch, num_q, c.num_heads, c.head_dim)
     padded[where] = q
     mask = ctx_pos[:, None, :] <= q_pos[:, :, None]  # [B, Q, L]; every query sees position 0 (no empty row)
-    group = c.num_heads // c.num_kv_heads
-    k = k_ctx.repeat_interleave(group, dim=2).transpose(1, 2)
-    v = v_ctx.repeat_interleave(group, dim=2).transpose(1, 2)
-    out = F.scaled_dot_product_attention(padded.transpose(1, 2), k, v, attn_mask=mask[:, None],
-                                         scale=c.head_dim**-0.5)  # [B, heads, Q, dim]
+    k, v = k_ctx.transpose(1, 2), v_ctx.transpose(1, 2)  # [B, kv heads, L, dim]
+    # Queries a chunk at a time: where no fused kernel takes the mask, the scores [B, heads, chunk, L] are
+    # materialized, which a long prompt's rows at once would not fit.
+    outs = [F.scaled_dot_product_attention(padded[:, lo : lo + QUERY_CHUNK].transpose(1, 2), k, v,
+                                           attn_mask=mask[:, None, lo : lo + QUERY_CHUNK], scale=c.head_dim**-0.5,
+                                           enable_gqa=c.num_heads != c.num_kv_heads)
+            for lo in range(0, num_q, QUERY_CHUNK)]
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # [B, heads, Q, dim]
     return out.transpose(1, 2)[where].reshape(q.shape[0], c.num_heads * c.head_dim)
 
 
@@ -85,18 +94,18 @@ class Eagle3Proposer:
     def _on_stream(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def _slots(self, blocks: list[int], end: int) -> list[int]:
+    def _context(self, tables: list[tuple[list[int], int]], extra: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Head KV of positions 0 .. end - 1 of each (block table, end), then `extra` free columns (for the chain's
+        own rows): k, v [B, L + extra, kv heads, dim] and positions [B, L + extra] (padding and free: far)."""
         bs = self.block_size
-        return [blocks[p // bs] * bs + p % bs for p in range(end)]
-
-    def _context(self, tables: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Head KV of positions 0 .. end - 1 of each (block table, end): k, v [B, L, kv heads, dim], positions
-        [B, L] (padding far)."""
         width = max(end for _, end in tables)
-        slots, positions = [], []
-        for blocks, end in tables:
-            slots.append(self._slots(blocks, end) + [0] * (width - end))
-            positions.append(list(range(end)) + [_FAR] * (width - end))
+        slots = np.zeros((len(tables), width + extra), dtype=np.int64)
+        positions = np.full((len(tables), width + extra), _FAR, dtype=np.int64)
+        for b, (blocks, end) in enumerate(tables):
+            pos = np.arange(end)
+            slots[b, :end] = np.asarray(blocks[: (end + bs - 1) // bs], dtype=np.int64)[pos // bs] * bs + pos % bs
+            positions[b, :end] = pos
         device = self.kv.device
         index = _ints(slots, device)
         return self.kv[0][index], self.kv[1][index], _ints(positions, device)
@@ -180,17 +189,18 @@ class Eagle3Proposer:
         """num chain steps for each request: [B][num] target token ids (the only wait for the device here)."""
         head, device = self.head, self.kv.device
         long = dict(dtype=torch.int64, device=device)
-        k_ctx, v_ctx, ctx_pos = self._context([(e.blocks, e.position + 1) for _, e in chosen])
+        width = max(e.position + 1 for _, e in chosen)
+        k_ctx, v_ctx, ctx_pos = self._context([(e.blocks, e.position + 1) for _, e in chosen], extra=num - 1)
         stream = torch.stack([e.stream for _, e in chosen])  # [B, hidden]
         token = head.draft(stream)
         out = [token]
         pos = _ints([e.position + 1 for _, e in chosen], device)  # the row after the last fed one
         where = (torch.arange(len(chosen), **long), torch.zeros(len(chosen), **long))
-        for _ in range(num - 1):
+        for j in range(num - 1):
             q, k, v, residual = head.qkv_rows(token, stream, pos)
-            # The chain's own KV stays here: its positions may lie past the blocks the target holds yet.
-            k_ctx, v_ctx = torch.cat([k_ctx, k[:, None]], dim=1), torch.cat([v_ctx, v[:, None]], dim=1)
-            ctx_pos = torch.cat([ctx_pos, pos[:, None]], dim=1)
+            # The chain's own KV stays here, in the free columns: its positions may lie past the blocks the
+            # target holds yet.
+            k_ctx[:, width + j], v_ctx[:, width + j], ctx_pos[:, width + j] = k, v, pos
             stream = head.finish_rows(_attention(head, q, pos[:, None], where, k_ctx, v_ctx, ctx_pos), residual)
             token = head.draft(stream)
             out.append(token)

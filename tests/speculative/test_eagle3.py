@@ -17,6 +17,7 @@ from tandem import LLM, SamplingParams
 from tandem.config import ModelConfig
 from tandem.request import Request, RequestStatus
 from tandem.scheduler.output import ScheduledRequest, SchedulerOutput
+from tandem.speculative import eagle3 as eagle3_module
 from tandem.speculative.eagle3 import Eagle3Proposer
 from tandem.speculative.eagle3_head import Eagle3Config, Eagle3Head, read_head_tensors
 from tests.parallel.tiny_models import VOCAB, save_tiny
@@ -149,8 +150,11 @@ def _request(rid: str, tokens: list[int], computed: int) -> Request:
     return r
 
 
-def test_head_drafts_equal_an_independent_eagle3_forward(target, head):
-    """Two requests fed in chunks (as prefill chunks come), then chained: the drafts are the reference's."""
+@pytest.mark.parametrize("query_chunk", [256, 3])
+def test_head_drafts_equal_an_independent_eagle3_forward(target, head, query_chunk, monkeypatch):
+    """Two requests fed in chunks (as prefill chunks come), then chained: the drafts are the reference's (also with
+    the attention's queries split in chunks of 3)."""
+    monkeypatch.setattr(eagle3_module, "QUERY_CHUNK", query_chunk)
     model = transformers.AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
     cfg = Eagle3Config.from_folder(head)
     eagle = Eagle3Head(cfg, read_head_tensors(head), torch.device("cpu"), torch.float32, 200)
