@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from tandem.config import ModelConfig
-from tandem.distributed.group import TPGroup
+from tandem.distributed.group import TPGroup, Unreduced
 from tandem.kernels.attention_metadata import AttentionMetadata
-from tandem.kernels.fp8 import QuantizedRows
+from tandem.kernels.fp8 import PartialSums, QuantizedRows
 from tandem.layers.attention import Attention
 from tandem.layers.norm import RMSNorm
 from tandem.layers.parallel import (
@@ -49,10 +49,11 @@ class AuxHiddenStates:
     out: torch.Tensor  # [>= num_tokens, len(layers) * hidden_size], the model dtype
 
 
-def _copy_residual_stream(aux: AuxHiddenStates, j: int, hidden, residual: torch.Tensor | None) -> None:
+def _copy_residual_stream(aux: AuxHiddenStates, j: int, hidden: torch.Tensor | PartialSums | Unreduced,
+                          residual: torch.Tensor | None) -> None:
     """Column block j of aux.out <- hidden + residual (the embeddings before the first layer)."""
     if not isinstance(hidden, torch.Tensor):
-        hidden = hidden.reduce()  # a split-K linear's partial sums (the next norm adds them up again)
+        hidden = hidden.reduce()  # a split-K linear's partial sums, or a rank's share (the next norm adds them too)
     stream = hidden if residual is None else hidden + residual
     width = stream.shape[1]
     aux.out[: stream.shape[0], j * width : (j + 1) * width].copy_(stream)

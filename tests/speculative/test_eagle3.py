@@ -263,3 +263,14 @@ def test_default_aux_layers_are_two_middle_and_third_from_last():
     config = Eagle3Config.from_dict({**head_config(), "eagle_config": {}})
     target = ModelConfig("llama", VOCAB, HIDDEN, 32, 4, 2, 16, 96, 256)
     assert config.check_target(target) == (2, 16, 29)
+
+
+def test_head_folder_without_weights_or_on_several_ranks_is_refused(target, head, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with open(empty / "config.json", "w") as f:
+        json.dump(head_config(), f)
+    with pytest.raises(ValueError, match="no safetensors"):
+        LLM(target, speculative_config={"method": "eagle3", "model": str(empty)}, **ENGINE)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(target, speculative_config={"method": "eagle3", "model": head}, tensor_parallel_size=2, **ENGINE)
