@@ -49,14 +49,17 @@ class AuxHiddenStates:
     out: torch.Tensor  # [>= num_tokens, len(layers) * hidden_size], the model dtype
 
 
-def _copy_residual_stream(aux: AuxHiddenStates, j: int, hidden: torch.Tensor | PartialSums | Unreduced,
+def _copy_residual_stream(aux: AuxHiddenStates, layer: int, hidden: torch.Tensor | PartialSums | Unreduced,
                           residual: torch.Tensor | None) -> None:
-    """Column block j of aux.out <- hidden + residual (the embeddings before the first layer)."""
+    """Every column block j of aux.out with aux.layers[j] == layer <- hidden + residual (the embeddings before the
+    first layer)."""
     if not isinstance(hidden, torch.Tensor):
         hidden = hidden.reduce()  # a split-K linear's partial sums, or a rank's share (the next norm adds them too)
     stream = hidden if residual is None else hidden + residual
-    width = stream.shape[1]
-    aux.out[: stream.shape[0], j * width : (j + 1) * width].copy_(stream)
+    num_tokens, width = stream.shape
+    for j, wanted in enumerate(aux.layers):
+        if wanted == layer:
+            aux.out[:num_tokens, j * width : (j + 1) * width].copy_(stream)
 
 
 class LlamaAttention(nn.Module):
@@ -190,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.model.layers):
             if aux is not None and i in aux.layers:
-                _copy_residual_stream(aux, aux.layers.index(i), hidden, residual)
+                _copy_residual_stream(aux, i, hidden, residual)
             hidden, residual = layer(rotary, hidden, residual, kv_cache[i, 0], kv_cache[i, 1], meta)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden

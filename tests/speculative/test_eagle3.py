@@ -123,12 +123,9 @@ def reference_drafts(folder: str, target_model, tokens: list[int], k: int) -> li
             keys.append(kk)
             values.append(vv)
             K, V = torch.stack(keys), torch.stack(values)  # [t, nkv, hd]
-            heads = []
-            for h in range(nh):
-                g = h // (nh // nkv)
-                a = torch.softmax(K[:, g] @ q[h] / math.sqrt(hd), dim=0)
-                heads.append(a @ V[:, g])
-            attn = torch.cat(heads) @ w["midlayer.self_attn.o_proj.weight"].T
+            K, V = K.repeat_interleave(nh // nkv, dim=1), V.repeat_interleave(nh // nkv, dim=1)  # head h: kv h // g
+            a = torch.softmax(torch.einsum("thd,hd->th", K, q) / math.sqrt(hd), dim=0)
+            attn = torch.einsum("th,thd->hd", a, V).reshape(-1) @ w["midlayer.self_attn.o_proj.weight"].T
             s = attn + hidden[row]
             m = _rms(s, w["midlayer.post_attention_layernorm.weight"], eps)
             m = (F.silu(m @ w["midlayer.mlp.gate_proj.weight"].T) * (m @ w["midlayer.mlp.up_proj.weight"].T)) \
@@ -274,3 +271,29 @@ def test_head_folder_without_weights_or_on_several_ranks_is_refused(target, head
         LLM(target, speculative_config={"method": "eagle3", "model": str(empty)}, **ENGINE)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(target, speculative_config={"method": "eagle3", "model": head}, tensor_parallel_size=2, **ENGINE)
+
+
+def test_engine_feeds_the_head_the_targets_hidden_states(target, likely_head):
+    """Inside the engine (overlap on: a step is fed after the next one is scheduled; prefill chunks, verify steps in
+    both layouts, a second request's chunk beside the first's drafts), the head's drafts at every step are the
+    reference's from the target's own hidden states."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
+    spec = {"method": "eagle3", "model": likely_head, "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(target, speculative_config=spec, **ENGINE)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    engine.add_request("a", PROMPTS[1], params)
+    checked, steps = Counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        if steps == 4:
+            engine.add_request("b", PROMPTS[0] * 2, params)  # a 40-token prompt: chunks beside a's verify steps
+        for rid, request in list(engine._requests.items()):
+            last = engine.eagle3.last.get(rid)
+            if last is not None and last.position == len(request.all_token_ids) - 2:
+                got = engine.eagle3.propose_all([(request, 3)])[0]
+                assert got == reference_drafts(likely_head, model, request.all_token_ids, 3), (rid, steps)
+                checked[rid] += 1
+    assert checked["a"] >= 3 and checked["b"] >= 3, checked
+    llm.shutdown()
