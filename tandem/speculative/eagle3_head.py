@@ -58,6 +58,11 @@ class Eagle3Config:
         if not any(a in ARCHITECTURES for a in archs):
             raise ValueError(f"speculative_config.model: config.json architectures {archs} name no EAGLE-3 head "
                              f"(expected one of {ARCHITECTURES})")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"speculative_config.model: hidden_act {raw['hidden_act']!r} is not supported (silu)")
+        for name in ("attention_bias", "mlp_bias"):
+            if raw.get(name):
+                raise ValueError(f"speculative_config.model: {name} is not supported in an EAGLE-3 head")
         if raw.get("num_hidden_layers", 1) != 1:
             raise ValueError(f"speculative_config.model: num_hidden_layers is {raw['num_hidden_layers']}; only "
                              "single-layer EAGLE-3 heads are supported")
@@ -147,6 +152,10 @@ class Eagle3Head:
             if tuple(tensors[name].shape) != shape:
                 raise ValueError(f"speculative_config.model: {name} has shape {list(tensors[name].shape)}, the "
                                  f"head's config.json says {list(shape)}")
+        unknown = sorted(set(tensors) - set(_expected_shapes(c)) - {"d2t", "t2d", "embed_tokens.weight"})
+        if unknown:
+            raise ValueError(f"speculative_config.model: the head's weights hold tensors an EAGLE-3 head of this "
+                             f"format does not have: {unknown[:5]}")
         d2t = tensors.get("d2t")
         if d2t is None:
             if c.draft_vocab_size != c.vocab_size:

@@ -229,6 +229,7 @@ def test_greedy_with_eagle3_under_preemption(target, likely_head, plain):
     ({"vocab_size": VOCAB + 1}, "vocab_size"),
     ({"architectures": ["LlamaForCausalLM"]}, "architectures"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"attention_bias": True}, "attention_bias"),
     ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}, "eagle_aux_hidden_state_layer_ids"),
 ])
 def test_head_that_does_not_fit_the_target_is_refused(target, tmp_path, change, field):
@@ -297,3 +298,13 @@ def test_engine_feeds_the_head_the_targets_hidden_states(target, likely_head):
                 checked[rid] += 1
     assert checked["a"] >= 3 and checked["b"] >= 3, checked
     llm.shutdown()
+
+
+def test_head_with_tensors_of_another_format_is_refused(target, tmp_path):
+    folder = save_head(tmp_path / "bias", head_config())
+    path = os.path.join(folder, "model.safetensors")
+    tensors = safetensors_torch.load_file(path)
+    tensors["midlayer.self_attn.q_proj.bias"] = torch.zeros(HIDDEN)
+    safetensors_torch.save_file(tensors, path)
+    with pytest.raises(ValueError, match="q_proj.bias"):
+        LLM(target, speculative_config={"method": "eagle3", "model": folder}, **ENGINE)
