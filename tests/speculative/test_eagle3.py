@@ -96,7 +96,17 @@ def _rope(x, pos, theta):  # x [n, heads, dim], rotate-half layout
 
 def reference_drafts(folder: str, target_model, tokens: list[int], k: int) -> list[int]:
     """k greedy drafts after `tokens` (the target computed all but the last): rows q = 0 .. n-1 read
-    (embedding of token q + 1, fc of the target's hidden states at q); chain rows read their own output."""
+    (embedding of token q + 1, fc of the target's hidden states at q); chain rows read their own output. One
+    thread: its many tiny ops would otherwise wait on the thread pool far longer than they compute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_drafts(folder, target_model, tokens, k)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_drafts(folder: str, target_model, tokens: list[int], k: int) -> list[int]:
     cfg = json.load(open(os.path.join(folder, "config.json")))
     w = safetensors_torch.load_file(os.path.join(folder, "model.safetensors"))
     eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
