@@ -7,9 +7,9 @@ and the mean accepted length (1 + accepted drafts per verified sequence).
 Machinery at scale (`--spec-acceptance A`, a named shape with random weights, where real acceptance means nothing):
 a first pass records each request's greedy tokens; the proposer then offers, per position, the recorded next token
 with probability A and a wrong one otherwise, so that a verify step at the shape's real cost accepts what an
-A-accurate proposer would (a draft model or an EAGLE-3 head, `--spec-eagle3-head random` for one of the shape's
-size, still runs its real compute first). This mode measures the machinery, so every step speculates (`adaptive` off: the engine
-does not switch speculation off where it would not pay). Random bf16 weights give nearly flat logits, whose argmax a step's shape (one row or
+A-accurate proposer would (a draft model or an EAGLE-3 head, `--spec-eagle3-head random` for one of the
+shape's size, still runs its real compute first). This mode measures the machinery, so every step speculates
+(`adaptive` off: the engine does not switch speculation off where it would not pay). Random bf16 weights give nearly flat logits, whose argmax a step's shape (one row or
 k + 1 rows per sequence: other GEMM kernels, other rounding) flips, so the recorded tokens would not be the verify
 step's; the attention and MLP output projections are therefore zeroed in this mode (every weight is still read and
 every kernel still runs, at the same cost), which leaves the residual stream the token's embedding and makes the

@@ -184,7 +184,8 @@ class Eagle3Head:
         if self.embed is None:
             if weight.shape != (self.config.vocab_size, self.config.hidden_size):
                 raise ValueError(f"speculative_config.model: the head has no embed_tokens, and the target's "
-                                 f"embeddings {list(weight.shape)} do not fit its hidden_size {self.config.hidden_size}")
+                                 f"embeddings {list(weight.shape)} do not fit its hidden_size "
+                                 f"{self.config.hidden_size}")
             self.embed = weight
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
