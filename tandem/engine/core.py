@@ -576,6 +576,8 @@ class EngineCore:
         self.grammar.shutdown()
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.shutdown()
+        if self.eagle3 is not None:
+            self.eagle3.release()
         self._inflight = None  # the runner finishes (or, after a failure, aborts) what is still on the device
         self._requests.clear()
         self.runner.shutdown()

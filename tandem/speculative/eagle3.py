@@ -91,6 +91,13 @@ class Eagle3Proposer:
         self.kv = torch.zeros(2, num_blocks * block_size, c.num_kv_heads, c.head_dim, dtype=dtype, device=device)
         self.last: dict[str, _Last] = {}
 
+    def release(self) -> None:
+        """Drops the head's weights, KV cache and kept rows, so that their memory can go back to the device (the
+        engine is shut down: nothing is fed or proposed afterwards)."""
+        self.head.release()
+        self.kv = torch.empty(0, device=self.kv.device)
+        self.last = {}
+
     def _on_stream(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 

@@ -188,6 +188,13 @@ class Eagle3Head:
                                  f"{self.config.hidden_size}")
             self.embed = weight
 
+    def release(self) -> None:
+        """Drops every weight, and the reference to the target's embeddings (the engine is shut down)."""
+        for name, value in list(vars(self).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.new_empty(0))
+        self.embed = None
+
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.norm_eps).to(x.dtype)
 

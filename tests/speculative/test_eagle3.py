@@ -219,9 +219,12 @@ def test_greedy_with_eagle3_equals_greedy_without(target, likely_head, plain, ov
     assert drafted >= accepted > 0
     # Again, the prompts' blocks now prefix-cache hits: the same tokens, and nothing leaks.
     assert _greedy(llm) == plain
-    assert not llm.engine.proposer.last
+    proposer = llm.engine.proposer
+    assert not proposer.last
     assert llm.engine.scheduler.num_free_blocks() == ENGINE["num_kv_blocks"] - 1
     llm.shutdown()
+    # Shut down, the head holds no memory: no weights, no KV, no reference to the target's embeddings.
+    assert proposer.kv.numel() == 0 and proposer.head.lm_head.numel() == 0 and proposer.head.embed is None
 
 
 def test_greedy_with_eagle3_under_preemption(target, likely_head, plain):
