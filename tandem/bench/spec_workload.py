@@ -19,6 +19,8 @@ greedy tokens a function of the last token alone, the same in every step shape.
 from __future__ import annotations
 
 import random
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -119,12 +121,11 @@ def _zero_residual_branches(model: Any) -> None:
                 param.zero_()
 
 
-def random_eagle3_folder(model: str) -> str:
-    """A temporary folder holding only an EAGLE-3 head's config.json for the named shape `model` (the published
+def random_eagle3_folder(model: str, folder: str) -> str:
+    """Writes into `folder` only an EAGLE-3 head's config.json for the named shape `model` (the published
     Llama-3.1-8B head's layout: one layer of the target's width, a 32000-token draft vocabulary); with dummy
     weights the engine draws the head's weights at random."""
     import json
-    import tempfile
 
     from tandem.config import EngineConfig
     from tandem.models.loader import load_model_config
@@ -136,7 +137,6 @@ def random_eagle3_folder(model: str) -> str:
               "vocab_size": target.vocab_size, "draft_vocab_size": min(32000, target.vocab_size),
               "rms_norm_eps": target.norm_eps, "rope_theta": target.rope_theta,
               "max_position_embeddings": target.max_position_embeddings}
-    folder = tempfile.mkdtemp(prefix="tandem-eagle3-")
     with open(f"{folder}/config.json", "w") as f:
         json.dump(config, f)
     return folder
@@ -158,7 +158,9 @@ def run_spec_workload(model: str | None, k: int, acceptance: list[float] | None,
     if eagle3_head is not None:
         if eagle3_head == "random" and model is None:
             raise ValueError("--spec-eagle3-head random needs --spec-model, a named shape with random weights")
-        head = random_eagle3_folder(model) if eagle3_head == "random" else eagle3_head
+        head = eagle3_head
+        if eagle3_head == "random":  # a config.json only: the engine draws the weights (dummy load format)
+            head = random_eagle3_folder(model, tempfile.mkdtemp(prefix="tandem-eagle3-"))
         spec = {"method": "eagle3", "num_speculative_tokens": k, "model": head}
     if acceptance is not None:  # the machinery's cost: every step speculates (SpecController off)
         spec["adaptive"] = False
@@ -202,4 +204,6 @@ def run_spec_workload(model: str | None, k: int, acceptance: list[float] | None,
               "device": torch.cuda.get_device_name() if cuda else "cpu", "date": time.strftime("%Y-%m-%d"),
               "max_tokens": max_tokens, "rows": rows}
     llm.shutdown()
+    if eagle3_head == "random":
+        shutil.rmtree(spec["model"], ignore_errors=True)
     return result

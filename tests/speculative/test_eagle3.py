@@ -321,3 +321,15 @@ def test_head_with_tensors_of_another_format_is_refused(target, tmp_path):
     safetensors_torch.save_file(tensors, path)
     with pytest.raises(ValueError, match="q_proj.bias"):
         LLM(target, speculative_config={"method": "eagle3", "model": folder}, **ENGINE)
+
+
+def test_bench_random_head_fits_the_named_shape(tmp_path):
+    """`tandem bench --workload spec --spec-eagle3-head random`: a head config of the target's shape (weights are
+    drawn at start-up, with dummy weights)."""
+    from tandem.bench.spec_workload import random_eagle3_folder
+    from tandem.config import EngineConfig
+    from tandem.models.loader import load_model_config
+
+    config = Eagle3Config.from_folder(random_eagle3_folder("llama-3-8b", str(tmp_path)))
+    assert config.check_target(load_model_config(EngineConfig(model="llama-3-8b", load_format="dummy"))) == (2, 16, 29)
+    assert (config.hidden_size, config.draft_vocab_size, config.num_kv_heads) == (4096, 32000, 8)
