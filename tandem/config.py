@@ -28,8 +28,8 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "fp8_e4m3": torch.float8_e4m3fn,
 }
 # Speculative decoding's proposers (SpeculativeConfig.method), and the ones designed but not built yet.
-SPEC_METHODS = ("ngram", "draft_model")
-SPEC_METHODS_PLANNED = ("eagle", "eagle3", "mtp", "medusa")
+SPEC_METHODS = ("ngram", "draft_model", "eagle3")
+SPEC_METHODS_PLANNED = ("eagle", "mtp", "medusa")
 MAX_SPEC_TOKENS = 16
 
 
@@ -41,6 +41,8 @@ class SpeculativeConfig:
     its prompt and output, and up to num_speculative_tokens tokens that followed the latest match are proposed.
     draft_model: a smaller model with the same vocabulary (`model`: folder, GGUF, Hub id or named shape) decodes
     the drafts greedily in an engine of its own (paged KV cache with prefix caching, CUDA graphs).
+    eagle3: an EAGLE-3 head (`model`: its Hugging Face folder) drafts greedily from three of the target's hidden
+    states (speculative/eagle3.py).
     Speculation runs while at most disable_by_batch_size requests run (above, a step's forward is no longer
     bound by reading the weights, and verifying drafts costs more than it saves)."""
 
@@ -49,7 +51,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     disable_by_batch_size: int = 16
-    model: str | None = None  # draft_model: the draft model
+    model: str | None = None  # draft_model: the draft model; eagle3: the head's folder
     # draft_model: KV blocks of the draft's own cache (None: enough for max_num_seqs requests of max_model_len)
     num_kv_blocks: int | None = None
     # Speculate only while measured steps say it pays (speculative/controller.py); False: whenever drafts exist.
@@ -68,8 +70,11 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.{name} must be an integer in [{low}, {high}], got {value!r}")
         if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
             raise ValueError("speculative_config.model must name the draft model for method 'draft_model'")
-        if self.method != "draft_model" and self.model is not None:
-            raise ValueError(f"speculative_config.model is only read by method 'draft_model', not {self.method!r}")
+        if self.method == "eagle3" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config.model must name the EAGLE-3 head's folder for method 'eagle3'")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError(f"speculative_config.model is only read by methods 'draft_model' and 'eagle3', not "
+                             f"{self.method!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):

@@ -565,7 +565,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print("== spec: speculative decoding against plain decoding", flush=True)
             results.append(run_spec_workload(model, args.spec_k, acceptance,
                                              [int(b) for b in args.spec_batch.split(",")],
-                                             int(256 * args.scale) or 1, args.spec_draft_model))
+                                             int(256 * args.scale) or 1, args.spec_draft_model,
+                                             args.spec_eagle3_head))
             continue
         if n == "lora":  # adapters against the base model at the same batch sizes
             from tandem.bench.lora_workload import run_lora_workload
@@ -644,6 +645,9 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
     bench.add_argument("--spec-draft-model", default=None,
                        help="spec workload: method draft_model with this draft (a named shape with random weights "
                             "when --spec-model is one, else a model path); default: ngram")
+    bench.add_argument("--spec-eagle3-head", default=None,
+                       help="spec workload: method eagle3 with this EAGLE-3 head folder, or 'random': a head of "
+                            "--spec-model's shape with random weights (its draft cost, with --spec-acceptance)")
     bench.add_argument("--spec-batch", default="1,8", help="spec workload: comma list of batch sizes")
     bench.add_argument("--score-requests", type=int, default=1000,
                        help="prompts of the score workload (512 tokens each, times --scale)")

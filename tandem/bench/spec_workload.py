@@ -7,8 +7,9 @@ and the mean accepted length (1 + accepted drafts per verified sequence).
 Machinery at scale (`--spec-acceptance A`, a named shape with random weights, where real acceptance means nothing):
 a first pass records each request's greedy tokens; the proposer then offers, per position, the recorded next token
 with probability A and a wrong one otherwise, so that a verify step at the shape's real cost accepts what an
-A-accurate proposer would. This mode measures the machinery, so every step speculates (`adaptive` off: the engine
-does not switch speculation off where it would not pay). Random bf16 weights give nearly flat logits, whose argmax a step's shape (one row or
+A-accurate proposer would (a draft model or an EAGLE-3 head, `--spec-eagle3-head random` for one of the
+shape's size, still runs its real compute first). This mode measures the machinery, so every step speculates
+(`adaptive` off: the engine does not switch speculation off where it would not pay). Random bf16 weights give nearly flat logits, whose argmax a step's shape (one row or
 k + 1 rows per sequence: other GEMM kernels, other rounding) flips, so the recorded tokens would not be the verify
 step's; the attention and MLP output projections are therefore zeroed in this mode (every weight is still read and
 every kernel still runs, at the same cost), which leaves the residual stream the token's embedding and makes the
@@ -18,6 +19,8 @@ greedy tokens a function of the last token alone, the same in every step shape.
 from __future__ import annotations
 
 import random
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -118,8 +121,30 @@ def _zero_residual_branches(model: Any) -> None:
                 param.zero_()
 
 
+def random_eagle3_folder(model: str, folder: str) -> str:
+    """Writes into `folder` only an EAGLE-3 head's config.json for the named shape `model` (the published
+    Llama-3.1-8B head's layout: one layer of the target's width, a 32000-token draft vocabulary); with dummy
+    weights the engine draws the head's weights at random."""
+    import json
+
+    from tandem.config import EngineConfig
+    from tandem.models.loader import load_model_config
+
+    target = load_model_config(EngineConfig(model=model, load_format="dummy"))
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": target.hidden_size,
+              "intermediate_size": target.intermediate_size, "num_attention_heads": target.num_heads,
+              "num_key_value_heads": target.num_kv_heads, "head_dim": target.head_dim, "num_hidden_layers": 1,
+              "vocab_size": target.vocab_size, "draft_vocab_size": min(32000, target.vocab_size),
+              "rms_norm_eps": target.norm_eps, "rope_theta": target.rope_theta,
+              "max_position_embeddings": target.max_position_embeddings}
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(config, f)
+    return folder
+
+
 def run_spec_workload(model: str | None, k: int, acceptance: list[float] | None, batch_sizes: list[int],
-                      max_tokens: int, draft_model: str | None = None) -> dict[str, Any]:
+                      max_tokens: int, draft_model: str | None = None, eagle3_head: str | None = None
+                      ) -> dict[str, Any]:
     import torch
 
     from tandem import LLM
@@ -130,6 +155,13 @@ def run_spec_workload(model: str | None, k: int, acceptance: list[float] | None,
                             "prompt_lookup_max": 5}
     if draft_model is not None:
         spec = {"method": "draft_model", "num_speculative_tokens": k, "model": draft_model}
+    if eagle3_head is not None:
+        if eagle3_head == "random" and model is None:
+            raise ValueError("--spec-eagle3-head random needs --spec-model, a named shape with random weights")
+        head = eagle3_head
+        if eagle3_head == "random":  # a config.json only: the engine draws the weights (dummy load format)
+            head = random_eagle3_folder(model, tempfile.mkdtemp(prefix="tandem-eagle3-"))
+        spec = {"method": "eagle3", "num_speculative_tokens": k, "model": head}
     if acceptance is not None:  # the machinery's cost: every step speculates (SpecController off)
         spec["adaptive"] = False
     kwargs: dict[str, Any] = dict(max_num_seqs=max(batch_sizes), max_model_len=2048, speculative_config=spec)
@@ -156,7 +188,8 @@ def run_spec_workload(model: str | None, k: int, acceptance: list[float] | None,
             ref = _pass(llm, prompts, max_tokens, chat=False)
             references = {tuple(p[:16]): (len(p), out) for p, out in zip(prompts, ref["token_ids"])}
             for a in acceptance:
-                oracle = OracleProposer(references, a, vocab, proposer if draft_model is not None else None)
+                inner = proposer if draft_model is not None or eagle3_head is not None else None
+                oracle = OracleProposer(references, a, vocab, inner)
                 rows.append({"proposer": f"{spec['method']} A={a}", "k": k, "acceptance": a,
                              **_side_by_side(llm, oracle, prompts, max_tokens, chat=False)})
     print(f"{'proposer':>18} {'k':>2} {'batch':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} "
@@ -167,7 +200,10 @@ def run_spec_workload(model: str | None, k: int, acceptance: list[float] | None,
               f"{r['spec']['tokens_per_s']:>10.1f} {r['speedup']:>7.2f} {acc:>8} {r['step_cost_vs_plain']:>9.2f} "
               f"{str(r['same_tokens']):>5}")
     result = {"workload": "spec", "model": model or "SmolLM2-135M (embedded)", "k": k, "draft_model": draft_model,
+              "eagle3_head": eagle3_head,
               "device": torch.cuda.get_device_name() if cuda else "cpu", "date": time.strftime("%Y-%m-%d"),
               "max_tokens": max_tokens, "rows": rows}
     llm.shutdown()
+    if eagle3_head == "random":
+        shutil.rmtree(spec["model"], ignore_errors=True)
     return result

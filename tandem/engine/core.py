@@ -17,6 +17,7 @@ from functools import partial
 
 from tandem.config import EngineConfig
 from tandem.engine.draft_model import DraftModelProposer, draft_engine_config
+from tandem.engine.eagle3 import aux_states, eagle3_proposer, load_eagle3_head
 from tandem.lora_request import LoRARequest
 from tandem.outputs import EngineOutput
 from tandem.profiling.timeline import Timeline
@@ -28,6 +29,7 @@ from tandem.sampling_params import SamplingParams
 from tandem.scheduler.output import SchedulerOutput
 from tandem.scheduler.scheduler import Scheduler, SchedulerConfig
 from tandem.speculative.controller import SpecController
+from tandem.speculative.eagle3 import Eagle3Proposer
 from tandem.speculative.ngram import NgramProposer
 from tandem.structured.pipeline import GrammarPipeline
 
@@ -111,12 +113,15 @@ class EngineCore:
         self.config = config
         self.spec = config.speculative
         draft = None
+        head, side = None, None
         if self.spec is not None and self.spec.method == "draft_model":
             # Before the target's runner, which then sizes its KV cache around the draft's memory.
             draft = DraftModelProposer(EngineCore(draft_engine_config(config, self.spec, config.max_model_len)))
+        if self.spec is not None and self.spec.method == "eagle3":
+            head, side = load_eagle3_head(config)  # likewise, and the runner copies the hidden states it reads
         # Rank 0's runner (spawning ranks 1..N-1 for tensor parallelism; under torchrun the other ranks never
         # return from this call: worker.py serves rank 0's steps in their processes, then ends them).
-        self.runner: ModelRunner = engine_runner(config)
+        self.runner: ModelRunner = engine_runner(config, side)
         if self.runner.group is not None:
             # Before interpreter teardown, which would otherwise destroy the communicators after (or while)
             # the CUDA graphs holding them are freed; registered after multiprocessing's hook, so it runs first.
@@ -130,7 +135,14 @@ class EngineCore:
                 draft.shutdown()
                 self.runner.shutdown()
                 raise
-        self.proposer: NgramProposer | DraftModelProposer | None = draft
+        self.proposer: NgramProposer | DraftModelProposer | Eagle3Proposer | None = draft
+        self.eagle3: Eagle3Proposer | None = None  # fed every collected step while any proposer is on
+        if head is not None:
+            try:
+                self.proposer = self.eagle3 = eagle3_proposer(head, self.runner)
+            except ValueError:
+                self.runner.shutdown()
+                raise
         if self.spec is not None and self.spec.method == "ngram":
             self.proposer = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
         # A request can never grow past what the whole KV pool holds (block 0 is reserved).
@@ -485,8 +497,16 @@ class EngineCore:
         for request, first_token, entries in result.prompt_logprobs or ():
             if request.request_id in self._requests:  # else aborted meanwhile
                 request.add_prompt_logprobs(first_token, entries)
-        return self._timed("update", lambda: self._update(handle.sched, result.token_ids, result.logprobs,
-                                                          result.verified))
+        outputs = self._timed("update", lambda: self._update(handle.sched, result.token_ids, result.logprobs,
+                                                             result.verified))
+        eagle3 = self.eagle3
+        if (eagle3 is not None and self.proposer is not None and self.spec is not None
+                and len(self.scheduler.running) <= self.spec.disable_by_batch_size):
+            # The head reads the hidden states of every position the target computed, drafts or not (above
+            # disable_by_batch_size no drafts are proposed, and the positions computed then go unread).
+            self._timed("observe", lambda: eagle3.observe(handle.sched, handle.plan.flat,
+                                                           aux_states(self.runner, handle.slot)))
+        return outputs
 
     def _update(self, sched: SchedulerOutput, token_ids: list[int], logprobs: list[Logprobs] | None,
                 verified: dict[int, tuple[list[int], list[Logprobs] | None]] | None = None) -> list[EngineOutput]:
@@ -618,6 +638,8 @@ class EngineCore:
         self._loading.clear()
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.shutdown()
+        if self.eagle3 is not None:
+            self.eagle3.release()
         self._inflight = None  # the runner finishes (or, after a failure, aborts) what is still on the device
         self._requests.clear()
         self.runner.shutdown()

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tandem.config import ModelConfig
-from tandem.distributed.group import TPGroup
+from tandem.distributed.group import TPGroup, Unreduced
 from tandem.kernels.attention_metadata import AttentionMetadata
-from tandem.kernels.fp8 import QuantizedRows
+from tandem.kernels.fp8 import PartialSums, QuantizedRows
 from tandem.layers.attention import Attention
 from tandem.layers.norm import RMSNorm
 from tandem.layers.parallel import (
@@ -37,6 +38,28 @@ FUSED_PROJECTIONS = {
     "up_proj": ("gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True, slots=True)
+class AuxHiddenStates:
+    """Where the forward copies the residual stream entering some layers (an EAGLE-3 head reads three of them):
+    columns [j * hidden, (j + 1) * hidden) of `out` get the stream entering layer `layers[j]`, one row per token."""
+
+    layers: tuple[int, ...]
+    out: torch.Tensor  # [>= num_tokens, len(layers) * hidden_size], the model dtype
+
+
+def _copy_residual_stream(aux: AuxHiddenStates, layer: int, hidden: torch.Tensor | PartialSums | Unreduced,
+                          residual: torch.Tensor | None) -> None:
+    """Every column block j of aux.out with aux.layers[j] == layer <- hidden + residual (the embeddings before the
+    first layer)."""
+    if not isinstance(hidden, torch.Tensor):
+        hidden = hidden.reduce()  # a split-K linear's partial sums, or a rank's share (the next norm adds them too)
+    stream = hidden if residual is None else hidden + residual
+    num_tokens, width = stream.shape
+    for j, wanted in enumerate(aux.layers):
+        if wanted == layer:
+            aux.out[:num_tokens, j * width : (j + 1) * width].copy_(stream)
 
 
 class LlamaAttention(nn.Module):
@@ -163,11 +186,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int32 or int64
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        aux: AuxHiddenStates | None = None,  # speculative decoding's EAGLE-3 head: off (None) costs nothing
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         hidden = self.model.embed_tokens(input_ids)
         rotary = self.model.rotary_emb(positions)
         residual = None
         for i, layer in enumerate(self.model.layers):
+            if aux is not None and i in aux.layers:
+                _copy_residual_stream(aux, i, hidden, residual)
             hidden, residual = layer(rotary, hidden, residual, kv_cache[i, 0], kv_cache[i, 1], meta)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.models.llama import AuxHiddenStates
 from tandem.runner.cuda_graphs import (
     DecodeGraphs,
     PiecewiseGraphs,
@@ -51,6 +52,8 @@ class ModelExecutor:
         self.verify_graphs: DecodeGraphs | None = None  # flat verify steps (one row per token), by row count
         self.graph_logits = torch.empty(0, device=self.device)  # [max_num_seqs, vocab] once decode graphs exist
         self.lora = None  # tandem.lora's LoRAPool with adapters on: the forward reads each token's slot from it
+        # Per slot, where the forward copies the hidden states an EAGLE-3 head reads (None: nothing copied).
+        self.aux: list[AuxHiddenStates] | None = None
 
     # ---------------------------------------------------------------- one step
 
@@ -137,6 +140,8 @@ class ModelExecutor:
         input_ids.add_(carried.to(input_ids.dtype))
         if self.lora is not None:  # the step's per-token adapter slots into the pool's static index
             self.lora.select(ints["lora_slots"][:num_tokens])
+        if self.aux is not None:  # inside every graph of the slot too: the copies are captured with the forward
+            return self.model(input_ids, ints["positions"][:num_tokens], self.kv_cache, meta, aux=self.aux[slot])
         return self.model(input_ids, ints["positions"][:num_tokens], self.kv_cache, meta)
 
     def forward(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
@@ -289,3 +294,4 @@ class ModelExecutor:
         self.kv_cache = torch.empty(0, device=self.device)
         self.model = None  # type: ignore[assignment]
         self.buffers = []
+        self.aux = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -23,6 +24,7 @@ from tandem.distributed.group import TPGroup
 from tandem.distributed.ranks import TensorParallelGroup, WorkerDiedError
 from tandem.layers.parallel import local_kv_heads
 from tandem.lora.manager import LoRAManager
+from tandem.models.llama import AuxHiddenStates
 from tandem.models.loader import model_max_len
 from tandem.request import Logprobs
 from tandem.runner.executor import ModelExecutor
@@ -40,11 +42,20 @@ from tandem.scheduler.output import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class SideOutputs:
+    """What a speculative head needs of the target's steps besides their tokens."""
+
+    aux_layers: tuple[int, ...]  # every step copies the residual stream entering these layers, per token
+    kv_bytes_per_block: int  # the head's own KV per block of the target's: the pool is sized for both
+
+
 class ModelRunner:
     """One rank's model, KV cache shard, slot buffers, streams and graphs. With a tensor-parallel group, rank 0 (the
     engine's) sends each prepared step to the other ranks, which run it through worker.py's loop."""
 
-    def __init__(self, config: EngineConfig, group: TensorParallelGroup | None = None) -> None:
+    def __init__(self, config: EngineConfig, group: TensorParallelGroup | None = None,
+                 side: SideOutputs | None = None) -> None:
         self.config, self.group = config, group
         self.tp = group.comm if group is not None else TPGroup()
         self.parallel: ParallelConfig = self.tp.parallel
@@ -77,8 +88,16 @@ class ModelRunner:
         self.num_kv_heads = local_kv_heads(self.model_config, self.parallel)  # this rank's share of the KV heads
         layout = KVLayout(self.model_config.num_layers, self.block_size, self.num_kv_heads,
                           self.model_config.head_dim, loaded.kv_cache_dtype)
+        # Each slot's aux hidden states [max_num_tokens, layers x hidden], before the KV pool takes what is left.
+        aux = None if side is None else [AuxHiddenStates(side.aux_layers, torch.zeros(
+            self.max_num_tokens, len(side.aux_layers) * self.model_config.hidden_size, dtype=self.dtype,
+            device=self.device)) for _ in range(2)]
+        sizing = layout
+        if side is not None and side.kv_bytes_per_block:  # the head's KV as whole extra layers of the target's
+            per_layer = layout.bytes_per_block // layout.num_layers
+            sizing = replace(layout, num_layers=layout.num_layers + math.ceil(side.kv_bytes_per_block / per_layer))
         self.num_blocks = config.num_kv_blocks or num_blocks_from_memory(
-            config, layout, loaded.model, self.device, self.max_num_tokens, self.max_blocks_per_seq)
+            config, sizing, loaded.model, self.device, self.max_num_tokens, self.max_blocks_per_seq)
         if group is not None and config.num_kv_blocks is None:
             # One scheduler drives every rank: all KV shards get the block count of the tightest GPU.
             self.num_blocks = group.min_over_ranks(self.num_blocks)
@@ -86,6 +105,7 @@ class ModelRunner:
                                       self.max_model_len, self.model_config.num_heads // self.parallel.size,
                                       self.num_kv_heads, _device_sms(self.device))
         self.executor.lora = None if self.lora is None else self.lora.pool
+        self.executor.aux = aux
         self._start_device()
         self.timing = False
         self.events = [StepEvents(self.device, False) for _ in range(2)]

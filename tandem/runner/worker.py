@@ -13,7 +13,7 @@ from tandem.distributed.launch import exit_worker, start_tensor_parallel
 from tandem.distributed.ranks import TensorParallelGroup
 from tandem.layers.parallel import check_tp_shape
 from tandem.models.loader import load_model_config
-from tandem.runner.model_runner import ModelRunner
+from tandem.runner.model_runner import ModelRunner, SideOutputs
 from tandem.runner.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -28,15 +28,16 @@ def start_ranks(config: EngineConfig) -> TensorParallelGroup | None:
     return start_tensor_parallel(config, worker_main)
 
 
-def engine_runner(config: EngineConfig) -> ModelRunner:
+def engine_runner(config: EngineConfig, side: SideOutputs | None = None) -> ModelRunner:
     """The engine's runner: rank 0's, after spawning ranks 1..N-1 for tensor parallelism. Under torchrun every process
-    calls this, and on ranks other than 0 it never returns: the process serves rank 0's steps, then ends."""
+    calls this, and on ranks other than 0 it never returns: the process serves rank 0's steps, then ends. `side`:
+    what an EAGLE-3 head needs besides the tokens (one rank only)."""
     group = start_ranks(config)
     if group is not None and group.rank != 0:
         worker_main(config, group)
         exit_worker()
     try:
-        return ModelRunner(config, group)
+        return ModelRunner(config, group, side)
     except BaseException:
         if group is not None:
             group.abort()

@@ -159,6 +159,7 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
     from tandem.runner.model_runner import ModelRunner
     from tandem.runner.prompt_logprobs import PromptLogprobs
     from tandem.runner.sampler import sample
+    from tandem.speculative.eagle3 import Eagle3Proposer
     from tandem.structured.pipeline import GrammarPipeline
 
     hot = [ModelRunner.prepare, ModelRunner.enqueue, ModelRunner.enqueue_plan, ModelRunner._enqueue_sampling,
@@ -169,7 +170,8 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
            HostMaskBuffers.upload, HostMaskBuffers.apply, EngineCore.step, EngineCore._launch,
            EngineCore._launch_sampling, EngineCore._collect, EngineCore._update, GrammarPipeline.start_fill,
            GrammarPipeline.finish, GrammarPipeline.join, PromptLogprobs.prepare, PromptLogprobs.upload,
-           PromptLogprobs.compute, PromptLogprobs.download]
+           PromptLogprobs.compute, PromptLogprobs.download, Eagle3Proposer.observe, Eagle3Proposer._feed,
+           Eagle3Proposer._context]
     for fn in hot:
         assert _calls(fn) == [], f"{fn.__qualname__} syncs with the GPU: {_calls(fn)}"
     # wait(): exactly one synchronize, on the step's d2h_done event; .tolist() only on host numpy views.

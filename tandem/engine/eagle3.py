@@ -1,0 +1,52 @@
+"""Starting the EAGLE-3 proposer: the head is read and checked against the target before the target's runner (whose
+KV pool is then sized around the head's weights, KV and the copied hidden states), and bound to it afterwards."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.config import MAX_SPEC_TOKENS, EngineConfig
+from tandem.models.llama import LlamaForCausalLM
+from tandem.models.loader import load_model_config, model_max_len
+from tandem.models.registry import MODEL_REGISTRY
+from tandem.runner.model_runner import ModelRunner, SideOutputs
+from tandem.speculative.eagle3 import Eagle3Proposer
+from tandem.speculative.eagle3_head import Eagle3Config, Eagle3Head, random_head_tensors, read_head_tensors
+
+
+def load_eagle3_head(config: EngineConfig) -> tuple[Eagle3Head, SideOutputs]:
+    """The head on the engine's device and what the target's steps must copy for it; ValueError naming the field
+    where the head does not fit the target."""
+    spec = config.speculative
+    assert spec is not None and spec.model is not None
+    if config.tensor_parallel_size > 1:
+        raise ValueError("speculative_config method 'eagle3' is not supported with tensor_parallel_size > 1 yet")
+    head_config = Eagle3Config.from_folder(spec.model)
+    target = load_model_config(config)
+    if not issubclass(MODEL_REGISTRY.get(target.architecture, object), LlamaForCausalLM):
+        raise ValueError(f"speculative_config method 'eagle3' needs a Llama-family target model, not "
+                         f"{target.architecture!r}")
+    aux_layers = head_config.check_target(target)
+    tensors = read_head_tensors(spec.model)
+    if not tensors:
+        if config.load_format != "dummy":
+            raise ValueError(f"speculative_config.model {spec.model!r} has no safetensors weights")
+        tensors = random_head_tensors(head_config, config.seed)  # a benchmark's head of the right shape
+    dtype = config.resolved_dtype()
+    max_len = config.max_model_len or min(model_max_len(target), 8192)
+    head = Eagle3Head(head_config, tensors, config.resolved_device(), dtype, max_len + MAX_SPEC_TOKENS + 1)
+    return head, SideOutputs(aux_layers, head_config.kv_bytes_per_block(config.block_size, dtype))
+
+
+def eagle3_proposer(head: Eagle3Head, runner: ModelRunner) -> Eagle3Proposer:
+    """The proposer over the target's block ids, reading the target's embeddings where the head has none; it runs
+    on the target's compute stream, behind the steps whose hidden states it reads."""
+    head.use_target_embeddings(runner.model.model.embed_tokens.weight)
+    stream = runner.streams.compute if runner.device.type == "cuda" else None
+    return Eagle3Proposer(head, runner.num_blocks, runner.block_size, stream)
+
+
+def aux_states(runner: ModelRunner, slot: int) -> torch.Tensor:
+    """The hidden states a slot's last step copied: [max_num_tokens, 3 x hidden]."""
+    assert runner.executor.aux is not None
+    return runner.executor.aux[slot].out
