@@ -268,6 +268,11 @@ class EngineCore:
         """Compiles later structured requests with backend `name` (xgrammar or llguidance); meant for between runs."""
         self.grammar.use_backend(name)
 
+    def use_forced_drafts(self, enabled: bool) -> None:
+        """Switches grammar-forced drafts on (up to the config's max_forced_drafts per request and step, where the
+        config allows them) or off, from the next step on; outputs are the same either way (for comparisons)."""
+        self.forced_k = self.config.forced_drafts if enabled else 0
+
     @property
     def num_grammar_rejections(self) -> int:
         """Sampled tokens a request's grammar refused (a masking bug if ever > 0)."""
