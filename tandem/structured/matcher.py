@@ -134,13 +134,13 @@ class HostMask:
     @staticmethod
     def _fill_llguidance_draft_rows(bits: Any, rows: list[tuple[list[int], HostMask | None, list[int], list[int]]]
                                     ) -> list[tuple[list[int], HostMask | None, list[int], list[int]]]:
-        """The llguidance rows of fill_draft_rows whose positions have consecutive bitmask rows and no bad words, in
-        one call that walks each matcher through its drafts, fills, and rolls back, spread over the executor's
-        threads; returns the other rows."""
+        """The llguidance rows of fill_draft_rows with drafts, consecutive bitmask rows and no bad words, in one call
+        that walks each matcher through its drafts, fills, and rolls back, spread over the executor's threads;
+        returns the other rows (those without drafts are filled with the rest, position 0 only)."""
         fast, rest = [], []
         for entry in rows:
             bit_rows, mask, _, drafts = entry
-            if (mask is not None and mask.llguidance and not mask.bad_word_ids and not mask._allows_all()
+            if (drafts and mask is not None and mask.llguidance and not mask.bad_word_ids and not mask._allows_all()
                     and bit_rows[-1] - bit_rows[0] == len(bit_rows) - 1 == len(drafts)):
                 fast.append((mask.matcher, bit_rows[0], list(drafts)))
                 bits[bit_rows[0] : bit_rows[-1] + 1].fill_(-1)  # rows past a refused draft (never used) allow all

@@ -38,13 +38,27 @@ OTHER_SPECS = [StructuredOutputParams(regex=r"[0-9]{2}-forced-text-[a-z]{2}"),
 BACKENDS = ["llguidance"] + (["xgrammar"] if __import__("importlib").util.find_spec("xgrammar") else [])
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def forced_llm(request):
+@pytest.fixture(scope="module")
+def forced_llm():
     llm = LLM(device="cpu", dtype="float32", max_model_len=512, max_num_seqs=8, num_kv_blocks=160, seed=0,
-              grammar_backend=request.param)
+              grammar_backend="llguidance")
     assert llm.engine.forced_k == 8  # on by default
     yield llm
     llm.shutdown()
+
+
+@pytest.fixture
+def backend_llm(forced_llm, request):
+    """The shared engine with the backend `request.param` (llguidance when not parametrized), idle afterwards."""
+    engine = forced_llm.engine
+    free = engine.scheduler.num_free_blocks()
+    engine.use_structured_backend(getattr(request, "param", "llguidance"))
+    yield forced_llm
+    engine.use_structured_backend("llguidance")
+    engine.overlap = True
+    engine.use_forced_drafts(True)
+    assert not engine.has_unfinished_requests() and engine.num_host_masks() == 0
+    assert engine.scheduler.num_free_blocks() == free, "KV blocks leaked"
 
 
 def _generate(llm, forced: bool, overlap: bool):
@@ -68,11 +82,11 @@ def _generate(llm, forced: bool, overlap: bool):
         engine.forced_draft_tokens - drafted
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_forced_drafts_keep_the_tokens_in_fewer_steps(forced_llm, overlap):
-    off, _, steps_off, drafted_off = _generate(forced_llm, forced=False, overlap=overlap)
-    on, outs, steps_on, drafted_on = _generate(forced_llm, forced=True, overlap=overlap)
-    forced_llm.engine.use_forced_drafts(True)
+@pytest.mark.parametrize("backend_llm, overlap", [("llguidance", True), ("llguidance", False)]
+                         + [("xgrammar", True)] * ("xgrammar" in BACKENDS), indirect=["backend_llm"])
+def test_forced_drafts_keep_the_tokens_in_fewer_steps(backend_llm, overlap):
+    off, _, steps_off, drafted_off = _generate(backend_llm, forced=False, overlap=overlap)
+    on, outs, steps_on, drafted_on = _generate(backend_llm, forced=True, overlap=overlap)
     assert drafted_off == 0 and drafted_on > 20
     assert on == off  # greedy and seeded rows alike; the unconstrained row among them
     assert steps_on < 0.75 * steps_off, (steps_on, steps_off)
@@ -83,13 +97,13 @@ def test_forced_drafts_keep_the_tokens_in_fewer_steps(forced_llm, overlap):
     assert outs[4].outputs[0].text in OTHER_SPECS[1].choice
 
 
-def test_max_tokens_and_abort_inside_a_forced_run_free_every_block(forced_llm):
-    engine = forced_llm.engine
+def test_max_tokens_and_abort_inside_a_forced_run_free_every_block(backend_llm):
+    engine = backend_llm.engine
     engine.overlap = True
     engine.use_forced_drafts(True)
     free = engine.scheduler.num_free_blocks()
     schema = StructuredOutputParams(json=json.dumps(FIXED_KEYS))
-    ids = forced_llm.tokenizer.encode("A person as JSON:\n")
+    ids = backend_llm.tokenizer.encode("A person as JSON:\n")
     for n in range(1, 13):  # cut at every length of the first runs: inside forced runs and between them
         engine.add_request(f"cut-{n}", ids, SamplingParams(temperature=0.0, max_tokens=n, structured_output=schema))
     engine.add_request("abort-me", ids, SamplingParams(temperature=0.0, max_tokens=80, structured_output=schema))
