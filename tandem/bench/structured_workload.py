@@ -102,10 +102,10 @@ def run_structured_workload(model: str | None, num_requests: int, prompt_len: in
         run_pass(llm, warm, 1.0, record=False, forced_drafts=True)
         for fraction in (0.5, 1.0):
             rows.append({**run_pass(llm, requests, fraction), "backend": name})
-        forced = run_pass(llm, requests, 1.0, forced_drafts=True)
+        on = run_pass(llm, requests, 1.0, forced_drafts=True)
         # Exact on the CPU in fp32; in bf16 a verify row's logits may differ from a decode row's in the last bit.
-        forced["same_tokens_as_forced_off"] = forced["_outputs"] == rows[-1]["_outputs"]
-        rows.append({**forced, "backend": name})
+        on["same_tokens_as_forced_off"] = on["_outputs"] == rows[-1]["_outputs"]
+        rows.append({**on, "backend": name})
     rows.append(run_pass(llm, requests, 0.0, penalties=True))
     base = rows[0]["tokens_per_s"]
     for r in rows:
@@ -114,8 +114,9 @@ def run_structured_workload(model: str | None, num_requests: int, prompt_len: in
           f"{'gpu busy':>8} {'mask ms/step':>12} {'accepted/step':>13} {'rejected':>8}")
     for r in rows:
         busy = f"{r['gpu_busy_pct']:.1f}%" if r["gpu_busy_pct"] is not None else "-"
-        print(f"{r['constrained_fraction']:>10.0%} {r.get('backend', '-'):>10} {'on' if r['forced_drafts'] else 'off':>6} "
-              f"{str(r['penalties']):>9} {r['tokens_per_s']:>10.1f} {r['vs_unconstrained']:>7.3f} {busy:>8} "
+        mode = "on" if r["forced_drafts"] else "off"
+        print(f"{r['constrained_fraction']:>10.0%} {r.get('backend', '-'):>10} {mode:>6} {str(r['penalties']):>9} "
+              f"{r['tokens_per_s']:>10.1f} {r['vs_unconstrained']:>7.3f} {busy:>8} "
               f"{r['mask_ms_per_step']:>12.3f} {r['forced_accepted_per_step']:>13.2f} {r['grammar_rejections']:>8}")
     if plot_dir:
         from tandem.profiling.timeline import plot_timelines
