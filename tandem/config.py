@@ -198,6 +198,12 @@ class EngineConfig:
     # prefixItems tuple no further items), as OpenAI's structured outputs and xgrammar's strict mode do; False keeps
     # the JSON-Schema reading (any other property allowed), where a model can add keys until max_tokens.
     strict_json_schema: bool = True
+    # Structured output: where a request's grammar admits exactly one continuation (a JSON key, punctuation, a
+    # closing bracket), up to max_forced_drafts of those tokens are verified as drafts in the request's next step
+    # (one forward yields them all; each row sampled under its own mask, so outputs are unchanged). Off under LoRA
+    # adapters and tensor parallelism (no verify rows there).
+    structured_forced_drafts: bool = True
+    max_forced_drafts: int = 8
     # Speculative decoding: None (off), a SpeculativeConfig or vLLM's dict form ({"method": "ngram", ...}).
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     # LoRA adapters (tandem/lora/, docs/serving.md): max_loras adapters resident on the device at once (a fixed pool
@@ -221,6 +227,11 @@ class EngineConfig:
         if self.quantize_lm_head and self.quantization != "fp8":
             raise ValueError("quantize_lm_head needs quantization fp8 (it puts the lm_head in FP8 beside the other "
                              "linears)")
+        if not isinstance(self.structured_forced_drafts, bool):
+            raise ValueError(f"structured_forced_drafts must be true or false, got {self.structured_forced_drafts!r}")
+        k = self.max_forced_drafts
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPEC_TOKENS:
+            raise ValueError(f"max_forced_drafts must be an integer in [1, {MAX_SPEC_TOKENS}], got {k!r}")
         if self.grammar_backend is not None and self.grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -279,6 +290,14 @@ class EngineConfig:
         spec = self.speculative_config
         assert spec is None or isinstance(spec, SpeculativeConfig)
         return spec
+
+    @property
+    def forced_drafts(self) -> int:
+        """Grammar-forced drafts per request and step: max_forced_drafts, or 0 where they are off (switched off, or
+        LoRA adapters or tensor parallelism, whose steps have no verify rows for them)."""
+        if not self.structured_forced_drafts or self.enable_lora or self.tensor_parallel_size > 1:
+            return 0
+        return self.max_forced_drafts
 
     def resolved_device(self) -> torch.device:
         name = self.device

@@ -1,5 +1,6 @@
-"""The `structured` workload: the same requests with 0%, 50% and 100% of them under a JSON schema, and with
-penalties on every request; tokens/s, GPU busy and grammar-mask time per step side by side."""
+"""The `structured` workload: the same requests with 0%, 50% and 100% of them under a JSON schema (grammar-forced
+drafts off), 100% again with forced drafts on, and with penalties on every request; tokens/s, GPU busy, grammar-mask
+time per step and forced drafts accepted per step side by side."""
 
 from __future__ import annotations
 
@@ -40,11 +41,13 @@ def _params(requests: list[tuple[list[int], int]], fraction: float, penalties: b
 
 
 def run_pass(llm: Any, requests: list[tuple[list[int], int]], fraction: float, penalties: bool = False,
-             record: bool = True) -> dict[str, Any]:
+             record: bool = True, forced_drafts: bool = False) -> dict[str, Any]:
     engine = llm.engine
+    engine.use_forced_drafts(forced_drafts)
     params = _params(requests, fraction, penalties)
     mask_s0, mask_steps0, steps0 = engine.mask_time_s, engine.num_mask_steps, engine.num_steps
     rejections0 = engine.num_grammar_rejections
+    drafted0, accepted0 = engine.forced_draft_tokens, engine.forced_accepted_tokens
     tl = engine.start_timeline() if record else None
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
@@ -53,19 +56,25 @@ def run_pass(llm: Any, requests: list[tuple[list[int], int]], fraction: float, p
         engine.stop_timeline()
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     mask_steps = engine.num_mask_steps - mask_steps0
-    return {"constrained_fraction": fraction, "penalties": penalties, "seconds": seconds,
+    num_steps = max(engine.num_steps - steps0, 1)
+    return {"constrained_fraction": fraction, "penalties": penalties, "forced_drafts": forced_drafts,
+            "seconds": seconds,
             "generated_tokens": generated, "tokens_per_s": generated / seconds,
             "gpu_busy_pct": tl.gpu_busy_pct() if tl is not None else None,
             "num_steps": engine.num_steps - steps0, "num_mask_steps": mask_steps,
             "mask_ms_per_step": 1000 * (engine.mask_time_s - mask_s0) / mask_steps if mask_steps else 0.0,
             "grammar_rejections": engine.num_grammar_rejections - rejections0,
+            # Grammar-forced drafts per step (all requests together): proposed, and accepted (tokens for free).
+            "forced_drafts_per_step": (engine.forced_draft_tokens - drafted0) / num_steps,
+            "forced_accepted_per_step": (engine.forced_accepted_tokens - accepted0) / num_steps,
             "_timeline": tl, "_outputs": [list(o.outputs[0].token_ids) for o in outs]}
 
 
 def run_structured_workload(model: str | None, num_requests: int, prompt_len: int, output_len: int,
                             plot_dir: str | None = None, backends: list[str] | None = None) -> dict[str, Any]:
     """The passes on one engine: 0% constrained, then 50% and 100% for each grammar backend in `backends`
-    (default: this process's, TANDEM_STRUCTURED_BACKEND), then penalties on every request."""
+    (default: this process's, TANDEM_STRUCTURED_BACKEND) with grammar-forced drafts off, and 100% with them on;
+    then penalties on every request."""
     import torch
 
     from tandem import LLM
@@ -90,27 +99,35 @@ def run_structured_workload(model: str | None, num_requests: int, prompt_len: in
     for name in backends:
         engine.use_structured_backend(name)
         run_pass(llm, warm, 1.0, record=False)  # the schema's compiled grammar
+        run_pass(llm, warm, 1.0, record=False, forced_drafts=True)
         for fraction in (0.5, 1.0):
             rows.append({**run_pass(llm, requests, fraction), "backend": name})
+        on = run_pass(llm, requests, 1.0, forced_drafts=True)
+        # Exact on the CPU in fp32; in bf16 a verify row's logits may differ from a decode row's in the last bit.
+        on["same_tokens_as_forced_off"] = on["_outputs"] == rows[-1]["_outputs"]
+        rows.append({**on, "backend": name})
     rows.append(run_pass(llm, requests, 0.0, penalties=True))
     base = rows[0]["tokens_per_s"]
     for r in rows:
         r["vs_unconstrained"] = r["tokens_per_s"] / base
-    print(f"{'constrained':>11} {'backend':>10} {'penalties':>9} {'tok/s':>10} {'x base':>7} {'gpu busy':>8} "
-          f"{'mask ms/step':>12} {'rejected':>8}")
+    print(f"{'constrained':>11} {'backend':>10} {'forced':>6} {'penalties':>9} {'tok/s':>10} {'x base':>7} "
+          f"{'gpu busy':>8} {'mask ms/step':>12} {'accepted/step':>13} {'rejected':>8}")
     for r in rows:
         busy = f"{r['gpu_busy_pct']:.1f}%" if r["gpu_busy_pct"] is not None else "-"
-        print(f"{r['constrained_fraction']:>10.0%} {r.get('backend', '-'):>10} {str(r['penalties']):>9} "
-              f"{r['tokens_per_s']:>10.1f} {r['vs_unconstrained']:>7.3f} {busy:>8} {r['mask_ms_per_step']:>12.3f} "
-              f"{r['grammar_rejections']:>8}")
+        mode = "on" if r["forced_drafts"] else "off"
+        print(f"{r['constrained_fraction']:>10.0%} {r.get('backend', '-'):>10} {mode:>6} {str(r['penalties']):>9} "
+              f"{r['tokens_per_s']:>10.1f} {r['vs_unconstrained']:>7.3f} {busy:>8} "
+              f"{r['mask_ms_per_step']:>12.3f} {r['forced_accepted_per_step']:>13.2f} {r['grammar_rejections']:>8}")
     if plot_dir:
         from tandem.profiling.timeline import plot_timelines
 
         os.makedirs(plot_dir, exist_ok=True)
         png = os.path.join(plot_dir, "timeline-structured.png")
         half = [r for r in rows if r["constrained_fraction"] == 0.5]
+        forced = [r for r in rows if r["forced_drafts"]]
         plot_timelines({"0% constrained": rows[0]["_timeline"],
-                        **{f"50% constrained, {r['backend']}": r["_timeline"] for r in half}},
+                        **{f"50% constrained, {r['backend']}": r["_timeline"] for r in half},
+                        **{f"100% constrained, forced drafts, {r['backend']}": r["_timeline"] for r in forced}},
                        png, max_seconds=0.06, start_frac=0.5)
         half[0]["_timeline"].to_chrome_trace(os.path.join(plot_dir, "trace-structured-50.json"), "50% constrained")
         print(f"wrote {png}")

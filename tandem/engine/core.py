@@ -31,6 +31,7 @@ from tandem.scheduler.scheduler import Scheduler, SchedulerConfig
 from tandem.speculative.controller import SpecController
 from tandem.speculative.eagle3 import Eagle3Proposer
 from tandem.speculative.ngram import NgramProposer
+from tandem.structured.matcher import HostMask
 from tandem.structured.pipeline import GrammarPipeline
 
 logger = logging.getLogger(__name__)
@@ -176,6 +177,9 @@ class EngineCore:
         self._collected_prefill = False  # a step collected in this call computed prompt tokens (not timed)
         self._step_end = 0.0
         self.spec_accepted_per_position = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
+        # Grammar-forced drafts (structured output): the most per request and step (0: off), and their counters.
+        self.forced_k = config.forced_drafts
+        self.forced_draft_tokens = self.forced_accepted_tokens = self.forced_verified_rows = 0
 
     # ---------------------------------------------------------------- requests
 
@@ -297,6 +301,11 @@ class EngineCore:
         """Compiles later structured requests with backend `name` (xgrammar or llguidance); meant for between runs."""
         self.grammar.use_backend(name)
 
+    def use_forced_drafts(self, enabled: bool) -> None:
+        """Switches grammar-forced drafts on (up to the config's max_forced_drafts per request and step, where the
+        config allows them) or off, from the next step on; outputs are the same either way (for comparisons)."""
+        self.forced_k = self.config.forced_drafts if enabled else 0
+
     @property
     def num_grammar_rejections(self) -> int:
         """Sampled tokens a request's grammar refused (a masking bug if ever > 0)."""
@@ -381,7 +390,7 @@ class EngineCore:
             # How many of its drafts each request keeps decides where its next tokens go: collect it first.
             self._inflight = None
             outputs += self._collect(inflight)
-        if self.proposer is not None:
+        if self.proposer is not None or self.forced_k:
             outputs += self._propose()
         if self.timeline is not None:
             self.timeline.step = self.num_steps
@@ -408,21 +417,30 @@ class EngineCore:
         return outputs
 
     def _propose(self) -> list[EngineOutput]:
-        """Speculative decoding: proposes each running request's drafts for the next step, from its tokens on the
-        host, so the step in flight is collected first (returning its outputs). Off while more than
-        disable_by_batch_size requests run; a request with a grammar, penalties or bias gets none."""
+        """Drafts for the next step: the tokens its grammar forces for a request under a grammar (forced drafts),
+        the proposer's for the others (speculative decoding). Both read each request's tokens up to its last on the
+        host, so the step in flight is collected first (returning its outputs). The proposer is off while more than
+        disable_by_batch_size requests run or its controller finds that speculating does not pay; a request with a
+        grammar gets only forced drafts, and one with penalties or bias none."""
         spec, scheduler = self.spec, self.scheduler
-        assert spec is not None and self.proposer is not None
         running = scheduler.running
-        if not running or len(running) > spec.disable_by_batch_size:
+        if not running:
             return []
-        if self.spec_controller is not None and not self.spec_controller.speculate():
+        forced = self.forced_k > 0 and self._grammar_running()
+        speculate = (spec is not None and self.proposer is not None and len(running) <= spec.disable_by_batch_size
+                     and (self.spec_controller is None or self.spec_controller.speculate()))
+        if not forced and not speculate:
             return []
-        self._speculated = True  # timed as speculating, drafts or not: it pays for the collect before launching
+        # Timed as speculating, drafts or not: it pays for the collect before launching.
+        self._speculated = self._speculated or speculate
         outputs: list[EngineOutput] = []
         if self._inflight is not None:
             previous, self._inflight = self._inflight, None
             outputs = self._collect(previous)
+        if forced:
+            self._timed("forced", self._propose_forced)
+        if not speculate:
+            return outputs
         eligible: list[tuple[Request, int]] = []
         for request in scheduler.running:
             sp = request.sampling_params
@@ -434,9 +452,38 @@ class EngineCore:
             if room > 0:
                 eligible.append((request, min(request.spec_k, room)))
         if eligible:
-            for (request, _), drafts in zip(eligible, self._timed("propose", lambda: self.proposer.propose_all(eligible))):
+            proposer = self.proposer
+            assert proposer is not None
+            for (request, _), drafts in zip(eligible, self._timed("propose", lambda: proposer.propose_all(eligible))):
                 request.draft_token_ids = drafts
         return outputs
+
+    def _grammar_running(self) -> bool:
+        """Whether a running request decodes under a grammar (its next step may get forced drafts)."""
+        running = RequestStatus.RUNNING
+        return any(r.status is running and r.host_mask is not None and r.host_mask.matcher is not None
+                   for r in self.grammar.masks.values())
+
+    def _propose_forced(self) -> None:
+        """Gives each decoding request under a grammar the tokens its grammar forces next as drafts (at most
+        forced_k each, and max_num_seqs in all: the grammar rows the runner holds for drafts). The step in flight
+        has been collected, so every matcher can be brought to the request's last token."""
+        self.grammar.sync()
+        budget = self.config.max_num_seqs
+        running = RequestStatus.RUNNING
+        for request in self.grammar.masks.values():
+            if budget <= 0:
+                break
+            if (request.status is not running or request.num_pending_tokens
+                    or request.sampling_params.uses_logits_state):
+                continue  # penalties and bias apply to a sequence's own row only, not to draft rows
+            if request.num_computed_tokens != len(request.all_token_ids) - 1:
+                continue  # still in its prompt
+            k = min(self.forced_k, request.max_output_tokens - len(request.output_token_ids) - 1, budget)
+            drafts = self.grammar.forced_drafts(request, k) if k > 0 else []
+            if drafts:
+                request.draft_token_ids = drafts
+                budget -= len(drafts)
 
     def _launch(self) -> tuple[StepHandle | None, list[EngineOutput]]:
         """Schedules, prepares and enqueues step N+1 behind step N, whose sampling (held back for its grammar rows)
@@ -524,11 +571,15 @@ class EngineCore:
         """Acceptance counters, and each request's draft budget: one more after a fully accepted run, else one
         past what was accepted (fewer wasted rows where the proposer guesses wrong)."""
         spec = self.spec
-        assert spec is not None
         per_position = self.spec_accepted_per_position
         for row, (tokens, _) in verified.items():
             request = sched.scheduled[row].request
             num_draft, accepted = sched.scheduled[row].num_draft, len(tokens) - 1
+            if request.host_mask is not None or spec is None:  # a grammar's forced drafts
+                self.forced_draft_tokens += num_draft
+                self.forced_accepted_tokens += accepted
+                self.forced_verified_rows += 1
+                continue
             self.spec_draft_tokens += num_draft
             self.spec_accepted_tokens += accepted
             self.spec_verified_rows += 1
@@ -542,16 +593,20 @@ class EngineCore:
         requests = self._requests
         finished_status = RequestStatus.FINISHED
         num_scored = num_tokens = 0
-        grammar_tokens = []  # (HostMask, token): they reach the matchers together, before the next fill
+        # grammar_tokens[j]: (HostMask, its request's j-th new token) of this step; they reach the matchers together,
+        # position after position, before the next fill.
+        grammar_tokens: list[list[tuple[HostMask, int]]] = []
         for req in touched:
             rid = req.request_id
             if rid not in requests:
                 continue  # aborted meanwhile: its token is dropped
             host_mask = req.host_mask
-            # Requests with a grammar get no drafts: one new token each.
-            if host_mask is not None and req.output_token_ids:
-                grammar_tokens.append((host_mask, req.output_token_ids[-1]))
             num_new = req.num_new_tokens if verify else 1
+            if host_mask is not None and req.output_token_ids and num_new:
+                for j, token in enumerate(req.output_token_ids[-num_new:]):
+                    if j == len(grammar_tokens):
+                        grammar_tokens.append([])
+                    grammar_tokens[j].append((host_mask, token))
             new_lp = req.output_logprobs[-num_new:] if req.sampling_params.logprobs is not None and num_new else None
             prompt_lp = None
             if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
@@ -575,7 +630,8 @@ class EngineCore:
                     self.runner.lora.unpin(req.lora_request.lora_int_id)  # type: ignore[union-attr]
             num_tokens += num_new
         self.num_generation_tokens += num_tokens - num_scored
-        self.grammar.advance(grammar_tokens)
+        for tokens in grammar_tokens:
+            self.grammar.advance(tokens)
         return outputs
 
     def _fail(self, scheduled: list, exc: Exception) -> list[EngineOutput]:

@@ -29,7 +29,8 @@ def draft_engine_config(target: EngineConfig, spec: SpeculativeConfig, max_model
                    load_format="dummy" if target.load_format == "dummy" else "auto", max_model_len=max_model_len,
                    max_num_seqs=seqs, num_kv_blocks=blocks, overlap=False, enable_prefix_caching=True,
                    tensor_parallel_size=1, data_parallel_size=1, enable_expert_parallel=False,
-                   quantization=None, quantize_lm_head=False, speculative_config=None, enable_lora=False)
+                   quantization=None, quantize_lm_head=False, speculative_config=None, enable_lora=False,
+                   structured_forced_drafts=False)
 
 
 class DraftModelProposer:

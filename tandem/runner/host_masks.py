@@ -10,14 +10,15 @@ import torch
 
 
 class HostMaskBuffers:
-    def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         cuda = device.type == "cuda"
-        # [max_num_seqs, ceil(V / 32)] int32 per slot: bit b of word w allows token 32 w + b (both backends').
-        self.bits_cpu = [torch.zeros(max_num_seqs, self.num_words, dtype=torch.int32, pin_memory=cuda)
+        # [max_rows, ceil(V / 32)] int32 per slot: bit b of word w allows token 32 w + b (both backends'). A row per
+        # constrained sequence, and one per grammar-forced draft in a verify step.
+        self.bits_cpu = [torch.zeros(max_rows, self.num_words, dtype=torch.int32, pin_memory=cuda)
                          for _ in range(2)]
-        self.rows_cpu = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self.rows_cpu = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self.rows_np = [r.numpy() for r in self.rows_cpu]
         if cuda:
             self.bits_gpu = [torch.zeros_like(b, device=device) for b in self.bits_cpu]
@@ -26,18 +27,29 @@ class HostMaskBuffers:
             self.bits_gpu, self.rows_gpu = self.bits_cpu, self.rows_cpu
         self.shifts = torch.arange(32, dtype=torch.int32, device=device)  # [32]
 
-    def fill(self, slot: int, mask_rows: list[tuple[int, Any]]) -> None:
-        """Row j of the slot's bitmask: what request j of `mask_rows` ((batch row, request)) may sample next."""
+    def fill(self, slot: int, mask_rows: list[tuple[list[int], Any, list[int]]]) -> int:
+        """Fills the slot's bitmask from `mask_rows`: (logits row of each position, request, drafts) per constrained
+        request, where a request without drafts has one position (its own row) and one with k drafts has k + 1
+        (draft j's row gets the mask after drafts 0..j-1, the sequence's own row the mask after all k). Returns the
+        number of bitmask rows written."""
         bits, rows = self.bits_cpu[slot], self.rows_np[slot]
-        entries = []  # (bitmask row, HostMask or None, tokens so far); None: the request ended meanwhile (its
-        for j, (row, request) in enumerate(mask_rows):  # token will be dropped), so its row allows everything
-            entries.append((j, request.host_mask, request.all_token_ids))
-            rows[j] = row
-        some = next((mask for _, mask, _ in entries if mask is not None), None)
+        # (bitmask rows, HostMask or None, tokens so far, drafts); None: the request ended meanwhile (its token
+        # will be dropped), so its rows allow everything
+        entries = []
+        b = 0
+        for logits_rows, request, drafts in mask_rows:
+            n = len(logits_rows)
+            rows[b : b + n] = logits_rows
+            entries.append((list(range(b, b + n)), request.host_mask, request.all_token_ids, drafts))
+            b += n
+        some = next((mask for _, mask, _, _ in entries if mask is not None), None)
         if some is None:
-            bits[: len(entries)].fill_(-1)
+            bits[:b].fill_(-1)
+        elif b == len(entries):  # no drafts: one row each
+            type(some).fill_rows(bits, [(r[0], mask, tokens) for r, mask, tokens, _ in entries])
         else:
-            type(some).fill_rows(bits, entries)  # HostMask.fill_rows (runner does not import structured/)
+            type(some).fill_draft_rows(bits, entries)  # HostMask's (runner does not import structured/)
+        return b
 
     def upload(self, slot: int, num_rows: int) -> None:
         """H2D of the first num_rows bitmask rows and their batch rows (call on the H2D stream)."""

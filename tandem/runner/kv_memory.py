@@ -75,7 +75,8 @@ def _gpu_budget(config: EngineConfig, layout: KVLayout, model: nn.Module, device
         max_query_len=num_tokens, max_seq_len=num_tokens,
     )
     hidden = model(ids, ids, scratch, meta)
-    logits = model.compute_logits(hidden[: config.max_num_seqs])
+    # A step samples a row per sequence, and with grammar-forced drafts as many draft rows more (ModelRunner).
+    logits = model.compute_logits(hidden[: config.max_num_seqs * (2 if config.forced_drafts else 1)])
     rows = logits.shape[0]
     sample(logits, torch.ones(rows, device=device), torch.full((rows,), 5, dtype=torch.int32, device=device),
            torch.full((rows,), 0.9, device=device), torch.zeros(rows, dtype=torch.int64, device=device),

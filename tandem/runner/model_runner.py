@@ -69,10 +69,14 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         self.streams = DeviceStreams(self.device)
         spec = config.speculative
-        max_drafts = spec.num_speculative_tokens if spec is not None else 0
-        # Flat verify steps (decode graphs of one row per token) for as many sequences as speculation runs for.
-        self.max_verify_rows = (min(spec.disable_by_batch_size, config.max_num_seqs) * (1 + max_drafts)
-                                if spec is not None else 0)
+        spec_drafts = spec.num_speculative_tokens if spec is not None else 0
+        # Grammar-forced drafts: at most max_num_seqs of them in a step (EngineCore._propose), any request's.
+        forced = config.forced_drafts
+        max_drafts = max(spec_drafts, forced)
+        # Flat verify steps (decode graphs of one row per token) for as many sequences as speculation runs for,
+        # and for every sequence plus as many forced drafts.
+        self.max_verify_rows = max(min(spec.disable_by_batch_size, config.max_num_seqs) * (1 + spec_drafts)
+                                   if spec is not None else 0, 2 * config.max_num_seqs if forced else 0)
         # LoRA adapters (tandem.lora): the device pool is allocated before the KV cache is sized from what is left.
         self.lora = None if not config.enable_lora else LoRAManager(
             loaded.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, self.max_num_tokens,
@@ -81,7 +85,9 @@ class ModelRunner:
                                     self.device, max_drafts, lora=self.lora is not None) for _ in range(2)]
         vocab = self.model_config.vocab_size
         self.logits_state = LogitsState(self.max_num_seqs, vocab, self.device)
-        self.host_masks = HostMaskBuffers(self.max_num_seqs, vocab, self.device)
+        # Grammar rows: every sequence's, and (forced drafts) as many draft rows (drafts of other proposers go to
+        # requests without a grammar).
+        self.host_masks = HostMaskBuffers(self.max_num_seqs * (2 if forced else 1), vocab, self.device)
         # Prompt rows are scored max_num_seqs at a time: the logits the KV budget's profiling forward made room for.
         self.prompt_logprobs = PromptLogprobs(self.max_num_tokens, MAX_LOGPROBS, min(self.max_num_seqs, 256),
                                               self.device)
@@ -205,8 +211,7 @@ class ModelRunner:
                         shape.num_rows if shape.draft_rows else 0)
         # Rows whose next token a grammar (or a multi-token bad word) decides on the CPU: their sampling waits for
         # launch_sampling, after the previous step's tokens have reached the matchers.
-        mask_rows = [(i, s.request) for i, s in enumerate(sched.scheduled)
-                     if s.sample and s.request.host_mask is not None] if constrained else []
+        mask_rows = _mask_rows(sched, shape.draft_rows) if constrained else []
         return PreparedStep(sched, plan, shape.num_context_tokens, mask_rows, shape.draft_rows)
 
     @torch.inference_mode()
@@ -303,7 +308,8 @@ class ModelRunner:
         """Completes a step launched with grammar rows, after fill_masks: uploads the rows on the H2D stream and
         enqueues masking, sampling and the D2H. The forward was enqueued by enqueue() and may be running now."""
         assert handle.mask_rows is not None and handle.logits is not None, "launch_sampling without grammar rows"
-        self._enqueue_sampling(handle.plan, handle.logits, download=True, num_masked=len(handle.mask_rows))
+        num_masked = sum(len(logits_rows) for logits_rows, _, _ in handle.mask_rows)
+        self._enqueue_sampling(handle.plan, handle.logits, download=True, num_masked=num_masked)
         handle.mask_rows = handle.logits = None
 
     def wait(self, handle: StepHandle) -> StepResult:
@@ -418,6 +424,23 @@ class ModelRunner:
             logger.warning("could not release the CUDA graphs after a rank failed", exc_info=True)
         closer.join()
         self.release(empty_cache=False)  # freeing device memory would wait for kernels the abort may not end
+
+
+def _mask_rows(sched: SchedulerOutput, draft_rows: list[tuple[int, int, int]] | None
+               ) -> list[tuple[list[int], Any, list[int]]]:
+    """(logits row of each position, request, drafts) of the step's rows a host mask constrains: a sequence's own
+    row, and in a verify step its draft rows first (draft j's row samples the token after drafts 0..j-1)."""
+    drafts_of = {row: (first, k) for row, first, k in draft_rows or ()}
+    out: list[tuple[list[int], Any, list[int]]] = []
+    for i, s in enumerate(sched.scheduled):
+        if not s.sample or s.request.host_mask is None:
+            continue
+        first, k = drafts_of.get(i, (0, 0))
+        if k:
+            out.append(([*range(first, first + k), i], s.request, s.token_ids[-k:]))
+        else:
+            out.append(([i], s.request, []))
+    return out
 
 
 def _verified_tokens(draft_rows: list[tuple[int, int, int]], row_tokens: list[int], logprobs: list[Logprobs] | None,

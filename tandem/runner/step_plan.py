@@ -81,7 +81,8 @@ class PreparedStep:
     sched: SchedulerOutput
     plan: StepPlan
     num_context_tokens: int
-    mask_rows: list[tuple[int, Any]]  # (batch row, request) of the rows a host mask constrains
+    # (logits row of each position, request, drafts) of the requests a host mask constrains (model_runner._mask_rows)
+    mask_rows: list[tuple[list[int], Any, list[int]]]
     draft_rows: list[tuple[int, int, int]] | None = None  # (row, first draft row, drafts) of verifying sequences
 
 
@@ -94,7 +95,7 @@ class StepHandle:
     events: StepEvents
     num_context_tokens: int = 0  # sum of the sequences' context lengths: KV the step reads
     # Rows whose sampling waits for their grammar bitmask, and the logits it will mask; empty once enqueued.
-    mask_rows: list[tuple[int, Any]] | None = None
+    mask_rows: list[tuple[list[int], Any, list[int]]] | None = None
     logits: torch.Tensor | None = None
     draft_rows: list[tuple[int, int, int]] | None = None  # (row, first draft row, drafts) of verifying sequences
 

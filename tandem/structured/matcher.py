@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -67,6 +68,97 @@ class HostMask:
         for token in rejected:
             logger.warning("grammar rejected sampled token %d", token)
         return len(rejected)
+
+    def forced_tokens(self, max_tokens: int, encode: Callable[[str], list[int]]) -> list[int]:
+        """Up to max_tokens tokens the grammar forces from here (it admits exactly one continuation), in its
+        canonical tokenization; the matcher is left as it was. llguidance: its fast-forward tokens (which leave out
+        a last token that could merge with what follows). xgrammar: its jump-forward string, encoded with `encode`,
+        checked token by token against the matcher and less its last token (which could merge with what follows;
+        a string whose tokens the matcher refuses gives only the prefix it accepts)."""
+        m = self.matcher
+        if m is None or max_tokens <= 0 or self.is_terminated:
+            return []
+        if self.llguidance:
+            return list(m.compute_ff_tokens()[:max_tokens])
+        text = m.find_jump_forward_string()
+        if not text:
+            return []
+        tokens = encode(text)[: max_tokens + 1]
+        num_ok = 0
+        for token in tokens:
+            if not m.accept_token(token):
+                break
+            num_ok += 1
+        if num_ok:
+            m.rollback(num_ok)
+        return tokens[: min(num_ok, len(tokens) - 1, max_tokens)]
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last num_tokens accepted tokens (drafts consumed to fill their rows' masks)."""
+        if num_tokens > 0 and self.matcher is not None:
+            self.matcher.rollback(num_tokens)
+
+    @staticmethod
+    def fill_draft_rows(bits: Any, rows: list[tuple[list[int], HostMask | None, list[int], list[int]]]) -> None:
+        """fill_rows for requests with drafts: each entry is (bitmask row of each position 0..k, mask, tokens so
+        far, its k drafts). Position j's row is the mask after drafts 0..j-1: the matchers step through the
+        drafts one position at a time, all requests' rows of a position filled in one call, and are rolled back
+        at the end. A draft the grammar refuses (never a forced one) ends its request's walk; the rows after it
+        allow everything (the verify step rejects that draft, so their samples are never used)."""
+        rows = HostMask._fill_llguidance_draft_rows(bits, rows)
+        num_positions = max((len(r[0]) for r in rows), default=0)
+        consumed = [0] * len(rows)
+        alive = [True] * len(rows)
+        for j in range(num_positions):
+            entries: list[tuple[int, HostMask | None, list[int]]] = []
+            for n, (bit_rows, mask, tokens, drafts) in enumerate(rows):
+                if j >= len(bit_rows):
+                    continue
+                if not alive[n]:
+                    entries.append((bit_rows[j], None, tokens))
+                    continue
+                so_far = tokens + drafts[:j] if j and mask is not None and mask.bad_word_ids else tokens
+                entries.append((bit_rows[j], mask, so_far))
+            HostMask.fill_rows(bits, entries)
+            for n, (bit_rows, mask, _, drafts) in enumerate(rows):
+                if j + 1 >= len(bit_rows) or not alive[n] or mask is None or mask.matcher is None:
+                    continue
+                if mask.is_terminated or not mask._try_accept(drafts[j]):
+                    alive[n] = False
+                    continue
+                consumed[n] += 1
+        for (_, mask, _, _), n in zip(rows, consumed):
+            if mask is not None:
+                mask.rollback(n)
+
+    @staticmethod
+    def _fill_llguidance_draft_rows(bits: Any, rows: list[tuple[list[int], HostMask | None, list[int], list[int]]]
+                                    ) -> list[tuple[list[int], HostMask | None, list[int], list[int]]]:
+        """The llguidance rows of fill_draft_rows with drafts, consecutive bitmask rows and no bad words, in one call
+        that walks each matcher through its drafts, fills, and rolls back, spread over the executor's threads;
+        returns the other rows (those without drafts are filled with the rest, position 0 only)."""
+        fast, rest = [], []
+        for entry in rows:
+            bit_rows, mask, _, drafts = entry
+            if (drafts and mask is not None and mask.llguidance and not mask.bad_word_ids and not mask._allows_all()
+                    and bit_rows[-1] - bit_rows[0] == len(bit_rows) - 1 == len(drafts)):
+                fast.append((mask.matcher, bit_rows[0], list(drafts)))
+                bits[bit_rows[0] : bit_rows[-1] + 1].fill_(-1)  # rows past a refused draft (never used) allow all
+            else:
+                rest.append(entry)
+        if fast:
+            from llguidance.numpy import fill_next_token_bitmask_par_with_draft_tokens
+
+            fill_next_token_bitmask_par_with_draft_tokens(_llg_executor(), fast, bits.numpy())
+        return rest
+
+    def _try_accept(self, token_id: int) -> bool:
+        """Accepts a token if the grammar allows it, else leaves the matcher as it was (an llguidance matcher that
+        consumes a refused token is in its error state for good)."""
+        m = self.matcher
+        if self.llguidance:
+            return m.validate_tokens([token_id]) == 1 and m.consume_token(token_id)
+        return m.accept_token(token_id)
 
     @property
     def is_terminated(self) -> bool:

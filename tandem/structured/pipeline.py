@@ -108,6 +108,28 @@ class GrammarPipeline:
         """Whether some request holds a mask: a prepared step then looks for constrained rows."""
         return bool(self.masks)
 
+    # ---------------------------------------------------------------- forced drafts
+
+    def sync(self) -> None:
+        """Gives the matchers every token handed to `advance`, here and now: call only with no fill running (every
+        launched step collected), before reading a matcher's state (forced_drafts)."""
+        assert self._fill is None, "a fill is running on the worker"
+        self._accept_pending()
+
+    def forced_drafts(self, request: Request, max_tokens: int) -> list[int]:
+        """The tokens the request's grammar forces next, at most max_tokens (after `sync`): they are verified as
+        drafts in its next step, each row under its own mask (HostMask.fill_draft_rows)."""
+        mask = request.host_mask
+        if mask is None or mask.matcher is None:
+            return []
+        return mask.forced_tokens(max_tokens, self._encode)
+
+    def _encode(self, text: str) -> list[int]:
+        """Text to token ids as the grammar's vocabulary reads them (xgrammar's jump-forward strings)."""
+        if self.tokenizer is None:  # synthetic_vocab: the printable ASCII characters are ids 0..94
+            return [b - 32 for b in text.encode() if 32 <= b < 127]
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     # ---------------------------------------------------------------- per step
 
     def advance(self, tokens: list[tuple[HostMask, int]]) -> None:

@@ -168,7 +168,8 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
            StepBuffers.upload, StepBuffers.download, DecodeGraphs.replay, DecodeGraphs.replay_sample, sample,
            LogitsState.prepare, LogitsState.upload, LogitsState.apply, LogitsState.count, HostMaskBuffers.fill,
            HostMaskBuffers.upload, HostMaskBuffers.apply, EngineCore.step, EngineCore._launch,
-           EngineCore._launch_sampling, EngineCore._collect, EngineCore._update, GrammarPipeline.start_fill,
+           EngineCore._launch_sampling, EngineCore._collect, EngineCore._update, EngineCore._propose,
+           EngineCore._propose_forced, GrammarPipeline.start_fill,
            GrammarPipeline.finish, GrammarPipeline.join, PromptLogprobs.prepare, PromptLogprobs.upload,
            PromptLogprobs.compute, PromptLogprobs.download, Eagle3Proposer.observe, Eagle3Proposer._feed,
            Eagle3Proposer._context]

@@ -1,6 +1,6 @@
 """`tandem bench --workload structured` on the CPU (the embedded model, a few short requests): the passes of both
-grammar backends on one engine, their ratios to the unconstrained pass, and grammar-mask time only where a pass
-has constrained requests."""
+grammar backends on one engine (forced drafts off, and on at 100%), their ratios to the unconstrained pass,
+grammar-mask time only where a pass has constrained requests, and forced drafts accepted only where they are on."""
 
 from __future__ import annotations
 
@@ -17,11 +17,15 @@ def test_structured_workload_reports_each_pass(tmp_path):
     (r,) = json.loads(out.read_text())["results"]
     assert r["workload"] == "structured" and r["structured_backends"] == ["xgrammar", "llguidance"]
     rows = r["rows"]
-    assert [(x["constrained_fraction"], x.get("backend"), x["penalties"]) for x in rows] == [
-        (0.0, None, False), (0.5, "xgrammar", False), (1.0, "xgrammar", False), (0.5, "llguidance", False),
-        (1.0, "llguidance", False), (0.0, None, True)]
+    assert [(x["constrained_fraction"], x.get("backend"), x["forced_drafts"], x["penalties"]) for x in rows] == [
+        (0.0, None, False, False), (0.5, "xgrammar", False, False), (1.0, "xgrammar", False, False),
+        (1.0, "xgrammar", True, False), (0.5, "llguidance", False, False), (1.0, "llguidance", False, False),
+        (1.0, "llguidance", True, False), (0.0, None, False, True)]
     assert all(x["generated_tokens"] == 4 * 25 for x in rows)
     assert rows[0]["vs_unconstrained"] == 1.0
     assert rows[0]["num_mask_steps"] == 0 and rows[-1]["num_mask_steps"] == 0
     assert all(x["num_mask_steps"] > 0 for x in rows[1:-1])
     assert all(x["grammar_rejections"] == 0 for x in rows)  # every sampled token was one its grammar allowed
+    forced = [x for x in rows if x["forced_drafts"]]
+    assert all(x["same_tokens_as_forced_off"] and x["forced_accepted_per_step"] > 0 for x in forced)
+    assert all(x["forced_drafts_per_step"] == 0 for x in rows if not x["forced_drafts"])

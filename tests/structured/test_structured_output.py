@@ -53,10 +53,10 @@ def test_constrained_greedy_tokens_are_the_same_with_overlap_on_and_off(idle_llm
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_grammar_rows_are_filled_right_before_the_next_forward(idle_llm, monkeypatch, overlap):
-    """With overlap, step N's rows are filled on a worker thread after N - 1's tokens reached the matchers, while
-    the caller takes the outputs and step N+1 is scheduled and written to its host buffers; N's sampling and N+1's
-    forward then reach the GPU back to back. Without overlap, each step's rows come right after its own forward,
-    on the engine's thread."""
+    """Forced drafts off: with overlap, step N's rows are filled on a worker thread after N - 1's tokens reached the
+    matchers, while the caller takes the outputs and step N+1 is scheduled and written to its host buffers; N's
+    sampling and N+1's forward then reach the GPU back to back. Without overlap, each step's rows come right after
+    its own forward, on the engine's thread."""
     import threading
 
     runner = idle_llm.engine.runner
@@ -72,7 +72,12 @@ def test_grammar_rows_are_filled_right_before_the_next_forward(idle_llm, monkeyp
             return _f(*args)
 
         monkeypatch.setattr(runner, name, wrapped)
-    outs = _run(idle_llm, SCHEMAS[:2], 0.0, overlap=overlap, max_tokens=12)
+    # Plain constrained steps: forced drafts collect each step before the next (test_forced_drafts.py).
+    idle_llm.engine.use_forced_drafts(False)
+    try:
+        outs = _run(idle_llm, SCHEMAS[:2], 0.0, overlap=overlap, max_tokens=12)
+    finally:
+        idle_llm.engine.use_forced_drafts(True)
     assert all(o.outputs[0].token_ids for o in outs)
     main = threading.current_thread().name
     assert fill_threads and all((t != main) == overlap for t in fill_threads), fill_threads
