@@ -80,6 +80,8 @@ def workload_key(result: dict[str, Any]) -> str:
         name += f"-{model}-k{result.get('k')}"
         if result.get("draft_model"):
             name += f"-draft-{result['draft_model']}"
+        if result.get("eagle3_head"):  # a head folder's name, or `random`
+            name += f"-eagle3-{Path(str(result['eagle3_head'])).name}"
         if any("acceptance" in row for row in result.get("rows", ())):
             name += "-acceptance"
         return name

@@ -201,8 +201,9 @@ class EngineConfig:
     # Structured output: where a request's grammar admits exactly one continuation (a JSON key, punctuation, a
     # closing bracket), up to max_forced_drafts of those tokens are verified as drafts in the request's next step
     # (one forward yields them all; each row sampled under its own mask, so outputs are unchanged). Off under LoRA
-    # adapters and tensor parallelism (no verify rows there).
-    structured_forced_drafts: bool = True
+    # adapters and tensor parallelism (no verify rows there). Off by default: at 64 constrained requests on an H200
+    # the draft rows' masks cost more host time than the forwards they save (docs/serving.md).
+    structured_forced_drafts: bool = False
     max_forced_drafts: int = 8
     # Speculative decoding: None (off), a SpeculativeConfig or vLLM's dict form ({"method": "ngram", ...}).
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None

@@ -57,9 +57,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="read JSON schemas (response_format, guided_json, tools' parameters) as JSON Schema does: "
                         "an object that does not set additionalProperties may hold properties it does not name "
                         "(default: it holds only those it names)")
-    g.add_argument("--no-structured-forced-drafts", action="store_true",
-                   help="structured output: sample every token under a grammar one step at a time (default: tokens "
-                        "the grammar forces, e.g. a JSON key, are verified as drafts, several per forward)")
+    g.add_argument("--structured-forced-drafts", action="store_true",
+                   help="structured output: tokens a grammar forces (e.g. a JSON key) are verified as drafts, several "
+                        "per forward (default off: at 64 constrained requests the per-row masks cost more host time "
+                        "than the forwards they save; see docs/serving.md)")
     g.add_argument("--max-forced-drafts", type=int, default=8,
                    help="structured output: most grammar-forced tokens verified per request and step (1-16)")
     g.add_argument("--speculative-config", type=_json_object, default=None,
@@ -92,7 +93,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         data_parallel_size=getattr(args, "data_parallel_size", 1),  # generate's and serve's own flag
         grammar_backend=getattr(args, "grammar_backend", None),
         strict_json_schema=not getattr(args, "no_strict_json_schema", False),
-        structured_forced_drafts=not getattr(args, "no_structured_forced_drafts", False),
+        structured_forced_drafts=getattr(args, "structured_forced_drafts", False),
         max_forced_drafts=getattr(args, "max_forced_drafts", 8),
         speculative_config=getattr(args, "speculative_config", None),
         enable_lora=getattr(args, "enable_lora", False), max_loras=getattr(args, "max_loras", 1),

@@ -83,7 +83,9 @@ def run_structured_workload(model: str | None, num_requests: int, prompt_len: in
 
     backends = backends or [backend()]
     cuda = torch.cuda.is_available()
-    kwargs: dict[str, Any] = dict(max_num_seqs=num_requests, max_model_len=prompt_len + output_len + 16)
+    # Forced drafts allowed (off by default), then switched on or off per pass.
+    kwargs: dict[str, Any] = dict(max_num_seqs=num_requests, max_model_len=prompt_len + output_len + 16,
+                                  structured_forced_drafts=True)
     if model is not None:
         kwargs.update(model=model, load_format="dummy")
     if not cuda:

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = LLM(dtype="float32", max_model_len=1024, max_num_seqs=64, seed=0)
+    llm = LLM(dtype="float32", max_model_len=1024, max_num_seqs=64, seed=0, structured_forced_drafts=True)
     assert llm.engine.forced_k > 0 and llm.engine.runner.executor.verify_graphs is not None
     yield llm
     llm.shutdown()

@@ -41,8 +41,8 @@ BACKENDS = ["llguidance"] + (["xgrammar"] if __import__("importlib").util.find_s
 @pytest.fixture(scope="module")
 def forced_llm():
     llm = LLM(device="cpu", dtype="float32", max_model_len=512, max_num_seqs=8, num_kv_blocks=160, seed=0,
-              grammar_backend="llguidance")
-    assert llm.engine.forced_k == 8  # on by default
+              grammar_backend="llguidance", structured_forced_drafts=True)
+    assert llm.engine.forced_k == 8
     yield llm
     llm.shutdown()
 
@@ -166,14 +166,15 @@ def test_forced_drafts_flags():
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    on = engine_kwargs(parser.parse_args([]))
-    assert on["structured_forced_drafts"] is True and on["max_forced_drafts"] == 8
-    off = engine_kwargs(parser.parse_args(["--no-structured-forced-drafts", "--max-forced-drafts", "3"]))
-    assert off["structured_forced_drafts"] is False and off["max_forced_drafts"] == 3
-    assert EngineConfig().forced_drafts == 8
-    assert EngineConfig(max_forced_drafts=3).forced_drafts == 3
-    assert EngineConfig(structured_forced_drafts=False).forced_drafts == 0
-    assert EngineConfig(enable_lora=True).forced_drafts == 0  # a verify step's rows have no adapter order yet
+    off = engine_kwargs(parser.parse_args([]))
+    assert off["structured_forced_drafts"] is False and off["max_forced_drafts"] == 8
+    on = engine_kwargs(parser.parse_args(["--structured-forced-drafts", "--max-forced-drafts", "3"]))
+    assert on["structured_forced_drafts"] is True and on["max_forced_drafts"] == 3
+    assert EngineConfig().forced_drafts == 0  # off by default
+    assert EngineConfig(structured_forced_drafts=True).forced_drafts == 8
+    assert EngineConfig(structured_forced_drafts=True, max_forced_drafts=3).forced_drafts == 3
+    # a verify step's rows have no adapter order yet
+    assert EngineConfig(structured_forced_drafts=True, enable_lora=True).forced_drafts == 0
     for bad in (0, 17, 2.5, True):
         with pytest.raises(ValueError, match="max_forced_drafts"):
             EngineConfig(max_forced_drafts=bad)

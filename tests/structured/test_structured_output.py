@@ -72,12 +72,9 @@ def test_grammar_rows_are_filled_right_before_the_next_forward(idle_llm, monkeyp
             return _f(*args)
 
         monkeypatch.setattr(runner, name, wrapped)
-    # Plain constrained steps: forced drafts collect each step before the next (test_forced_drafts.py).
-    idle_llm.engine.use_forced_drafts(False)
-    try:
-        outs = _run(idle_llm, SCHEMAS[:2], 0.0, overlap=overlap, max_tokens=12)
-    finally:
-        idle_llm.engine.use_forced_drafts(True)
+    # Plain constrained steps (forced drafts, off by default, collect each step before the next: test_forced_drafts.py).
+    assert idle_llm.engine.forced_k == 0
+    outs = _run(idle_llm, SCHEMAS[:2], 0.0, overlap=overlap, max_tokens=12)
     assert all(o.outputs[0].token_ids for o in outs)
     main = threading.current_thread().name
     assert fill_threads and all((t != main) == overlap for t in fill_threads), fill_threads
