@@ -443,12 +443,7 @@ class EngineCore:
             return outputs
         eligible: list[tuple[Request, int]] = []
         for request in scheduler.running:
-            sp = request.sampling_params
-            if request.num_pending_tokens or request.host_mask is not None or sp.uses_logits_state:
-                continue
-            if request.num_computed_tokens != len(request.all_token_ids) - 1:
-                continue  # still in its prompt
-            room = request.max_output_tokens - len(request.output_token_ids) - 1
+            room = 0 if request.host_mask is not None else _draft_room(request)
             if room > 0:
                 eligible.append((request, min(request.spec_k, room)))
         if eligible:
@@ -474,12 +469,9 @@ class EngineCore:
         for request in self.grammar.masks.values():
             if budget <= 0:
                 break
-            if (request.status is not running or request.num_pending_tokens
-                    or request.sampling_params.uses_logits_state):
-                continue  # penalties and bias apply to a sequence's own row only, not to draft rows
-            if request.num_computed_tokens != len(request.all_token_ids) - 1:
-                continue  # still in its prompt
-            k = min(self.forced_k, request.max_output_tokens - len(request.output_token_ids) - 1, budget)
+            if request.status is not running:
+                continue
+            k = min(self.forced_k, _draft_room(request), budget)
             drafts = self.grammar.forced_drafts(request, k) if k > 0 else []
             if drafts:
                 request.draft_token_ids = drafts
@@ -623,11 +615,7 @@ class EngineCore:
                 out.spec_draft_tokens, out.spec_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens
             outputs.append(out)
             if finished:
-                del requests[rid]
-                if host_mask is not None:
-                    self.grammar.drop(req)
-                if req.lora_request is not None:
-                    self.runner.lora.unpin(req.lora_request.lora_int_id)  # type: ignore[union-attr]
+                self._forget(rid)
             num_tokens += num_new
         self.num_generation_tokens += num_tokens - num_scored
         for tokens in grammar_tokens:
@@ -743,6 +731,17 @@ class EngineCore:
             spec_accepted_per_position=tuple(self.spec_accepted_per_position),
             spec_verified_rows=self.spec_verified_rows,
         )
+
+
+def _draft_room(request: Request) -> int:
+    """How many drafts a running request may take in its next step: 0 while it has a token in flight, is still in
+    its prompt, or has penalties or bias (they apply to a sequence's own row only, not to draft rows); else its
+    room before max_tokens less the one token the step samples anyway."""
+    if request.num_pending_tokens or request.sampling_params.uses_logits_state:
+        return 0
+    if request.num_computed_tokens != len(request.all_token_ids) - 1:
+        return 0
+    return max(0, request.max_output_tokens - len(request.output_token_ids) - 1)
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
