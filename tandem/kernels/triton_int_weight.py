@@ -201,6 +201,21 @@ def _word_weights(words, s, mn, out_ty: tl.constexpr, PACKED: tl.constexpr):
 
 
 @triton.jit
+def _tile_weights(words, s, mn, shifts, ONE_BITS, BITS: tl.constexpr, out_ty: tl.constexpr, PACKED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr):
+    # A weight tile [BLOCK_N, TG * GW * PER_WORD] in out_ty from its int32 words [BLOCK_N, TG, GW, 1], scales and
+    # mins [BLOCK_N, TG, 1] (or [..., GW]: a scale per word), shifts [1, 1, 1, PER_WORD]: q * s + mn rounded once.
+    # 4 bits: _word_weights (the packed assembly on the GPU); 8 bits: (f - 1) * 2**B = q exactly, in fp32.
+    if BITS == 4:
+        w = _word_weights(tl.reshape(words, [BLOCK_N, TG, GW]), s, mn, out_ty, PACKED)
+    else:
+        f = _codes_plus_one(words, shifts, ONE_BITS, BITS)  # [BLOCK_N, TG, GW, PER_WORD]
+        s4 = s.to(tl.float32)[:, :, :, None] * (1 << BITS)
+        w = ((f - 1.0) * s4 + mn.to(tl.float32)[:, :, :, None]).to(out_ty)
+    return tl.reshape(w, [BLOCK_N, TG * GW * (32 // BITS)])
+
+
+@triton.jit
 def _int_gemm_kernel(
     x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr,
     M, N, K, K_SPLIT, GROUP: tl.constexpr, ONE_BITS, stride_xm, stride_wn, stride_sn, stride_om,
@@ -267,14 +282,7 @@ def _int_gemm_kernel(
             mn = tl.load(mn_rows + group, mask=w_mask, other=0.0)
             x = tl.load(x_ptrs, mask=m_mask[:, None] & ((k0 + offs_k) < k_end)[None, :], other=0.0)
             words = tl.load(w_ptrs, mask=w_mask[:, :, :, None], other=0)
-        if BITS == 4:
-            w = tl.reshape(_word_weights(tl.reshape(words, [BLOCK_N, TG, GW]), s, mn, out_ty, PACKED),
-                           [BLOCK_N, BLOCK_K])
-        else:
-            # (f - 1) * 2**B = q exactly; q * s + mn in fp32, rounded once.
-            f = _codes_plus_one(words, shifts, ONE_BITS, BITS)  # [BLOCK_N, TG, GW, PER_WORD]
-            s4 = s.to(tl.float32)[:, :, :, None] * (1 << BITS)
-            w = tl.reshape(((f - 1.0) * s4 + mn.to(tl.float32)[:, :, :, None]).to(out_ty), [BLOCK_N, BLOCK_K])
+        w = _tile_weights(words, s, mn, shifts, ONE_BITS, BITS, out_ty, PACKED, BLOCK_N, TG, GW)
         if SWAP_AB:
             acc = tl.dot(w, tl.trans(x), acc)
         else:
@@ -299,7 +307,7 @@ def _int_dequant_kernel(w_ptr, s_ptr, mn_ptr, out_ptr, N, K, GROUP: tl.constexpr
                         stride_on, BITS: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr,
                         PACKED: tl.constexpr):
     # grid (N tiles, K tiles): W [BLOCK_N, TG * GK] = q * s + mn rounded once to out's dtype, as the tile GEMM
-    # dequantizes its weight tiles (the same helpers, so the dense product matches the GEMM's weights bit for bit).
+    # dequantizes its weight tiles (_tile_weights, so the dense product uses the GEMM's weights bit for bit).
     PER_WORD: tl.constexpr = 32 // BITS
     GK: tl.constexpr = GW * PER_WORD
     BLOCK_K: tl.constexpr = TG * GK
@@ -314,13 +322,8 @@ def _int_dequant_kernel(w_ptr, s_ptr, mn_ptr, out_ptr, N, K, GROUP: tl.constexpr
     mn = tl.load(mn_ptr + wn.to(tl.int64) * stride_sn + group, mask=n_ok & (first < K), other=0.0)
     words = tl.load(w_ptr + wn.to(tl.int64) * stride_wn + (first // PER_WORD + tl.arange(0, GW)[None, None, :]),
                     mask=n_ok & (first < K), other=0)  # [BLOCK_N, TG, GW]
-    if BITS == 4:
-        w = tl.reshape(_word_weights(words, s, mn, out_ty, PACKED), [BLOCK_N, BLOCK_K])
-    else:
-        shifts = _code_slots(tl.arange(0, PER_WORD)[None, None, None, :], BITS) * BITS
-        f = _codes_plus_one(words[:, :, :, None], shifts, ONE_BITS, BITS)  # [BLOCK_N, TG, GW, PER_WORD]
-        s4 = s.to(tl.float32)[:, :, :, None] * (1 << BITS)
-        w = tl.reshape(((f - 1.0) * s4 + mn.to(tl.float32)[:, :, :, None]).to(out_ty), [BLOCK_N, BLOCK_K])
+    shifts = _code_slots(tl.arange(0, PER_WORD)[None, None, None, :], BITS) * BITS
+    w = _tile_weights(words[:, :, :, None], s, mn, shifts, ONE_BITS, BITS, out_ty, PACKED, BLOCK_N, TG, GW)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + k[None, :], w,
              mask=(offs_n[:, None] < N) & (k[None, :] < K))
