@@ -5,7 +5,6 @@ tokens without drafts."""
 from __future__ import annotations
 
 import gc
-from collections import Counter
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ if not torch.cuda.is_available():
 
 from tandem import LLM, SamplingParams  # noqa: E402
 from tests.parallel.tiny_models import save_tiny  # noqa: E402
-from tests.speculative.test_eagle3 import PROMPTS, head_config, save_head  # noqa: E402
+from tests.speculative.test_eagle3 import PROMPTS, save_likely_head  # noqa: E402
 
 COMMON = dict(dtype="float32", max_model_len=256, max_num_seqs=8, num_kv_blocks=128, block_size=16)
 
@@ -41,9 +40,7 @@ def expected(folder):
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory, expected):
-    common = [t for t, _ in Counter(t for out in expected for t in out).most_common(4)]
-    d2t = torch.tensor(common, dtype=torch.int64) - torch.arange(4)
-    return save_head(tmp_path_factory.mktemp("head"), head_config(draft_vocab=4), seed=7, d2t=d2t)
+    return save_likely_head(tmp_path_factory.mktemp("head"), expected)
 
 
 @pytest.mark.gpu

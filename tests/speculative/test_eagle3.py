@@ -68,6 +68,14 @@ def save_head(folder, config: dict, seed: int = 5, d2t: torch.Tensor | None = No
     return os.fspath(folder)
 
 
+def save_likely_head(folder, outputs: list[list[int]]) -> str:
+    """A head whose draft vocabulary is the four tokens most frequent in `outputs` (the target's greedy tokens):
+    some of its drafts get accepted."""
+    common = [t for t, _ in Counter(t for out in outputs for t in out).most_common(4)]
+    d2t = torch.tensor(common, dtype=torch.int64) - torch.arange(4)
+    return save_head(folder, head_config(draft_vocab=4), seed=7, d2t=d2t)
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     return save_tiny("llama", tmp_path_factory.mktemp("target"))
@@ -202,9 +210,7 @@ def plain(target):
 @pytest.fixture(scope="module")
 def likely_head(tmp_path_factory, plain):
     """A head whose draft vocabulary is the four tokens the target emits most: some drafts get accepted."""
-    common = [t for t, _ in Counter(t for out in plain for t in out).most_common(4)]
-    d2t = torch.tensor(common, dtype=torch.int64) - torch.arange(4)
-    return save_head(tmp_path_factory.mktemp("likely"), head_config(draft_vocab=4), seed=7, d2t=d2t)
+    return save_likely_head(tmp_path_factory.mktemp("likely"), plain)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
