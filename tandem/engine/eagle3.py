@@ -40,10 +40,21 @@ def load_eagle3_head(config: EngineConfig) -> tuple[Eagle3Head, SideOutputs]:
 
 def eagle3_proposer(head: Eagle3Head, runner: ModelRunner) -> Eagle3Proposer:
     """The proposer over the target's block ids, reading the target's embeddings where the head has none; it runs
-    on the target's compute stream, behind the steps whose hidden states it reads."""
+    on the target's compute stream, behind the steps whose hidden states it reads. Its chains take up to
+    disable_by_batch_size requests at once (no drafts are proposed above), their feeds k + 1 rows each; both in
+    CUDA graphs where the target's decode steps are."""
     head.use_target_embeddings(runner.model.model.embed_tokens.weight)
-    stream = runner.streams.compute if runner.device.type == "cuda" else None
-    return Eagle3Proposer(head, runner.num_blocks, runner.block_size, stream)
+    config = runner.config
+    spec = config.speculative
+    assert spec is not None
+    cuda = runner.device.type == "cuda"
+    proposer = Eagle3Proposer(head, runner.num_blocks, runner.block_size, runner.streams.compute if cuda else None,
+                              max_blocks=runner.max_blocks_per_seq,
+                              chain_rows=min(spec.disable_by_batch_size, runner.max_num_seqs),
+                              max_drafts=spec.num_speculative_tokens)
+    if cuda and config.cuda_graph:
+        proposer.capture()
+    return proposer
 
 
 def aux_states(runner: ModelRunner, slot: int) -> torch.Tensor:

@@ -3,21 +3,25 @@ own under the target's block ids) and drafts a request's next tokens by chaining
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.request import Request, RequestStatus
 from tandem.scheduler.output import SchedulerOutput, ScheduledRequest
 from tandem.speculative.eagle3_head import Eagle3Head
-
-_FAR = 1 << 30  # position of padding context entries: no query reaches them
-QUERY_CHUNK = 256  # query rows per attention call
-
+from tandem.speculative.eagle3_rows import (
+    ChainLayout,
+    FeedLayout,
+    HeadSteps,
+    pinned,
+    bucket,
+    on_stream,
+    scratch_blocks_per_row,
+)
 
 @dataclass(slots=True)
 class _Last:
@@ -46,76 +50,47 @@ def step_rows(sched: SchedulerOutput, flat: bool) -> Iterator[tuple[ScheduledReq
             offset += n
 
 
-def _ints(values: list[int] | list[list[int]] | np.ndarray, device: torch.device) -> torch.Tensor:
-    """int64 values on the device without waiting for the device: torch.tensor(..., device=cuda) copies
-    synchronously, and would wait for the step in flight on the stream."""
-    host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host
-    # From pinned memory (PyTorch caches those blocks): a pageable source may make the copy wait for the stream.
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def _attention(head: Eagle3Head, q: torch.Tensor, q_pos: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor],
-               k_ctx: torch.Tensor, v_ctx: torch.Tensor, ctx_pos: torch.Tensor) -> torch.Tensor:
-    """Causal attention of rows q [n, heads, dim] (row j at (batch, index) where[0][j], where[1][j]; q_pos [B, Q]
-    each padded query's position, 0 for padding) over their sequence's context k_ctx, v_ctx [B, L, kv heads, dim]
-    at positions ctx_pos [B, L]: a query sees the entries at positions <= its own. -> [n, heads x dim]."""
-    c = head.config
-    batch, num_q = q_pos.shape
-    padded = q.new_zeros(batch, num_q, c.num_heads, c.head_dim)
-    padded[where] = q
-    mask = ctx_pos[:, None, :] <= q_pos[:, :, None]  # [B, Q, L]; every query sees position 0 (no empty row)
-    k, v = k_ctx.transpose(1, 2), v_ctx.transpose(1, 2)  # [B, kv heads, L, dim]
-    # Queries a chunk at a time: where no fused kernel takes the mask, the scores [B, heads, chunk, L] are
-    # materialized, which a long prompt's rows at once would not fit.
-    outs = [F.scaled_dot_product_attention(padded[:, lo : lo + QUERY_CHUNK].transpose(1, 2), k, v,
-                                           attn_mask=mask[:, None, lo : lo + QUERY_CHUNK], scale=c.head_dim**-0.5,
-                                           enable_gqa=c.num_heads != c.num_kv_heads)
-            for lo in range(0, num_q, QUERY_CHUNK)]
-    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # [B, heads, Q, dim]
-    return out.transpose(1, 2)[where].reshape(q.shape[0], c.num_heads * c.head_dim)
+def _ints(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """int64 values on the device without waiting for the device (pinned source; see eagle3_rows.pinned)."""
+    return pinned(values).to(device, non_blocking=True)
 
 
 class Eagle3Proposer:
     """Greedy chain drafts from an EAGLE-3 head. `observe` runs the head over the rows a collected target step
     computed whose next token is known (prompt chunks, decodes, a verify step's accepted positions), writing its
-    KV at their positions; `propose_all` chains it k times from each request's last row."""
+    KV at their positions; `propose_all` chains it k times from each request's last row. Feeds of up to
+    `feed_rows` rows and chains of up to `chain_rows` requests run on static buffers (eagle3_rows.HeadSteps, CUDA
+    graphs once `capture` ran); longer feeds (prompt chunks) run as they come, one query row per position."""
 
-    def __init__(self, head: Eagle3Head, num_blocks: int, block_size: int, stream: torch.cuda.Stream | None) -> None:
+    def __init__(self, head: Eagle3Head, num_blocks: int, block_size: int, stream: torch.cuda.Stream | None,
+                 max_blocks: int | None = None, chain_rows: int = 16, max_drafts: int = 4,
+                 feed_rows: int | None = None) -> None:
         c = head.config
         self.head, self.block_size, self.stream = head, block_size, stream
-        device, dtype = head.fc.device, head.fc.dtype
-        # [K / V, slot = block * block_size + offset, kv heads, dim]: the target's block ids index it too, so a
-        # position's head KV lives wherever the target keeps that position's KV (and prefix-cache hits find it).
-        self.kv = torch.zeros(2, num_blocks * block_size, c.num_kv_heads, c.head_dim, dtype=dtype, device=device)
+        self.chain_rows, self.scratch = chain_rows, scratch_blocks_per_row(block_size, max_drafts)
+        self.first_scratch = num_blocks
+        # [K / V, block, offset, kv heads, dim]: the target's block ids index it too, so a position's head KV
+        # lives wherever the target keeps that position's KV (and prefix-cache hits find it); past them, each
+        # chain row's scratch blocks.
+        self.kv = torch.zeros(2, num_blocks + chain_rows * self.scratch, block_size, c.num_kv_heads, c.head_dim,
+                              dtype=head.fc.dtype, device=head.fc.device)
+        self.feed_rows = chain_rows * (max_drafts + 1) if feed_rows is None else feed_rows
+        self.steps = HeadSteps(head, self.kv, block_size, max_blocks or num_blocks, chain_rows, max_drafts,
+                               max(self.feed_rows, 1))
         self.last: dict[str, _Last] = {}
 
+    def capture(self) -> None:
+        """CUDA graphs for the feeds and chains that fit the static buffers (on the proposer's stream)."""
+        assert self.stream is not None
+        self.steps.capture(self.stream)
+
     def release(self) -> None:
-        """Drops the head's weights, KV cache and kept rows, so that their memory can go back to the device (the
-        engine is shut down: nothing is fed or proposed afterwards)."""
+        """Drops the head's weights, KV cache, graphs and kept rows, so that their memory can go back to the device
+        (the engine is shut down: nothing is fed or proposed afterwards)."""
         self.head.release()
+        self.steps.release()
         self.kv = torch.empty(0, device=self.kv.device)
         self.last = {}
-
-    def _on_stream(self) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-
-    def _context(self, tables: list[tuple[list[int], int]], extra: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Head KV of positions 0 .. end - 1 of each (block table, end), then `extra` free columns (for the chain's
-        own rows): k, v [B, L + extra, kv heads, dim] and positions [B, L + extra] (padding and free: far)."""
-        bs = self.block_size
-        width = max(end for _, end in tables)
-        slots = np.zeros((len(tables), width + extra), dtype=np.int64)
-        positions = np.full((len(tables), width + extra), _FAR, dtype=np.int64)
-        for b, (blocks, end) in enumerate(tables):
-            pos = np.arange(end)
-            slots[b, :end] = np.asarray(blocks[: (end + bs - 1) // bs], dtype=np.int64)[pos // bs] * bs + pos % bs
-            positions[b, :end] = pos
-        device = self.kv.device
-        index = _ints(slots, device)
-        return self.kv[0][index], self.kv[1][index], _ints(positions, device)
 
     @torch.inference_mode()
     def observe(self, sched: SchedulerOutput, flat: bool, aux: torch.Tensor) -> None:
@@ -135,7 +110,7 @@ class Eagle3Proposer:
             end = min(start + s.num_scheduled_tokens, request.num_computed_tokens, len(known) - 1)
             if end <= start:
                 continue
-            blocks = s.block_ids
+            blocks = s.block_ids[: -(-end // bs)]  # those of positions < end (all the rows read)
             groups.append((request, blocks, len(rows), end - start))
             rows.extend(step_rows_[: end - start])
             positions.extend(range(start, end))
@@ -145,71 +120,89 @@ class Eagle3Proposer:
         self.last = live
         if not rows:
             return
-        with self._on_stream():
-            self._feed(rows, positions, tokens, slots, groups, aux)
+        with on_stream(self.stream):
+            feed = self._feed_flat if len(rows) <= self.feed_rows else self._feed_grouped
+            streams = feed(rows, positions, tokens, slots, groups, aux)
+        for g, (request, blocks, first, n) in enumerate(groups):
+            self.last[request.request_id] = _Last(request, blocks, positions[first + n - 1], streams[g])
 
-    def _feed(self, rows: list[int], positions: list[int], tokens: list[int], slots: list[int],
-              groups: list[tuple[Request, list[int], int, int]], aux: torch.Tensor) -> None:
-        head, device = self.head, self.kv.device
-        hidden = head.fuse(aux.index_select(0, _ints(rows, device)))
-        pos = _ints(positions, device)
-        q, k, v, residual = head.qkv_rows(_ints(tokens, device), hidden, pos)
-        slot_index = _ints(slots, device)
-        self.kv[0].index_copy_(0, slot_index, k)
-        self.kv[1].index_copy_(0, slot_index, v)
-        k_ctx, v_ctx, ctx_pos = self._context([(blocks, positions[first + n - 1] + 1)
-                                               for _, blocks, first, n in groups])
-        num_q = max(n for *_, n in groups)
-        q_pos = [[0] * num_q for _ in groups]
-        batch_idx: list[int] = []
-        query_idx: list[int] = []
-        for b, (_, _, first, n) in enumerate(groups):
-            q_pos[b][:n] = positions[first : first + n]
-            batch_idx.extend([b] * n)
-            query_idx.extend(range(n))
-        where = (_ints(batch_idx, device), _ints(query_idx, device))
-        out = _attention(head, q, _ints(q_pos, device), where, k_ctx, v_ctx, ctx_pos)
-        stream = head.finish_rows(out, residual)
-        for request, blocks, first, n in groups:
-            row = first + n - 1
-            self.last[request.request_id] = _Last(request, blocks, positions[row], stream[row].clone())
+    def _feed_flat(self, rows: list[int], positions: list[int], tokens: list[int], slots: list[int],
+                   groups: list[tuple[Request, list[int], int, int]], aux: torch.Tensor) -> torch.Tensor:
+        """A feed on the static buffers, one query row per position: -> each group's last output stream."""
+        n, steps = len(rows), self.steps
+        lay = FeedLayout(bucket(n, steps.feed_buckets), steps.feed_width)
+        ints = np.zeros(lay.size, dtype=np.int64)
+        ints[lay.region(0)][:n] = tokens
+        ints[lay.region(1)][:n] = positions
+        ints[lay.region(2)] = -1  # padding rows write nothing (and read block 0's first position)
+        ints[lay.region(2)][:n] = slots
+        ints[lay.region(3)][:n] = rows
+        ints[lay.region(4)][: len(groups)] = [first + count - 1 for _, _, first, count in groups]
+        tables = ints[lay.tables].reshape(lay.rows, lay.width)
+        for _, blocks, first, count in groups:
+            tables[first : first + count, : len(blocks)] = blocks
+        return steps.feed(ints, n, aux)
+
+    def _feed_grouped(self, rows: list[int], positions: list[int], tokens: list[int], slots: list[int],
+                      groups: list[tuple[Request, list[int], int, int]], aux: torch.Tensor) -> torch.Tensor:
+        """A feed of many rows (prompt chunks) as it comes: each group's rows are the last queries of its
+        sequence (the prefill attention). -> each group's last output stream."""
+        device, head = self.kv.device, self.head
+        width = max(len(blocks) for _, blocks, _, _ in groups)
+        tables = np.zeros((len(groups), width), dtype=np.int64)
+        ends = np.zeros(len(groups), dtype=np.int64)
+        for g, (_, blocks, first, count) in enumerate(groups):
+            tables[g, : len(blocks)] = blocks
+            ends[g] = positions[first + count - 1] + 1
+        counts = [count for *_, count in groups]
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        meta = AttentionMetadata(slot_mapping=_ints(np.asarray(slots), device),
+                                 query_start_loc=_ints(starts, device).to(torch.int32),
+                                 seq_lens=_ints(ends, device).to(torch.int32),
+                                 block_tables=_ints(tables, device).to(torch.int32), max_query_len=max(counts),
+                                 max_seq_len=int(ends.max()))
+        hidden = head.fuse(aux.index_select(0, _ints(np.asarray(rows), device)))
+        out = head.layer_rows(_ints(np.asarray(tokens), device), hidden, _ints(np.asarray(positions), device),
+                              self.kv, meta)
+        return out.index_select(0, _ints(starts[1:] - 1, device))
 
     @torch.inference_mode()
     def propose_all(self, requests: list[tuple[Request, int]]) -> list[list[int]]:
         """Up to k greedy drafts for each (request, k): none for a request whose last position the head has not
         been fed (its hidden state there is unknown)."""
-        chosen: list[tuple[int, Request, int, _Last]] = []
+        chosen: list[tuple[int, int, _Last]] = []
         for i, (request, k) in enumerate(requests):
             last = self.last.get(request.request_id)
             if k > 0 and last is not None and last.position == len(request.all_token_ids) - 2:
-                chosen.append((i, request, k, last))
+                chosen.append((i, k, last))
         drafts: list[list[int]] = [[] for _ in requests]
-        if not chosen:
-            return drafts
-        with self._on_stream():
-            tokens = self._chain([(r, e) for _, r, _, e in chosen], max(k for _, _, k, _ in chosen))
-        for (i, _, k, _), row in zip(chosen, tokens):
-            drafts[i] = row[:k]
+        for lo in range(0, len(chosen), self.chain_rows):
+            part = chosen[lo : lo + self.chain_rows]
+            with on_stream(self.stream):
+                tokens = self._chain([e for _, _, e in part])
+            for (i, k, _), row in zip(part, tokens):
+                drafts[i] = row[:k]
         return drafts
 
-    def _chain(self, chosen: list[tuple[Request, _Last]], num: int) -> list[list[int]]:
-        """num chain steps for each request: [B][num] target token ids (the only wait for the device here)."""
-        head, device = self.head, self.kv.device
-        long = dict(dtype=torch.int64, device=device)
-        width = max(e.position + 1 for _, e in chosen)
-        k_ctx, v_ctx, ctx_pos = self._context([(e.blocks, e.position + 1) for _, e in chosen], extra=num - 1)
-        stream = torch.stack([e.stream for _, e in chosen])  # [B, hidden]
-        token = head.draft(stream)
-        out = [token]
-        pos = _ints([e.position + 1 for _, e in chosen], device)  # the row after the last fed one
-        where = (torch.arange(len(chosen), **long), torch.zeros(len(chosen), **long))
-        for j in range(num - 1):
-            q, k, v, residual = head.qkv_rows(token, stream, pos)
-            # The chain's own KV stays here, in the free columns: its positions may lie past the blocks the
-            # target holds yet.
-            k_ctx[:, width + j], v_ctx[:, width + j], ctx_pos[:, width + j] = k, v, pos
-            stream = head.finish_rows(_attention(head, q, pos[:, None], where, k_ctx, v_ctx, ctx_pos), residual)
-            token = head.draft(stream)
-            out.append(token)
-            pos = pos + 1
-        return torch.stack(out, dim=1).tolist()
+    def _chain(self, lasts: list[_Last]) -> list[list[int]]:
+        """The chain from each request's last row: [rows][max_drafts] target token ids (the only wait for the
+        device here). Chain row b owns scratch blocks: its table names the request's blocks of positions before
+        the first chain position's block, then those (the first one a copy of that block)."""
+        bs, steps, n = self.block_size, self.steps, len(lasts)
+        lay = ChainLayout(bucket(n, steps.chain_buckets), steps.chain_width)
+        ints = np.zeros(lay.size, dtype=np.int64)
+        positions, source, scratch = ints[lay.region(0)], ints[lay.region(1)], ints[lay.region(2)]
+        tables = ints[lay.tables].reshape(lay.rows, lay.width)
+        for b in range(lay.rows):
+            own = self.first_scratch + b * self.scratch
+            scratch[b] = source[b] = own
+            full = 0  # padding rows chain from position 0 in their own scratch blocks
+            if b < n:
+                e = lasts[b]
+                positions[b] = e.position + 1
+                full = positions[b] // bs
+                tables[b, :full] = e.blocks[:full]
+                if positions[b] % bs:
+                    source[b] = e.blocks[full]
+            tables[b, full : full + self.scratch] = range(own, own + self.scratch)
+        return steps.chain(ints, n, [e.stream for e in lasts]).tolist()

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.config import ModelConfig
+from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.kernels.ops import paged_attention, write_kv
 from tandem.layers.rotary import RotaryEmbedding, apply_rotary
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -225,6 +227,17 @@ class Eagle3Head:
         hidden = F.linear(attn, self.o_proj) + residual
         gate, up = F.linear(self._rms(hidden, self.post_norm), self.gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down) + hidden
+
+    def layer_rows(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                   kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The head's layer over rows (token, hidden state, position): their K/V written into the paged head cache
+        kv [2, blocks, block_size, kv heads, dim] at meta.slot_mapping (-1: not written), each row's query
+        attending to its sequence's cached positions (meta), -> output streams [n, hidden]. Every row's K/V is
+        written before any attention reads: a row may read those of earlier rows of its sequence."""
+        q, k, v, residual = self.qkv_rows(token_ids, hidden, positions)
+        write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
+        attn = paged_attention(q, kv[0], kv[1], meta, self.config.head_dim**-0.5)
+        return self.finish_rows(attn.reshape(q.shape[0], -1), residual)
 
     def draft(self, stream: torch.Tensor) -> torch.Tensor:
         """[n, hidden] output streams -> [n] greedy target token ids (argmax over the draft vocabulary)."""

@@ -160,6 +160,7 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
     from tandem.runner.prompt_logprobs import PromptLogprobs
     from tandem.runner.sampler import sample
     from tandem.speculative.eagle3 import Eagle3Proposer
+    from tandem.speculative.eagle3_rows import HeadSteps
     from tandem.structured.pipeline import GrammarPipeline
 
     hot = [ModelRunner.prepare, ModelRunner.enqueue, ModelRunner.enqueue_plan, ModelRunner._enqueue_sampling,
@@ -171,8 +172,8 @@ def test_hot_path_never_waits_for_the_gpu_except_on_d2h_done():
            EngineCore._launch_sampling, EngineCore._collect, EngineCore._update, EngineCore._propose,
            EngineCore._propose_forced, GrammarPipeline.start_fill,
            GrammarPipeline.finish, GrammarPipeline.join, PromptLogprobs.prepare, PromptLogprobs.upload,
-           PromptLogprobs.compute, PromptLogprobs.download, Eagle3Proposer.observe, Eagle3Proposer._feed,
-           Eagle3Proposer._context]
+           PromptLogprobs.compute, PromptLogprobs.download, Eagle3Proposer.observe, Eagle3Proposer._feed_flat,
+           Eagle3Proposer._feed_grouped, HeadSteps.feed, HeadSteps.chain, HeadSteps._feed, HeadSteps._chain]
     for fn in hot:
         assert _calls(fn) == [], f"{fn.__qualname__} syncs with the GPU: {_calls(fn)}"
     # wait(): exactly one synchronize, on the step's d2h_done event; .tolist() only on host numpy views.

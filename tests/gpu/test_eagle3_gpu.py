@@ -53,9 +53,12 @@ def test_fp32_greedy_with_eagle3_equals_without(folder, head, expected, overlap,
     try:
         got = _greedy(llm)
         stats = llm.engine.stats()
+        steps = llm.engine.eagle3.steps  # the head's feeds and chains replay CUDA graphs
+        graphs = (len(steps.feed_graphs), len(steps.chain_graphs))
     finally:
         llm.shutdown()
     gc.collect()
     assert got == expected
     assert stats.spec_draft_tokens >= stats.spec_accepted_tokens > 0
+    assert graphs == (len(steps.feed_buckets), len(steps.chain_buckets)), graphs
 

@@ -17,7 +17,6 @@ from tandem import LLM, SamplingParams
 from tandem.config import ModelConfig
 from tandem.request import Request, RequestStatus
 from tandem.scheduler.output import ScheduledRequest, SchedulerOutput
-from tandem.speculative import eagle3 as eagle3_module
 from tandem.speculative.eagle3 import Eagle3Proposer
 from tandem.speculative.eagle3_head import Eagle3Config, Eagle3Head, read_head_tensors
 from tests.parallel.tiny_models import VOCAB, save_tiny
@@ -165,24 +164,24 @@ def _request(rid: str, tokens: list[int], computed: int) -> Request:
     return r
 
 
-@pytest.mark.parametrize("query_chunk", [256, 3])
-def test_head_drafts_equal_an_independent_eagle3_forward(target, head, query_chunk, monkeypatch):
-    """Two requests fed in chunks (as prefill chunks come), then chained: the drafts are the reference's (also with
-    the attention's queries split in chunks of 3)."""
-    monkeypatch.setattr(eagle3_module, "QUERY_CHUNK", query_chunk)
+@pytest.mark.parametrize("feed_rows", [None, 0])
+def test_head_drafts_equal_an_independent_eagle3_forward(target, head, feed_rows):
+    """Two requests fed in chunks (as prefill chunks come), then chained: the drafts are the reference's, with the
+    feeds on the static buffers (one query row per position) or as prompt chunks run (the prefill attention)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
     cfg = Eagle3Config.from_folder(head)
     eagle = Eagle3Head(cfg, read_head_tensors(head), torch.device("cpu"), torch.float32, 200)
     eagle.use_target_embeddings(model.model.embed_tokens.weight.detach())
-    proposer = Eagle3Proposer(eagle, num_blocks=16, block_size=4, stream=None)
-    seqs = {"a": [5, 9, 17, 33, 2, 8, 8, 40, 41, 3, 7], "b": [60, 61, 62, 1, 2, 3, 4]}
-    tables = {"a": [3, 7, 1], "b": [9, 2]}
+    proposer = Eagle3Proposer(eagle, num_blocks=16, block_size=4, stream=None, chain_rows=3, feed_rows=feed_rows)
+    # a's chain starts inside a block (position 10), b's at a block's first position (8).
+    seqs = {"a": [5, 9, 17, 33, 2, 8, 8, 40, 41, 3, 7], "b": [60, 61, 62, 1, 2, 3, 4, 50, 51]}
+    tables = {"a": [3, 7, 1], "b": [9, 2, 5]}
     requests = {rid: _request(rid, toks, len(toks) - 1) for rid, toks in seqs.items()}
     with torch.no_grad():
         aux = {rid: torch.cat([h[0] for h in (lambda o: [o.hidden_states[i] for i in LAYERS])(
             model(torch.tensor([toks[:-1]]), output_hidden_states=True))], -1) for rid, toks in seqs.items()}
     # Step 1: a's positions 0..5 and b's 0..3; step 2: the rest (b's as a flat verify-like layout is not needed).
-    for lo, hi in (({"a": 0, "b": 0}), ({"a": 6, "b": 4})), (({"a": 6, "b": 4}), ({"a": 10, "b": 6})):
+    for lo, hi in (({"a": 0, "b": 0}), ({"a": 6, "b": 4})), (({"a": 6, "b": 4}), ({"a": 10, "b": 8})):
         sched = [ScheduledRequest(requests[rid], lo[rid], hi[rid] - lo[rid], seqs[rid][lo[rid]:hi[rid]], False,
                                   tables[rid], True) for rid in ("a", "b")]
         rows = torch.cat([aux[rid][lo[rid]:hi[rid]] for rid in ("a", "b")])
