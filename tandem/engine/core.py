@@ -134,6 +134,7 @@ class EngineCore:
                 draft.check_vocabulary(self.model_config.vocab_size, self.tokenizer)
             except ValueError:
                 draft.shutdown()
+                atexit.unregister(self.shutdown)  # this engine never started: nothing for exit to shut down
                 self.runner.shutdown()
                 raise
         self.proposer: NgramProposer | DraftModelProposer | Eagle3Proposer | None = draft
@@ -142,6 +143,7 @@ class EngineCore:
             try:
                 self.proposer = self.eagle3 = eagle3_proposer(head, self.runner)
             except ValueError:
+                atexit.unregister(self.shutdown)
                 self.runner.shutdown()
                 raise
         if self.spec is not None and self.spec.method == "ngram":

@@ -19,8 +19,6 @@ def load_eagle3_head(config: EngineConfig) -> tuple[Eagle3Head, SideOutputs]:
     where the head does not fit the target."""
     spec = config.speculative
     assert spec is not None and spec.model is not None
-    if config.tensor_parallel_size > 1:
-        raise ValueError("speculative_config method 'eagle3' is not supported with tensor_parallel_size > 1 yet")
     head_config = Eagle3Config.from_folder(spec.model)
     target = load_model_config(config)
     if not issubclass(MODEL_REGISTRY.get(target.architecture, object), LlamaForCausalLM):
@@ -43,7 +41,8 @@ def eagle3_proposer(head: Eagle3Head, runner: ModelRunner) -> Eagle3Proposer:
     on the target's compute stream, behind the steps whose hidden states it reads. Its chains take up to
     disable_by_batch_size requests at once (no drafts are proposed above), their feeds k + 1 rows each; both in
     CUDA graphs where the target's decode steps are."""
-    head.use_target_embeddings(runner.model.model.embed_tokens.weight)
+    full = runner.full_embeddings  # tensor parallelism: the table gathered from every rank's rows
+    head.use_target_embeddings(full if full is not None else runner.model.model.embed_tokens.weight)
     config = runner.config
     spec = config.speculative
     assert spec is not None

@@ -50,16 +50,18 @@ class AuxHiddenStates:
 
 
 def _copy_residual_stream(aux: AuxHiddenStates, layer: int, hidden: torch.Tensor | PartialSums | Unreduced,
-                          residual: torch.Tensor | None) -> None:
+                          residual: torch.Tensor | None) -> torch.Tensor:
     """Every column block j of aux.out with aux.layers[j] == layer <- hidden + residual (the embeddings before the
-    first layer)."""
+    first layer); returns hidden summed, for the layer to go on with (a split-K linear's partial sums, or this
+    rank's share of a row-parallel product: an all-reduce every rank joins, in place of the next norm's)."""
     if not isinstance(hidden, torch.Tensor):
-        hidden = hidden.reduce()  # a split-K linear's partial sums, or a rank's share (the next norm adds them too)
+        hidden = hidden.reduce()
     stream = hidden if residual is None else hidden + residual
     num_tokens, width = stream.shape
     for j, wanted in enumerate(aux.layers):
         if wanted == layer:
             aux.out[:num_tokens, j * width : (j + 1) * width].copy_(stream)
+    return hidden
 
 
 class LlamaAttention(nn.Module):
@@ -193,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.model.layers):
             if aux is not None and i in aux.layers:
-                _copy_residual_stream(aux, i, hidden, residual)
+                hidden = _copy_residual_stream(aux, i, hidden, residual)
             hidden, residual = layer(rotary, hidden, residual, kv_cache[i, 0], kv_cache[i, 1], meta)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden

@@ -63,6 +63,14 @@ class ModelRunner:
         self.dtype = config.resolved_dtype()
         loaded = load_weights(config, self.device, self.dtype, self.tp)
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
+        # An EAGLE-3 head (on rank 0) embeds its drafts with the whole embedding table: a table split over the ranks'
+        # vocabularies is gathered once here (every rank joins; only rank 0 keeps it).
+        self.full_embeddings: torch.Tensor | None = None
+        if side is not None and self.tp.size > 1:
+            table = self.tp.all_gather_last_dim(loaded.model.model.embed_tokens.weight.t())  # [hidden, ranks x rows]
+            if self.tp.rank == 0:
+                self.full_embeddings = table.t()[: loaded.config.vocab_size].contiguous()
+            del table
         self.max_model_len = config.max_model_len or min(model_max_len(self.model_config), 8192)
         self.block_size, self.max_num_seqs = config.block_size, config.max_num_seqs
         self.max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)

@@ -3,6 +3,7 @@ ranks 1..N-1, the loop that replays rank 0's steps through this rank's own Model
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -19,22 +20,24 @@ from tandem.runner.step_plan import StepPlan
 logger = logging.getLogger(__name__)
 
 
-def start_ranks(config: EngineConfig) -> TensorParallelGroup | None:
+def start_ranks(config: EngineConfig, side: SideOutputs | None = None) -> TensorParallelGroup | None:
     """Rank 0's (or, under torchrun, every rank's) start: None for one rank. A model that cannot be split is a
-    ValueError here, before any process starts."""
+    ValueError here, before any process starts. Spawned ranks get `side` too: their forwards copy the same hidden
+    states (whose sums over the ranks are collectives every rank joins)."""
     size = config.tensor_parallel_size
     if size > 1:
         check_tp_shape(load_model_config(config), ParallelConfig(0, size, config.enable_expert_parallel))
-    return start_tensor_parallel(config, worker_main)
+    return start_tensor_parallel(config, functools.partial(worker_main, side=side))
 
 
 def engine_runner(config: EngineConfig, side: SideOutputs | None = None) -> ModelRunner:
     """The engine's runner: rank 0's, after spawning ranks 1..N-1 for tensor parallelism. Under torchrun every process
     calls this, and on ranks other than 0 it never returns: the process serves rank 0's steps, then ends. `side`:
-    what an EAGLE-3 head needs besides the tokens (one rank only)."""
-    group = start_ranks(config)
+    what an EAGLE-3 head needs besides the tokens (the head itself runs on rank 0; every rank copies the hidden
+    states)."""
+    group = start_ranks(config, side)
     if group is not None and group.rank != 0:
-        worker_main(config, group)
+        worker_main(config, group, side)
         exit_worker()
     try:
         return ModelRunner(config, group, side)
@@ -44,9 +47,9 @@ def engine_runner(config: EngineConfig, side: SideOutputs | None = None) -> Mode
         raise
 
 
-def worker_main(config: EngineConfig, group: TensorParallelGroup) -> None:
+def worker_main(config: EngineConfig, group: TensorParallelGroup, side: SideOutputs | None = None) -> None:
     """Ranks 1..N-1: build this rank's runner, then replay rank 0's steps until it says stop or goes away."""
-    worker = RankWorker(ModelRunner(config, group), group)
+    worker = RankWorker(ModelRunner(config, group, side), group)
     try:
         worker.serve()
     except Exception:

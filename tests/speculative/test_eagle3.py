@@ -281,15 +281,27 @@ def test_default_aux_layers_are_two_middle_and_third_from_last():
     assert config.check_target(target) == (2, 16, 29)
 
 
-def test_head_folder_without_weights_or_on_several_ranks_is_refused(target, head, tmp_path):
+def test_head_folder_without_weights_is_refused(target, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     with open(empty / "config.json", "w") as f:
         json.dump(head_config(), f)
     with pytest.raises(ValueError, match="no safetensors"):
         LLM(target, speculative_config={"method": "eagle3", "model": str(empty)}, **ENGINE)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(target, speculative_config={"method": "eagle3", "model": head}, tensor_parallel_size=2, **ENGINE)
+
+
+def test_tp2_with_eagle3_equals_greedy_without(target, likely_head, plain):
+    """Both ranks copy the hidden states the head reads (summing a rank's share is a collective both join); the head
+    runs on rank 0 and its drafts reach the other rank with the step's inputs."""
+    spec = {"method": "eagle3", "model": likely_head, "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(target, speculative_config=spec, tensor_parallel_size=2, **ENGINE)
+    try:
+        got = _greedy(llm)
+        stats = llm.engine.stats()
+    finally:
+        llm.shutdown()
+    assert got == plain
+    assert stats.spec_draft_tokens >= stats.spec_accepted_tokens > 0
 
 
 def test_engine_feeds_the_head_the_targets_hidden_states(target, likely_head):
