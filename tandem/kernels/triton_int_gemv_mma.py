@@ -1,0 +1,272 @@
+"""The one-row W4A16 GEMV on the tensor cores (sm_80+, bf16 activations): 4-bit IntWeight codes become bf16
+MMA operands with one shift and one and-or per two weights, and mma.sync sums them with x in fp32."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from tandem.kernels.fp8 import DEFER_REDUCE, PartialSums
+from tandem.kernels.int_weight import IntWeight
+from tandem.kernels.triton_launch import device_sms, pdl_wait, use_pdl
+from tandem.kernels.triton_quant import reduce_partial_sums_triton
+
+PART_ELEMENTS = 128  # elements of K one warp multiplies per loop iteration: 4 lanes x 4 words x 8 codes
+PART = tl.constexpr(PART_ELEMENTS)
+
+# One 128-element part of two weight rows (r and r + 8 of a 16-row block) times x: 8 mma.sync.m16n8k16 (bf16 in,
+# fp32 sums) chained from zero. Lane (g, t) = (lane // 4, lane % 4) holds words 4t .. 4t + 3 of the part of rows
+# g and g + 8 ($2-$5, $6-$9) and x at the same 32 elements ($10-$25, bf16 pairs). Any order of K works as long as
+# A and B agree, so MMA j takes word j // 2 and its code pairs p = 2 (j % 2) and p + 1: pair p of a word holds
+# elements 2p and 2p + 1 in bits 4p and 4p + 16 (int_weight.NIBBLE_ORDER), so (word >> 4p) & 0x000F000F or-ed
+# into 0x43004300 (bf16 128, one unit in the last place) is the bf16 pair 128 + q exactly, the A fragment's
+# (row, k 2t | 2t + 1) register; x's pairs 2j and 2j + 1 are B's (k 2t | 2t + 1, k 2t + 8 | 2t + 9) for every
+# column. Out: column 0 of rows g ($0) and g + 8 ($1), each F = sum_k x_k (128 + q_k) over the part.
+_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, d1, $1, d3}, {a0, a1, a2, a3}, {X0, X1}, {$0, d1, $1, d3};"
+
+
+def _part_asm() -> str:
+    lines = ["{", ".reg .b32 m, mg, s, a0, a1, a2, a3;", ".reg .f32 d1, d3;", "mov.b32 m, 0x000F000F;",
+             "mov.b32 mg, 0x43004300;", "mov.f32 $0, 0f00000000;", "mov.f32 $1, 0f00000000;",
+             "mov.f32 d1, 0f00000000;", "mov.f32 d3, 0f00000000;"]
+    for j in range(8):
+        lo, hi, shift = f"${2 + j // 2}", f"${6 + j // 2}", 8 * (j % 2)
+        for reg, word, sh in (("a0", lo, shift), ("a2", lo, shift + 4), ("a1", hi, shift), ("a3", hi, shift + 4)):
+            if sh:
+                lines += [f"shr.u32 s, {word}, {sh};", f"lop3.b32 {reg}, s, m, mg, 0xea;"]
+            else:
+                lines.append(f"lop3.b32 {reg}, {word}, m, mg, 0xea;")
+        lines.append(_MMA.replace("X0", f"${10 + 2 * j}").replace("X1", f"${11 + 2 * j}"))
+    return "\n".join(lines + ["}"])
+
+
+# X = sum_k x_k over the same part, by the same 8 MMAs with A all ones (bf16 1.0 pairs), for the 128 q_k offset:
+# the part's contribution to row r is s (F - 128 X) + mn X. In: x ($1-$16); out: X ($0).
+def _sum_asm() -> str:
+    lines = ["{", ".reg .b32 one;", ".reg .f32 e<8>;", "mov.b32 one, 0x3F803F80;"]
+    lines += [f"mov.f32 e{i}, 0f00000000;" for i in range(8)]
+    for j in range(8):  # two independent chains (even and odd j) for the MMA latency
+        c = "e0, e1, e2, e3" if j % 2 == 0 else "e4, e5, e6, e7"
+        lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{c}}}, {{one, one, one, one}}, "
+                     f"{{${1 + 2 * j}, ${2 + 2 * j}}}, {{{c}}};")
+    return "\n".join(lines + ["add.f32 $0, e0, e4;", "}"])
+
+
+PART_ASM = tl.constexpr(_part_asm())
+SUM_ASM = tl.constexpr(_sum_asm())
+PART_CONSTRAINTS = tl.constexpr("=f,=f," + ",".join(["r"] * 24))
+SUM_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 16))
+
+
+@triton.jit
+def _quad(ptrs):
+    # int32 [T, 4] (one 16-byte load a thread) -> its four columns, [T] each
+    even, odd = tl.split(tl.reshape(ptrs, [ptrs.shape[0], 2, 2]))  # columns (0, 2) and (1, 3)
+    a, c = tl.split(even)
+    b, d = tl.split(odd)
+    return a, b, c, d
+
+
+@triton.jit
+def _row_pair_part(acc_lo, acc_hi, w_lo, w_hi, s_lo, s_hi, mn_lo, mn_hi, xs, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11,
+                   x12, x13, x14, x15):
+    # One part of rows g and g + 8: int32 [T, 4] words of each row, their group's scale and min, X of the part
+    # and x's 16 registers; adds the two rows' sums s (F - 128 X) + mn X to their fp32 accumulators [T].
+    l0, l1, l2, l3 = _quad(w_lo)
+    h0, h1, h2, h3 = _quad(w_hi)
+    f_lo, f_hi = tl.inline_asm_elementwise(
+        asm=PART_ASM, constraints=PART_CONSTRAINTS,
+        args=[l0, l1, l2, l3, h0, h1, h2, h3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15],
+        dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    acc_lo = acc_lo + s_lo.to(tl.float32) * (f_lo - 128.0 * xs)
+    acc_lo = acc_lo + mn_lo.to(tl.float32) * xs
+    acc_hi = acc_hi + s_hi.to(tl.float32) * (f_hi - 128.0 * xs)
+    acc_hi = acc_hi + mn_hi.to(tl.float32) * xs
+    return acc_lo, acc_hi
+
+
+@triton.jit
+def _int4_mma_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr, N, K, K_SPLIT, GROUP: tl.constexpr, stride_wn, stride_sn,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+    WARPS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # Program = ROW_BLOCKS blocks of 16 channels over K range [pid_k * K_SPLIT, +K_SPLIT) (a multiple of
+    # WARPS * PART): warp w takes parts w, w + WARPS, ... of it, and the warps' sums are added at the end. Every
+    # tensor holds one element a thread ([T], T = 32 * WARPS), lane (g, t) of its warp: rows g and g + 8 of
+    # each block (_row_pair_part), words 4t .. 4t + 3 and x's elements 32t .. 32t + 31 of each part. A part never
+    # straddles a group (GROUP is a multiple of PART). EVEN: K_SPLIT divides K and N fills whole programs.
+    T: tl.constexpr = 32 * WARPS
+    tid = tl.arange(0, T)
+    lane = tid % 32
+    warp = tid // 32
+    g = lane // 4
+    t = lane % 4
+    quad = tl.arange(0, 4)[None, :]
+    pid_k = tl.program_id(1)
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    first = k_begin + warp * PART  # [T]: the first element of the warp's first part
+    rows = tl.program_id(0) * (16 * ROW_BLOCKS) + g  # [T]: row g of the first block
+    if not EVEN:
+        rows_a = tl.minimum(rows, N - 1)  # past N: read row N - 1, store nothing
+        rows_b = tl.minimum(rows + 8, N - 1)
+        rows_c = tl.minimum(rows + 16, N - 1)
+        rows_d = tl.minimum(rows + 24, N - 1)
+    else:
+        rows_a = rows
+        rows_b = rows + 8
+        rows_c = rows + 16
+        rows_d = rows + 24
+    x_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    x_ptrs = x_words + tl.multiple_of((first + 32 * t) // 2, 4)[:, None] + quad  # [T, 4]: x's elements 32t .. 32t + 7 (as pairs)
+    word = tl.multiple_of(first // 8 + 4 * t, 4)[:, None] + quad  # [T, 4]: words 4t .. 4t + 3 of the part
+    w_a = w_ptr + rows_a.to(tl.int64)[:, None] * stride_wn + word
+    w_b = w_ptr + rows_b.to(tl.int64)[:, None] * stride_wn + word
+    w_c = w_ptr + rows_c.to(tl.int64)[:, None] * stride_wn + word
+    w_d = w_ptr + rows_d.to(tl.int64)[:, None] * stride_wn + word
+    s_a = rows_a.to(tl.int64) * stride_sn
+    s_b = rows_b.to(tl.int64) * stride_sn
+    s_c = rows_c.to(tl.int64) * stride_sn
+    s_d = rows_d.to(tl.int64) * stride_sn
+    acc_a = tl.zeros([T], dtype=tl.float32)
+    acc_b = tl.zeros([T], dtype=tl.float32)
+    acc_c = tl.zeros([T], dtype=tl.float32)
+    acc_d = tl.zeros([T], dtype=tl.float32)
+    pdl_wait(USE_PDL)
+    for k0 in range(k_begin, k_end, WARPS * PART):
+        start = k0 + warp * PART
+        group = start // GROUP
+        if EVEN:
+            x0, x1, x2, x3 = _quad(tl.load(x_ptrs))
+            x4, x5, x6, x7 = _quad(tl.load(x_ptrs + 4))
+            x8, x9, x10, x11 = _quad(tl.load(x_ptrs + 8))
+            x12, x13, x14, x15 = _quad(tl.load(x_ptrs + 12))
+        else:
+            live = (start < k_end)[:, None]
+            x0, x1, x2, x3 = _quad(tl.load(x_ptrs, mask=live, other=0))
+            x4, x5, x6, x7 = _quad(tl.load(x_ptrs + 4, mask=live, other=0))
+            x8, x9, x10, x11 = _quad(tl.load(x_ptrs + 8, mask=live, other=0))
+            x12, x13, x14, x15 = _quad(tl.load(x_ptrs + 12, mask=live, other=0))
+            group = tl.minimum(group, (K - 1) // GROUP)  # a dead part reads a real scale; its x is zero
+        xs = tl.inline_asm_elementwise(
+            asm=SUM_ASM, constraints=SUM_CONSTRAINTS,
+            args=[x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15],
+            dtype=tl.float32, is_pure=True, pack=1)
+        if EVEN:
+            wa = tl.load(w_a)
+            wb = tl.load(w_b)
+        else:  # a dead part reads the words of the first one: zero x makes them count nothing
+            wa = tl.load(tl.where(live, w_a, w_a - (k0 - k_begin) // 8))
+            wb = tl.load(tl.where(live, w_b, w_b - (k0 - k_begin) // 8))
+        acc_a, acc_b = _row_pair_part(acc_a, acc_b, wa, wb, tl.load(s_ptr + s_a + group), tl.load(s_ptr + s_b + group),
+                                tl.load(mn_ptr + s_a + group), tl.load(mn_ptr + s_b + group), xs,
+                                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        if ROW_BLOCKS == 2:
+            if EVEN:
+                wc = tl.load(w_c)
+                wd = tl.load(w_d)
+            else:
+                wc = tl.load(tl.where(live, w_c, w_c - (k0 - k_begin) // 8))
+                wd = tl.load(tl.where(live, w_d, w_d - (k0 - k_begin) // 8))
+            acc_c, acc_d = _row_pair_part(acc_c, acc_d, wc, wd, tl.load(s_ptr + s_c + group), tl.load(s_ptr + s_d + group),
+                                    tl.load(mn_ptr + s_c + group), tl.load(mn_ptr + s_d + group), xs,
+                                    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        x_ptrs += WARPS * PART // 2
+        w_a += WARPS * PART // 8
+        w_b += WARPS * PART // 8
+        w_c += WARPS * PART // 8
+        w_d += WARPS * PART // 8
+    # Every lane of a row holds its sum (all of B's columns are x): take lane t == 0's, added over the warps.
+    block = tl.program_id(0) * (16 * ROW_BLOCKS)
+    _store_rows(acc_a, block, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS, SPLIT_K, WARPS)
+    _store_rows(acc_b, block + 8, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS, SPLIT_K, WARPS)
+    if ROW_BLOCKS == 2:
+        _store_rows(acc_c, block + 16, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS, SPLIT_K, WARPS)
+        _store_rows(acc_d, block + 24, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS, SPLIT_K, WARPS)
+
+
+@triton.jit
+def _store_rows(acc, first_row, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                WARPS: tl.constexpr):
+    # acc [T] (thread = warp * 32 + lane, lane (g, t) holding row first_row + g) -> the sum over warps, stored
+    # once a row (lane t == 0)
+    y = tl.sum(tl.reshape(acc, [WARPS, 32]), axis=0)  # [32]
+    lanes = tl.arange(0, 32)
+    rows = first_row + lanes // 4
+    mask = (lanes % 4 == 0) & (rows < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptr + pid_k.to(tl.int64) * N + rows, y, mask=mask)
+
+
+def mma_gemv_fits(m: int, k: int, bits: int, group_size: int) -> bool:
+    """Whether the tensor-core GEMV takes this product: one row, 4 bits, K and the groups whole parts."""
+    return m == 1 and bits == 4 and k % PART_ELEMENTS == 0 and group_size % PART_ELEMENTS == 0
+
+
+def mma_gemv_config(n: int, k: int, sms: int) -> dict[str, int]:
+    """Tile from the shape alone (graph-safe): 16 channels a program (ROW_BLOCKS 1) over WARPS warps that split
+    K; K split over programs (fp32 partial sums, a reduce after) until ~16 warps an SM."""
+    warps = 8
+    parts = k // PART_ELEMENTS
+    programs = triton.cdiv(n, 16)
+    split_k = 1
+    while programs * split_k * warps < 16 * sms and split_k < 8 and parts >= 2 * split_k * warps:
+        split_k *= 2
+    return {"ROW_BLOCKS": 1, "SPLIT_K": split_k, "num_warps": warps}
+
+
+def mma_gemv_constexprs(n: int, k: int, group_size: int, cfg: dict[str, int], has_bias: bool,
+                        use_pdl: int) -> dict:
+    """The kernel's compile-time arguments for a config (also scripts/sass_int_gemv.py's)."""
+    warps = cfg["num_warps"]
+    k_split = mma_k_split(k, cfg["SPLIT_K"], warps)
+    return dict(GROUP=group_size, HAS_BIAS=has_bias, SPLIT_K=triton.cdiv(k, k_split),
+                EVEN=k % k_split == 0 and n % (16 * cfg["ROW_BLOCKS"]) == 0, ROW_BLOCKS=cfg["ROW_BLOCKS"],
+                WARPS=warps, USE_PDL=use_pdl)
+
+
+def mma_k_split(k: int, split_k: int, warps: int) -> int:
+    """Elements of K a program takes: whole rounds of one part a warp."""
+    step = PART_ELEMENTS * warps
+    return triton.cdiv(triton.cdiv(k, step), split_k) * step
+
+
+def use_mma_gemv(x: torch.Tensor, weight: IntWeight) -> bool:
+    """The tensor-core GEMV for this product: bf16 x on a CUDA GPU (mma.sync, sm_80+), a shape it takes, and
+    TANDEM_INT_GEMV_MMA not 0 (read per call: a CUDA graph keeps what its capture chose)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and weight.scales.dtype == torch.bfloat16
+            and mma_gemv_fits(x.shape[0], weight.shape[1], weight.bits, weight.group_size)
+            and os.environ.get("TANDEM_INT_GEMV_MMA", "1") != "0")
+
+
+def int4_mma_gemv(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = None, defer: bool = False,
+                  config: dict[str, int] | None = None) -> torch.Tensor | PartialSums:
+    """x W^T + b for one bf16 row x [1, K] (use_mma_gemv holds) on the tensor cores; grid and workspace from the
+    shape alone (captures in CUDA graphs). With `defer` (and TANDEM_DEFER_REDUCE not 0) a K split hands its
+    fp32 partial sums on. config: overrides mma_gemv_config's entries (benchmarks, tests)."""
+    n, k = weight.shape
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    cfg = {**mma_gemv_config(n, k, device_sms(x.device)), **(config or {})}
+    pdl = use_pdl(x.device)
+    flags = mma_gemv_constexprs(n, k, weight.group_size, cfg, bias is not None, pdl)
+    split_k = flags["SPLIT_K"]
+    ws = torch.empty(split_k, 1, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    w, scales = weight.words, weight.scales
+    _int4_mma_gemv_kernel[(triton.cdiv(n, 16 * cfg["ROW_BLOCKS"]), split_k)](
+        x, w, scales, weight.mins, bias if bias is not None else scales, out, ws, n, k,
+        mma_k_split(k, cfg["SPLIT_K"], cfg["num_warps"]), weight.group_size, w.stride(0), scales.stride(0),
+        **flags, num_warps=cfg["num_warps"], num_stages=1, launch_pdl=bool(pdl))
+    if split_k > 1:
+        parts = PartialSums(ws, None, bias, out.dtype)
+        if defer and DEFER_REDUCE:
+            return parts
+        reduce_partial_sums_triton(parts, out)
+    return out
