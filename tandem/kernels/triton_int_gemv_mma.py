@@ -62,30 +62,12 @@ SUM_CONSTRAINTS = tl.constexpr("=f," + ",".join(["r"] * 16))
 
 
 @triton.jit
-def _quad(ptrs):
+def _quad(v):
     # int32 [T, 4] (one 16-byte load a thread) -> its four columns, [T] each
-    even, odd = tl.split(tl.reshape(ptrs, [ptrs.shape[0], 2, 2]))  # columns (0, 2) and (1, 3)
+    even, odd = tl.split(tl.reshape(v, [v.shape[0], 2, 2]))  # columns (0, 2) and (1, 3)
     a, c = tl.split(even)
     b, d = tl.split(odd)
     return a, b, c, d
-
-
-@triton.jit
-def _row_pair_part(acc_lo, acc_hi, w_lo, w_hi, s_lo, s_hi, mn_lo, mn_hi, xs, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11,
-                   x12, x13, x14, x15):
-    # One part of rows g and g + 8: int32 [T, 4] words of each row, their group's scale and min, X of the part
-    # and x's 16 registers; adds the two rows' sums s (F - 128 X) + mn X to their fp32 accumulators [T].
-    l0, l1, l2, l3 = _quad(w_lo)
-    h0, h1, h2, h3 = _quad(w_hi)
-    f_lo, f_hi = tl.inline_asm_elementwise(
-        asm=PART_ASM, constraints=PART_CONSTRAINTS,
-        args=[l0, l1, l2, l3, h0, h1, h2, h3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15],
-        dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-    acc_lo = acc_lo + s_lo.to(tl.float32) * (f_lo - 128.0 * xs)
-    acc_lo = acc_lo + mn_lo.to(tl.float32) * xs
-    acc_hi = acc_hi + s_hi.to(tl.float32) * (f_hi - 128.0 * xs)
-    acc_hi = acc_hi + mn_hi.to(tl.float32) * xs
-    return acc_lo, acc_hi
 
 
 @triton.jit
@@ -96,9 +78,12 @@ def _int4_mma_gemv_kernel(
 ):
     # Program = ROW_BLOCKS blocks of 16 channels over K range [pid_k * K_SPLIT, +K_SPLIT) (a multiple of
     # WARPS * PART): warp w takes parts w, w + WARPS, ... of it, and the warps' sums are added at the end. Every
-    # tensor holds one element a thread ([T], T = 32 * WARPS), lane (g, t) of its warp: rows g and g + 8 of
-    # each block (_row_pair_part), words 4t .. 4t + 3 and x's elements 32t .. 32t + 31 of each part. A part never
-    # straddles a group (GROUP is a multiple of PART). EVEN: K_SPLIT divides K and N fills whole programs.
+    # tensor holds one element a thread ([T], T = 32 * WARPS; another shape would make Triton move data
+    # through shared memory): lane (g, t) of a warp holds words 4t .. 4t + 3 of each part of rows g and g + 8
+    # of every block and x's elements 32t .. 32t + 31. The MMAs leave a row's F in all four lanes of its g, so
+    # lane t scales and stores only block t % ROW_BLOCKS's rows (one load of each scale and min a part, not
+    # ROW_BLOCKS). A part never straddles a group (GROUP is a multiple of PART). EVEN: K_SPLIT divides K and N
+    # fills whole programs.
     T: tl.constexpr = 32 * WARPS
     tid = tl.arange(0, T)
     lane = tid % 32
@@ -110,32 +95,23 @@ def _int4_mma_gemv_kernel(
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     first = k_begin + warp * PART  # [T]: the first element of the warp's first part
-    rows = tl.program_id(0) * (16 * ROW_BLOCKS) + g  # [T]: row g of the first block
-    if not EVEN:
-        rows_a = tl.minimum(rows, N - 1)  # past N: read row N - 1, store nothing
-        rows_b = tl.minimum(rows + 8, N - 1)
-        rows_c = tl.minimum(rows + 16, N - 1)
-        rows_d = tl.minimum(rows + 24, N - 1)
-    else:
-        rows_a = rows
-        rows_b = rows + 8
-        rows_c = rows + 16
-        rows_d = rows + 24
+    block0 = tl.program_id(0) * (16 * ROW_BLOCKS)
+    mine = t % ROW_BLOCKS  # [T]: the block whose rows this lane scales and stores
+    row_e = block0 + 16 * mine + g
     x_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    x_ptrs = x_words + tl.multiple_of((first + 32 * t) // 2, 4)[:, None] + quad  # [T, 4]: x's elements 32t .. 32t + 7 (as pairs)
+    x_ptrs = x_words + tl.multiple_of((first + 32 * t) // 2, 4)[:, None] + quad  # [T, 4]: x's 32t .. 32t + 7
     word = tl.multiple_of(first // 8 + 4 * t, 4)[:, None] + quad  # [T, 4]: words 4t .. 4t + 3 of the part
-    w_a = w_ptr + rows_a.to(tl.int64)[:, None] * stride_wn + word
-    w_b = w_ptr + rows_b.to(tl.int64)[:, None] * stride_wn + word
-    w_c = w_ptr + rows_c.to(tl.int64)[:, None] * stride_wn + word
-    w_d = w_ptr + rows_d.to(tl.int64)[:, None] * stride_wn + word
-    s_a = rows_a.to(tl.int64) * stride_sn
-    s_b = rows_b.to(tl.int64) * stride_sn
-    s_c = rows_c.to(tl.int64) * stride_sn
-    s_d = rows_d.to(tl.int64) * stride_sn
-    acc_a = tl.zeros([T], dtype=tl.float32)
-    acc_b = tl.zeros([T], dtype=tl.float32)
-    acc_c = tl.zeros([T], dtype=tl.float32)
-    acc_d = tl.zeros([T], dtype=tl.float32)
+    if EVEN:
+        w_lo = w_ptr + (block0 + g).to(tl.int64)[:, None] * stride_wn + word  # block 0; block b: + 16 b rows
+        s_lo = row_e.to(tl.int64) * stride_sn
+        s_hi = (row_e + 8).to(tl.int64) * stride_sn
+    else:  # rows past N read row N - 1 and store nothing
+        w_lo = word  # unused: the words' offsets come from each part's start
+        s_lo = tl.minimum(row_e, N - 1).to(tl.int64) * stride_sn
+        s_hi = tl.minimum(row_e + 8, N - 1).to(tl.int64) * stride_sn
+    block_step = 16 * stride_wn.to(tl.int64)
+    acc_lo = tl.zeros([T], dtype=tl.float32)
+    acc_hi = tl.zeros([T], dtype=tl.float32)
     pdl_wait(USE_PDL)
     for k0 in range(k_begin, k_end, WARPS * PART):
         start = k0 + warp * PART
@@ -145,59 +121,61 @@ def _int4_mma_gemv_kernel(
             x4, x5, x6, x7 = _quad(tl.load(x_ptrs + 4))
             x8, x9, x10, x11 = _quad(tl.load(x_ptrs + 8))
             x12, x13, x14, x15 = _quad(tl.load(x_ptrs + 12))
-        else:
-            live = (start < k_end)[:, None]
-            x0, x1, x2, x3 = _quad(tl.load(x_ptrs, mask=live, other=0))
-            x4, x5, x6, x7 = _quad(tl.load(x_ptrs + 4, mask=live, other=0))
-            x8, x9, x10, x11 = _quad(tl.load(x_ptrs + 8, mask=live, other=0))
-            x12, x13, x14, x15 = _quad(tl.load(x_ptrs + 12, mask=live, other=0))
-            group = tl.minimum(group, (K - 1) // GROUP)  # a dead part reads a real scale; its x is zero
+        else:  # a dead part (past k_end) reads x as zero and the words of the split's first part: they count nothing
+            live = start < k_end
+            x0, x1, x2, x3 = _quad(tl.load(x_ptrs, mask=live[:, None], other=0))
+            x4, x5, x6, x7 = _quad(tl.load(x_ptrs + 4, mask=live[:, None], other=0))
+            x8, x9, x10, x11 = _quad(tl.load(x_ptrs + 8, mask=live[:, None], other=0))
+            x12, x13, x14, x15 = _quad(tl.load(x_ptrs + 12, mask=live[:, None], other=0))
+            start = tl.where(live, start, k_begin)
+            group = start // GROUP
+            word = tl.multiple_of(start // 8 + 4 * t, 4)[:, None] + quad
         xs = tl.inline_asm_elementwise(
             asm=SUM_ASM, constraints=SUM_CONSTRAINTS,
             args=[x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15],
             dtype=tl.float32, is_pure=True, pack=1)
-        if EVEN:
-            wa = tl.load(w_a)
-            wb = tl.load(w_b)
-        else:  # a dead part reads the words of the first one: zero x makes them count nothing
-            wa = tl.load(tl.where(live, w_a, w_a - (k0 - k_begin) // 8))
-            wb = tl.load(tl.where(live, w_b, w_b - (k0 - k_begin) // 8))
-        acc_a, acc_b = _row_pair_part(acc_a, acc_b, wa, wb, tl.load(s_ptr + s_a + group), tl.load(s_ptr + s_b + group),
-                                tl.load(mn_ptr + s_a + group), tl.load(mn_ptr + s_b + group), xs,
-                                x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
-        if ROW_BLOCKS == 2:
+        f_lo = xs
+        f_hi = xs
+        for b in tl.static_range(ROW_BLOCKS):
             if EVEN:
-                wc = tl.load(w_c)
-                wd = tl.load(w_d)
+                lo = tl.load(w_lo + b * block_step)
+                hi = tl.load(w_lo + b * block_step + 8 * stride_wn)
             else:
-                wc = tl.load(tl.where(live, w_c, w_c - (k0 - k_begin) // 8))
-                wd = tl.load(tl.where(live, w_d, w_d - (k0 - k_begin) // 8))
-            acc_c, acc_d = _row_pair_part(acc_c, acc_d, wc, wd, tl.load(s_ptr + s_c + group), tl.load(s_ptr + s_d + group),
-                                    tl.load(mn_ptr + s_c + group), tl.load(mn_ptr + s_d + group), xs,
-                                    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+                rows = block0 + 16 * b + g
+                lo = tl.load(w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn + word)
+                hi = tl.load(w_ptr + tl.minimum(rows + 8, N - 1).to(tl.int64)[:, None] * stride_wn + word)
+            l0, l1, l2, l3 = _quad(lo)
+            h0, h1, h2, h3 = _quad(hi)
+            b_lo, b_hi = tl.inline_asm_elementwise(
+                asm=PART_ASM, constraints=PART_CONSTRAINTS,
+                args=[l0, l1, l2, l3, h0, h1, h2, h3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13,
+                      x14, x15], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+            if ROW_BLOCKS == 1:
+                f_lo = b_lo
+                f_hi = b_hi
+            else:
+                f_lo = tl.where(mine == b, b_lo, f_lo)
+                f_hi = tl.where(mine == b, b_hi, f_hi)
+        # s (F - 128 X) + mn X: the part's sum of x (q s + mn) for each row
+        acc_lo = acc_lo + tl.load(s_ptr + s_lo + group).to(tl.float32) * (f_lo - 128.0 * xs)
+        acc_lo = acc_lo + tl.load(mn_ptr + s_lo + group).to(tl.float32) * xs
+        acc_hi = acc_hi + tl.load(s_ptr + s_hi + group).to(tl.float32) * (f_hi - 128.0 * xs)
+        acc_hi = acc_hi + tl.load(mn_ptr + s_hi + group).to(tl.float32) * xs
         x_ptrs += WARPS * PART // 2
-        w_a += WARPS * PART // 8
-        w_b += WARPS * PART // 8
-        w_c += WARPS * PART // 8
-        w_d += WARPS * PART // 8
-    # Every lane of a row holds its sum (all of B's columns are x): take lane t == 0's, added over the warps.
-    block = tl.program_id(0) * (16 * ROW_BLOCKS)
-    _store_rows(acc_a, block, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS, SPLIT_K, WARPS)
-    _store_rows(acc_b, block + 8, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS, SPLIT_K, WARPS)
-    if ROW_BLOCKS == 2:
-        _store_rows(acc_c, block + 16, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS, SPLIT_K, WARPS)
-        _store_rows(acc_d, block + 24, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS, SPLIT_K, WARPS)
+        w_lo += WARPS * PART // 8
+    # Lanes t < ROW_BLOCKS hold their rows' sums over their warp's parts: added over the warps, stored once.
+    _store_rows(acc_lo, row_e, t < ROW_BLOCKS, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS, SPLIT_K, WARPS)
+    _store_rows(acc_hi, row_e + 8, t < ROW_BLOCKS, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS, SPLIT_K, WARPS)
 
 
 @triton.jit
-def _store_rows(acc, first_row, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+def _store_rows(acc, rows, keep, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                 WARPS: tl.constexpr):
-    # acc [T] (thread = warp * 32 + lane, lane (g, t) holding row first_row + g) -> the sum over warps, stored
-    # once a row (lane t == 0)
+    # acc, rows and keep [T] (thread = warp * 32 + lane; rows and keep the same in every warp) -> the sum of acc
+    # over the warps, stored at rows where keep
     y = tl.sum(tl.reshape(acc, [WARPS, 32]), axis=0)  # [32]
-    lanes = tl.arange(0, 32)
-    rows = first_row + lanes // 4
-    mask = (lanes % 4 == 0) & (rows < N)
+    rows = tl.max(tl.reshape(rows, [WARPS, 32]), axis=0)
+    mask = (tl.max(tl.reshape(keep.to(tl.int32), [WARPS, 32]), axis=0) > 0) & (rows < N)
     if SPLIT_K == 1:
         if HAS_BIAS:
             y = y + tl.load(b_ptr + rows, mask=mask, other=0.0).to(tl.float32)
@@ -212,15 +190,19 @@ def mma_gemv_fits(m: int, k: int, bits: int, group_size: int) -> bool:
 
 
 def mma_gemv_config(n: int, k: int, sms: int) -> dict[str, int]:
-    """Tile from the shape alone (graph-safe): 16 channels a program (ROW_BLOCKS 1) over WARPS warps that split
-    K; K split over programs (fp32 partial sums, a reduce after) until ~16 warps an SM."""
-    warps = 8
-    parts = k // PART_ELEMENTS
-    programs = triton.cdiv(n, 16)
+    """Tile from the shape alone (graph-safe), 8 warps splitting K in a program. The most 16-row blocks a
+    program (sm_90 ptxas, the K loop per weight: 1.83 instructions at 1 block, 1.55 at 2, 1.34 at 4; 60, 73
+    and 94 registers, no spills) that still gives two programs an SM; where even one block does not (N 4096),
+    4 blocks and K split over programs (fp32 partial sums, reduced after or by the RMSNorm that follows) until
+    two programs an SM, each split at least one part a warp."""
+    warps, parts = 8, k // PART_ELEMENTS
+    for blocks in (4, 2, 1):
+        if triton.cdiv(n, 16 * blocks) >= 2 * sms:
+            return {"ROW_BLOCKS": blocks, "SPLIT_K": 1, "num_warps": warps}
     split_k = 1
-    while programs * split_k * warps < 16 * sms and split_k < 8 and parts >= 2 * split_k * warps:
+    while triton.cdiv(n, 64) * split_k < 2 * sms and split_k < 8 and parts >= 2 * split_k * warps:
         split_k *= 2
-    return {"ROW_BLOCKS": 1, "SPLIT_K": split_k, "num_warps": warps}
+    return {"ROW_BLOCKS": 4, "SPLIT_K": split_k, "num_warps": warps}
 
 
 def mma_gemv_constexprs(n: int, k: int, group_size: int, cfg: dict[str, int], has_bias: bool,
