@@ -11,7 +11,7 @@ import triton.language as tl
 
 from tandem.kernels.fp8 import DEFER_REDUCE, PartialSums
 from tandem.kernels.int_weight import IntWeight
-from tandem.kernels.triton_launch import device_sms, pdl_wait, use_pdl
+from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
 from tandem.kernels.triton_quant import reduce_partial_sums_triton
 
 PART_ELEMENTS = 128  # elements of K one warp multiplies per loop iteration: 4 lanes x 4 words x 8 codes
@@ -74,7 +74,7 @@ def _quad(v):
 def _int4_mma_gemv_kernel(
     x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr, N, K, K_SPLIT, GROUP: tl.constexpr, stride_wn, stride_sn,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-    WARPS: tl.constexpr, USE_PDL: tl.constexpr,
+    WARPS: tl.constexpr, PREFETCH_PARTS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program = ROW_BLOCKS blocks of 16 channels over K range [pid_k * K_SPLIT, +K_SPLIT) (a multiple of
     # WARPS * PART): warp w takes parts w, w + WARPS, ... of it, and the warps' sums are added at the end. Every
@@ -112,6 +112,8 @@ def _int4_mma_gemv_kernel(
     block_step = 16 * stride_wn.to(tl.int64)
     acc_lo = tl.zeros([T], dtype=tl.float32)
     acc_hi = tl.zeros([T], dtype=tl.float32)
+    if USE_PDL and PREFETCH_PARTS > 0:  # before the wait: each warp's first parts of every row to L2
+        _prefetch_parts(w_ptr, block0 + g, first // 8, t, k_end, N, stride_wn, ROW_BLOCKS, WARPS, PREFETCH_PARTS)
     pdl_wait(USE_PDL)
     for k0 in range(k_begin, k_end, WARPS * PART):
         start = k0 + warp * PART
@@ -169,6 +171,19 @@ def _int4_mma_gemv_kernel(
 
 
 @triton.jit
+def _prefetch_parts(w_ptr, rows, word, t, k_end, N, stride_wn, ROW_BLOCKS: tl.constexpr, WARPS: tl.constexpr,
+                    PREFETCH_PARTS: tl.constexpr):
+    # Lanes t == 0 ask for the 64 bytes of their rows (g and g + 8 of each block) in the warp's first
+    # PREFETCH_PARTS parts (word: the first part's first word) to be brought to L2; no effect on values.
+    for i in tl.static_range(PREFETCH_PARTS):
+        at = word + i * (WARPS * PART // 8)
+        live = (t == 0) & (at * 8 < k_end)
+        for b in tl.static_range(2 * ROW_BLOCKS):
+            row = tl.minimum(rows + 8 * b, N - 1)
+            prefetch_l2(w_ptr + row.to(tl.int64) * stride_wn + at, live)
+
+
+@triton.jit
 def _store_rows(acc, rows, keep, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
                 WARPS: tl.constexpr):
     # acc, rows and keep [T] (thread = warp * 32 + lane; rows and keep the same in every warp) -> the sum of acc
@@ -212,7 +227,13 @@ def mma_gemv_constexprs(n: int, k: int, group_size: int, cfg: dict[str, int], ha
     k_split = mma_k_split(k, cfg["SPLIT_K"], warps)
     return dict(GROUP=group_size, HAS_BIAS=has_bias, SPLIT_K=triton.cdiv(k, k_split),
                 EVEN=k % k_split == 0 and n % (16 * cfg["ROW_BLOCKS"]) == 0, ROW_BLOCKS=cfg["ROW_BLOCKS"],
-                WARPS=warps, USE_PDL=use_pdl)
+                WARPS=warps, PREFETCH_PARTS=prefetch_parts() if use_pdl else 0, USE_PDL=use_pdl)
+
+
+def prefetch_parts() -> int:
+    """Parts of each row a warp sends to L2 before the PDL wait (TANDEM_INT_MMA_PREFETCH_PARTS, default 2;
+    0: none), read per launch."""
+    return int(os.environ.get("TANDEM_INT_MMA_PREFETCH_PARTS", "2"))
 
 
 def mma_k_split(k: int, split_k: int, warps: int) -> int:

@@ -160,6 +160,7 @@ for name, n, k, rows in [("even", 4096, 4096, 4), ("ragged", 4100, 4096 + 128, 4
     out[name] = {"even": flags["EVEN"], "blocks": rows, "mma": ptx.count("mma.sync.aligned.m16n8k16"),
                  "local": "ld.local" in ptx or "st.local" in ptx, "v4_loads": "ld.global.v4" in ptx,
                  "stores_before_wait": any(op in ptx[:max(wait, 0)] for op in ("st.global", "red.global")),
+                 "prefetch_before_wait": 0 <= ptx.find("prefetch.global.L2") < wait,
                  "waits": wait >= 0, "loop_mma": loop.count("mma.sync"), "bar_in_loop": "bar.sync" in loop}
 json.dump(out, sys.stdout)
 """
@@ -167,11 +168,11 @@ json.dump(out, sys.stdout)
 
 def test_kernel_compiles_for_sm90():
     """Hopper build without a GPU: mma.sync (a part: 8 for X, then 8 for each 16-row block), no local memory, 16-byte
-    loads, nothing written before the PDL wait, and no barrier in the K loop (no layout change through shared
-    memory: every tensor keeps one element a thread)."""
+    loads, under PDL weight lines sent to L2 and nothing written before the wait, and no barrier in the K loop
+    (no layout change through shared memory: every tensor keeps one element a thread)."""
     for name, info in compile_sm90(_COMPILE_SM90).items():
         assert info["mma"] >= 16 and not info["local"] and info["v4_loads"], (name, info)
-        assert info["waits"] and not info["stores_before_wait"], (name, info)
+        assert info["waits"] and info["prefetch_before_wait"] and not info["stores_before_wait"], (name, info)
         assert info["loop_mma"] == 8 + 8 * info["blocks"], (name, info)  # X's 8, then 8 a block
         assert not info["bar_in_loop"], (name, info)
 
