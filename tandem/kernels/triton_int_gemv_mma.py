@@ -265,7 +265,7 @@ def int4_mma_gemv(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None 
     w, scales = weight.words, weight.scales
     _int4_mma_gemv_kernel[(triton.cdiv(n, 16 * cfg["ROW_BLOCKS"]), split_k)](
         x, w, scales, weight.mins, bias if bias is not None else scales, out, ws, n, k,
-        mma_k_split(k, cfg["SPLIT_K"], cfg["num_warps"]), weight.group_size, w.stride(0), scales.stride(0),
+        mma_k_split(k, cfg["SPLIT_K"], cfg["num_warps"]), stride_wn=w.stride(0), stride_sn=scales.stride(0),
         **flags, num_warps=cfg["num_warps"], num_stages=1, launch_pdl=bool(pdl))
     if split_k > 1:
         parts = PartialSums(ws, None, bias, out.dtype)

@@ -21,68 +21,63 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def run_warp(asm: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
-    """Executes `asm` on a warp: inputs [operand][lane] uint32 (operands numbered after the outputs), returns the
-    outputs [operand][lane] as float32. Knows mov, shr.u32, lop3 (0xea: a & b | c), add.f32 and
-    mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32."""
-    regs = [dict() for _ in range(32)]
-    for lane in range(32):
-        for i, values in enumerate(inputs):
-            regs[lane][f"${outputs + i}"] = np.uint32(values[lane])
+def run_warps(asm: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
+    """Executes `asm` on warps of 32 threads: inputs [operand] uint32 [T] (thread i = lane i % 32 of warp i // 32;
+    operands numbered after the outputs), returns the outputs [operand] float32 [T]. Knows mov, shr.u32, lop3
+    (0xea: a & b | c), add.f32 and mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32."""
+    warps = inputs[0].size // 32
+    regs = {f"${outputs + i}": np.asarray(v, dtype=np.uint32).reshape(warps, 32) for i, v in enumerate(inputs)}
+    lanes = np.arange(32)
+    g, t = lanes >> 2, lanes % 4
 
-    def get(lane: int, name: str) -> np.uint32:
+    def get(name: str) -> np.ndarray:
         name = name.strip()
         if name.startswith("0f"):
-            return np.uint32(int(name[2:], 16))
+            return np.full((warps, 32), int(name[2:], 16), dtype=np.uint32)
         if name[0].isdigit():
-            return np.uint32(int(name, 0))
-        return regs[lane][name]
+            return np.full((warps, 32), int(name, 0), dtype=np.uint32)
+        return regs[name]
 
-    def f32(u: np.uint32) -> np.float32:
-        return np.array([u], dtype=np.uint32).view(np.float32)[0]
+    def halves(name: str) -> tuple[np.ndarray, np.ndarray]:  # a register's two bf16 (low first) as float32
+        v = get(name)
+        return bf16_to_f32(v & 0xFFFF), bf16_to_f32(v >> 16)
 
-    def u32(f: float) -> np.uint32:
-        return np.array([f], dtype=np.float32).view(np.uint32)[0]
-
+    a_at = [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]  # (row, first col) of a0 .. a3
+    c_at = [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]  # (row, col) of c0 .. c3
+    w = np.arange(warps)[:, None]
     for line in (part.strip() for part in asm.split("\n")):
         if not line or line in "{}" or line.startswith(".reg"):
             continue
         op, rest = line.rstrip(";").split(None, 1)
         if op.startswith("mma.sync"):
             d, a, b, c = [[r.strip() for r in grp.split(",")] for grp in re.findall(r"\{([^}]*)\}", rest)]
-            A = np.zeros((16, 16), np.float32)
-            B = np.zeros((16, 8), np.float32)
-            C = np.zeros((16, 8), np.float32)
-            for lane in range(32):
-                g, t = lane >> 2, lane % 4
-                halves = lambda r: bf16_to_f32(np.array([get(lane, r) & 0xFFFF, get(lane, r) >> 16]))  # noqa: E731
-                for reg, (row, col) in zip(a, [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
-                    A[row, col:col + 2] = halves(reg)
-                for reg, k in zip(b, [2 * t, 2 * t + 8]):
-                    B[k:k + 2, g] = halves(reg)
-                for reg, (row, col) in zip(c, [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]):
-                    C[row, col] = f32(get(lane, reg))
-            D = (A.astype(np.float64) @ B.astype(np.float64) + C).astype(np.float32)
-            for lane in range(32):
-                g, t = lane >> 2, lane % 4
-                for reg, (row, col) in zip(d, [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]):
-                    regs[lane][reg] = u32(D[row, col])
+            A = np.zeros((warps, 16, 16))
+            B = np.zeros((warps, 16, 8))
+            C = np.zeros((warps, 16, 8))
+            for reg, (row, col) in zip(a, a_at):
+                A[w, row, col], A[w, row, col + 1] = halves(reg)
+            for reg, k in zip(b, [2 * t, 2 * t + 8]):
+                B[w, k, g], B[w, k + 1, g] = halves(reg)
+            for reg, (row, col) in zip(c, c_at):
+                C[w, row, col] = get(reg).view(np.float32)
+            D = (A @ B + C).astype(np.float32)
+            for reg, (row, col) in zip(d, c_at):
+                regs[reg] = D[w, row, col].view(np.uint32)
             continue
         args = [r.strip() for r in rest.split(",")]
-        for lane in range(32):
-            if op in ("mov.b32", "mov.f32"):
-                value = get(lane, args[1])
-            elif op == "shr.u32":
-                value = np.uint32(get(lane, args[1]) >> np.uint32(int(args[2])))
-            elif op == "lop3.b32":
-                assert args[4] == "0xea", line
-                value = (get(lane, args[1]) & get(lane, args[2])) | get(lane, args[3])
-            elif op == "add.f32":
-                value = u32(f32(get(lane, args[1])) + f32(get(lane, args[2])))
-            else:
-                raise AssertionError(f"unknown instruction {line}")
-            regs[lane][args[0]] = np.uint32(value)
-    return [np.array([f32(regs[lane][f"${i}"]) for lane in range(32)]) for i in range(outputs)]
+        if op in ("mov.b32", "mov.f32"):
+            value = get(args[1])
+        elif op == "shr.u32":
+            value = get(args[1]) >> np.uint32(int(args[2]))
+        elif op == "lop3.b32":
+            assert args[4] == "0xea", line
+            value = (get(args[1]) & get(args[2])) | get(args[3])
+        elif op == "add.f32":
+            value = (get(args[1]).view(np.float32) + get(args[2]).view(np.float32)).view(np.uint32)
+        else:
+            raise AssertionError(f"unknown instruction {line}")
+        regs[args[0]] = np.asarray(value, dtype=np.uint32)
+    return [regs[f"${i}"].reshape(-1).view(np.float32) for i in range(outputs)]
 
 
 def test_part_assembly_sums_x_times_the_codes():
@@ -101,11 +96,11 @@ def test_part_assembly_sums_x_times_the_codes():
     g, t = lanes >> 2, lanes % 4
     w_in = [words[g, 4 * t + i] for i in range(4)] + [words[g + 8, 4 * t + i] for i in range(4)]
     x_in = [x_pairs[16 * t + i] for i in range(16)]
-    f_lo, f_hi = run_warp(mma.PART_ASM.value, w_in + x_in, 2)
+    f_lo, f_hi = run_warps(mma.PART_ASM.value, w_in + x_in, 2)
     want = (x.double()[None, :] * (128 + codes.double())).sum(1).numpy()  # [16]
     np.testing.assert_allclose(f_lo, want[g], rtol=1e-6, atol=1e-3)
     np.testing.assert_allclose(f_hi, want[g + 8], rtol=1e-6, atol=1e-3)
-    (xs,) = run_warp(mma.SUM_ASM.value, x_in, 1)
+    (xs,) = run_warps(mma.SUM_ASM.value, x_in, 1)
     np.testing.assert_allclose(xs, np.full(32, x.double().sum().item()), rtol=1e-5, atol=1e-4)
 
 
@@ -206,3 +201,57 @@ def test_gpu_matches_reference_and_the_fp32_gemv(n, k, group, split, bias, monke
     assert not mma.use_mma_gemv(x, packed)
     fp32_gemv = int_weight_matmul_triton(x, packed, b)
     torch.testing.assert_close(out.float(), fp32_gemv.float(), atol=2e-3 * ref.abs().max().item(), rtol=1e-2)
+
+
+class _AsmCall:
+    def __init__(self, results: list):
+        self.results = results
+
+    def get_result(self, i: int):
+        return self.results[i]
+
+
+def emulate_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+    """The Triton interpreter's inline assembly, run by run_warps (one element a thread: the kernel's layout)."""
+    from triton.runtime.interpreter import TensorHandle
+    import triton.language as tl
+
+    outputs = constraints.count("=")
+    inputs = [np.ascontiguousarray(v.data).reshape(-1).view(np.uint32) for v in values]
+    shape = values[0].data.shape
+    got = run_warps(asm, inputs, outputs)
+    return _AsmCall([TensorHandle(r.reshape(shape).copy(), tl.float32) for r in got])
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter case: the GPU one is test_gpu_matches_reference_and_the_fp32_gemv")
+@pytest.mark.parametrize("n,k,group,blocks,warps,split", [
+    (64, 2048, 128, 4, 8, 1),  # EVEN, 4 blocks: lane t scales block t
+    (32, 1024, 256, 2, 4, 2),  # 2 blocks, K split over 2 programs (a part of each warp a split)
+    (40, 1152, 1152, 1, 4, 2),  # ragged: N past whole blocks, K past whole rounds (dead parts), per-channel group
+])
+def test_kernel_in_the_interpreter(n, k, group, blocks, warps, split, monkeypatch):
+    """The whole kernel (lanes' words, x, scales, the block each lane scales, the warps' and splits' sums) in the
+    Triton interpreter with its assembly run by run_warps: the fp32 partial sums added over the splits equal
+    x (q s + mn) in fp64 (x, q, s and mn exact in the MMA's bf16 and fp32 inputs; only the fp32 sums' order
+    differs)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    monkeypatch.setattr(InterpreterBuilder, "create_inline_asm", emulate_inline_asm, raising=True)
+    gen = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    qweight = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scales = torch.rand(n, k // group, generator=gen) * 0.02 + 0.005
+    zeros = torch.randint(0, 16, (n, k // group), generator=gen).float()
+    packed = repack_int_weight(qweight, scales, zeros, 4, group)  # fp32 scales and mins: exact in the kernel
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    cfg = {"ROW_BLOCKS": blocks, "SPLIT_K": split, "num_warps": warps}
+    flags = mma.mma_gemv_constexprs(n, k, group, cfg, has_bias=False, use_pdl=0)
+    k_split = mma.mma_k_split(k, split, warps)
+    ws = torch.full((flags["SPLIT_K"], 1, n), float("nan"))
+    mma._int4_mma_gemv_kernel[(-(-n // (16 * blocks)), flags["SPLIT_K"])](
+        x, packed.words, packed.scales, packed.mins, packed.scales, ws, ws, n, k, k_split,
+        stride_wn=packed.words.stride(0), stride_sn=packed.scales.stride(0), **flags, num_warps=warps)
+    w = (codes.double() * scales.double().repeat_interleave(group, 1)
+         + packed.mins.double().repeat_interleave(group, 1))
+    want = x.double() @ w.T
+    torch.testing.assert_close(ws.double().sum(0), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
