@@ -79,9 +79,8 @@ def mma_case(n: int, k: int, bits: int, group: int, override: dict) -> tuple:
         raise SystemExit(f"the tensor-core GEMV does not take {bits} bits, group {group}, K {k}")
     cfg = {**mma.mma_gemv_config(n, k, 132), **override}
     constexprs = mma.mma_gemv_constexprs(n, k, group, cfg, has_bias=False, use_pdl=2)
-    names = NAMES[:7] + ["N", "K", "K_SPLIT", "GROUP", "stride_wn", "stride_sn"]
-    types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32"] + ["i32"] * 3 + ["constexpr"]
-    types += ["i32"] * 2
+    names = NAMES[:7] + ["N", "K", "K_SPLIT"]
+    types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32"] + ["i32"] * 3
     kernel = compile_kernel(mma._int4_mma_gemv_kernel, constexprs, cfg["num_warps"], names, types)
     weights = 16 * cfg["ROW_BLOCKS"] * mma.PART_ELEMENTS * cfg["num_warps"]  # each warp: one part of every row block
     return kernel, cfg["num_warps"], weights, {**cfg, **constexprs}

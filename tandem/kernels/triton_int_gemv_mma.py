@@ -25,7 +25,8 @@ PART = tl.constexpr(PART_ELEMENTS)
 # into 0x43004300 (bf16 128, one unit in the last place) is the bf16 pair 128 + q exactly, the A fragment's
 # (row, k 2t | 2t + 1) register; x's pairs 2j and 2j + 1 are B's (k 2t | 2t + 1, k 2t + 8 | 2t + 9) for every
 # column. Out: column 0 of rows g ($0) and g + 8 ($1), each F = sum_k x_k (128 + q_k) over the part.
-_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, d1, $1, d3}, {a0, a1, a2, a3}, {X0, X1}, {$0, d1, $1, d3};"
+_MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, d1, $1, d3}, {a0, a1, a2, a3}, {X0, X1}, "
+        "{$0, d1, $1, d3};")
 
 
 def _part_asm() -> str:
@@ -72,9 +73,10 @@ def _quad(v):
 
 @triton.jit
 def _int4_mma_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr, N, K, K_SPLIT, GROUP: tl.constexpr, stride_wn, stride_sn,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-    WARPS: tl.constexpr, PREFETCH_PARTS: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr, N, K, K_SPLIT, GROUP: tl.constexpr,
+    stride_wn: tl.constexpr, stride_sn: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN: tl.constexpr, ROW_BLOCKS: tl.constexpr, WARPS: tl.constexpr, PREFETCH_PARTS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Program = ROW_BLOCKS blocks of 16 channels over K range [pid_k * K_SPLIT, +K_SPLIT) (a multiple of
     # WARPS * PART): warp w takes parts w, w + WARPS, ... of it, and the warps' sums are added at the end. Every
@@ -101,15 +103,15 @@ def _int4_mma_gemv_kernel(
     x_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     x_ptrs = x_words + tl.multiple_of((first + 32 * t) // 2, 4)[:, None] + quad  # [T, 4]: x's 32t .. 32t + 7
     word = tl.multiple_of(first // 8 + 4 * t, 4)[:, None] + quad  # [T, 4]: words 4t .. 4t + 3 of the part
-    if EVEN:
+    if EVEN:  # the strides are compile-time: one pointer, the other rows at immediate offsets
         w_lo = w_ptr + (block0 + g).to(tl.int64)[:, None] * stride_wn + word  # block 0; block b: + 16 b rows
         s_lo = row_e.to(tl.int64) * stride_sn
-        s_hi = (row_e + 8).to(tl.int64) * stride_sn
+        s_hi = s_lo + 8 * stride_sn
     else:  # rows past N read row N - 1 and store nothing
         w_lo = word  # unused: the words' offsets come from each part's start
         s_lo = tl.minimum(row_e, N - 1).to(tl.int64) * stride_sn
         s_hi = tl.minimum(row_e + 8, N - 1).to(tl.int64) * stride_sn
-    block_step = 16 * stride_wn.to(tl.int64)
+    block_step = 16 * stride_wn
     acc_lo = tl.zeros([T], dtype=tl.float32)
     acc_hi = tl.zeros([T], dtype=tl.float32)
     if USE_PDL and PREFETCH_PARTS > 0:  # before the wait: each warp's first parts of every row to L2
@@ -206,10 +208,10 @@ def mma_gemv_fits(m: int, k: int, bits: int, group_size: int) -> bool:
 
 def mma_gemv_config(n: int, k: int, sms: int) -> dict[str, int]:
     """Tile from the shape alone (graph-safe), 8 warps splitting K in a program. The most 16-row blocks a
-    program (sm_90 ptxas, the K loop per weight: 1.83 instructions at 1 block, 1.55 at 2, 1.34 at 4; 60, 73
-    and 94 registers, no spills) that still gives two programs an SM; where even one block does not (N 4096),
-    4 blocks and K split over programs (fp32 partial sums, reduced after or by the RMSNorm that follows) until
-    two programs an SM, each split at least one part a warp."""
+    program (sm_90 ptxas, K 4096, the K loop per weight: 1.75 instructions at 1 block, 1.42 at 2, 1.24 at 4;
+    64, 66 and 72 registers, no spills; scripts/sass_int_gemv.py) that still gives two programs an SM; where
+    even one block does not (N 4096), 4 blocks and K split over programs (fp32 partial sums, reduced after or
+    by the RMSNorm that follows) until two programs an SM, each split at least one part a warp."""
     warps, parts = 8, k // PART_ELEMENTS
     for blocks in (4, 2, 1):
         if triton.cdiv(n, 16 * blocks) >= 2 * sms:
@@ -222,12 +224,14 @@ def mma_gemv_config(n: int, k: int, sms: int) -> dict[str, int]:
 
 def mma_gemv_constexprs(n: int, k: int, group_size: int, cfg: dict[str, int], has_bias: bool,
                         use_pdl: int) -> dict:
-    """The kernel's compile-time arguments for a config (also scripts/sass_int_gemv.py's)."""
+    """The kernel's compile-time arguments for a config (also scripts/sass_int_gemv.py's); the strides are those
+    of a contiguous IntWeight (words K / 8, scales K / group_size a row)."""
     warps = cfg["num_warps"]
     k_split = mma_k_split(k, cfg["SPLIT_K"], warps)
-    return dict(GROUP=group_size, HAS_BIAS=has_bias, SPLIT_K=triton.cdiv(k, k_split),
-                EVEN=k % k_split == 0 and n % (16 * cfg["ROW_BLOCKS"]) == 0, ROW_BLOCKS=cfg["ROW_BLOCKS"],
-                WARPS=warps, PREFETCH_PARTS=prefetch_parts() if use_pdl else 0, USE_PDL=use_pdl)
+    return dict(GROUP=group_size, stride_wn=k // 8, stride_sn=k // group_size, HAS_BIAS=has_bias,
+                SPLIT_K=triton.cdiv(k, k_split), EVEN=k % k_split == 0 and n % (16 * cfg["ROW_BLOCKS"]) == 0,
+                ROW_BLOCKS=cfg["ROW_BLOCKS"], WARPS=warps, PREFETCH_PARTS=prefetch_parts() if use_pdl else 0,
+                USE_PDL=use_pdl)
 
 
 def prefetch_parts() -> int:
@@ -243,10 +247,15 @@ def mma_k_split(k: int, split_k: int, warps: int) -> int:
 
 
 def use_mma_gemv(x: torch.Tensor, weight: IntWeight) -> bool:
-    """The tensor-core GEMV for this product: bf16 x on a CUDA GPU (mma.sync, sm_80+), a shape it takes, and
-    TANDEM_INT_GEMV_MMA not 0 (read per call: a CUDA graph keeps what its capture chose)."""
+    """The tensor-core GEMV for this product: bf16 x on a CUDA GPU (mma.sync, sm_80+), a shape it takes, x's row
+    16-byte aligned (read as int32 pairs, 16 bytes a load), a contiguous IntWeight (its strides are
+    compile-time), and TANDEM_INT_GEMV_MMA not 0 (read per call: a CUDA graph keeps what its capture chose)."""
+    groups = weight.scales.shape[1]
     return (x.is_cuda and x.dtype == torch.bfloat16 and weight.scales.dtype == torch.bfloat16
             and mma_gemv_fits(x.shape[0], weight.shape[1], weight.bits, weight.group_size)
+            and x.stride(1) == 1 and x.data_ptr() % 16 == 0
+            and weight.words.stride(0) == weight.shape[1] // 8 and weight.scales.stride(0) == groups
+            and weight.mins.stride(0) == groups
             and os.environ.get("TANDEM_INT_GEMV_MMA", "1") != "0")
 
 
@@ -265,8 +274,8 @@ def int4_mma_gemv(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None 
     w, scales = weight.words, weight.scales
     _int4_mma_gemv_kernel[(triton.cdiv(n, 16 * cfg["ROW_BLOCKS"]), split_k)](
         x, w, scales, weight.mins, bias if bias is not None else scales, out, ws, n, k,
-        mma_k_split(k, cfg["SPLIT_K"], cfg["num_warps"]), stride_wn=w.stride(0), stride_sn=scales.stride(0),
-        **flags, num_warps=cfg["num_warps"], num_stages=1, launch_pdl=bool(pdl))
+        mma_k_split(k, cfg["SPLIT_K"], cfg["num_warps"]), **flags, num_warps=cfg["num_warps"], num_stages=1,
+        launch_pdl=bool(pdl))
     if split_k > 1:
         parts = PartialSums(ws, None, bias, out.dtype)
         if defer and DEFER_REDUCE:
