@@ -6,8 +6,9 @@
 Compiles the decode GEMV the way int_weight_matmul_triton launches it for one row of the given shape (bf16
 activations, PDL on) with Triton's own ptxas for sm_90, disassembles the cubin (cuobjdump), finds the K loop (the
 longest backward branch) and prints its instruction count, the count per weight (loop instructions x the warps'
-32 lanes / the weights one loop iteration of a program consumes), the opcode mix, the registers and any local
-memory (spills). kernel `fma` is the fp32 CUDA-core GEMV (_int_gemv_kernel), `mma` the tensor-core one
+32 lanes / the weights one loop iteration of a program consumes), the same over a whole program at this shape
+(the code outside the loop once, an upper bound: both sides of its branches), the opcode mix, the registers and
+any local memory (spills). kernel `fma` is the fp32 CUDA-core GEMV (_int_gemv_kernel), `mma` the tensor-core one
 (triton_int_gemv_mma). On an H200 (132 SMs x 4 schedulers x ~1.98 GHz, 32 lanes an issue) streaming 4-bit
 weights at 0.8 of 4.8 TB/s leaves ~4.3 lane-instructions a weight at perfect issue; ~2 or fewer in practice.
 """
@@ -70,7 +71,8 @@ def fma_case(n: int, k: int, bits: int, group: int, override: dict) -> tuple:
     types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32"] + ["i32"] * 4 + ["constexpr"]
     types += ["i32"] * 5
     kernel = compile_kernel(fma._int_gemv_kernel, constexprs, cfg["num_warps"], NAMES, types)
-    return kernel, cfg["num_warps"], block_n * block_k, {**cfg, **constexprs}
+    rounds = triton.cdiv(triton.cdiv(k, block_k), cfg["SPLIT_K"])
+    return kernel, cfg["num_warps"], block_n * block_k, {**cfg, **constexprs}, rounds
 
 
 def mma_case(n: int, k: int, bits: int, group: int, override: dict) -> tuple:
@@ -83,13 +85,18 @@ def mma_case(n: int, k: int, bits: int, group: int, override: dict) -> tuple:
     types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32"] + ["i32"] * 3
     kernel = compile_kernel(mma._int4_mma_gemv_kernel, constexprs, cfg["num_warps"], names, types)
     weights = 16 * cfg["ROW_BLOCKS"] * mma.PART_ELEMENTS * cfg["num_warps"]  # each warp: one part of every row block
-    return kernel, cfg["num_warps"], weights, {**cfg, **constexprs}
+    rounds = mma.mma_k_split(k, cfg["SPLIT_K"], cfg["num_warps"]) // (mma.PART_ELEMENTS * cfg["num_warps"])
+    return kernel, cfg["num_warps"], weights, {**cfg, **constexprs}, rounds
+
+
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, text) of every instruction, in order."""
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
 
 
 def loop_body(sass: str) -> list[str]:
     """The instructions of the longest loop (a branch back to a lower address), in order."""
-    lines = [(int(m.group(1), 16), m.group(2).strip()) for m in
-             re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    lines = instructions(sass)
     best = (0, 0)
     for addr, text in lines:
         branch = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
@@ -103,7 +110,7 @@ def opcode(text: str) -> str:
     return text.split()[0].split(".")[0]
 
 
-def report(kernel, warps: int, weights: int, params: dict, dump: str | None, name: str) -> dict:
+def report(kernel, warps: int, weights: int, params: dict, dump: str | None, name: str, rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         Path(cubin).write_bytes(kernel.asm["cubin"])
@@ -116,11 +123,15 @@ def report(kernel, warps: int, weights: int, params: dict, dump: str | None, nam
         Path(dump, f"{name}.sass").write_text(sass)
         Path(dump, f"{name}.ptx").write_text(kernel.asm["ptx"])
     body = loop_body(sass)
+    # The whole program's issue at this shape: the code outside the loop (address math, prefetch, the sums over
+    # warps, the stores; its branches' both sides counted, an upper bound) once, the loop `rounds` times.
+    outside = len([text for _, text in instructions(sass) if not text.startswith("NOP")]) - len(body)
     regs = re.search(r"REG:(\d+)", usage)
     local = re.search(r"LOCAL:(\d+)", usage)
     mix = collections.Counter(opcode(text) for text in body)
     return {"kernel": name, "loop_instructions": len(body), "weights_per_iteration": weights, "warps": warps,
-            "per_weight": round(len(body) * warps * 32 / weights, 3), "registers": int(regs.group(1)) if regs else None,
+            "per_weight": round(len(body) * warps * 32 / weights, 3), "rounds": rounds,
+            "program_per_weight": round((outside + rounds * len(body)) * warps * 32 / (rounds * weights), 3), "registers": int(regs.group(1)) if regs else None,
             "local_bytes": int(local.group(1)) if local else None,
             "spills": sum(mix[op] for op in ("LDL", "STL")), "mix": dict(mix.most_common()), "params": params}
 
@@ -139,7 +150,8 @@ def main() -> None:
     reports = []
     for name in args.kernel.split(","):
         case = {"fma": fma_case, "mma": mma_case}[name]
-        reports.append(report(*case(args.n, args.k, args.bits, args.group, json.loads(args.config)), args.dump, name))
+        kernel, warps, weights, params, rounds = case(args.n, args.k, args.bits, args.group, json.loads(args.config))
+        reports.append(report(kernel, warps, weights, params, args.dump, name, rounds))
     if args.json:
         json.dump(reports, sys.stdout, indent=1, default=str)
         return
@@ -147,7 +159,8 @@ def main() -> None:
         top = ", ".join(f"{op} {count}" for op, count in list(r["mix"].items())[:12])
         print(f"{r['kernel']}: N {args.n} K {args.k} int{args.bits} g{args.group}: {r['loop_instructions']} loop "
               f"instructions x {r['warps']} warps x 32 / {r['weights_per_iteration']} weights = "
-              f"{r['per_weight']} a weight; {r['registers']} registers, local {r['local_bytes']} B, "
+              f"{r['per_weight']} a weight ({r['program_per_weight']} with the code outside the loop, "
+              f"{r['rounds']} rounds a program); {r['registers']} registers, local {r['local_bytes']} B, "
               f"spills {r['spills']}\n  {top}")
 
 

@@ -115,7 +115,7 @@ def _int4_mma_gemv_kernel(
     acc_lo = tl.zeros([T], dtype=tl.float32)
     acc_hi = tl.zeros([T], dtype=tl.float32)
     if USE_PDL and PREFETCH_PARTS > 0:  # before the wait: each warp's first parts of every row to L2
-        _prefetch_parts(w_ptr, block0 + g, first // 8, t, k_end, N, stride_wn, ROW_BLOCKS, WARPS, PREFETCH_PARTS)
+        _prefetch_parts(w_ptr, block0, first // 8, lane, k_end, N, stride_wn, ROW_BLOCKS, WARPS, PREFETCH_PARTS)
     pdl_wait(USE_PDL)
     for k0 in range(k_begin, k_end, WARPS * PART):
         start = k0 + warp * PART
@@ -168,31 +168,34 @@ def _int4_mma_gemv_kernel(
         x_ptrs += WARPS * PART // 2
         w_lo += WARPS * PART // 8
     # Lanes t < ROW_BLOCKS hold their rows' sums over their warp's parts: added over the warps, stored once.
-    _store_rows(acc_lo, row_e, t < ROW_BLOCKS, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS, SPLIT_K, WARPS)
-    _store_rows(acc_hi, row_e + 8, t < ROW_BLOCKS, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS, SPLIT_K, WARPS)
+    _store_rows(acc_lo, acc_hi, row_e, t < ROW_BLOCKS, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS, SPLIT_K, WARPS)
 
 
 @triton.jit
-def _prefetch_parts(w_ptr, rows, word, t, k_end, N, stride_wn, ROW_BLOCKS: tl.constexpr, WARPS: tl.constexpr,
-                    PREFETCH_PARTS: tl.constexpr):
-    # Lanes t == 0 ask for the 64 bytes of their rows (g and g + 8 of each block) in the warp's first
-    # PREFETCH_PARTS parts (word: the first part's first word) to be brought to L2; no effect on values.
-    for i in tl.static_range(PREFETCH_PARTS):
-        at = word + i * (WARPS * PART // 8)
-        live = (t == 0) & (at * 8 < k_end)
-        for b in tl.static_range(2 * ROW_BLOCKS):
-            row = tl.minimum(rows + 8 * b, N - 1)
-            prefetch_l2(w_ptr + row.to(tl.int64) * stride_wn + at, live)
+def _prefetch_parts(w_ptr, block0, first_word, lane, k_end, N, stride_wn: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                    WARPS: tl.constexpr, PREFETCH_PARTS: tl.constexpr):
+    # Asks for the 64 bytes of each of the program's rows in the warp's first PREFETCH_PARTS parts (first_word
+    # [T]: the first part's first word) to be brought to L2, one (row, part) a lane and instruction; no effect on
+    # values.
+    ROWS: tl.constexpr = 16 * ROW_BLOCKS
+    for j in tl.static_range((ROWS * PREFETCH_PARTS + 31) // 32):
+        chunk = j * 32 + lane
+        row = tl.minimum(block0 + chunk % ROWS, N - 1)
+        at = first_word + (chunk // ROWS) * (WARPS * PART // 8)
+        live = (chunk < ROWS * PREFETCH_PARTS) & (at * 8 < k_end)
+        prefetch_l2(w_ptr + row.to(tl.int64) * stride_wn + at, live)
 
 
 @triton.jit
-def _store_rows(acc, rows, keep, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                WARPS: tl.constexpr):
-    # acc, rows and keep [T] (thread = warp * 32 + lane; rows and keep the same in every warp) -> the sum of acc
-    # over the warps, stored at rows where keep
-    y = tl.sum(tl.reshape(acc, [WARPS, 32]), axis=0)  # [32]
-    rows = tl.max(tl.reshape(rows, [WARPS, 32]), axis=0)
-    mask = (tl.max(tl.reshape(keep.to(tl.int32), [WARPS, 32]), axis=0) > 0) & (rows < N)
+def _store_rows(acc_lo, acc_hi, rows, keep, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS: tl.constexpr,
+                SPLIT_K: tl.constexpr, WARPS: tl.constexpr):
+    # acc_lo, acc_hi, rows and keep [T] (thread = warp * 32 + lane; rows and keep the same in every warp) -> the
+    # sums of acc_lo and acc_hi over the warps, stored at rows and rows + 8 where keep
+    both = tl.reshape(tl.join(acc_lo, acc_hi), [WARPS, 32, 2])
+    y = tl.sum(both, axis=0)  # [32, 2]
+    rows = tl.max(tl.reshape(rows, [WARPS, 32]), axis=0)[:, None] + 8 * tl.arange(0, 2)[None, :]
+    keep = tl.max(tl.reshape(keep.to(tl.int32), [WARPS, 32]), axis=0)[:, None] > 0
+    mask = keep & (rows < N)
     if SPLIT_K == 1:
         if HAS_BIAS:
             y = y + tl.load(b_ptr + rows, mask=mask, other=0.0).to(tl.float32)
@@ -208,8 +211,8 @@ def mma_gemv_fits(m: int, k: int, bits: int, group_size: int) -> bool:
 
 def mma_gemv_config(n: int, k: int, sms: int) -> dict[str, int]:
     """Tile from the shape alone (graph-safe), 8 warps splitting K in a program. The most 16-row blocks a
-    program (sm_90 ptxas, K 4096, the K loop per weight: 1.75 instructions at 1 block, 1.42 at 2, 1.24 at 4;
-    64, 66 and 72 registers, no spills; scripts/sass_int_gemv.py) that still gives two programs an SM; where
+    program (sm_90 ptxas, K 4096, the K loop per weight: 1.78 instructions at 1 block, 1.42 at 2, 1.24 at 4;
+    54, 66 and 72 registers, no spills; scripts/sass_int_gemv.py) that still gives two programs an SM; where
     even one block does not (N 4096), 4 blocks and K split over programs (fp32 partial sums, reduced after or
     by the RMSNorm that follows) until two programs an SM, each split at least one part a warp."""
     warps, parts = 8, k // PART_ELEMENTS
