@@ -3,6 +3,7 @@ MMA operands with one shift and one and-or per two weights, and mma.sync sums th
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -249,8 +250,14 @@ def mma_k_split(k: int, split_k: int, warps: int) -> int:
     return triton.cdiv(triton.cdiv(k, step), split_k) * step
 
 
+@functools.lru_cache(maxsize=None)
+def _has_bf16_mma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 8
+
+
 def use_mma_gemv(x: torch.Tensor, weight: IntWeight) -> bool:
-    """The tensor-core GEMV for this product: bf16 x on a CUDA GPU (mma.sync, sm_80+), a shape it takes, x's row
+    """The tensor-core GEMV for this product: bf16 x on a CUDA GPU of compute capability 8.0 or more (bf16
+    mma.sync), a shape it takes, x's row
     16-byte aligned (read as int32 pairs, 16 bytes a load), a contiguous IntWeight (its strides are
     compile-time), and TANDEM_INT_GEMV_MMA not 0 (read per call: a CUDA graph keeps what its capture chose)."""
     groups = weight.scales.shape[1]
@@ -258,8 +265,8 @@ def use_mma_gemv(x: torch.Tensor, weight: IntWeight) -> bool:
             and mma_gemv_fits(x.shape[0], weight.shape[1], weight.bits, weight.group_size)
             and x.stride(1) == 1 and x.data_ptr() % 16 == 0
             and weight.words.stride(0) == weight.shape[1] // 8 and weight.scales.stride(0) == groups
-            and weight.mins.stride(0) == groups
-            and os.environ.get("TANDEM_INT_GEMV_MMA", "1") != "0")
+            and weight.mins.stride(0) == groups and os.environ.get("TANDEM_INT_GEMV_MMA", "1") != "0"
+            and _has_bf16_mma(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
 def int4_mma_gemv(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = None, defer: bool = False,
