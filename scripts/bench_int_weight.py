@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemv import cuda_setup, graph_us, l2_bytes, write_rows  # noqa: E402
 
 from tandem.kernels.int_weight import repack_int_weight  # noqa: E402
-from tandem.kernels.triton_int_gemv_mma import int4_mma_gemv, mma_gemv_config, use_mma_gemv  # noqa: E402
+from tandem.kernels.triton_int_gemv_mma import int_mma_gemv, mma_gemv_config, use_mma_gemv  # noqa: E402
 from tandem.kernels.triton_int_weight import (  # noqa: E402
     dequant_min_rows,
     dequantize_int_weight_triton,
@@ -102,7 +102,7 @@ def sweep(x, weights, gemv: bool, grid: list[dict], frac, mma: bool = False) -> 
     for cfg in grid:
         try:
             if mma:
-                us = graph_us([lambda w=w, c=cfg: int4_mma_gemv(x, w, config=c) for w in weights], reps=2)
+                us = graph_us([lambda w=w, c=cfg: int_mma_gemv(x, w, config=c) for w in weights], reps=2)
             else:
                 us = graph_us([lambda w=w, c=cfg: int_weight_matmul_triton(x, w, gemv=gemv, config=c)
                                for w in weights], reps=2)
@@ -142,7 +142,7 @@ def main() -> None:
                 mma = gemv and use_mma_gemv(x, weights[0])
                 make = int_gemv_config if gemv else int_gemm_config
                 path = "gemv" if gemv else "dequant+cublas" if m >= dequant_min_rows() else "gemm"
-                config = mma_gemv_config(n, k, sms) if mma else make(m, n, k, bits, args.group, sms)
+                config = mma_gemv_config(n, k, bits, sms) if mma else make(m, n, k, bits, args.group, sms)
                 row = {"proj": name, "N": n, "K": k, "bits": bits, "group": args.group, "M": m,
                        "path": "gemv_mma" if mma else path, "config": config, "us": us,
                        "copy_fraction": frac(us), "tflops": flops / (us * 1e-6) / 1e12, "bf16_us": bf16,

@@ -68,7 +68,8 @@ def fma_case(n: int, k: int, bits: int, group: int, override: dict) -> tuple:
     constexprs = dict(GROUP=group, BITS=bits, HAS_BIAS=False, SPLIT_K=cfg["SPLIT_K"], EVEN=True, MASK_M=False,
                       BLOCK_M=1, BLOCK_N=block_n, TG=block_k // gk, GW=gk // per_word,
                       PREFETCH_LINES=triton.next_power_of_2(lines) if lines else 0, USE_PDL=2)
-    types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32"] + ["i32"] * 4 + ["constexpr"]
+    mins = "*bf16" if bits == 4 else "*fp32"  # IntWeight's mins: fp32 at 8 bits
+    types = ["*bf16", "*i32", "*bf16", mins, "*bf16", "*bf16", "*fp32"] + ["i32"] * 4 + ["constexpr"]
     types += ["i32"] * 5
     kernel = compile_kernel(fma._int_gemv_kernel, constexprs, cfg["num_warps"], NAMES, types)
     rounds = triton.cdiv(triton.cdiv(k, block_k), cfg["SPLIT_K"])
@@ -79,13 +80,15 @@ def mma_case(n: int, k: int, bits: int, group: int, override: dict) -> tuple:
     """The tensor-core GEMV as int_weight_matmul_triton launches it at one row."""
     if not mma.mma_gemv_fits(1, k, bits, group):
         raise SystemExit(f"the tensor-core GEMV does not take {bits} bits, group {group}, K {k}")
-    cfg = {**mma.mma_gemv_config(n, k, 132), **override}
-    constexprs = mma.mma_gemv_constexprs(n, k, group, cfg, has_bias=False, use_pdl=2)
+    cfg = {**mma.mma_gemv_config(n, k, bits, 132), **override}
+    constexprs = mma.mma_gemv_constexprs(n, k, bits, group, cfg, has_bias=False, use_pdl=2)
     names = NAMES[:7] + ["N", "K", "K_SPLIT"]
-    types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32"] + ["i32"] * 3
-    kernel = compile_kernel(mma._int4_mma_gemv_kernel, constexprs, cfg["num_warps"], names, types)
-    weights = 16 * cfg["ROW_BLOCKS"] * mma.PART_ELEMENTS * cfg["num_warps"]  # each warp: one part of every row block
-    rounds = mma.mma_k_split(k, cfg["SPLIT_K"], cfg["num_warps"]) // (mma.PART_ELEMENTS * cfg["num_warps"])
+    mins = "*bf16" if bits == 4 else "*fp32"  # IntWeight's mins: fp32 at 8 bits
+    types = ["*bf16", "*i32", "*bf16", mins, "*bf16", "*bf16", "*fp32"] + ["i32"] * 3
+    kernel = compile_kernel(mma._int_mma_gemv_kernel, constexprs, cfg["num_warps"], names, types)
+    part = mma.part_elements(bits)
+    weights = 16 * cfg["ROW_BLOCKS"] * part * cfg["num_warps"]  # each warp: one part of every row block
+    rounds = mma.mma_k_split(k, bits, cfg["SPLIT_K"], cfg["num_warps"]) // (part * cfg["num_warps"])
     return kernel, cfg["num_warps"], weights, {**cfg, **constexprs}, rounds
 
 

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from tandem.kernels.fp8 import DEFER_REDUCE, PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
-from tandem.kernels.triton_int_gemv_mma import int4_mma_gemv, use_mma_gemv
+from tandem.kernels.triton_int_gemv_mma import int_mma_gemv, use_mma_gemv
 from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
 from tandem.kernels.triton_quant import reduce_partial_sums_triton, split_k_until
 
@@ -440,7 +440,7 @@ def int_weight_matmul_triton(
     x = x if x.stride(1) == 1 else x.contiguous()
     use_gemv = use_int_gemv(m) if gemv is None else gemv
     if use_gemv and config is None and use_mma_gemv(x, weight):
-        return int4_mma_gemv(x, weight, bias, defer)
+        return int_mma_gemv(x, weight, bias, defer)
     sms = device_sms(x.device)
     make = int_gemv_config if use_gemv else int_gemm_config
     cfg = {**make(m, n, k, bits, group_size, sms), **(config or {})}
