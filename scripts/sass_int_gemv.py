@@ -134,7 +134,8 @@ def report(kernel, warps: int, weights: int, params: dict, dump: str | None, nam
     mix = collections.Counter(opcode(text) for text in body)
     return {"kernel": name, "loop_instructions": len(body), "weights_per_iteration": weights, "warps": warps,
             "per_weight": round(len(body) * warps * 32 / weights, 3), "rounds": rounds,
-            "program_per_weight": round((outside + rounds * len(body)) * warps * 32 / (rounds * weights), 3), "registers": int(regs.group(1)) if regs else None,
+            "program_per_weight": round((outside + rounds * len(body)) * warps * 32 / (rounds * weights), 3),
+            "registers": int(regs.group(1)) if regs else None,
             "local_bytes": int(local.group(1)) if local else None,
             "spills": sum(mix[op] for op in ("LDL", "STL")), "mix": dict(mix.most_common()), "params": params}
 
