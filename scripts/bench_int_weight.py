@@ -13,7 +13,11 @@ are the packed codes + scales + mins (the zeros' role; bf16, fp32 mins at 8 bits
 weight; the fraction of a device-to-
 device copy bandwidth measured in the same run is the roofline figure (target at one row: >= 0.80), beside TFLOP/s.
 
---sweep also times a grid of GEMV tiles (BLOCK_N, BLOCK_K, num_warps) where the GEMV runs (1 row) and of GEMM tiles
+At one row with 4-bit bf16 weights the path is the tensor-core GEMV (triton_int_gemv_mma; variant gemv_fp32: the fp32
+CUDA-core GEMV it replaces, which TANDEM_INT_GEMV_MMA=0 selects).
+
+--sweep also times a grid of GEMV tiles (BLOCK_N, BLOCK_K, num_warps; for the tensor-core GEMV ROW_BLOCKS,
+num_warps, SPLIT_K) where the GEMV runs (1 row) and of GEMM tiles
 at 4 and 16 rows and the prefill rows, and reports the best beside the default config (a grid takes minutes:
 sweep one --rows value and --bits 4 at a time).
 """
@@ -35,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemv import cuda_setup, graph_us, l2_bytes, write_rows  # noqa: E402
 
 from tandem.kernels.int_weight import repack_int_weight  # noqa: E402
+from tandem.kernels.triton_int_gemv_mma import int_mma_gemv, mma_gemv_config, use_mma_gemv  # noqa: E402
 from tandem.kernels.triton_int_weight import (  # noqa: E402
     dequant_min_rows,
     dequantize_int_weight_triton,
@@ -73,6 +78,11 @@ def gemv_grid() -> list[dict]:
             for bn, bk, w in itertools.product((1, 2, 4, 8), (1024, 2048, 4096), (2, 4, 8))]
 
 
+def mma_gemv_grid() -> list[dict]:
+    return [{"ROW_BLOCKS": rb, "num_warps": w, "SPLIT_K": sk}
+            for rb, w, sk in itertools.product((1, 2, 4), (4, 8), (1, 2, 4, 8))]
+
+
 def gemm_grid(m: int) -> list[dict]:
     if m <= 64:  # the 64-row tile and the swap-AB one (16 rows: BLOCK_M 16)
         grid = [{"BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_stages": 3, "num_warps": w,
@@ -85,14 +95,17 @@ def gemm_grid(m: int) -> list[dict]:
             for bm, bn, bk, st in itertools.product((128, 256), (128, 256), (32, 64), (3, 4))]
 
 
-def sweep(x, weights, gemv: bool, grid: list[dict], frac) -> list[dict]:
+def sweep(x, weights, gemv: bool, grid: list[dict], frac, mma: bool = False) -> list[dict]:
     """Every tile of grid timed (GPU us per call) with its roofline fraction, fastest first; tiles that do not
-    compile (shared memory, registers) are left out."""
+    compile (shared memory, registers) are left out. mma: the grid is the tensor-core GEMV's."""
     table = []
     for cfg in grid:
         try:
-            us = graph_us([lambda w=w, c=cfg: int_weight_matmul_triton(x, w, gemv=gemv, config=c)
-                           for w in weights], reps=2)
+            if mma:
+                us = graph_us([lambda w=w, c=cfg: int_mma_gemv(x, w, config=c) for w in weights], reps=2)
+            else:
+                us = graph_us([lambda w=w, c=cfg: int_weight_matmul_triton(x, w, gemv=gemv, config=c)
+                               for w in weights], reps=2)
         except Exception:  # noqa: BLE001  out of resources for this tile
             continue
         table.append({**cfg, "us": round(us, 2), "copy_fraction": round(frac(us), 4)})
@@ -126,16 +139,20 @@ def main() -> None:
                 us = graph_us([lambda w=w: int_weight_matmul_triton(x, w) for w in weights])
                 bf16 = graph_us([lambda w=w: F.linear(x, w) for w in dense])
                 gemv = use_int_gemv(m)
+                mma = gemv and use_mma_gemv(x, weights[0])
                 make = int_gemv_config if gemv else int_gemm_config
                 path = "gemv" if gemv else "dequant+cublas" if m >= dequant_min_rows() else "gemm"
-                row = {"proj": name, "N": n, "K": k, "bits": bits, "group": args.group, "M": m, "path": path,
-                       "config": make(m, n, k, bits, args.group, sms), "us": us,
+                config = mma_gemv_config(n, k, bits, sms) if mma else make(m, n, k, bits, args.group, sms)
+                row = {"proj": name, "N": n, "K": k, "bits": bits, "group": args.group, "M": m,
+                       "path": "gemv_mma" if mma else path, "config": config, "us": us,
                        "copy_fraction": frac(us), "tflops": flops / (us * 1e-6) / 1e12, "bf16_us": bf16,
                        "bf16_copy_fraction": n * k * 2 / (bf16 * 1e-6) / 1e9 / copy_gbs,
                        "bf16_tflops": flops / (bf16 * 1e-6) / 1e12, "speedup_vs_bf16": bf16 / us}
                 # The decode paths the defaults did not pick, for use_int_gemv / TANDEM_INT_GEMV_MAX_ROWS and
                 # int_gemm_config's 64-row tile against the swap-AB one.
                 variants = {}
+                if mma:  # the fp32 CUDA-core GEMV the tensor-core one replaces (a config selects it)
+                    variants["gemv_fp32"] = dict(config=int_gemv_config(m, n, k, bits, args.group, sms))
                 if m <= 4:
                     variants["gemm" if gemv else "gemv"] = dict(gemv=not gemv)
                 if m <= 16:
@@ -149,7 +166,10 @@ def main() -> None:
                                     for w in weights[:2]])
                     row["dequant_cublas_us"] = deq
                 if args.sweep and (m in (1, 4) or m == 16 or m == prefill):
-                    table = sweep(x, weights, gemv, gemv_grid() if gemv else gemm_grid(m), frac)
+                    if mma:
+                        table = sweep(x, weights, gemv, mma_gemv_grid(), frac, mma=True)
+                    else:
+                        table = sweep(x, weights, gemv, gemv_grid() if gemv else gemm_grid(m), frac)
                     row["sweep"] = table[:12]
                     if table:
                         row["best"] = table[0]

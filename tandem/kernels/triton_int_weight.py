@@ -12,6 +12,7 @@ import triton.language as tl
 
 from tandem.kernels.fp8 import DEFER_REDUCE, PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
+from tandem.kernels.triton_int_gemv_mma import int_mma_gemv, use_mma_gemv
 from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
 from tandem.kernels.triton_quant import reduce_partial_sums_triton, split_k_until
 
@@ -420,9 +421,10 @@ def int_weight_matmul_triton(
     config: dict[str, int] | None = None,  # overrides the config's entries (benchmarks, tests)
     defer: bool = False,  # split over K: may return PartialSums instead of running the reduce
 ) -> torch.Tensor | PartialSums:  # [M, N] in x's dtype
-    """x W^T + b with W = q * scale + min dequantized inside the kernel: the GEMV for a few rows, the tile GEMM
-    otherwise. No host sync, grid and workspace from the shape alone: captures in CUDA graphs. With `defer`
-    (and TANDEM_DEFER_REDUCE not 0) a K split hands its fp32 partial sums on for the RMSNorm after it."""
+    """x W^T + b with W = q * scale + min dequantized inside the kernel: the GEMV for a few rows (one bf16 row:
+    the tensor-core GEMV of triton_int_gemv_mma where it applies), the tile GEMM otherwise. No host sync, grid
+    and workspace from the shape alone: captures in CUDA graphs. With `defer` (and TANDEM_DEFER_REDUCE not 0) a
+    K split hands its fp32 partial sums on for the RMSNorm after it."""
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}] for this weight, got {tuple(x.shape)}")
@@ -433,12 +435,14 @@ def int_weight_matmul_triton(
         # Many rows: the tensor cores, not the weight stream, set the time; the weight dequantized once at the
         # copy bandwidth then cuBLAS beats dequantizing each tile inside a Triton GEMM (kernels-int-weight.json).
         return torch.nn.functional.linear(x, dequantize_int_weight_triton(weight, x.dtype), bias)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return out
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
-    sms = device_sms(x.device)
     use_gemv = use_int_gemv(m) if gemv is None else gemv
+    if use_gemv and config is None and use_mma_gemv(x, weight):  # one bf16 row: the tensor-core GEMV
+        return int_mma_gemv(x, weight, bias, defer)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    sms = device_sms(x.device)
     make = int_gemv_config if use_gemv else int_gemm_config
     cfg = {**make(m, n, k, bits, group_size, sms), **(config or {})}
     block_k = cfg.pop("BLOCK_K")

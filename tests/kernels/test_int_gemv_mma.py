@@ -1,0 +1,278 @@
+"""The tensor-core W4A16 GEMV (triton_int_gemv_mma): its inline assembly run on CPU by a model of the few PTX
+instructions it uses (mma.sync's fragment layouts as the PTX ISA defines them for m16n8k16), its shape rules,
+its sm_90 build, and on a GPU against the reference."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.kernels import triton_int_gemv_mma as mma
+from tandem.kernels.int_weight import repack_int_weight
+from tests.kernels.sm90 import compile_sm90
+
+CUDA = torch.cuda.is_available()
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def run_warps(asm: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
+    """Executes `asm` on warps of 32 threads: inputs [operand] uint32 [T] (thread i = lane i % 32 of warp i // 32;
+    operands numbered after the outputs), returns the outputs [operand] as uint32 [T]. Knows mov, shr.u32, lop3
+    (0xea: a & b | c), prmt.b32, add.f32 and mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32."""
+    warps = inputs[0].size // 32
+    regs = {f"${outputs + i}": np.asarray(v, dtype=np.uint32).reshape(warps, 32) for i, v in enumerate(inputs)}
+    lanes = np.arange(32)
+    g, t = lanes >> 2, lanes % 4
+
+    def get(name: str) -> np.ndarray:
+        name = name.strip()
+        if name.startswith("0f"):
+            return np.full((warps, 32), int(name[2:], 16), dtype=np.uint32)
+        if name[0].isdigit():
+            return np.full((warps, 32), int(name, 0), dtype=np.uint32)
+        return regs[name]
+
+    def halves(name: str) -> tuple[np.ndarray, np.ndarray]:  # a register's two bf16 (low first) as float32
+        v = get(name)
+        return bf16_to_f32(v & 0xFFFF), bf16_to_f32(v >> 16)
+
+    a_at = [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]  # (row, first col) of a0 .. a3
+    c_at = [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]  # (row, col) of c0 .. c3
+    w = np.arange(warps)[:, None]
+    for line in (part.strip() for part in asm.split("\n")):
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.rstrip(";").split(None, 1)
+        if op.startswith("mma.sync"):
+            d, a, b, c = [[r.strip() for r in grp.split(",")] for grp in re.findall(r"\{([^}]*)\}", rest)]
+            A = np.zeros((warps, 16, 16))
+            B = np.zeros((warps, 16, 8))
+            C = np.zeros((warps, 16, 8))
+            for reg, (row, col) in zip(a, a_at):
+                A[w, row, col], A[w, row, col + 1] = halves(reg)
+            for reg, k in zip(b, [2 * t, 2 * t + 8]):
+                B[w, k, g], B[w, k + 1, g] = halves(reg)
+            for reg, (row, col) in zip(c, c_at):
+                C[w, row, col] = get(reg).view(np.float32)
+            D = (A @ B + C).astype(np.float32)
+            for reg, (row, col) in zip(d, c_at):
+                regs[reg] = D[w, row, col].view(np.uint32)
+            continue
+        args = [r.strip() for r in rest.split(",")]
+        if op in ("mov.b32", "mov.f32"):
+            value = get(args[1])
+        elif op == "shr.u32":
+            value = get(args[1]) >> np.uint32(int(args[2]))
+        elif op == "lop3.b32":
+            assert args[4] == "0xea", line
+            value = (get(args[1]) & get(args[2])) | get(args[3])
+        elif op == "prmt.b32":  # bytes of (a, b) picked by the selector's nibbles
+            both = [(get(args[1]) >> np.uint32(8 * i)) & 0xFF for i in range(4)]
+            both += [(get(args[2]) >> np.uint32(8 * i)) & 0xFF for i in range(4)]
+            sel = int(args[3], 0)
+            value = sum(both[(sel >> (4 * i)) & 7] << np.uint32(8 * i) for i in range(4))
+        elif op == "add.f32":
+            value = (get(args[1]).view(np.float32) + get(args[2]).view(np.float32)).view(np.uint32)
+        else:
+            raise AssertionError(f"unknown instruction {line}")
+        regs[args[0]] = np.asarray(value, dtype=np.uint32)
+    return [regs[f"${i}"].reshape(-1) for i in range(outputs)]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_part_assembly_sums_x_times_the_codes(bits):
+    """One part (16 rows, 128 elements at 4 bits, 64 at 8; one warp): lane (g, t) passes words 4t .. 4t + 3 of
+    rows g and g + 8 and x at their elements as bf16 pairs (at 8 bits through the sum assembly, which pairs them
+    by word); it gets F = sum_k x_k (OFFSET + q_k) of both rows and X = sum_k x_k, in every lane, as the kernel
+    reads them."""
+    part, offset = mma.part_elements(bits), (128 if bits == 4 else 2176)
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (16, part), generator=gen, dtype=torch.uint8)
+    qweight = codes[:, 0::2] | (codes[:, 1::2] << 4) if bits == 4 else codes
+    ones = torch.ones(16, 1)
+    words = repack_int_weight(qweight, ones, ones, bits, part).words.numpy().view(np.uint32)  # [16, 16]
+    x = torch.randn(part, generator=gen).to(torch.bfloat16)
+    x_bits = x.view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+    x_pairs = x_bits[0::2] | (x_bits[1::2] << 16)  # int32 view of x
+    lanes = np.arange(32)
+    g, t = lanes >> 2, lanes % 4
+    w_in = [words[g, 4 * t + i] for i in range(4)] + [words[g + 8, 4 * t + i] for i in range(4)]
+    regs = part // 8  # x's pairs a lane
+    x_in = [x_pairs[regs * t + i] for i in range(regs)]
+    if bits == 4:
+        (xs,) = run_warps(mma.SUM_ASM_4.value, x_in, 1)
+        f_lo, f_hi = run_warps(mma.PART_ASM_4.value, w_in + x_in, 2)
+    else:
+        xs, *b_regs = run_warps(mma.SUM_ASM_8.value, x_in, 9)
+        f_lo, f_hi = run_warps(mma.PART_ASM_8.value, w_in + b_regs, 2)
+    want = (x.double()[None, :] * (offset + codes.double())).sum(1).numpy()  # [16]
+    np.testing.assert_allclose(f_lo.view(np.float32), want[g], rtol=1e-6, atol=1e-3)
+    np.testing.assert_allclose(f_hi.view(np.float32), want[g + 8], rtol=1e-6, atol=1e-3)
+    np.testing.assert_allclose(xs.view(np.float32), np.full(32, x.double().sum().item()), rtol=1e-5, atol=1e-4)
+
+
+def test_shapes_it_takes():
+    assert mma.mma_gemv_fits(1, 4096, 4, 128) and mma.mma_gemv_fits(1, 14336, 4, 14336)
+    assert mma.mma_gemv_fits(1, 4096, 8, 64) and not mma.mma_gemv_fits(1, 4096, 8, 32)
+    assert not mma.mma_gemv_fits(2, 4096, 4, 128)  # one row only
+    assert not mma.mma_gemv_fits(1, 4096, 4, 64) and not mma.mma_gemv_fits(1, 4128, 8, 64)
+    assert mma.mma_k_split(4096, 4, 1, 8) == 4096 and mma.mma_k_split(4096, 4, 4, 8) == 1024
+    assert mma.mma_k_split(14336, 4, 2, 8) == 7168 and mma.mma_k_split(4096, 8, 4, 8) == 1024
+    assert mma.mma_gemv_config(28672, 4096, 4, 132) == {"ROW_BLOCKS": 4, "SPLIT_K": 1, "num_warps": 8}
+    assert mma.mma_gemv_config(6144, 4096, 4, 132)["ROW_BLOCKS"] == 1
+    assert mma.mma_gemv_config(4096, 4096, 4, 132) == {"ROW_BLOCKS": 4, "SPLIT_K": 4, "num_warps": 8}
+    assert mma.mma_gemv_config(4096, 14336, 4, 132)["SPLIT_K"] == 8
+    sms = 132
+    for bits in (4, 8):
+        for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
+            cfg = mma.mma_gemv_config(n, k, bits, sms)
+            programs = -(-n // (16 * cfg["ROW_BLOCKS"]))
+            assert programs * cfg["SPLIT_K"] >= 1.9 * sms  # ~two programs an SM
+            flags = mma.mma_gemv_constexprs(n, k, bits, 128, cfg, False, 2)
+            assert flags["EVEN"] and k % mma.mma_k_split(k, bits, cfg["SPLIT_K"], cfg["num_warps"]) == 0
+
+
+_COMPILE_SM90 = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tandem.kernels.triton_int_gemv_mma import _int_mma_gemv_kernel, mma_gemv_config, mma_gemv_constexprs
+
+names = ["x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "N", "K", "K_SPLIT"]
+out = {}
+for name, n, k, bits, rows in [("even", 4096, 4096, 4, 4), ("ragged", 4100, 4096 + 128, 4, 4),
+                               ("one-block", 6144, 4096, 4, 1), ("two-blocks", 4096, 4096, 4, 2),
+                               ("int8", 4096, 4096, 8, 4), ("int8-ragged", 4100, 4096 + 64, 8, 2)]:
+    mins = "*bf16" if bits == 4 else "*fp32"
+    types = ["*bf16", "*i32", "*bf16", mins, "*bf16", "*bf16", "*fp32", "i32", "i32", "i32"]
+    cfg = {**mma_gemv_config(n, k, bits, 132), "ROW_BLOCKS": rows}
+    flags = mma_gemv_constexprs(n, k, bits, 128, cfg, True, 2)
+    signature = dict(zip(names, types))
+    signature.update({key: "constexpr" for key in flags if key not in signature})
+    src = ASTSource(fn=_int_mma_gemv_kernel, signature=signature, constexprs=flags,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 9)})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"],
+                                                                             "num_stages": 1})
+    ptx = kernel.asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    loop = ""  # the K loop: from a label to the branch back to it
+    for branch in re.finditer(r"bra(?:\.uni)?\s+(\$L__BB\w+);", ptx):
+        label = ptx.find(branch.group(1) + ":")
+        if 0 <= label < branch.start():
+            loop = ptx[label:branch.end()]
+    out[name] = {"even": flags["EVEN"], "blocks": rows, "bits": bits, "mma": ptx.count("mma.sync.aligned.m16n8k16"),
+                 "local": "ld.local" in ptx or "st.local" in ptx, "v4_loads": "ld.global.v4" in ptx,
+                 "stores_before_wait": any(op in ptx[:max(wait, 0)] for op in ("st.global", "red.global")),
+                 "prefetch_before_wait": 0 <= ptx.find("prefetch.global.L2") < wait,
+                 "waits": wait >= 0, "loop_mma": loop.count("mma.sync"), "bar_in_loop": "bar.sync" in loop}
+json.dump(out, sys.stdout)
+"""
+
+
+def test_kernel_compiles_for_sm90():
+    """Hopper build without a GPU: mma.sync (a part: 8 for X at 4 bits, 4 at 8, then 8 for each 16-row block), no
+    local memory, 16-byte loads, under PDL weight lines sent to L2 and nothing written before the wait, and no
+    barrier in the K loop (no layout change through shared memory: every tensor keeps one element a thread)."""
+    for name, info in compile_sm90(_COMPILE_SM90).items():
+        assert info["mma"] >= 16 and not info["local"] and info["v4_loads"], (name, info)
+        assert info["waits"] and info["prefetch_before_wait"] and not info["stores_before_wait"], (name, info)
+        x_mmas = 8 if info["bits"] == 4 else 4
+        assert info["loop_mma"] == x_mmas + 8 * info["blocks"], (name, info)  # X's, then 8 a block
+        assert not info["bar_in_loop"], (name, info)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("bits,n,k,group,split,bias", [
+    (4, 1536, 4096, 128, None, False),  # the default config
+    (4, 4100, 4096 + 128, 128, None, True),  # N past whole 16-row blocks, K past whole rounds of the warps
+    (4, 512, 14336, -1, 4, False),  # one group a row (per channel), K split over programs with a reduce
+    (4, 1024, 2048, 256, 2, True),  # bias added by the reduce
+    (8, 1536, 4096, 128, None, False),
+    (8, 4100, 4096 + 64, 64, None, True),
+])
+def test_gpu_matches_reference_and_the_fp32_gemv(bits, n, k, group, split, bias, monkeypatch):
+    """bf16 on the GPU: close to the fp32 product of the reference dequantization (the codes and x are exact in
+    the MMA and its sums fp32: only the bf16 output rounding and the fp32 sum order differ, far inside
+    assert_close_to's bound) and to the fp32 CUDA-core GEMV (TANDEM_INT_GEMV_MMA=0)."""
+    from tandem.kernels.triton_int_weight import int_weight_matmul_triton
+    from tests.kernels.test_triton_int_weight import assert_close_to, make_weight, reference
+
+    group_size = k if group == -1 else group
+    qweight, scales, zeros, _ = make_weight(n, k, bits, group_size, torch.bfloat16, seed=n + k)
+    packed = repack_int_weight(qweight, scales, zeros, bits, group_size)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    ref = reference(x, qweight, scales, zeros, bits, group_size, b)
+    assert mma.use_mma_gemv(x, packed)
+    out = mma.int_mma_gemv(x, packed, b, config={"SPLIT_K": split} if split else None)
+    assert_close_to(out, ref)
+    torch.testing.assert_close(out.float(), ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-2)
+    monkeypatch.setenv("TANDEM_INT_GEMV_MMA", "0")
+    assert not mma.use_mma_gemv(x, packed)
+    fp32_gemv = int_weight_matmul_triton(x, packed, b)
+    torch.testing.assert_close(out.float(), fp32_gemv.float(), atol=2e-3 * ref.abs().max().item(), rtol=1e-2)
+
+
+class _AsmCall:
+    def __init__(self, results: list):
+        self.results = results
+
+    def get_result(self, i: int):
+        return self.results[i]
+
+
+def emulate_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+    """The Triton interpreter's inline assembly, run by run_warps (one element a thread: the kernel's layout)."""
+    from triton.runtime.interpreter import TensorHandle
+    import triton.language as tl
+
+    outputs = constraints.count("=")
+    inputs = [np.ascontiguousarray(v.data).reshape(-1).view(np.uint32) for v in values]
+    shape = values[0].data.shape
+    types = [tl.float32 if c.strip() == "=f" else tl.int32 for c in constraints.split(",")[:outputs]]
+    got = run_warps(asm, inputs, outputs)
+    return _AsmCall([TensorHandle(r.view(np.float32 if ty == tl.float32 else np.int32).reshape(shape).copy(), ty)
+                     for r, ty in zip(got, types)])
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter case: the GPU one is test_gpu_matches_reference_and_the_fp32_gemv")
+@pytest.mark.parametrize("bits,n,k,group,blocks,warps,split", [
+    (4, 64, 2048, 128, 4, 8, 1),  # EVEN, 4 blocks: lane t scales block t
+    (4, 32, 1024, 256, 2, 4, 2),  # 2 blocks, K split over 2 programs (a part of each warp a split)
+    (4, 40, 1152, 1152, 1, 4, 2),  # ragged: N past whole blocks, K past whole rounds (dead parts), per channel
+    (8, 64, 1024, 64, 4, 8, 1),
+    (8, 40, 576, 192, 2, 4, 2),
+])
+def test_kernel_in_the_interpreter(bits, n, k, group, blocks, warps, split, monkeypatch):
+    """The whole kernel (lanes' words, x, scales, the block each lane scales, the warps' and splits' sums) in the
+    Triton interpreter with its assembly run by run_warps: the fp32 partial sums added over the splits equal
+    x (q s + mn) in fp64 (x, q, s and mn exact in the MMA's bf16 and fp32 inputs; only the fp32 sums' order
+    differs)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    monkeypatch.setattr(InterpreterBuilder, "create_inline_asm", emulate_inline_asm, raising=True)
+    gen = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
+    qweight = codes[:, 0::2] | (codes[:, 1::2] << 4) if bits == 4 else codes
+    scales = torch.rand(n, k // group, generator=gen) * 0.02 + 0.005
+    zeros = torch.randint(0, 2**bits, (n, k // group), generator=gen).float()
+    packed = repack_int_weight(qweight, scales, zeros, bits, group)  # fp32 scales and mins: exact in the kernel
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    cfg = {"ROW_BLOCKS": blocks, "SPLIT_K": split, "num_warps": warps}
+    flags = mma.mma_gemv_constexprs(n, k, bits, group, cfg, has_bias=False, use_pdl=0)
+    k_split = mma.mma_k_split(k, bits, split, warps)
+    ws = torch.full((flags["SPLIT_K"], 1, n), float("nan"))
+    mma._int_mma_gemv_kernel[(-(-n // (16 * blocks)), flags["SPLIT_K"])](
+        x, packed.words, packed.scales, packed.mins, packed.scales, ws, ws, n, k, k_split, **flags, num_warps=warps)
+    w = (codes.double() * scales.double().repeat_interleave(group, 1)
+         + packed.mins.double().repeat_interleave(group, 1))
+    want = x.double() @ w.T
+    torch.testing.assert_close(ws.double().sum(0), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
