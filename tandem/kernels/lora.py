@@ -1,7 +1,11 @@
 """The LoRA delta of a batch that mixes adapters: y += (x @ A[slot]^T) @ B[slot]^T per token, slot -1 adding
-nothing; the Triton shrink / expand kernels on CUDA, the plain-PyTorch reference below on the CPU."""
+nothing; the Triton shrink / expand kernels on CUDA, the plain-PyTorch reference below on the CPU. At decode sizes
+the expand may instead run in the epilogue of the base projection's GEMV (LoRAShrunk: what that epilogue reads)."""
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 
@@ -44,3 +48,40 @@ def lora_counters(num_slots: int, device: torch.device) -> torch.Tensor:
     """The split counters the Triton kernels of a pool of num_slots slots share: zero, and zero again after every
     call, so one buffer serves every linear of a model (their kernels run one after another on a stream)."""
     return torch.zeros(num_slots * MAX_RANK_TILES, dtype=torch.int32, device=device)
+
+
+@dataclass(slots=True)
+class LoRAShrunk:
+    """What a base GEMM's epilogue needs to add each token's delta to the tile of y it computed: the shrink (x @
+    A[slot]^T, fp32, zero for tokens without an adapter), B and the per-token slots."""
+
+    s: torch.Tensor  # [n, rank] fp32
+    b: torch.Tensor  # [slots, out, rank], the scale folded in; rows match the base weight's rows
+    token_slots: torch.Tensor  # [>= n] int32, -1: no adapter
+
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """x [n, in] @ A[slot]^T per token -> [n, rank] fp32 (zero where the slot is -1), as lora_add_ref's one-hot
+    sum: graph-safe, no gather by slot on the host."""
+    num_slots, rank, k = a.shape
+    n = x.shape[0]
+    shrink = (x.float() @ a.reshape(num_slots * rank, k).float().t()).view(n, num_slots, rank)
+    own = token_slots[:n].view(n, 1) == torch.arange(num_slots, device=x.device).view(1, num_slots)
+    return (shrink * own.to(shrink.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+def lora_in_gemv() -> bool:
+    """Whether a LoRA target linear that runs the decode GEMV adds its delta in the GEMV's epilogue (a shrink
+    kernel, then base + expand in one kernel) rather than with the separate shrink and expand after the base
+    kernel; TANDEM_LORA_FUSED=0 turns it off (read per call: a CUDA graph keeps what its capture chose)."""
+    return os.environ.get("TANDEM_LORA_FUSED") != "0"
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """[n, rank] fp32 shrink of x [n, in] through each token's A (see lora_shrink_ref): the decode GEMV's shrink
+    kernel where Triton runs, else the reference."""
+    if use_triton(x):
+        from tandem.kernels.triton_gemv import lora_shrink_triton  # lazy: CPU runs never import Triton
+
+        return lora_shrink_triton(x, a, token_slots)
+    return lora_shrink_ref(x, a, token_slots)
