@@ -53,7 +53,8 @@ def lora_counters(num_slots: int, device: torch.device) -> torch.Tensor:
 @dataclass(slots=True)
 class LoRAShrunk:
     """What a base GEMM's epilogue needs to add each token's delta to the tile of y it computed: the shrink (x @
-    A[slot]^T, fp32, zero for tokens without an adapter), B and the per-token slots."""
+    A[slot]^T, fp32), B and the per-token slots. An epilogue reads s only on rows whose slot is >= 0 (the
+    token-block shrink leaves the others unwritten)."""
 
     s: torch.Tensor  # [n, rank] fp32
     b: torch.Tensor  # [slots, out, rank], the scale folded in; rows match the base weight's rows
@@ -71,17 +72,30 @@ def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor)
 
 
 def lora_in_gemv() -> bool:
-    """Whether a LoRA target linear that runs the decode GEMV adds its delta in the GEMV's epilogue (a shrink
-    kernel, then base + expand in one kernel) rather than with the separate shrink and expand after the base
-    kernel; TANDEM_LORA_FUSED=0 turns it off (read per call: a CUDA graph keeps what its capture chose)."""
+    """Whether a LoRA target linear that runs a decode kernel (the GEMV, the skinny tile GEMM) adds its delta in
+    that kernel's epilogue (a shrink kernel, then base + expand in one kernel) rather than with the separate shrink
+    and expand after the base output; TANDEM_LORA_FUSED=0 turns it off (read per call: a CUDA graph keeps what its
+    capture chose)."""
     return os.environ.get("TANDEM_LORA_FUSED") != "0"
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
-    """[n, rank] fp32 shrink of x [n, in] through each token's A (see lora_shrink_ref): the decode GEMV's shrink
-    kernel where Triton runs, else the reference."""
-    if use_triton(x):
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
+                counters: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, rank] fp32 shrink of x [n, in] through each token's A (see lora_shrink_ref; rows with slot -1 may be left
+    unwritten: LoRAShrunk) where Triton runs: up to
+    SHRINK_GEMV_MAX_ROWS rows a GEMV over each row's own A rows (no K split, no second pass), more rows the
+    token-block shrink of lora_add (counters: its split counters); else the reference."""
+    if not use_triton(x):
+        return lora_shrink_ref(x, a, token_slots)
+    if x.shape[0] <= SHRINK_GEMV_MAX_ROWS:
         from tandem.kernels.triton_gemv import lora_shrink_triton  # lazy: CPU runs never import Triton
 
         return lora_shrink_triton(x, a, token_slots)
-    return lora_shrink_ref(x, a, token_slots)
+    from tandem.kernels.triton_lora import lora_shrink_block_triton
+
+    return lora_shrink_block_triton(x, a, token_slots, counters)
+
+
+# Rows up to which lora_shrink reads each row's adapter rows by itself (the decode GEMV's rows); past it, tokens that
+# share an adapter share its reads (the token-block kernel's tile products).
+SHRINK_GEMV_MAX_ROWS = 4

@@ -28,9 +28,9 @@ class LoRADelta:
         return lora_add(y, x, self.a, self.b, self.token_slots, self.counters)
 
     def shrink(self, x: torch.Tensor) -> LoRAShrunk:
-        """x [n, in_local]'s rank columns through each token's A, with B and the slots: what the decode GEMV's
-        epilogue reads to add the delta itself (Linear._gemv)."""
-        return LoRAShrunk(lora_shrink(x, self.a, self.token_slots), self.b, self.token_slots)
+        """x [n, in_local]'s rank columns through each token's A, with B and the slots: what the epilogue of a
+        decode kernel (the GEMV, the skinny tile GEMM) reads to add the delta itself (Linear._fused_lora)."""
+        return LoRAShrunk(lora_shrink(x, self.a, self.token_slots, self.counters), self.b, self.token_slots)
 
 
 class LoRAPool:

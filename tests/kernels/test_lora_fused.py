@@ -1,6 +1,7 @@
-"""LoRA inside the decode GEMV: the shrink kernel (each row's own adapter rows) and the base GEMV that adds each
-row's delta in its epilogue, plain and gated, against the base product plus lora_add_ref (interpreter on CPU in
-fp32 / fp16, compiled on GPU); and a Linear that holds a LoRADelta taking that path."""
+"""LoRA inside the decode kernels: the shrink kernels (each row's own adapter rows; token blocks), the base GEMV
+and the skinny tile GEMM that add each row's delta in their epilogue, plain, gated and split over K, against the
+base product plus lora_add_ref (interpreter on CPU in fp32 / fp16, compiled on GPU); and a Linear that holds a
+LoRADelta taking those paths."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.lora import LoRAShrunk, lora_add_ref, lora_shrink_ref
 from tandem.kernels.triton_gemv import gemv_triton, lora_shrink_triton
+from tandem.kernels.triton_lora import lora_shrink_block_triton
+from tandem.kernels.triton_quant import skinny_matmul_triton
 from tests.kernels.sm90 import compile_sm90
 
 CUDA = torch.cuda.is_available()
@@ -78,6 +82,34 @@ def test_gemv_adds_each_rows_delta(dtype, m, gated):
         assert torch.equal(got[none], plain[none])  # a row without an adapter keeps the base output bit for bit
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [8, 32])
+def test_skinny_gemm_adds_each_rows_delta(dtype, m):
+    """The swap-AB tile GEMM with the delta in its first K split's sums: whole K, split in two (through the reduce
+    kernel, and handed on as PartialSums), and gated; the token-block shrink feeds it."""
+    n, k = 128, 256
+    x, w, a, b, slots = operands(m, n, k, dtype, seed=m + 1)
+    shrink = lora_shrink_block_triton(x, a, slots)
+    none = slots[:m] < 0
+    # rows without an adapter are left unwritten (the epilogues never read them)
+    torch.testing.assert_close(shrink[~none], lora_shrink_ref(x, a, slots)[~none], **tolerance(dtype))
+    shrunk = LoRAShrunk(shrink, b, slots)
+    expected = lora_add_ref(x.double() @ w.double().t(), x.double(), a.double(), b.double(), slots[:m])
+    for split in (1, 2):
+        tile = {"SPLIT_K": split, "BLOCK_K": 64}
+        got = skinny_matmul_triton(x, w, None, tile=tile, lora=shrunk)
+        torch.testing.assert_close(got.double(), expected, **tolerance(dtype))
+        plain = skinny_matmul_triton(x, w, None, tile=tile)
+        assert torch.equal(got[none], plain[none])  # a row without an adapter keeps the base output bit for bit
+        parts = skinny_matmul_triton(x, w, None, tile=tile, defer=True, lora=shrunk)
+        assert isinstance(parts, PartialSums) == (split > 1)
+        if split > 1:  # the norm after o_proj / down_proj adds the partial sums, the delta among them
+            assert torch.equal(parts.reduce(), got)
+    gate, up = expected.chunk(2, dim=-1)
+    gated = skinny_matmul_triton(x, w, None, tile={"BLOCK_K": 64}, gated=True, lora=shrunk)
+    torch.testing.assert_close(gated.double(), F.silu(gate) * up, **tolerance(dtype))
+
+
 def test_gemv_lora_refuses_bad_shapes():
     x, w = torch.zeros(2, 16), torch.zeros(8, 16)
     slots = torch.zeros(2, dtype=torch.int32)
@@ -87,12 +119,14 @@ def test_gemv_lora_refuses_bad_shapes():
         gemv_triton(x, w, lora=LoRAShrunk(torch.zeros(2, 4, dtype=torch.float16), torch.zeros(1, 8, 4), slots))
     with pytest.raises(ValueError, match="lora shrink"):
         lora_shrink_triton(x, torch.zeros(1, 4, 8), slots)
+    with pytest.raises(ValueError, match="skinny lora epilogue"):
+        skinny_matmul_triton(x, w, None, lora=LoRAShrunk(torch.zeros(2, 4), torch.zeros(1, 6, 4), slots))
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 8])  # the GEMV's rows, then the skinny GEMM's
 def test_linear_fuses_the_delta_into_its_gemv(monkeypatch, rows):
-    """A LoRA target Linear at decode rows: its GEMV with the delta in the epilogue (the gate/up projection's
-    gated GEMV too) gives the base output plus each token's delta, as the separate kernels do."""
+    """A LoRA target Linear at decode rows: its GEMV or skinny GEMM with the delta in the epilogue (the gate/up
+    projection's gated kernel too) gives the base output plus each token's delta, as the separate kernels do."""
     from tandem.layers.activation import silu_and_mul
     from tandem.layers.linear import Linear
     from tandem.lora.pool import LoRADelta
@@ -129,17 +163,43 @@ for block_m, block_k in ((1, 16384), (2, 8192), (4, 4096)):
                                 "BLOCK_K": block_k, "VEC": 8, "USE_PDL": 2},
                     attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 3, 5, 7, 8, 9)})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-    out[f"{block_m}-{block_k}"] = [l.split()[0] for l in ptx.splitlines() if l.strip().startswith(("ld.", "st."))]
-json.dump(out, sys.stdout)
+    # An instruction's first word, past a guard predicate such as `@%p3` (masked loads are guarded).
+    lines = [l.split(None, 1)[1] if l.strip().startswith("@") else l.strip() for l in ptx.splitlines() if l.strip()]
+    out[f"{block_m}-{block_k}"] = [l.split()[0] for l in lines if l.startswith(("ld.", "st."))]
+from tandem.kernels.triton_quant import _swap_ab_kernel
+skinny = {}
+
+names = _swap_ab_kernel.arg_names
+types = {"xq_ptr": "*bf16", "xs_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
+         "ws_ptr": "*fp32", "oa_ptr": "*bf16", "ls_ptr": "*fp32", "lb_ptr": "*bf16", "lslot_ptr": "*i32"}
+for gated, split in ((0, 2), (1, 1)):
+    cx = {"HAS_BIAS": False, "EVEN_K": True, "SPLIT_K": split, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128,
+          "USE_PDL": 2, "HAS_SCALE": False, "X_SCALED": False, "GATED": gated, "PREFETCH_LINES": 4, "LINE_K": 64,
+          "AMAX_OUT": False, "GROUP_K": 0, "LORA": True, "BLOCK_R": 64, "SLOTS_P2": 16}
+    src = ASTSource(fn=_swap_ab_kernel, signature={n: types.get(n, "constexpr" if n in cx else "i32") for n in names},
+                    constexprs=cx, attrs={(names.index(a),): [["tt.divisibility", 16]]
+                                          for a in ("xq_ptr", "w_ptr", "K", "K_SPLIT", "stride_xm", "stride_wn")})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+    lines = [l.split(None, 1)[1] if l.strip().startswith("@") else l.strip()
+             for l in compiled.asm["ptx"].splitlines() if l.strip()]
+    ops = [l.split()[0] for l in lines if l[:1].isalpha()]
+    skinny[f"{gated}-{split}"] = {"ops": sorted(set(ops)), "shared": compiled.metadata.shared}
+json.dump({"shrink": out, "skinny": skinny}, sys.stdout)
 """
 
 
-def test_shrink_compiles_for_sm90_without_spills():
+def test_fused_kernels_compile_for_sm90_without_spills():
     """The shrink's tiles as lora_shrink_triton picks them at 1, 2 and 4 rows (a whole Llama K row in one tile)
-    compile for Hopper with 16-byte loads of A and nothing in local memory."""
-    for variant, ops in compile_sm90(_COMPILE_SM90).items():
+    compile for Hopper with 16-byte loads of A; the skinny GEMM with the LoRA epilogue (split over K; gated) keeps
+    its bf16 tensor-core product; none keeps anything in local memory."""
+    compiled = compile_sm90(_COMPILE_SM90)
+    for variant, ops in compiled["shrink"].items():
         assert any(op.startswith("ld.global") and ".v4" in op for op in ops), (variant, ops)
         assert not any(op.startswith(("ld.local", "st.local")) for op in ops), (variant, ops)
+    for variant, info in compiled["skinny"].items():
+        assert any(op.startswith(("wgmma", "mma")) and "bf16" in op for op in info["ops"]), (variant, info)
+        assert not any(op.startswith(("ld.local", "st.local")) for op in info["ops"]), (variant, info)
+        assert info["shared"] <= 227 * 1024, (variant, info)
 
 
 # ----------------------------------------------------------------------------- GPU, real shapes
@@ -150,32 +210,40 @@ def test_shrink_compiles_for_sm90_without_spills():
 @pytest.mark.parametrize("n,k,rank_cols,gated", [(6144, 4096, 48, False), (4096, 4096, 16, False),
                                                  (28672, 4096, 32, True), (4096, 14336, 16, False)])
 def test_gpu_fused_lora_real_shapes(n, k, rank_cols, gated):
-    """Llama-3-8B projections in bf16 at 1-4 rows over 16 slots: the fused GEMV equals the base GEMV followed by
-    lora_add_triton's shrink and expand (both against the fp32 math), and a CUDA graph replays it."""
+    """Llama-3-8B projections in bf16 over 16 slots: at 1-4 rows the fused GEMV, at 8 and 32 rows (8 adapters and
+    the base model) the fused skinny GEMM, each against the fp32 math as closely as the base kernel followed by
+    lora_add_triton's shrink and expand; and a CUDA graph replays both fused paths bit for bit."""
+    from tandem.kernels.lora import lora_shrink
     from tandem.kernels.triton_lora import lora_add_triton
 
     gen = torch.Generator(device="cuda").manual_seed(n + k)
-    x = torch.randn(4, k, generator=gen, device="cuda").bfloat16()
+    x = torch.randn(32, k, generator=gen, device="cuda").bfloat16()
     w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).bfloat16()
     a = (torch.randn(16, rank_cols, k, generator=gen, device="cuda") * k**-0.5).bfloat16()
     b = (torch.randn(16, n, rank_cols, generator=gen, device="cuda") * 0.05).bfloat16()
-    slots = torch.tensor([3, -1, 15, 3], dtype=torch.int32, device="cuda")
-    for m in (1, 2, 3, 4):
-        unfused = lora_add_triton(gemv_triton(x[:m], w), x[:m], a, b, slots)
+    slots = torch.tensor([3, -1, 15, 3] + [i % 9 - 1 for i in range(28)], dtype=torch.int32, device="cuda")
+
+    def fused(rows: torch.Tensor) -> torch.Tensor:
+        shrunk = LoRAShrunk(lora_shrink(rows, a, slots), b, slots)
+        if rows.shape[0] <= 4:
+            return gemv_triton(rows, w, gated=gated, lora=shrunk)
+        return skinny_matmul_triton(rows, w, None, gated=gated, lora=shrunk)
+
+    for m in (1, 2, 3, 4, 8, 32):
+        unfused = lora_add_triton(x[:m] @ w.t(), x[:m], a, b, slots).float()
         reference = lora_add_ref(x[:m].float() @ w.float().t(), x[:m].float(), a.float(), b.float(), slots[:m])
         if gated:
-            unfused = F.silu(unfused[:, : n // 2].float()) * unfused[:, n // 2 :].float()
+            unfused = F.silu(unfused[:, : n // 2]) * unfused[:, n // 2 :]
             gate, up = reference.chunk(2, dim=-1)
             reference = F.silu(gate) * up
-        fused = gemv_triton(x[:m], w, gated=gated, lora=LoRAShrunk(lora_shrink_triton(x[:m], a, slots), b, slots))
-        for got in (fused.float(), unfused.float()):
+        for got in (fused(x[:m]).float(), unfused):
             rel = ((got - reference).norm() / reference.norm()).item()
             assert rel < 1e-2, (m, rel)
-    static = x[:1].clone()
-    graph = torch.cuda.CUDAGraph()
-    eager = gemv_triton(static, w, gated=gated, lora=LoRAShrunk(lora_shrink_triton(static, a, slots), b, slots))
-    with torch.cuda.graph(graph):
-        captured = gemv_triton(static, w, gated=gated,
-                               lora=LoRAShrunk(lora_shrink_triton(static, a, slots), b, slots))
-    graph.replay()
-    assert torch.equal(captured, eager)
+    for m in (1, 32):
+        static = x[:m].clone()
+        eager = fused(static)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fused(static)
+        graph.replay()
+        assert torch.equal(captured, eager), m
