@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kernels.ops import use_triton
+from tandem.kernels.ops import GEMV_ROWS_LIMIT, use_triton
 
 MAX_RANK_TILES = 64  # the Triton shrink's rank tiles a counter buffer serves per slot
 
@@ -77,6 +77,19 @@ def lora_in_gemv() -> bool:
     and expand after the base output; TANDEM_LORA_FUSED=0 turns it off (read per call: a CUDA graph keeps what its
     capture chose)."""
     return os.environ.get("TANDEM_LORA_FUSED") != "0"
+
+
+def lora_skinny_rows(x: torch.Tensor, in_features: int) -> bool:
+    """Whether a LoRA target on x ([..., in_features]) runs the skinny GEMM with the delta in its epilogue even
+    where the base model's linear would not (use_skinny): up to TANDEM_LORA_SKINNY_MAX_ROWS rows (default 0: only
+    where use_skinny says; at most GEMV_ROWS_LIMIT). At 33-64 rows the base model's cuBLAS outran the skinny GEMM
+    (0.8-0.96x of its speed on an H200), but an adapted projection there pays for separate expand kernels (and
+    the gate/up projection for a silu_and_mul) that the fused GEMM does not run; the setting lets a run compare."""
+    numel = x.numel()
+    if numel > GEMV_ROWS_LIMIT * in_features:  # prefill-sized: no env lookups
+        return False
+    rows = int(os.environ.get("TANDEM_LORA_SKINNY_MAX_ROWS", "0"))
+    return numel <= rows * in_features and not (x.is_cuda and x.dtype == torch.float32) and use_triton(x)
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,

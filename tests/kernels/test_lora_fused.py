@@ -123,7 +123,7 @@ def test_gemv_lora_refuses_bad_shapes():
         skinny_matmul_triton(x, w, None, lora=LoRAShrunk(torch.zeros(2, 4), torch.zeros(1, 6, 4), slots))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])  # the GEMV's rows, then the skinny GEMM's
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])  # the GEMV's rows, the skinny GEMM's, past them (with the setting)
 def test_linear_fuses_the_delta_into_its_gemv(monkeypatch, rows):
     """A LoRA target Linear at decode rows: its GEMV or skinny GEMM with the delta in the epilogue (the gate/up
     projection's gated kernel too) gives the base output plus each token's delta, as the separate kernels do."""
@@ -133,15 +133,20 @@ def test_linear_fuses_the_delta_into_its_gemv(monkeypatch, rows):
 
     if not CUDA:
         monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
-    x, w, a, b, slots = operands(rows, 64, 48, torch.float32, seed=rows)
-    linear = Linear(48, 64).to(DEVICE)
+    x, w, a, b, slots = operands(rows, 32, 48, torch.float32, seed=rows)
+    linear = Linear(48, 32).to(DEVICE)
     linear.weight.data = w
     linear.lora = LoRADelta(a, b, slots)
+    if rows > 32:
+        assert linear._fused_lora(x) is None  # past the skinny GEMM's rows: cuBLAS and the separate kernels
+        monkeypatch.setenv("TANDEM_LORA_SKINNY_MAX_ROWS", "64")
+    assert linear._fused_lora(x) == ("gemv" if rows <= 4 else "skinny")
     expected = lora_add_ref(x.double() @ w.double().t(), x.double(), a.double(), b.double(), slots[:rows])
     fused, fused_gated = linear(x), linear.forward_silu_and_mul(x)
     torch.testing.assert_close(fused.double(), expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fused_gated.double(), silu_and_mul(expected), atol=1e-4, rtol=1e-4)
     monkeypatch.setenv("TANDEM_LORA_FUSED", "0")  # the base kernel, then the shrink and expand kernels
+    assert linear._fused_lora(x) is None
     torch.testing.assert_close(linear(x), fused, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(linear.forward_silu_and_mul(x), fused_gated, atol=1e-5, rtol=1e-5)
 
