@@ -10,7 +10,9 @@ prefill of 32 prompts over 8 adapters): without adapters (`base_us`: the GEMV, s
 take), with them and the delta in the decode kernels' epilogue where they run (`fused_us`: a shrink kernel, then
 base + expand), and with the separate shrink and expand kernels after the base output (`unfused_us`,
 TANDEM_LORA_FUSED=0). GPU time from a CUDA graph, as the engine replays it. The ratio base / lora is the
-projection's share of the `lora` workload's target.
+projection's share of the `lora` workload's target. At one token it also times the two shrink kernels alone: the
+one-pass GEMV over the token's A rows that the fused path runs (`shrink_gemv_us`) and the token-block kernel with
+its K split and second pass (`shrink_block_us`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemv import cuda_setup, graph_us, write_rows  # noqa: E402
 
 from tandem.kernels.lora import lora_counters  # noqa: E402
+from tandem.kernels.triton_gemv import lora_shrink_triton  # noqa: E402
+from tandem.kernels.triton_lora import lora_shrink_block_triton  # noqa: E402
 from tandem.layers.linear import Linear  # noqa: E402
 from tandem.lora.pool import LoRADelta  # noqa: E402
 
@@ -73,9 +77,14 @@ def main() -> None:
             row = {"proj": name, "N": n_out, "K": k, "rank_columns": cols, "mix": mix, "tokens": tokens,
                    "adapters": adapters, "base_us": base, "fused_us": fused, "unfused_us": unfused,
                    "ratio_fused": base / fused, "ratio_unfused": base / unfused}
+            if tokens == 1:
+                row["shrink_gemv_us"] = graph_us([lambda: lora_shrink_triton(x, a, slots)])
+                row["shrink_block_us"] = graph_us([lambda: lora_shrink_block_triton(x, a, slots, counters)])
             rows.append(row)
+            shrinks = (f"  shrink gemv {row['shrink_gemv_us']:.1f} us, block {row['shrink_block_us']:.1f} us"
+                       if tokens == 1 else "")
             print(f"{name:<8} {mix:<30} base {base:8.1f} us  lora fused {fused:8.1f} us ({row['ratio_fused']:.3f})  "
-                  f"separate {unfused:8.1f} us ({row['ratio_unfused']:.3f})", flush=True)
+                  f"separate {unfused:8.1f} us ({row['ratio_unfused']:.3f}){shrinks}", flush=True)
     os.environ.pop("TANDEM_LORA_FUSED")
     if args.out:
         write_rows(args.out, props, copy_gbs, rows, benchmark="lora_kernels", rank=args.rank, slots=args.slots)

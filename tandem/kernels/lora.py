@@ -1,6 +1,6 @@
 """The LoRA delta of a batch that mixes adapters: y += (x @ A[slot]^T) @ B[slot]^T per token, slot -1 adding
 nothing; the Triton shrink / expand kernels on CUDA, the plain-PyTorch reference below on the CPU. At decode sizes
-the expand may instead run in the epilogue of the base projection's GEMV (LoRAShrunk: what that epilogue reads)."""
+the expand may instead run in the epilogue of the base projection's kernel (LoRAShrunk: what that epilogue reads)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ import torch
 from tandem.kernels.ops import GEMV_ROWS_LIMIT, use_triton
 
 MAX_RANK_TILES = 64  # the Triton shrink's rank tiles a counter buffer serves per slot
+# Rows up to which lora_shrink reads each row's adapter rows by itself (the decode GEMV's rows); past it, tokens that
+# share an adapter share its reads (the token-block kernel's tile products).
+SHRINK_GEMV_MAX_ROWS = 4
 
 
 def lora_add_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -95,20 +98,15 @@ def lora_skinny_rows(x: torch.Tensor, in_features: int) -> bool:
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
                 counters: torch.Tensor | None = None) -> torch.Tensor:
     """[n, rank] fp32 shrink of x [n, in] through each token's A (see lora_shrink_ref; rows with slot -1 may be left
-    unwritten: LoRAShrunk) where Triton runs: up to
-    SHRINK_GEMV_MAX_ROWS rows a GEMV over each row's own A rows (no K split, no second pass), more rows the
-    token-block shrink of lora_add (counters: its split counters); else the reference."""
+    unwritten: LoRAShrunk). Where Triton runs: up to SHRINK_GEMV_MAX_ROWS rows a GEMV over each row's own A rows
+    (no K split, no second pass), more rows the token-block shrink of lora_add (counters: its split counters)."""
     if not use_triton(x):
         return lora_shrink_ref(x, a, token_slots)
     if x.shape[0] <= SHRINK_GEMV_MAX_ROWS:
         from tandem.kernels.triton_gemv import lora_shrink_triton  # lazy: CPU runs never import Triton
 
         return lora_shrink_triton(x, a, token_slots)
-    from tandem.kernels.triton_lora import lora_shrink_block_triton
+    from tandem.kernels.triton_lora import lora_shrink_block_triton  # lazy: CPU runs never import Triton
 
     return lora_shrink_block_triton(x, a, token_slots, counters)
 
-
-# Rows up to which lora_shrink reads each row's adapter rows by itself (the decode GEMV's rows); past it, tokens that
-# share an adapter share its reads (the token-block kernel's tile products).
-SHRINK_GEMV_MAX_ROWS = 4

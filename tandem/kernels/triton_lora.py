@@ -168,9 +168,9 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
 def lora_shrink_block_triton(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
                              counters: torch.Tensor | None = None, block_k: int = 128, block_m: int | None = None,
                              splits: int | None = None) -> torch.Tensor:
-    """[n, rank] fp32: x [n, in] @ A[slot]^T per token (0 for slot -1), by token blocks and the adapters each block
-    uses (see lora_add_triton for the arguments): the shrink kernel alone, for a GEMM that adds the expand in its
-    epilogue (triton_quant.skinny_matmul_triton's lora)."""
+    """[n, rank] fp32: x [n, in] @ A[slot]^T per token (rows with slot -1 left unwritten), by token blocks and the
+    adapters each block uses (see lora_add_triton for the arguments): the shrink kernel alone, for a GEMM that adds
+    the expand in its epilogue (triton_quant.skinny_matmul_triton's lora)."""
     n, k = x.shape
     num_slots, rank = a.shape[0], a.shape[1]
     if a.shape[2] != k or token_slots.shape[0] < n or a.stride(-1) != 1:
