@@ -177,8 +177,8 @@ skinny = {}
 names = _swap_ab_kernel.arg_names
 types = {"xq_ptr": "*bf16", "xs_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
          "ws_ptr": "*fp32", "oa_ptr": "*bf16", "ls_ptr": "*fp32", "lb_ptr": "*bf16", "lslot_ptr": "*i32"}
-for gated, split in ((0, 2), (1, 1)):
-    cx = {"HAS_BIAS": False, "EVEN_K": True, "SPLIT_K": split, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128,
+for gated, split, block_m in ((0, 2, 32), (1, 1, 32), (0, 4, 64), (1, 1, 64)):
+    cx = {"HAS_BIAS": False, "EVEN_K": True, "SPLIT_K": split, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128,
           "USE_PDL": 2, "HAS_SCALE": False, "X_SCALED": False, "GATED": gated, "PREFETCH_LINES": 4, "LINE_K": 64,
           "AMAX_OUT": False, "GROUP_K": 0, "LORA": True, "BLOCK_R": 64, "SLOTS_P2": 16}
     src = ASTSource(fn=_swap_ab_kernel, signature={n: types.get(n, "constexpr" if n in cx else "i32") for n in names},
@@ -188,15 +188,15 @@ for gated, split in ((0, 2), (1, 1)):
     lines = [l.split(None, 1)[1] if l.strip().startswith("@") else l.strip()
              for l in compiled.asm["ptx"].splitlines() if l.strip()]
     ops = [l.split()[0] for l in lines if l[:1].isalpha()]
-    skinny[f"{gated}-{split}"] = {"ops": sorted(set(ops)), "shared": compiled.metadata.shared}
+    skinny[f"{gated}-{split}-{block_m}"] = {"ops": sorted(set(ops)), "shared": compiled.metadata.shared}
 json.dump({"shrink": out, "skinny": skinny}, sys.stdout)
 """
 
 
 def test_fused_kernels_compile_for_sm90_without_spills():
     """The shrink's tiles as lora_shrink_triton picks them at 1, 2 and 4 rows (a whole Llama K row in one tile)
-    compile for Hopper with 16-byte loads of A; the skinny GEMM with the LoRA epilogue (split over K; gated) keeps
-    its bf16 tensor-core product; none keeps anything in local memory."""
+    compile for Hopper with 16-byte loads of A; the skinny GEMM with the LoRA epilogue (split over K; gated; 32 and
+    64 rows) keeps its bf16 tensor-core product; none keeps anything in local memory."""
     compiled = compile_sm90(_COMPILE_SM90)
     for variant, ops in compiled["shrink"].items():
         assert any(op.startswith("ld.global") and ".v4" in op for op in ops), (variant, ops)
