@@ -1,13 +1,20 @@
 """The LoRA delta of a batch that mixes adapters: y += (x @ A[slot]^T) @ B[slot]^T per token, slot -1 adding
-nothing; the Triton shrink / expand kernels on CUDA, the plain-PyTorch reference below on the CPU."""
+nothing; the Triton shrink / expand kernels on CUDA, the plain-PyTorch reference below on the CPU. At decode sizes
+the expand may instead run in the epilogue of the base projection's kernel (LoRAShrunk: what that epilogue reads)."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 
-from tandem.kernels.ops import use_triton
+from tandem.kernels.ops import GEMV_ROWS_LIMIT, use_triton
 
 MAX_RANK_TILES = 64  # the Triton shrink's rank tiles a counter buffer serves per slot
+# Rows up to which lora_shrink reads each row's adapter rows by itself (the decode GEMV's rows); past it, tokens that
+# share an adapter share its reads (the token-block kernel's tile products).
+SHRINK_GEMV_MAX_ROWS = 4
 
 
 def lora_add_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -44,3 +51,62 @@ def lora_counters(num_slots: int, device: torch.device) -> torch.Tensor:
     """The split counters the Triton kernels of a pool of num_slots slots share: zero, and zero again after every
     call, so one buffer serves every linear of a model (their kernels run one after another on a stream)."""
     return torch.zeros(num_slots * MAX_RANK_TILES, dtype=torch.int32, device=device)
+
+
+@dataclass(slots=True)
+class LoRAShrunk:
+    """What a base GEMM's epilogue needs to add each token's delta to the tile of y it computed: the shrink (x @
+    A[slot]^T, fp32), B and the per-token slots. An epilogue reads s only on rows whose slot is >= 0 (the
+    token-block shrink leaves the others unwritten)."""
+
+    s: torch.Tensor  # [n, rank] fp32
+    b: torch.Tensor  # [slots, out, rank], the scale folded in; rows match the base weight's rows
+    token_slots: torch.Tensor  # [>= n] int32, -1: no adapter
+
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """x [n, in] @ A[slot]^T per token -> [n, rank] fp32 (zero where the slot is -1), as lora_add_ref's one-hot
+    sum: graph-safe, no gather by slot on the host."""
+    num_slots, rank, k = a.shape
+    n = x.shape[0]
+    shrink = (x.float() @ a.reshape(num_slots * rank, k).float().t()).view(n, num_slots, rank)
+    own = token_slots[:n].view(n, 1) == torch.arange(num_slots, device=x.device).view(1, num_slots)
+    return (shrink * own.to(shrink.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+def lora_in_gemv() -> bool:
+    """Whether a LoRA target linear that runs a decode kernel (the GEMV, the skinny tile GEMM) adds its delta in
+    that kernel's epilogue (a shrink kernel, then base + expand in one kernel) rather than with the separate shrink
+    and expand after the base output; TANDEM_LORA_FUSED=0 turns it off (read per call: a CUDA graph keeps what its
+    capture chose)."""
+    return os.environ.get("TANDEM_LORA_FUSED") != "0"
+
+
+def lora_skinny_rows(x: torch.Tensor, in_features: int) -> bool:
+    """Whether a LoRA target on x ([..., in_features]) runs the skinny GEMM with the delta in its epilogue even
+    where the base model's linear would not (use_skinny): up to TANDEM_LORA_SKINNY_MAX_ROWS rows (default 0: only
+    where use_skinny says; at most GEMV_ROWS_LIMIT). At 33-64 rows the base model's cuBLAS outran the skinny GEMM
+    (0.8-0.96x of its speed on an H200), but an adapted projection there pays for separate expand kernels (and
+    the gate/up projection for a silu_and_mul) that the fused GEMM does not run; the setting lets a run compare."""
+    numel = x.numel()
+    if numel > GEMV_ROWS_LIMIT * in_features:  # prefill-sized: no env lookups
+        return False
+    rows = int(os.environ.get("TANDEM_LORA_SKINNY_MAX_ROWS", "0"))
+    return numel <= rows * in_features and not (x.is_cuda and x.dtype == torch.float32) and use_triton(x)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
+                counters: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, rank] fp32 shrink of x [n, in] through each token's A (see lora_shrink_ref; rows with slot -1 may be left
+    unwritten: LoRAShrunk). Where Triton runs: up to SHRINK_GEMV_MAX_ROWS rows a GEMV over each row's own A rows
+    (no K split, no second pass), more rows the token-block shrink of lora_add (counters: its split counters)."""
+    if not use_triton(x):
+        return lora_shrink_ref(x, a, token_slots)
+    if x.shape[0] <= SHRINK_GEMV_MAX_ROWS:
+        from tandem.kernels.triton_gemv import lora_shrink_triton  # lazy: CPU runs never import Triton
+
+        return lora_shrink_triton(x, a, token_slots)
+    from tandem.kernels.triton_lora import lora_shrink_block_triton  # lazy: CPU runs never import Triton
+
+    return lora_shrink_block_triton(x, a, token_slots, counters)
+

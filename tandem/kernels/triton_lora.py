@@ -101,6 +101,30 @@ def _expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, M, N, R, stride_sm, stride_bs
         tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def lora_tile_delta(slots, offs_m, offs_n, n_mask, ls_ptr, lb_ptr, R, stride_lsm, stride_lbs, stride_lbn,
+                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SLOTS_P2: tl.constexpr):
+    # The LoRA delta of a tile GEMM's [BLOCK_N channels, BLOCK_M rows] tile (the swap-AB layout), fp32: for each
+    # adapter slot the rows use, B[slot]'s channel rows times the shrink of that slot's rows, as one tile product
+    # (s at ls_ptr [M, R] fp32, rounded to B's dtype as the expand kernel rounds it). Rows with slot -1 (or past M,
+    # whose slots the caller loads as -1) get exactly 0.
+    ids = tl.arange(0, SLOTS_P2)
+    used = tl.max((slots[:, None] == ids[None, :]).to(tl.int32), axis=0)
+    running = tl.cumsum(used, axis=0)
+    delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for nth in range(0, tl.sum(used, axis=0)):
+        slot = _nth_slot(used, running, nth, SLOTS_P2)
+        mine = slots == slot
+        b_rows = lb_ptr + slot.to(tl.int64) * stride_lbs + offs_n[:, None].to(tl.int64) * stride_lbn
+        for r0 in range(0, R, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            s = tl.load(ls_ptr + offs_m[:, None] * stride_lsm + r[None, :], mask=mine[:, None] & (r[None, :] < R),
+                        other=0.0)
+            b = tl.load(b_rows + r[None, :], mask=n_mask[:, None] & (r[None, :] < R), other=0.0)
+            delta = tl.dot(b, tl.trans(s.to(b.dtype)), delta)
+    return delta
+
+
 # Up to this many tokens (decode steps) one token block holds them all and the shrink splits K; past it, blocks of
 # PREFILL_BLOCK_M tokens (prefill chunks, whose rows nearly always share their request's adapter).
 ONE_BLOCK_MAX = 128
@@ -123,12 +147,41 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
                          f"y {tuple(y.shape)}, slots {tuple(token_slots.shape)}")
     if n == 0:
         return y
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    assert y.stride(-1) == 1 and a.stride(-1) == 1 and b.stride(-1) == 1
-    if block_m is None:
-        block_m = max(16, triton.next_power_of_2(n)) if n <= ONE_BLOCK_MAX else PREFILL_BLOCK_M
+    assert y.stride(-1) == 1 and b.stride(-1) == 1
+    block_m = _block_m(n, block_m)
+    shrink = lora_shrink_block_triton(x, a, token_slots, counters, block_k, block_m, splits)
     blocks = triton.cdiv(n, block_m)
-    block_r = max(16, min(triton.next_power_of_2(rank), 64))
+    slot_programs = min(n, num_slots) if blocks == 1 else 1
+    block_r = _block_r(rank)
+    if block_n is None:  # wider output tiles where many slot programs would each pay a tile's fixed cost
+        programs = blocks * slot_programs * out
+        block_n = min(256, max(64, triton.next_power_of_2(triton.cdiv(programs, 8 * _num_sms(x.device)))))
+    block_n = max(16, min(block_n, triton.next_power_of_2(out)))
+    pdl = use_pdl(x.device)
+    _expand_kernel[(blocks, slot_programs, triton.cdiv(out, block_n))](
+        shrink, b, token_slots, y, n, out, rank, shrink.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SLOTS_P2=slots_p2(num_slots), USE_PDL=pdl,
+        launch_pdl=bool(pdl), num_warps=8 if block_m >= 64 else 4)
+    return y
+
+
+def lora_shrink_block_triton(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
+                             counters: torch.Tensor | None = None, block_k: int = 128, block_m: int | None = None,
+                             splits: int | None = None) -> torch.Tensor:
+    """[n, rank] fp32: x [n, in] @ A[slot]^T per token (rows with slot -1 left unwritten), by token blocks and the
+    adapters each block uses (see lora_add_triton for the arguments): the shrink kernel alone, for a GEMM that adds
+    the expand in its epilogue (triton_quant.skinny_matmul_triton's lora)."""
+    n, k = x.shape
+    num_slots, rank = a.shape[0], a.shape[1]
+    if a.shape[2] != k or token_slots.shape[0] < n or a.stride(-1) != 1:
+        raise ValueError(f"lora shrink: x {tuple(x.shape)}, a {tuple(a.shape)}, slots {tuple(token_slots.shape)}")
+    shrink = torch.empty(n, rank, dtype=torch.float32, device=x.device)  # [n, rank]
+    if n == 0:
+        return shrink
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    block_m = _block_m(n, block_m)
+    blocks = triton.cdiv(n, block_m)
+    block_r = _block_r(rank)
     r_tiles = triton.cdiv(rank, block_r)
     if r_tiles > MAX_RANK_TILES:
         raise ValueError(f"lora rank columns {rank} exceed {MAX_RANK_TILES * block_r}")
@@ -140,28 +193,33 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
         splits = max(1, min(k_tiles, 16, triton.cdiv(2 * _num_sms(x.device), min(num_slots, n) * r_tiles)))
     k_per_split = triton.cdiv(k_tiles, splits) * block_k
     splits = triton.cdiv(k, k_per_split)
-    shrink = torch.empty(n, rank, dtype=torch.float32, device=x.device)  # [n, rank]
     parts = torch.empty(splits, n, rank, dtype=torch.float32, device=x.device) if splits > 1 else shrink
     if counters is None or counters.numel() < num_slots * MAX_RANK_TILES:
         counters = lora_counters(num_slots, x.device)
     pdl = use_pdl(x.device)
-    slots_p2 = max(2, triton.next_power_of_2(num_slots))
     # A program per used slot in a one-block (decode) step: up to min(tokens, slots) of them; a prefill block
     # loops over its few.
     slot_programs = min(n, num_slots) if blocks == 1 else 1
     _shrink_kernel[(blocks, slot_programs, r_tiles * splits)](
         x, a, token_slots, parts, shrink, counters, n, k, rank, k_per_split, x.stride(0), a.stride(0), a.stride(1),
         parts.stride(0) if splits > 1 else 0, shrink.stride(0), SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r,
-        BLOCK_K=block_k, SLOTS_P2=slots_p2, USE_PDL=pdl, launch_pdl=bool(pdl))
-    if block_n is None:  # wider output tiles where many slot programs would each pay a tile's fixed cost
-        programs = blocks * slot_programs * out
-        block_n = min(256, max(64, triton.next_power_of_2(triton.cdiv(programs, 8 * _num_sms(x.device)))))
-    block_n = max(16, min(block_n, triton.next_power_of_2(out)))
-    _expand_kernel[(blocks, slot_programs, triton.cdiv(out, block_n))](
-        shrink, b, token_slots, y, n, out, rank, shrink.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SLOTS_P2=slots_p2, USE_PDL=pdl, launch_pdl=bool(pdl),
-        num_warps=8 if block_m >= 64 else 4)
-    return y
+        BLOCK_K=block_k, SLOTS_P2=slots_p2(num_slots), USE_PDL=pdl, launch_pdl=bool(pdl))
+    return shrink
+
+
+def _block_m(n: int, block_m: int | None) -> int:
+    if block_m is not None:
+        return block_m
+    return max(16, triton.next_power_of_2(n)) if n <= ONE_BLOCK_MAX else PREFILL_BLOCK_M
+
+
+def _block_r(rank: int) -> int:
+    return max(16, min(triton.next_power_of_2(rank), 64))
+
+
+def slots_p2(num_slots: int) -> int:
+    """The kernels' SLOTS_P2 for a pool of num_slots slots: the power of two the used-slot masks span."""
+    return max(2, triton.next_power_of_2(num_slots))
 
 
 def _num_sms(device: torch.device) -> int:

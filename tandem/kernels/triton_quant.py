@@ -10,7 +10,9 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.fp8 import DEFER_REDUCE, FP8_DTYPE, FP8_MAX, MIN_AMAX, PartialSums, group_block_k
+from tandem.kernels.lora import LoRAShrunk
 from tandem.kernels.triton_launch import device_sms, pdl_wait, persistent_state, prefetch_l2, use_pdl
+from tandem.kernels.triton_lora import lora_tile_delta, slots_p2
 
 MAX_QUANT_DIM = 65536  # one program holds a whole row in registers
 
@@ -365,6 +367,8 @@ def _swap_ab_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
     HAS_SCALE: tl.constexpr, X_SCALED: tl.constexpr, GATED: tl.constexpr, up_offset,
     PREFETCH_LINES: tl.constexpr, LINE_K: tl.constexpr, AMAX_OUT: tl.constexpr, GROUP_K: tl.constexpr,
+    ls_ptr=None, lb_ptr=None, lslot_ptr=None, R=1, stride_lsm=0, stride_lbs=0, stride_lbn=0,
+    LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, SLOTS_P2: tl.constexpr = 2,
 ):
     # Program = BLOCK_N weight rows x BLOCK_M rows over K range [pid_k * K_SPLIT, +K_SPLIT). Both operands
     # go to the tensor cores in one dtype: e4m3 x e4m3 for W8A8, or both in the model dtype. (Widening FP8
@@ -382,6 +386,9 @@ def _swap_ab_kernel(
     # oa_ptr[row, program] ([M, N tiles]: the row's |max| is their max, for _quant_from_parts_kernel).
     # GROUP_K > 0 (X_SCALED): x is quantized in groups of GROUP_K columns, scales [M, K / GROUP_K], and each
     # K tile (within one group) adds its product times its group's scale.
+    # LORA (model-dtype weights: no channel scale; GATED 0 or 1): the first K split adds each row's adapter delta
+    # (shrink at ls_ptr [M, R] fp32, B at lb_ptr [slots, weight rows, R], row slots at lslot_ptr) to its fp32
+    # sums, so the delta rides through the split-K reduce (or the PartialSums a norm adds up) like the product.
     pid_k, offs_m, _, offs_k, m_mask, _, k_begin, k_end = _small_m_program(
         M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     if GATED == 2:
@@ -430,6 +437,14 @@ def _swap_ab_kernel(
         acc = acc * x_scale
         if GATED == 1:
             acc_up = acc_up * x_scale
+    if LORA:
+        if pid_k == 0:
+            slots = tl.load(lslot_ptr + offs_m, mask=m_mask, other=-1)
+            acc += lora_tile_delta(slots, offs_m, offs_n, n_mask, ls_ptr, lb_ptr, R, stride_lsm, stride_lbs,
+                                   stride_lbn, BLOCK_N, BLOCK_M, BLOCK_R, SLOTS_P2)
+            if GATED == 1:
+                acc_up += lora_tile_delta(slots, offs_m, offs_n + up_offset, n_mask, ls_ptr, lb_ptr, R, stride_lsm,
+                                          stride_lbs, stride_lbn, BLOCK_N, BLOCK_M, BLOCK_R, SLOTS_P2)
     if SPLIT_K == 1:
         acc = _channel_epilogue(acc, offs_n, n_mask, s_ptr, b_ptr, HAS_SCALE, HAS_BIAS)
         out_ty = out_ptr.dtype.element_ty
@@ -678,14 +693,21 @@ def skinny_matmul_triton(
     tile: dict[str, int] | None = None,  # overrides BLOCK_N / BLOCK_K / SPLIT_K / num_warps / num_stages
     gated: bool = False,  # silu(gate) * up of a merged gate/up weight: [M, N / 2], K never split
     defer: bool = False,  # split over K: may return PartialSums instead of running the reduce
+    lora: LoRAShrunk | None = None,  # each row's adapter delta, added to the sums (s [M, R], b [slots, N, R])
 ) -> torch.Tensor | PartialSums:  # [M, N] (or [M, N / 2] gated) in x's dtype
     """x W^T + b for a few dozen rows with the weight in the model dtype: the swap-AB tile GEMM (channels
     fill the MMA's M; the rows are its narrow N), the weight read once, split over K where N alone is too
-    narrow to fill the GPU; gated, silu(gate) * up in the same pass."""
+    narrow to fill the GPU; gated, silu(gate) * up in the same pass. With lora, each row's LoRA delta joins its
+    fp32 sums before the one rounding (base + expand in one kernel)."""
     m, k = x.shape
     n = weight.shape[0]
     if gated and n % 2:
         raise ValueError(f"a gated GEMM needs an even number of weight rows (gate then up), got {n}")
+    if lora is not None and (lora.s.shape[0] != m or lora.s.dtype != torch.float32 or lora.b.dim() != 3
+                             or lora.b.shape[1:] != (n, lora.s.shape[1]) or lora.token_slots.shape[0] < m
+                             or lora.s.stride(1) != 1 or lora.b.stride(2) != 1):
+        raise ValueError(f"skinny lora epilogue: s {tuple(lora.s.shape)} {lora.s.dtype}, b {tuple(lora.b.shape)}, "
+                         f"slots {tuple(lora.token_slots.shape)} for {m} rows x {n} weight rows")
     if x.stride(1) != 1:
         x = x.contiguous()
     n_out = n // 2 if gated else n
@@ -696,6 +718,12 @@ def skinny_matmul_triton(
     cfg = {**skinny_tile(m, n_out, k, sms), **(tile or {})}
     if gated:
         cfg["SPLIT_K"] = 1  # silu needs the whole sum
+    flags = {}
+    if lora is not None:
+        rank = lora.s.shape[1]
+        flags = dict(ls_ptr=lora.s, lb_ptr=lora.b, lslot_ptr=lora.token_slots, R=rank, stride_lsm=lora.s.stride(0),
+                     stride_lbs=lora.b.stride(0), stride_lbn=lora.b.stride(1), LORA=True,
+                     BLOCK_R=max(16, min(triton.next_power_of_2(rank), 64)), SLOTS_P2=slots_p2(lora.b.shape[0]))
     return _launch_small_m(_swap_ab_kernel, (x, x), x.stride(0), weight, None, bias, out, cfg, defer, (out,),
                            HAS_SCALE=False, X_SCALED=False, GATED=GATE_TWO if gated else GATE_NONE, up_offset=n_out,
-                           AMAX_OUT=False, GROUP_K=0, **_prefetch(weight, cfg))
+                           AMAX_OUT=False, GROUP_K=0, **_prefetch(weight, cfg), **flags)

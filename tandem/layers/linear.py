@@ -9,6 +9,7 @@ from torch import nn
 
 from tandem.kernels.fp8 import FP8_DTYPE, W8A8_MAX_M, PartialSums, QuantizedRows, fp8_quantizes_activations
 from tandem.kernels.int_weight import IntWeight, repack_int_weight
+from tandem.kernels.lora import lora_in_gemv, lora_skinny_rows
 from tandem.kernels.ops import use_gemv, use_skinny, use_triton
 from tandem.layers.activation import silu_and_mul
 from tandem.layers.int_quant import PackedIntWeight, check_int_layout, int_linear, quantize_rtn, rtn_group_size
@@ -31,13 +32,31 @@ class Linear(nn.Module):
         self.int_bits = 0
         self.group_size = 0
         # With LoRA adapters (tandem.lora): an object whose add(x, y) adds each token's adapter delta onto the
-        # base output y in place; None without adapters.
+        # base output y in place and whose shrink(x) gives the decode GEMV's epilogue operands; None without.
         self.lora = None
 
     def forward(self, x: torch.Tensor | QuantizedRows, defer_reduce: bool = False) -> torch.Tensor | PartialSums:
-        if self.lora is not None:  # the base output whole (never deferred), then each token's adapter delta
-            return self.lora.add(x, self.base_forward(x))
+        if self.lora is not None:  # base output + each token's adapter delta
+            fused = self._fused_lora(x)
+            if fused == "gemv":
+                return self._gemv(x, gated=False, with_lora=True)  # type: ignore[arg-type]
+            if fused == "skinny":
+                return self._skinny(x, gated=False, defer=defer_reduce and x.dim() == 2, with_lora=True)  # type: ignore[arg-type]
+            return self.lora.add(x, self.base_forward(x))  # the base output whole (never deferred), then the delta
         return self.base_forward(x, defer_reduce)
+
+    def _fused_lora(self, x: torch.Tensor | QuantizedRows) -> str | None:
+        """The decode kernel of this LoRA target that adds the delta in its epilogue, after a shrink kernel
+        ("gemv" or "skinny", the kernel base_forward would run): two kernels for base + delta instead of three
+        (four with the gate/up projection's silu_and_mul, and a reduce kernel where a K split could have left
+        it to the norm); None: the separate kernels after the base output."""
+        if isinstance(x, QuantizedRows) or self.int_bits or not lora_in_gemv():
+            return None
+        if use_gemv(x, self.in_features, self.weight_scale is not None):
+            return "gemv"
+        if self.weight_scale is None and (use_skinny(x, self.in_features) or lora_skinny_rows(x, self.in_features)):
+            return "skinny"
+        return None
 
     def base_forward(self, x: torch.Tensor | QuantizedRows, defer_reduce: bool = False) -> torch.Tensor | PartialSums:
         """defer_reduce (the output feeds only RMSNorm's add + norm, which takes PartialSums): a GEMM split
@@ -67,7 +86,14 @@ class Linear(nn.Module):
         an FP8 linear): where that linear would quantize it per token, the silu_and_mul kernel writes it
         quantized (QuantizedRows). Quantized rows up to W8A8_MAX_M on a GPU (or the interpreter) run the W8A8
         GEMM with silu(gate) * up in its epilogue, quantized for fp8_out from the row maxima it writes."""
-        if self.int_bits or self.lora is not None:
+        if self.lora is not None:
+            fused = self._fused_lora(x)
+            if fused == "gemv":
+                return self._gemv(x, gated=True, with_lora=True)  # type: ignore[arg-type]
+            if fused == "skinny":
+                return self._skinny(x, gated=True, with_lora=True)  # type: ignore[arg-type]
+            return silu_and_mul(self(x))
+        if self.int_bits:
             return silu_and_mul(self(x))
         if isinstance(x, QuantizedRows):
             if self.bias is None and x.q.shape[0] <= W8A8_MAX_M and use_triton(x.q):
@@ -87,16 +113,21 @@ class Linear(nn.Module):
             return QuantizedRows(*quantize_per_token_triton(y, silu_and_mul=True), y.dtype)
         return silu_and_mul(y)
 
-    def _skinny(self, x: torch.Tensor, gated: bool, defer: bool = False) -> torch.Tensor | PartialSums:
+    def _skinny(self, x: torch.Tensor, gated: bool, defer: bool = False,
+                with_lora: bool = False) -> torch.Tensor | PartialSums:
         from tandem.kernels.triton_quant import skinny_matmul_triton  # lazy: CPU runs never import Triton
 
-        out = skinny_matmul_triton(x.reshape(-1, self.in_features), self.weight, self.bias, gated=gated, defer=defer)
+        x2 = x.reshape(-1, self.in_features)
+        lora = self.lora.shrink(x2) if with_lora else None  # base + each token's delta (see _fused_lora)
+        out = skinny_matmul_triton(x2, self.weight, self.bias, gated=gated, defer=defer, lora=lora)
         return out if isinstance(out, PartialSums) else out.view(*x.shape[:-1], out.shape[-1])
 
-    def _gemv(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
+    def _gemv(self, x: torch.Tensor, gated: bool, with_lora: bool = False) -> torch.Tensor:
         from tandem.kernels.triton_gemv import gemv_triton  # lazy: CPU runs never import Triton
 
-        out = gemv_triton(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias, gated=gated)
+        x2 = x.reshape(-1, self.in_features)
+        lora = self.lora.shrink(x2) if with_lora else None  # base + each token's delta (see _fused_lora)
+        out = gemv_triton(x2, self.weight, self.weight_scale, self.bias, gated=gated, lora=lora)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def _kernel_int_weight(self, x: torch.Tensor) -> IntWeight | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels.lora import lora_add, lora_counters
+from tandem.kernels.lora import LoRAShrunk, lora_add, lora_counters, lora_shrink
 from tandem.layers.linear import Linear
 from tandem.lora.pack import PackedAdapter, num_parts
 
@@ -26,6 +26,11 @@ class LoRADelta:
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return lora_add(y, x, self.a, self.b, self.token_slots, self.counters)
+
+    def shrink(self, x: torch.Tensor) -> LoRAShrunk:
+        """x [n, in_local]'s rank columns through each token's A, with B and the slots: what the epilogue of a
+        decode kernel (the GEMV, the skinny tile GEMM) reads to add the delta itself (Linear._fused_lora)."""
+        return LoRAShrunk(lora_shrink(x, self.a, self.token_slots, self.counters), self.b, self.token_slots)
 
 
 class LoRAPool:

@@ -57,6 +57,25 @@ def test_graphs_and_eager_agree(adapters, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_prompts", [3, 6])  # decode rows on the GEMV, then on the skinny GEMM
+def test_delta_in_the_decode_kernels_matches_the_separate_kernels(adapters, monkeypatch, num_prompts):
+    """The decode kernels that add the delta in their epilogue give the greedy tokens of the separate shrink and
+    expand kernels (TANDEM_LORA_FUSED=0), from CUDA graphs, in bf16."""
+    base, loras = adapters
+    order = [loras[0], None, loras[1], loras[2], loras[0], None][:num_prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    runs = []
+    for fused in ("1", "0"):
+        monkeypatch.setenv("TANDEM_LORA_FUSED", fused)
+        llm = LLM(base, device="cuda", dtype="bfloat16", enable_lora=True, max_loras=3, max_lora_rank=16,
+                  max_model_len=128, num_kv_blocks=64, max_num_seqs=8)
+        outs = llm.generate(PROMPTS[:num_prompts], params, use_tqdm=False, lora_request=order)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+        llm.shutdown()
+    assert_same_greedy(runs[0], runs[1], f"{num_prompts} prompts: fused vs separate LoRA kernels")
+
+
+@pytest.mark.gpu
 def test_fp32_matches_peft(adapters):
     """fp32 on the GPU (the PyTorch path of the delta) against transformers + peft on the CPU."""
     base, loras = adapters

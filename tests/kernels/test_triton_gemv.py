@@ -139,21 +139,25 @@ from triton.compiler import ASTSource
 from tandem.kernels.triton_gemv import _gemv_kernel
 
 names = ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om",
-         "up_offset", "HAS_SCALE", "HAS_BIAS", "GATED", "MASK_M", "MASK_N", "EVEN_K", "BLOCK_M",
-         "BLOCK_N", "BLOCK_K", "VEC", "USE_PDL"]
+         "up_offset", "ls_ptr", "lb_ptr", "lslot_ptr", "R", "stride_lsm", "stride_lbs", "stride_lbn",
+         "HAS_SCALE", "HAS_BIAS", "GATED", "MASK_M", "MASK_N", "EVEN_K", "BLOCK_M", "BLOCK_N", "BLOCK_K", "VEC",
+         "USE_PDL", "LORA", "BLOCK_R"]
 out = {}
 for wty, gated, bk in (("*bf16", False, 512), ("*bf16", True, 512), ("*fp8e4nv", False, 1024), ("*fp8e4nv", True, 1024)):
     for pdl in (False, True):
-        types = ["*bf16", wty, "*fp32", "*bf16", "*bf16"] + ["i32"] * 7 + ["constexpr"] * 11
-        src = ASTSource(fn=_gemv_kernel, signature=dict(zip(names, types)),
-                        constexprs={"HAS_SCALE": wty != "*bf16", "HAS_BIAS": False, "GATED": gated, "MASK_M": False,
-                                    "MASK_N": False, "EVEN_K": True, "BLOCK_M": 1, "BLOCK_N": 4,
-                                    "BLOCK_K": bk, "VEC": 8 if wty == "*bf16" else 16, "USE_PDL": pdl},
-                        attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 8, 9, 10)})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-        # Instructions in program order (first word of each line), loads, stores and grid-dependency control.
-        out[f"{wty}-{gated}-{pdl}"] = [l.split()[0] for l in ptx.splitlines()
-                                       if l.strip().startswith(("ld.", "st.", "griddepcontrol"))]
+        for lora in (False, True):
+            types = (["*bf16", wty, "*fp32", "*bf16", "*bf16"] + ["i32"] * 7 + ["*fp32", "*bf16", "*i32"]
+                     + ["i32"] * 4 + ["constexpr"] * 13)
+            src = ASTSource(fn=_gemv_kernel, signature=dict(zip(names, types)),
+                            constexprs={"HAS_SCALE": wty != "*bf16", "HAS_BIAS": False, "GATED": gated,
+                                        "MASK_M": False, "MASK_N": False, "EVEN_K": True, "BLOCK_M": 1,
+                                        "BLOCK_N": 4, "BLOCK_K": bk, "VEC": 8 if wty == "*bf16" else 16,
+                                        "USE_PDL": pdl, "LORA": lora, "BLOCK_R": 64},
+                            attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 8, 9, 10)})
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+            # Instructions in program order (first word of each line), loads, stores and grid-dependency control.
+            out[f"{wty}-{gated}-{lora}-{pdl}"] = [l.split()[0] for l in ptx.splitlines()
+                                                  if l.strip().startswith(("ld.", "st.", "griddepcontrol"))]
 json.dump(out, sys.stdout)
 """
 
@@ -162,7 +166,8 @@ def test_gemv_compiles_for_sm90_with_vector_loads():
     """Every variant compiles for Hopper without a GPU and streams the weight with 16-byte loads
     (ld.global.v4), keeping nothing in local memory. Under programmatic dependent launch the first weight
     tile is loaded before the wait for the previous kernel, then the next kernel is let launch; without it
-    the kernel has no grid-dependency instructions."""
+    the kernel has no grid-dependency instructions. The LoRA epilogue (each row's slot, shrink and B) changes none
+    of that: it reads only after the wait."""
     for variant, ops in compile_sm90(_COMPILE_SM90).items():
         assert any(op.startswith("ld.global.v4") for op in ops), (variant, ops)
         assert not any(op.startswith(("ld.local", "st.local")) for op in ops), (variant, ops)

@@ -169,7 +169,7 @@ out = {}
 for name, gated, group_k in (("plain", 0, 0), ("gated", 2, 0), ("grouped", 0, 512)):
     cx = {"HAS_BIAS": False, "EVEN_K": True, "SPLIT_K": 1, "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256,
           "USE_PDL": 2, "HAS_SCALE": True, "X_SCALED": True, "GATED": gated, "PREFETCH_LINES": 4, "LINE_K": 128,
-          "AMAX_OUT": gated == 2, "GROUP_K": group_k}
+          "AMAX_OUT": gated == 2, "GROUP_K": group_k, "LORA": False, "BLOCK_R": 16, "SLOTS_P2": 2}
     src = ASTSource(fn=_swap_ab_kernel, signature={n: types.get(n, "constexpr" if n in cx else "i32") for n in names},
                     constexprs=cx, attrs={(names.index(a),): [["tt.divisibility", 16]]
                                           for a in ("xq_ptr", "w_ptr", "K", "K_SPLIT", "stride_xm", "stride_wn")})
