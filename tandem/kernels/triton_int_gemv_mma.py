@@ -27,8 +27,10 @@ def part_elements(bits: int) -> int:
 # and the sums' rows g and g + 8 at columns 2t, 2t + 1 (c0, c1 and c2, c3). x fills every column of B, so a
 # row's sum is in every lane of its g. Any order of K works as long as A and B agree: a part's MMA j reads the
 # codes of word j // 2 of the lane's four, in whatever slots the and-or leaves them, and B holds x's elements of
-# the same slots. An and-or of 0x000F000F and a bf16 pair of MAGIC puts a nibble in the low bits of each half:
-# 0x4300 + q is 128 + q, 0x4500 + q is 2048 + 16 q (bf16 keeps 8 significant bits: both exact).
+# the same slots. A shift that brings a nibble to bits 3-6 of each half, then an and-or of 0x00780078 and a bf16
+# pair of MAGIC, puts it at the top of each half's mantissa: 0x3F80 | q << 3 is 1 + q / 16, 0x4180 | q << 3 is
+# 16 + q (bf16 keeps 8 significant bits: both exact). The codes sit beside an offset of 1 (or 17 at 8 bits), not
+# 128: F - OFFSET X then cancels a bit or two of the fp32 sums, not four.
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, d1, $1, d3}, {a0, a1, a2, a3}, {B0, B1}, "
         "{$0, d1, $1, d3};")
 
@@ -37,24 +39,22 @@ def _part_asm(bits: int) -> str:
     # One part of rows g and g + 8 of a block: words $2-$5 and $6-$9 (4t .. 4t + 3 of the part), then B's
     # registers; out: F of row g ($0) and g + 8 ($1) over the part, chained from zero over 8 MMAs.
     # 4 bits: pair p of a word (its elements 2p and 2p + 1, bits 4p and 4p + 16: int_weight.NIBBLE_ORDER) is
-    #   (word >> 4p) & 0x000F000F | 0x43004300 = 128 + q; MMA j takes pairs 2 (j % 2) and 2 (j % 2) + 1 as a0 and
-    #   a2 and x's pairs 2j and 2j + 1 ($10 + 2j, $11 + 2j): F = sum x (128 + q).
-    # 8 bits: byte i of a word is element i; (word >> 8o) & 0x000F000F | 0x43004300 holds the low nibbles of
-    #   elements o and o + 2 (128 + lo), (word >> 8o + 4) & 0x000F000F | 0x45004500 their high nibbles
-    #   (2048 + 16 hi); MMA j takes o = j % 2, the low nibbles as a0, the high as a2, and B = (x_o, x_o+2) of
-    #   the word in both ($10 + j): F = sum x (2176 + q).
-    lines = ["{", ".reg .b32 m, lo, hi, s, a0, a1, a2, a3;", ".reg .f32 d1, d3;", "mov.b32 m, 0x000F000F;",
-             "mov.b32 lo, 0x43004300;", f"mov.b32 hi, {'0x43004300' if bits == 4 else '0x45004500'};",
+    #   (word >> 4p - 3) & 0x00780078 | 0x3F803F80 = 1 + q / 16; MMA j takes pairs 2 (j % 2) and 2 (j % 2) + 1
+    #   as a0 and a2 and x's pairs 2j and 2j + 1 ($10 + 2j, $11 + 2j): F = sum x (1 + q / 16).
+    # 8 bits: byte i of a word is element i; (word >> 8o - 3) & 0x00780078 | 0x3F803F80 holds the low nibbles of
+    #   elements o and o + 2 (1 + lo / 16), (word >> 8o + 1) & 0x00780078 | 0x41804180 their high nibbles
+    #   (16 + hi); MMA j takes o = j % 2, the low nibbles as a0, the high as a2, and B = (x_o, x_o+2) of the word
+    #   in both ($10 + j): F = sum x (17 + q / 16).
+    lines = ["{", ".reg .b32 m, lo, hi, s, a0, a1, a2, a3;", ".reg .f32 d1, d3;", "mov.b32 m, 0x00780078;",
+             "mov.b32 lo, 0x3F803F80;", f"mov.b32 hi, {'0x3F803F80' if bits == 4 else '0x41804180'};",
              "mov.f32 $0, 0f00000000;", "mov.f32 $1, 0f00000000;", "mov.f32 d1, 0f00000000;",
              "mov.f32 d3, 0f00000000;"]
     for j in range(8):
         row_g, row_h, shift = f"${2 + j // 2}", f"${6 + j // 2}", 8 * (j % 2)
-        for reg, word, sh, magic in (("a0", row_g, shift, "lo"), ("a2", row_g, shift + 4, "hi"),
-                                     ("a1", row_h, shift, "lo"), ("a3", row_h, shift + 4, "hi")):
-            if sh:
-                lines += [f"shr.u32 s, {word}, {sh};", f"lop3.b32 {reg}, s, m, {magic}, 0xea;"]
-            else:
-                lines.append(f"lop3.b32 {reg}, {word}, m, {magic}, 0xea;")
+        for reg, word, sh, magic in (("a0", row_g, shift - 3, "lo"), ("a2", row_g, shift + 1, "hi"),
+                                     ("a1", row_h, shift - 3, "lo"), ("a3", row_h, shift + 1, "hi")):
+            move = f"shr.u32 s, {word}, {sh};" if sh > 0 else f"shl.b32 s, {word}, {-sh};"
+            lines += [move, f"lop3.b32 {reg}, s, m, {magic}, 0xea;"]
         b0, b1 = (10 + 2 * j, 11 + 2 * j) if bits == 4 else (10 + j, 10 + j)
         lines.append(_MMA.replace("B0", f"${b0}").replace("B1", f"${b1}"))
     return "\n".join(lines + ["}"])
@@ -62,7 +62,7 @@ def _part_asm(bits: int) -> str:
 
 def _sum_asm(bits: int) -> str:
     # X = sum_k x_k over the part by MMAs with A all ones (bf16 1.0 pairs), two chains for the latency; the
-    # part's contribution to row r is s (F - OFFSET X) + mn X. In: x's registers (16 at 4 bits, $1-$16; 8 at 8
+    # part's contribution to row r is 16 s (F - OFFSET X) + mn X. In: x's registers (16 at 4 bits, $1-$16; 8 at 8
     # bits, $9-$16); out: X ($0) and, at 8 bits, B's registers of the words ($1-$8: (x_o, x_o+2) of each).
     regs = 16 if bits == 4 else 8
     first = 1 if bits == 4 else 9
@@ -137,7 +137,7 @@ def _int_mma_gemv_kernel(
     # fills whole programs.
     PART: tl.constexpr = 512 // BITS
     PER_WORD: tl.constexpr = 32 // BITS
-    OFFSET: tl.constexpr = 128.0 if BITS == 4 else 2176.0  # what F adds per x_k beside x_k q_k
+    OFFSET: tl.constexpr = 1.0 if BITS == 4 else 17.0  # F = sum_k x_k (OFFSET + q_k / 16)
     T: tl.constexpr = 32 * WARPS
     tid = tl.arange(0, T)
     lane = tid % 32
@@ -215,10 +215,10 @@ def _int_mma_gemv_kernel(
             else:
                 f_lo = tl.where(mine == b, b_lo, f_lo)
                 f_hi = tl.where(mine == b, b_hi, f_hi)
-        # s (F - OFFSET X) + mn X: the part's sum of x (q s + mn) for each row
-        acc_lo = acc_lo + tl.load(s_ptr + s_lo + group).to(tl.float32) * (f_lo - OFFSET * xs)
+        # 16 s (F - OFFSET X) + mn X: the part's sum of x (q s + mn) for each row
+        acc_lo = acc_lo + (tl.load(s_ptr + s_lo + group).to(tl.float32) * 16.0) * (f_lo - OFFSET * xs)
         acc_lo = acc_lo + tl.load(mn_ptr + s_lo + group).to(tl.float32) * xs
-        acc_hi = acc_hi + tl.load(s_ptr + s_hi + group).to(tl.float32) * (f_hi - OFFSET * xs)
+        acc_hi = acc_hi + (tl.load(s_ptr + s_hi + group).to(tl.float32) * 16.0) * (f_hi - OFFSET * xs)
         acc_hi = acc_hi + tl.load(mn_ptr + s_hi + group).to(tl.float32) * xs
         x_ptrs += WARPS * PART // 2
         w_lo += WARPS * PART // PER_WORD
@@ -266,7 +266,7 @@ def mma_gemv_fits(m: int, k: int, bits: int, group_size: int) -> bool:
 
 def mma_gemv_config(n: int, k: int, bits: int, sms: int) -> dict[str, int]:
     """Tile from the shape alone (graph-safe), 8 warps splitting K in a program. The most 16-row blocks a
-    program (sm_90 ptxas, K 4096, the K loop per 4-bit weight: 1.78 instructions at 1 block, 1.42 at 2, 1.24
+    program (sm_90 ptxas, K 4096, the K loop per 4-bit weight: 1.94 instructions at 1 block, 1.59 at 2, 1.37
     at 4; 54, 66 and 72 registers, no spills; scripts/sass_int_gemv.py) that still gives two programs an SM;
     where even one block does not (N 4096), 4 blocks and K split over programs (fp32 partial sums, reduced
     after or by the RMSNorm that follows) until two programs an SM, each split at least one part a warp."""

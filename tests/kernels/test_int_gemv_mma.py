@@ -24,7 +24,7 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
 def run_warps(asm: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarray]:
     """Executes `asm` on warps of 32 threads: inputs [operand] uint32 [T] (thread i = lane i % 32 of warp i // 32;
     operands numbered after the outputs), returns the outputs [operand] as uint32 [T]. Knows mov, shr.u32, lop3
-    (0xea: a & b | c), prmt.b32, add.f32 and mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32."""
+    (0xea: a & b | c), shl.b32, prmt.b32, add.f32 and mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32."""
     warps = inputs[0].size // 32
     regs = {f"${outputs + i}": np.asarray(v, dtype=np.uint32).reshape(warps, 32) for i, v in enumerate(inputs)}
     lanes = np.arange(32)
@@ -69,6 +69,8 @@ def run_warps(asm: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarr
             value = get(args[1])
         elif op == "shr.u32":
             value = get(args[1]) >> np.uint32(int(args[2]))
+        elif op == "shl.b32":
+            value = get(args[1]) << np.uint32(int(args[2]))
         elif op == "lop3.b32":
             assert args[4] == "0xea", line
             value = (get(args[1]) & get(args[2])) | get(args[3])
@@ -89,9 +91,9 @@ def run_warps(asm: str, inputs: list[np.ndarray], outputs: int) -> list[np.ndarr
 def test_part_assembly_sums_x_times_the_codes(bits):
     """One part (16 rows, 128 elements at 4 bits, 64 at 8; one warp): lane (g, t) passes words 4t .. 4t + 3 of
     rows g and g + 8 and x at their elements as bf16 pairs (at 8 bits through the sum assembly, which pairs them
-    by word); it gets F = sum_k x_k (OFFSET + q_k) of both rows and X = sum_k x_k, in every lane, as the kernel
+    by word); it gets F = sum_k x_k (OFFSET + q_k / 16) of both rows and X = sum_k x_k, in every lane, as the kernel
     reads them."""
-    part, offset = mma.part_elements(bits), (128 if bits == 4 else 2176)
+    part, offset = mma.part_elements(bits), (1 if bits == 4 else 17)
     gen = torch.Generator().manual_seed(bits)
     codes = torch.randint(0, 2**bits, (16, part), generator=gen, dtype=torch.uint8)
     qweight = codes[:, 0::2] | (codes[:, 1::2] << 4) if bits == 4 else codes
@@ -111,7 +113,7 @@ def test_part_assembly_sums_x_times_the_codes(bits):
     else:
         xs, *b_regs = run_warps(mma.SUM_ASM_8.value, x_in, 9)
         f_lo, f_hi = run_warps(mma.PART_ASM_8.value, w_in + b_regs, 2)
-    want = (x.double()[None, :] * (offset + codes.double())).sum(1).numpy()  # [16]
+    want = (x.double()[None, :] * (offset + codes.double() / 16)).sum(1).numpy()  # [16]
     np.testing.assert_allclose(f_lo.view(np.float32), want[g], rtol=1e-6, atol=1e-3)
     np.testing.assert_allclose(f_hi.view(np.float32), want[g + 8], rtol=1e-6, atol=1e-3)
     np.testing.assert_allclose(xs.view(np.float32), np.full(32, x.double().sum().item()), rtol=1e-5, atol=1e-4)
