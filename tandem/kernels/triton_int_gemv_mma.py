@@ -17,6 +17,9 @@ from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_
 from tandem.kernels.triton_quant import reduce_partial_sums_triton
 
 
+PROGRAMS_PER_SM = 8  # the most programs of 4 warps a GEMV's grid gives each SM (mma_gemv_config)
+
+
 def part_elements(bits: int) -> int:
     """Elements of K one warp multiplies per loop iteration: 4 lanes x 4 words of 32 // bits codes."""
     return 16 * WORD_BITS // bits
@@ -265,19 +268,19 @@ def mma_gemv_fits(m: int, k: int, bits: int, group_size: int) -> bool:
 
 
 def mma_gemv_config(n: int, k: int, bits: int, sms: int) -> dict[str, int]:
-    """Tile from the shape alone (graph-safe), 8 warps splitting K in a program. The most 16-row blocks a
-    program (sm_90 ptxas, K 4096, the K loop per 4-bit weight: 1.94 instructions at 1 block, 1.59 at 2, 1.37
-    at 4; 54, 66 and 72 registers, no spills; scripts/sass_int_gemv.py) that still gives two programs an SM;
-    where even one block does not (N 4096), 4 blocks and K split over programs (fp32 partial sums, reduced
-    after or by the RMSNorm that follows) until two programs an SM, each split at least one part a warp."""
-    warps, parts = 8, k // part_elements(bits)
-    for blocks in (4, 2, 1):
-        if triton.cdiv(n, 16 * blocks) >= 2 * sms:
-            return {"ROW_BLOCKS": blocks, "SPLIT_K": 1, "num_warps": warps}
-    split_k = 1
-    while triton.cdiv(n, 64) * split_k < 2 * sms and split_k < 8 and parts >= 2 * split_k * warps:
+    """Tile from the shape alone (graph-safe), 4 warps splitting K in a program: the fewest 16-row blocks a program
+    that keep the grid within 8 programs an SM, then K split over programs (fp32 partial sums, reduced after or by
+    the RMSNorm that follows) while that stays within 8 an SM, each split at least two parts a warp. On an H200
+    (scripts/bench_int_weight.py --sweep, Llama-3-8B projections at 4 bits) the best tiles gave 6-8 programs of 4
+    warps an SM: fewer leave too few loads in flight, more cost more partial sums; 8 warps a program were slower
+    at every shape. (sm_90 ptxas, K 4096, the K loop per 4-bit weight: 1.94 instructions at 1 block, 1.59 at 2,
+    1.37 at 4; 54, 66 and 72 registers, no spills; scripts/sass_int_gemv.py.)"""
+    warps, parts, most = 4, k // part_elements(bits), PROGRAMS_PER_SM * sms
+    blocks = next((b for b in (1, 2) if triton.cdiv(n, 16 * b) <= most), 4)
+    programs, split_k = triton.cdiv(n, 16 * blocks), 1
+    while 2 * programs * split_k <= most and split_k < 8 and parts >= 4 * split_k * warps:
         split_k *= 2
-    return {"ROW_BLOCKS": 4, "SPLIT_K": split_k, "num_warps": warps}
+    return {"ROW_BLOCKS": blocks, "SPLIT_K": split_k, "num_warps": warps}
 
 
 def mma_gemv_constexprs(n: int, k: int, bits: int, group_size: int, cfg: dict[str, int], has_bias: bool,
