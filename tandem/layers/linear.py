@@ -9,7 +9,7 @@ from torch import nn
 
 from tandem.kernels.fp8 import FP8_DTYPE, W8A8_MAX_M, PartialSums, QuantizedRows, fp8_quantizes_activations
 from tandem.kernels.int_weight import IntWeight, repack_int_weight
-from tandem.kernels.lora import lora_in_gemv, lora_skinny_rows
+from tandem.kernels.lora import lora_in_gemv, lora_in_skinny, lora_skinny_rows
 from tandem.kernels.ops import use_gemv, use_skinny, use_triton
 from tandem.layers.activation import silu_and_mul
 from tandem.layers.int_quant import PackedIntWeight, check_int_layout, int_linear, quantize_rtn, rtn_group_size
@@ -54,7 +54,8 @@ class Linear(nn.Module):
             return None
         if use_gemv(x, self.in_features, self.weight_scale is not None):
             return "gemv"
-        if self.weight_scale is None and (use_skinny(x, self.in_features) or lora_skinny_rows(x, self.in_features)):
+        if self.weight_scale is None and lora_in_skinny() and (use_skinny(x, self.in_features)
+                                                               or lora_skinny_rows(x, self.in_features)):
             return "skinny"
         return None
 

@@ -64,6 +64,7 @@ def test_delta_in_the_decode_kernels_matches_the_separate_kernels(adapters, monk
     base, loras = adapters
     order = [loras[0], None, loras[1], loras[2], loras[0], None][:num_prompts]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    monkeypatch.setenv("TANDEM_LORA_FUSED_SKINNY", "1")  # the skinny GEMM's epilogue too (off by default)
     runs = []
     for fused in ("1", "0"):
         monkeypatch.setenv("TANDEM_LORA_FUSED", fused)

@@ -87,6 +87,8 @@ def test_gemv_adds_each_rows_delta(dtype, m, gated):
 def test_skinny_gemm_adds_each_rows_delta(dtype, m):
     """The swap-AB tile GEMM with the delta in its first K split's sums: whole K, split in two (through the reduce
     kernel, and handed on as PartialSums), and gated; the token-block shrink feeds it."""
+    if CUDA and dtype == torch.float32:
+        pytest.skip("fp32 tensor-core dots round to TF32 on a GPU: the skinny GEMM runs 16-bit rows only there")
     n, k = 128, 256
     x, w, a, b, slots = operands(m, n, k, dtype, seed=m + 1)
     shrink = lora_shrink_block_triton(x, a, slots)
@@ -133,22 +135,29 @@ def test_linear_fuses_the_delta_into_its_gemv(monkeypatch, rows):
 
     if not CUDA:
         monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
-    x, w, a, b, slots = operands(rows, 32, 48, torch.float32, seed=rows)
-    linear = Linear(48, 32).to(DEVICE)
+    # fp32, but 16-bit rows on a GPU past the GEMV's: its skinny GEMM takes no fp32 there (TF32 dots)
+    dtype = torch.float16 if CUDA and rows > 4 else torch.float32
+    close = tolerance(dtype)
+    x, w, a, b, slots = operands(rows, 32, 48, dtype, seed=rows)
+    linear = Linear(48, 32).to(DEVICE, dtype)
     linear.weight.data = w
     linear.lora = LoRADelta(a, b, slots)
+    if rows > 4:
+        assert linear._fused_lora(x) is None  # the skinny GEMM's epilogue is off by default
+        monkeypatch.setenv("TANDEM_LORA_FUSED_SKINNY", "1")
     if rows > 32:
         assert linear._fused_lora(x) is None  # past the skinny GEMM's rows: cuBLAS and the separate kernels
         monkeypatch.setenv("TANDEM_LORA_SKINNY_MAX_ROWS", "64")
     assert linear._fused_lora(x) == ("gemv" if rows <= 4 else "skinny")
     expected = lora_add_ref(x.double() @ w.double().t(), x.double(), a.double(), b.double(), slots[:rows])
     fused, fused_gated = linear(x), linear.forward_silu_and_mul(x)
-    torch.testing.assert_close(fused.double(), expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(fused_gated.double(), silu_and_mul(expected), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fused.double(), expected, **close)
+    torch.testing.assert_close(fused_gated.double(), silu_and_mul(expected), **close)
     monkeypatch.setenv("TANDEM_LORA_FUSED", "0")  # the base kernel, then the shrink and expand kernels
     assert linear._fused_lora(x) is None
-    torch.testing.assert_close(linear(x), fused, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(linear.forward_silu_and_mul(x), fused_gated, atol=1e-5, rtol=1e-5)
+    same = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(linear(x), fused, **same)
+    torch.testing.assert_close(linear.forward_silu_and_mul(x), fused_gated, **same)
 
 
 _COMPILE_SM90 = r"""
