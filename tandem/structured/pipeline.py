@@ -184,10 +184,12 @@ class GrammarPipeline:
         if job is None or job[0] is not step:
             return None
         self._fill = None
-        if self._switch_interval is not None:
-            sys.setswitchinterval(self._switch_interval)
-            self._switch_interval = None
-        return job[1].result()
+        try:
+            return job[1].result()
+        finally:
+            if self._switch_interval is not None:
+                sys.setswitchinterval(self._switch_interval)
+                self._switch_interval = None
 
     def shutdown(self) -> None:
         if self._pool is not None:

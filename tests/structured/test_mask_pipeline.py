@@ -22,10 +22,13 @@ from tests.structured.schemas import SCHEMAS
 VOCAB = 300  # the synthetic vocabulary: token t is chr(t + 32) for the printable ASCII
 
 
-@pytest.mark.parametrize("slow", [
-    [True] * 3 + [False] * 5, [False, False, True, True], [True, True], [False] * 4, [],
-    [random.Random(n).random() < 0.3 for _ in range(64)] for n in range(3)
-])
+def _random_flags(seed: int) -> list[bool]:
+    rng = random.Random(seed)
+    return [rng.random() < 0.3 for _ in range(64)]
+
+
+@pytest.mark.parametrize("slow", [[True] * 3 + [False] * 5, [False, False, True, True], [True, True], [False] * 4, [],
+                                  _random_flags(0), _random_flags(1)])
 def test_spread_slow_rows_spaces_the_slow_rows_evenly(slow):
     order = spread_slow_rows(slow)
     assert sorted(order) == list(range(len(slow)))
@@ -97,7 +100,7 @@ def test_switch_interval_is_short_only_while_a_fill_runs():
         pipeline.start_fill(step, fill)  # the same step again: the running fill stays the only one
         release.set()
         pipeline.finish(step, fill, lambda: None)
-        assert seen == [FILL_SWITCH_INTERVAL_S]
+        assert seen == [pytest.approx(FILL_SWITCH_INTERVAL_S)]
         assert sys.getswitchinterval() == before and not pipeline.filling(step)
     finally:
         pipeline.shutdown()
@@ -106,12 +109,12 @@ def test_switch_interval_is_short_only_while_a_fill_runs():
 
 def _run(llm, overlap: bool, bad_words: bool = False) -> list[list[int]]:
     llm.engine.overlap = overlap
-    schemas = SCHEMAS[:4]
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=40,
+    schemas = SCHEMAS[:3]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=20,
                              bad_words=["the number"] if bad_words and i == 1 else None,
                              structured_output=StructuredOutputParams(json=json.dumps(s)))
               for i, s in enumerate(schemas)]
-    params.append(SamplingParams(temperature=0.0, max_tokens=40))  # an unconstrained row beside them
+    params.append(SamplingParams(temperature=0.0, max_tokens=20))  # an unconstrained row beside them
     prompts = [f"JSON for {json.dumps(s)}:\n" for s in schemas] + ["Tell me about Paris."]
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -136,7 +139,7 @@ def test_next_fill_starts_when_the_tokens_land_and_keeps_the_sync_tokens(idle_ll
     assert _run(idle_llm, overlap=True) == sync
     early = sum(calls[i - 1] == "wait" and calls[i + 1] == "update_from_output"
                 for i, c in enumerate(calls[1:-1], 1) if c == "start_fill")
-    assert early >= 10 and early >= calls.count("start_fill") - 3, calls
+    assert early >= 8 and early >= calls.count("start_fill") - 3, calls
 
 
 def test_bad_words_beside_a_grammar_keep_the_sync_tokens(idle_llm):
