@@ -324,6 +324,12 @@ class EngineCore:
     def num_mask_steps(self) -> int:
         return self.grammar.num_fills
 
+    @property
+    def mask_wait_s(self) -> float:
+        """Time the engine's thread waited for the worker's bitmask fills (a fill that ends before the next step is
+        written costs none)."""
+        return self.grammar.wait_time_s
+
     def _admit_compiled(self) -> list[EngineOutput]:
         """Moves requests whose grammar compiled into the scheduler; a failed compile fails its request."""
         idle = self._inflight is None and not self.scheduler.num_running() and not self.scheduler.num_waiting()

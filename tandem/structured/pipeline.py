@@ -42,6 +42,7 @@ class GrammarPipeline:
         # a step at most once, so each list goes in one parallel call; the lists go in order).
         self._tokens: list[list[tuple[HostMask, int]]] = []
         self.fill_time_s = 0.0  # CPU time filling bitmasks (and enqueuing the sampling after them)
+        self.wait_time_s = 0.0  # the engine's thread waiting for the worker's fills: the part on its critical path
         self.num_fills = 0
         self.num_rejections = 0  # sampled tokens a grammar refused (a masking bug if ever > 0)
 
@@ -184,9 +185,11 @@ class GrammarPipeline:
         if job is None or job[0] is not step:
             return None
         self._fill = None
+        t0 = time.perf_counter()
         try:
             return job[1].result()
         finally:
+            self.wait_time_s += time.perf_counter() - t0
             if self._switch_interval is not None:
                 sys.setswitchinterval(self._switch_interval)
                 self._switch_interval = None
