@@ -210,6 +210,37 @@ def run_threads(compiled: Any, start: list[HostMask], threads: int, steps: int, 
     return out
 
 
+def gil_model(masks: list[HostMask], engine_s: float, accept_s: float, fill_s: float, switch_s: float | None,
+              steps: int) -> dict[str, Any]:
+    """The worker's GIL handovers alone: its Python passes over the rows (as accept_all and fill_rows make them),
+    with sleeps (which free the GIL, as llguidance's parallel calls do) for the calls, while this thread runs
+    `engine_s` of Python. Median seconds from start to ready."""
+    rows = [(j, mask, []) for j, mask in enumerate(masks)]
+
+    def work() -> None:
+        pairs = [(m.matcher, j) for j, m, _ in rows if not m.is_terminated]
+        time.sleep(accept_s)
+        pairs = [(m.matcher, j) for j, m, _ in rows if not m._allows_all()]
+        time.sleep(fill_s)
+        del pairs
+
+    previous = sys.getswitchinterval()
+    ready = []
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        try:
+            sys.setswitchinterval(switch_s or previous)
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                job = pool.submit(work)
+                busy(engine_s)
+                job.result()
+                ready.append(time.perf_counter() - t0)
+        finally:
+            sys.setswitchinterval(previous)
+    return {"gil_model": True, "engine_ms": 1e3 * engine_s, "switch_interval_s": switch_s or previous,
+            "work_ms": 1e3 * (accept_s + fill_s), "ready_ms": 1e3 * statistics.median(ready)}
+
+
 def bound_ms(costs: list[list[float]], threads: int) -> float:
     """Mean over steps of the least time the rows can take on `threads` threads."""
     return 1e3 * statistics.mean(least_time(step, threads) for step in costs)
@@ -246,7 +277,8 @@ def main() -> None:
                 costs = r.pop("costs")
                 print(f"rows alone: median {r['row_ms']['median']:.3f} ms, mean {r['row_ms']['mean']:.3f}, max "
                       f"{r['row_ms']['max']:.2f}; {r['row_ms']['rows_over_1ms_per_step']:.1f} rows over 1 ms a step; "
-                      f"sum {r['row_sum_ms_mean']:.2f} ms a step")
+                      f"sum {r['row_sum_ms_mean']:.2f} ms a step; least ms a step on 4 / 8 / 15 / 16 threads: "
+                      + " / ".join(f"{bound_ms(costs, n):.2f}" for n in (4, 8, 15, 16)))
             r["bound_ms"] = bound_ms(costs, t)
             results.append(r)
 
@@ -269,6 +301,14 @@ def main() -> None:
                   f"{'slow first' if ordered else 'as is':>10}:"
                   f" ready {r['ready_ms']['mean']:.2f} / {r['ready_ms']['p90']:.2f}, join wait "
                   f"{r['join_wait_ms']['mean']:.2f} / {r['join_wait_ms']['p90']:.2f}")
+    print(f"\nGIL model (any machine): the worker's Python as above, its parallel calls replaced by sleeps of the "
+          f"least time on 16 threads (accept 0.1 ms, fill {bound_ms(costs, 16):.2f} ms), beside Python on this thread")
+    for engine_ms in (0.0, args.engine_ms, 2 * args.engine_ms):
+        for switch in (None, FILL_SWITCH_INTERVAL_S):
+            r = gil_model(start, engine_ms / 1e3, 1e-4, bound_ms(costs, 16) / 1e3, switch, args.steps)
+            results.append(r)
+            print(f"  {engine_ms:.1f} ms of engine Python, switch interval {1e3 * r['switch_interval_s']:.1f} ms: ready "
+                  f"{r['ready_ms']:.2f} ms (GIL-free work {r['work_ms']:.2f} ms)")
     cache.shutdown()
     if args.out:
         with open(args.out, "w") as fh:
