@@ -326,6 +326,12 @@ class EngineCore:
     def num_mask_steps(self) -> int:
         return self.grammar.num_fills
 
+    @property
+    def mask_wait_s(self) -> float:
+        """Time the engine's thread waited for the worker's bitmask fills (a fill that ends before the next step is
+        written costs none)."""
+        return self.grammar.wait_time_s
+
     def _admit_compiled(self) -> list[EngineOutput]:
         """Moves requests whose grammar compiled into the scheduler; a failed compile fails its request."""
         idle = self._inflight is None and not self.scheduler.num_running() and not self.scheduler.num_waiting()
@@ -406,9 +412,10 @@ class EngineCore:
         if previous is not None:
             outputs += self._collect(previous)
         inflight = self._inflight
-        if inflight is not None and inflight.sampling_pending:
-            # Its grammar rows need step N's tokens, which the matchers have now: they fill on a worker while the
-            # caller takes the outputs and step N+2 is scheduled and prepared.
+        if inflight is not None and inflight.sampling_pending and not self.grammar.filling(inflight):
+            # Its grammar rows need step N's tokens, which the matchers have now (where _collect did not start
+            # their fill already): they fill on a worker while the caller takes the outputs and step N+2 is
+            # scheduled and prepared.
             self.grammar.start_fill(inflight, partial(self.runner.fill_masks, inflight))
         if self.spec_controller is not None:
             now = time.perf_counter()
@@ -535,11 +542,14 @@ class EngineCore:
         if self.timeline is not None:
             for name, start, end in handle.events.gpu_spans(self._timeline_base):
                 self.timeline.add_gpu(name, start, end, handle.step_index)
+        # The next step's grammar rows need only this step's tokens, which are here: their fill starts now, on the
+        # worker, and runs beside the update, the caller's share and the next step's scheduling.
+        handed_over = self._start_next_fill(handle, result.token_ids) if result.verified is None else False
         for request, first_token, entries in result.prompt_logprobs or ():
             if request.request_id in self._requests:  # else aborted meanwhile
                 request.add_prompt_logprobs(first_token, entries)
         outputs = self._timed("update", lambda: self._update(handle.sched, result.token_ids, result.logprobs,
-                                                             result.verified))
+                                                             result.verified, advance=not handed_over))
         eagle3 = self.eagle3
         if (eagle3 is not None and self.proposer is not None and self.spec is not None
                 and len(self.scheduler.running) <= self.spec.disable_by_batch_size):
@@ -549,8 +559,33 @@ class EngineCore:
                                                            aux_states(self.runner, handle.slot)))
         return outputs
 
+    def _start_next_fill(self, handle: StepHandle, token_ids: list[int]) -> bool:
+        """Right after a plain step's tokens land, with the next step in flight waiting for its grammar rows: hands
+        the matchers their tokens (those `_update` would give them: each sampled row of a request under a grammar
+        that is still running) and starts the rows' fill on the worker; whether it did. Not where a row of the next
+        step reads its request's tokens (multi-token bad words), which `_update` has yet to append."""
+        inflight = self._inflight
+        if inflight is None or inflight is handle or not inflight.sampling_pending or not self.grammar.active:
+            return False
+        if any(r.host_mask is not None and r.host_mask.bad_word_ids for _, r, _ in inflight.mask_rows or ()):
+            return False
+        finished, requests = RequestStatus.FINISHED, self._requests
+        tokens: list[tuple[HostMask, int]] = []
+        for entry, token in zip(handle.sched.scheduled, token_ids):
+            request = entry.request
+            mask = request.host_mask
+            if (mask is not None and entry.sample and request.status is not finished and request.max_output_tokens
+                    and request.request_id in requests):
+                tokens.append((mask, token))
+        self.grammar.advance(tokens)
+        self.grammar.start_fill(inflight, partial(self.runner.fill_masks, inflight))
+        return True
+
     def _update(self, sched: SchedulerOutput, token_ids: list[int], logprobs: list[Logprobs] | None,
-                verified: dict[int, tuple[list[int], list[Logprobs] | None]] | None = None) -> list[EngineOutput]:
+                verified: dict[int, tuple[list[int], list[Logprobs] | None]] | None = None,
+                advance: bool = True) -> list[EngineOutput]:
+        """Applies a collected step's tokens to its requests; with `advance`, hands them to the grammar matchers
+        (else `_start_next_fill` did)."""
         if verified is not None:
             self._count_verified(sched, verified)
             touched = self.scheduler.update_from_output(sched, token_ids, logprobs, verified)
@@ -558,7 +593,7 @@ class EngineCore:
         # A request is in a step at most once and each sampling entry appends one token, so every touched
         # request's new output is exactly its last token.
         touched = self.scheduler.update_from_output(sched, token_ids, logprobs)
-        return self._outputs(touched, verify=False)
+        return self._outputs(touched, verify=False, advance=advance)
 
     def _count_verified(self, sched: SchedulerOutput, verified: dict[int, tuple[list[int], list[Logprobs] | None]]
                         ) -> None:
@@ -582,7 +617,7 @@ class EngineCore:
             request.spec_k = (min(spec.num_speculative_tokens, request.spec_k + 1) if accepted == num_draft
                               else accepted + 1)
 
-    def _outputs(self, touched: list[Request], verify: bool) -> list[EngineOutput]:
+    def _outputs(self, touched: list[Request], verify: bool, advance: bool = True) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
         requests = self._requests
         finished_status = RequestStatus.FINISHED
@@ -596,7 +631,7 @@ class EngineCore:
                 continue  # aborted meanwhile: its token is dropped
             host_mask = req.host_mask
             num_new = req.num_new_tokens if verify else 1
-            if host_mask is not None and req.output_token_ids and num_new:
+            if advance and host_mask is not None and req.output_token_ids and num_new:
                 for j, token in enumerate(req.output_token_ids[-num_new:]):
                     if j == len(grammar_tokens):
                         grammar_tokens.append([])

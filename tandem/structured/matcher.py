@@ -29,6 +29,9 @@ class HostMask:
 
             self.matcher = xgr.GrammarMatcher(compiled_grammar)
         self.bad_word_ids = bad_word_ids
+        # Its last llguidance row allowed most of the vocabulary (inside a string): the next fill of this matcher is
+        # likely one of the slow ones (milliseconds, where most rows take microseconds). Orders the rows of a fill.
+        self.dense = False
 
     def accept(self, token_id: int) -> bool:
         """Advances the grammar with a sampled token; False when the grammar rejects it (never, with the mask
@@ -176,17 +179,22 @@ class HostMask:
         return m.is_error() if self.llguidance else m.is_terminated()
 
     @staticmethod
-    def fill_rows(bits: Any, rows: list[tuple[int, HostMask | None, list[int]]]) -> None:
+    def fill_rows(bits: Any, rows: list[tuple[int, HostMask | None, list[int]]], spread: bool = True) -> None:
         """Writes rows of the int32 bitmask `bits` (a CPU tensor [rows, ceil(V/32)]), one per (row index, mask or
         None for "allow all", the request's tokens so far): the grammar's allowed set, minus the last token of
         each bad word whose other tokens end the sequence so far. The grammar rows of each backend go in one call
-        that spreads them over its threads (an xgrammar row under a bounded string can take milliseconds)."""
-        xgr_matchers, xgr_indices, llg_rows = [], [], []
+        that spreads them over its threads (an xgrammar row under a bounded string can take milliseconds); with
+        `spread`, llguidance's rows go in an order that spaces out the likely slow ones (spread_slow_rows). The
+        order changes nothing but the time: each row is written from its own matcher."""
+        xgr_matchers, xgr_indices = [], []
+        llg_rows: list[tuple[Any, int]] = []
+        llg_masks: list[HostMask] = []
         for index, mask, _ in rows:
             if mask is None or mask._allows_all():
                 bits[index].fill_(-1)
             elif mask.llguidance:
                 llg_rows.append((mask.matcher, index))
+                llg_masks.append(mask)
             else:
                 xgr_matchers.append(mask.matcher)
                 xgr_indices.append(index)
@@ -197,10 +205,14 @@ class HostMask:
         if llg_rows:
             from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
+            bits_np = bits.numpy()
             if len(llg_rows) == 1:
-                fill_next_token_bitmask(llg_rows[0][0], bits.numpy(), llg_rows[0][1])
+                fill_next_token_bitmask(llg_rows[0][0], bits_np, llg_rows[0][1])
             else:
-                fill_next_token_bitmask_par(_llg_executor(), llg_rows, bits.numpy())
+                order = spread_slow_rows([m.dense for m in llg_masks]) if spread else range(len(llg_rows))
+                fill_next_token_bitmask_par(_llg_executor(), [llg_rows[i] for i in order], bits_np)
+            for mask, dense in zip(llg_masks, dense_rows(bits_np, [index for _, index in llg_rows])):
+                mask.dense = dense
         for index, mask, all_token_ids in rows:
             if mask is not None and mask.bad_word_ids:
                 mask._remove_bad_words(bits[index].numpy(), all_token_ids)
@@ -214,8 +226,49 @@ class HostMask:
                 row[token >> 5] &= ~np.int32(np.uint32(1 << (token & 31)).view(np.int32))
 
 
+def spread_slow_rows(slow: list[bool]) -> list[int]:
+    """An order of rows (indices into `slow`) with the slow ones evenly spaced, the first slow row first. A parallel
+    fill splits its list in halves, again and again, and each thread runs a contiguous run of it: evenly spaced
+    slow rows fall into different runs (two slow rows in one run would double that thread's time) and sit where
+    the threads start."""
+    slow_rows = [i for i, s in enumerate(slow) if s]
+    n, k = len(slow), len(slow_rows)
+    if k == 0 or k == n:
+        return list(range(n))
+    fast_rows = iter(i for i, s in enumerate(slow) if not s)
+    order: list[int] = []
+    for j, row in enumerate(slow_rows):
+        while len(order) < j * n // k:  # slow row j at position j n / k (increasing by more than 1: n > k)
+            order.append(next(fast_rows))
+        order.append(row)
+    order.extend(fast_rows)
+    return order
+
+
+# Words of a row read to tell a dense mask: a band from the middle of the vocabulary (ordinary tokens).
+_DENSITY_WORDS = 16
+
+
+def dense_rows(bits: Any, indices: list[int]) -> list[bool]:
+    """Whether each bitmask row (numpy int32 [rows, W]) allows more than half of a band of tokens from the middle of
+    the vocabulary: such a grammar state (inside a string) takes milliseconds to fill where most take microseconds,
+    and the next state is most often alike."""
+    width = bits.shape[1]
+    lo = max(0, width // 2 - _DENSITY_WORDS // 2)
+    band = bits[indices, lo : lo + _DENSITY_WORDS]  # [len(indices), <= _DENSITY_WORDS]
+    allowed = np.unpackbits(np.ascontiguousarray(band).view(np.uint8), axis=1).sum(axis=1)
+    return (2 * allowed > 32 * band.shape[1]).tolist()
+
+
 def _num_threads() -> int:
-    return max(1, min(16, len(os.sched_getaffinity(0))))
+    """The mask threads: TANDEM_MASK_THREADS where set (to compare counts: the engine's own thread wants a core
+    too), else one per core up to 16."""
+    value = os.environ.get("TANDEM_MASK_THREADS")
+    if value is None:
+        return max(1, min(16, len(os.sched_getaffinity(0))))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"TANDEM_MASK_THREADS must be a positive integer, got {value!r}")
+    return int(value)
 
 
 _XGR_BATCH: Any = None

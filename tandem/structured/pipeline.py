@@ -11,6 +11,7 @@ prepares the next step (`start_fill`), and `finish` joins that fill (or runs it 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
@@ -36,10 +37,12 @@ class GrammarPipeline:
         self.masks: dict[str, Request] = {}  # requests holding a HostMask
         self._pool: ThreadPoolExecutor | None = None
         self._fill: tuple[object, Future[float]] | None = None  # (the step being filled, its job)
+        self._switch_interval: float | None = None  # the interpreter's GIL switch interval while a fill runs
         # Sampled tokens not yet given to their matchers, one list per collected step, oldest first (a mask is in
         # a step at most once, so each list goes in one parallel call; the lists go in order).
         self._tokens: list[list[tuple[HostMask, int]]] = []
         self.fill_time_s = 0.0  # CPU time filling bitmasks (and enqueuing the sampling after them)
+        self.wait_time_s = 0.0  # the engine's thread waiting for the worker's fills: the part on its critical path
         self.num_fills = 0
         self.num_rejections = 0  # sampled tokens a grammar refused (a masking bug if ever > 0)
 
@@ -148,10 +151,24 @@ class GrammarPipeline:
 
     def start_fill(self, step: object, fill: Callable[[], None]) -> None:
         """Runs `fill` (the step's bitmask rows from the matchers), after the tokens handed to `advance` reach the
-        matchers, on the worker thread."""
+        matchers, on the worker thread; nothing if that step's fill is already running.
+
+        The worker holds the GIL only between its parallel calls (a few Python lines each), but each time it wants
+        it back while the engine's thread runs Python, CPython makes it wait up to the switch interval (5 ms by
+        default: as long as a forward), so while a fill runs the interval is FILL_SWITCH_INTERVAL_S."""
+        if self._fill is not None and self._fill[0] is step:
+            assert not self._tokens, "tokens handed over after their step's fill started"
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        if self._switch_interval is None and sys.getswitchinterval() > FILL_SWITCH_INTERVAL_S:
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(FILL_SWITCH_INTERVAL_S)
         self._fill = (step, self._pool.submit(self._accept_and_fill, fill))
+
+    def filling(self, step: object) -> bool:
+        """Whether the worker is filling `step`'s rows (started, not joined yet)."""
+        return self._fill is not None and self._fill[0] is step
 
     def finish(self, step: object, fill: Callable[[], None], launch: Callable[[], None]) -> None:
         """Joins the worker filling `step`'s rows (raising what it raised), or fills them here where none does, then
@@ -168,7 +185,14 @@ class GrammarPipeline:
         if job is None or job[0] is not step:
             return None
         self._fill = None
-        return job[1].result()
+        t0 = time.perf_counter()
+        try:
+            return job[1].result()
+        finally:
+            self.wait_time_s += time.perf_counter() - t0
+            if self._switch_interval is not None:
+                sys.setswitchinterval(self._switch_interval)
+                self._switch_interval = None
 
     def shutdown(self) -> None:
         if self._pool is not None:
@@ -176,6 +200,11 @@ class GrammarPipeline:
             self._pool = None
         if self._cache is not None:
             self._cache.shutdown()
+
+
+# The GIL switch interval while a fill runs on the worker: how long the worker may wait for the GIL each time one of
+# its parallel calls returns while the engine's thread runs Python (a forced switch costs some microseconds).
+FILL_SWITCH_INTERVAL_S = 1e-4
 
 
 def compile_workers() -> int:
