@@ -112,11 +112,12 @@ def repack_int_checkpoint(weights: Iterable[tuple[str, object]], cfg: IntCheckpo
 
 
 def quantize_linears_int(model: nn.Module, bits: int) -> None:
-    """Turns every Linear but the lm_head (and MoE routers) into integer codes, round to nearest per group of
-    input columns (quantization int4 / int8: rtn_group_size, 128 where it divides), one module at a time;
-    embeddings and the lm_head keep the model dtype. ValueError naming a layer no group size divides."""
+    """Turns every Linear but the lm_head (and MoE routers) and every MoE block's experts into integer codes,
+    round to nearest per group of input columns (quantization int4 / int8: rtn_group_size, 128 where it
+    divides), one module at a time; embeddings and the lm_head keep the model dtype. ValueError naming a layer
+    no group size divides."""
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and name.split(".")[-1] != "lm_head":
+        if isinstance(module, (Linear, FusedMoE)) and name.split(".")[-1] != "lm_head":
             module.quantize_int_(bits, name=name)
 
 
