@@ -157,8 +157,8 @@ def moe_int_gemm(
     per_word = WORD_BITS // bits
     gk = part_elements(tile.block_k, group, bits)
     if gk < min(MIN_GEMM_PART, tile.block_k) or w.scales.stride() != w.mins.stride():
-        raise ValueError(f"integer experts need groups of at least {MIN_GEMM_PART} elements (got {group}) and scales and mins "
-                         "of one layout")
+        raise ValueError(f"integer experts need groups of at least {MIN_GEMM_PART} elements (got {group}) and "
+                         "scales and mins of one layout")
     assert a.stride(1) == 1 and w.words.stride(2) == 1 and out.stride(1) == 1
     pair_blocks = aligned is None
     ids = topk_ids if pair_blocks else aligned.expert_ids
