@@ -134,3 +134,58 @@ def test_bf16_on_gpu_matches_the_dequantized_loop(bits, num_tokens):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), ops.fused_moe(static_x, w13, w2, weights, ids).float())
+
+
+_COMPILE_SM90 = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tandem.kernels.triton_moe_int import _moe_int_gemm_kernel
+
+names = ["a_ptr", "w_ptr", "s_ptr", "mn_ptr", "out_ptr", "topk_w_ptr", "sorted_ids_ptr", "expert_ids_ptr",
+         "num_padded_ptr", "map_ptr", "N", "K", "num_pairs", "top_k", "up_offset", "num_tokens", "ONE_BITS",
+         "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_om"]
+# (name, bits, output type, constexprs, warps): Qwen3-30B-A3B's decode pair path (gate_up, then down into the
+# norm's fp32 rows), its sorted small-batch tile, the prefill tile, and 8 bits.
+cases = [
+    ("pair-gate-up", 4, "bf16", dict(GATED=True, PAIR_BLOCKS=True, HAS_MAP=False, SPLIT_MAJOR=False,
+                                     MUL_WEIGHT=False, BLOCK_M=16, BLOCK_N=32, TG=1, GW=16), 4),
+    ("pair-down", 4, "fp32", dict(GATED=False, PAIR_BLOCKS=True, HAS_MAP=True, SPLIT_MAJOR=True, MUL_WEIGHT=True,
+                                  BLOCK_M=16, BLOCK_N=32, TG=1, GW=16), 4),
+    ("sorted-small", 4, "bf16", dict(GATED=True, PAIR_BLOCKS=False, HAS_MAP=False, SPLIT_MAJOR=False,
+                                     MUL_WEIGHT=False, BLOCK_M=16, BLOCK_N=64, TG=1, GW=16), 4),
+    ("sorted-large", 4, "bf16", dict(GATED=True, PAIR_BLOCKS=False, HAS_MAP=False, SPLIT_MAJOR=False,
+                                     MUL_WEIGHT=False, BLOCK_M=64, BLOCK_N=128, TG=1, GW=8), 8),
+    ("pair-w8", 8, "bf16", dict(GATED=True, PAIR_BLOCKS=True, HAS_MAP=False, SPLIT_MAJOR=False, MUL_WEIGHT=False,
+                                BLOCK_M=16, BLOCK_N=32, TG=1, GW=16), 4),
+]
+out = {}
+for name, bits, oty, flags, warps in cases:
+    constexprs = {**dict(GROUP=128, BITS=bits, PACKED=bits == 4, PRECISION="tf32", USE_PDL=2), **flags}
+    mty = "bf16" if bits == 4 else "fp32"
+    types = ["*bf16", "*i32", "*bf16", f"*{mty}", f"*{oty}", "*fp32", "*i32", "*i32", "*i32", "*i32"]
+    types += ["i32"] * 13
+    signature = dict(zip(names, types))
+    signature.update({key: "constexpr" for key in constexprs})
+    src = ASTSource(fn=_moe_int_gemm_kernel, signature=signature, constexprs=constexprs,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 10, 11, 17, 18, 19, 20, 22)})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
+    ptx = kernel.asm["ptx"]
+    out[name] = {"mma": "mma.sync" in ptx or "wgmma.mma_async" in ptx,
+                 "packed_fma": "fma.rn.bf16x2" in ptx, "local": "ld.local" in ptx or "st.local" in ptx,
+                 "shared": kernel.metadata.shared}
+json.dump(out, sys.stdout)
+"""
+
+
+def test_kernel_compiles_for_sm90():
+    """The kernel at its decode (pair path), small-batch and prefill tiles compiles for Hopper without a GPU: tensor-
+    core MMAs, the packed 4-bit dequantization (bf16 inline assembly accepted by ptxas), no local memory (spills),
+    shared memory within the 227 KiB a block may have."""
+    from tests.kernels.sm90 import compile_sm90
+
+    result = compile_sm90(_COMPILE_SM90)
+    for name, info in result.items():
+        assert info["mma"] and not info["local"] and info["shared"] <= 227 * 1024, (name, info)
+        assert info["packed_fma"] == (name != "pair-w8"), (name, info)

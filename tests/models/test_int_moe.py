@@ -74,3 +74,34 @@ def test_dummy_int4_moe_and_its_roofline_bytes():
     # 4 experts x (256 x 128 gate/up + 128 x 128 down) weights: half a byte each, an fp32 scale and min per 128.
     weights = 4 * (256 * 128 + 128 * 128)
     assert after.expert_bytes == weights * (0.5 + 8 / 128) and before.expert_bytes == weights * 4
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_shards_quantize_whole_groups(expert_parallel, tmp_path):
+    """At TP=2 each rank quantizes its shard once it is cut: whole experts (EP), or every expert's half of the
+    intermediate dimension (TP), whose 128 columns of w2 are one group as in the unsharded model. The rank's
+    stacks are then the unsharded model's, sliced."""
+    from tandem.config import ParallelConfig
+    from tests.models.test_moe_parity import COMMON
+
+    torch.manual_seed(0)
+    hf_config = transformers.Qwen3MoeConfig(**{**COMMON, "intermediate_size": 256}, num_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=256, head_dim=32)
+    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path)
+    config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", quantization="int4")
+    full = load_model_and_tokenizer(config, CPU, torch.float32)[0].model.layers[0].mlp
+    assert full.int_group_sizes == (64, 128)
+    for rank in range(2):
+        tp = ParallelConfig(rank, 2, expert_parallel)
+        block = load_model_and_tokenizer(config, CPU, torch.float32, tp)[0].model.layers[0].mlp
+        assert block.int_group_sizes == (64, 128)
+        for part in ("words", "scales", "mins"):
+            w13, w2 = getattr(full, f"w13_{part}"), getattr(full, f"w2_{part}")
+            if expert_parallel:
+                expected13, expected2 = w13[rank::2], w2[rank::2]
+            else:  # rows: this rank's gate half, then its up half; w2's columns (words, groups): its half
+                gate, up = w13.chunk(2, dim=1)
+                expected13 = torch.cat([gate.chunk(2, dim=1)[rank], up.chunk(2, dim=1)[rank]], dim=1)
+                expected2 = w2.chunk(2, dim=2)[rank]
+            assert torch.equal(getattr(block, f"w13_{part}"), expected13)
+            assert torch.equal(getattr(block, f"w2_{part}"), expected2)
