@@ -51,16 +51,22 @@ def int_moe_tile(num_tokens: int, top_k: int, num_experts: int, bits: int, pair_
 
 @triton.jit
 def _int_tile(w_ptrs, s_rows, mn_rows, first, K, n_ok, shifts, ONE_BITS, GROUP: tl.constexpr, BITS: tl.constexpr,
-              out_ty: tl.constexpr, PACKED: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr,
-              GW: tl.constexpr):
+              out_ty: tl.constexpr, PACKED: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
+              TG: tl.constexpr, GW: tl.constexpr):
     # One K step's weight tile [BLOCK_N, TG * GW * PER_WORD] in out_ty: w_ptrs [BLOCK_N, TG, GW, 1] at the step's
     # words, s_rows / mn_rows [BLOCK_N, 1, 1] at each channel's groups, first [1, TG, 1] each part's first element
-    # (parts never straddle a group, so a part reads one scale and min), n_ok [BLOCK_N, 1, 1].
-    mask = n_ok & (first < K)
+    # (parts never straddle a group, so a part reads one scale and min), n_ok [BLOCK_N, 1, 1]. EVEN: N and K fill
+    # whole tiles, no mask.
     group = first // GROUP
-    s = tl.load(s_rows + group, mask=mask, other=0.0)
-    mn = tl.load(mn_rows + group, mask=mask, other=0.0)
-    words = tl.load(w_ptrs, mask=mask[:, :, :, None], other=0)
+    if EVEN:
+        s = tl.load(s_rows + group)
+        mn = tl.load(mn_rows + group)
+        words = tl.load(w_ptrs)
+    else:
+        mask = n_ok & (first < K)
+        s = tl.load(s_rows + group, mask=mask, other=0.0)
+        mn = tl.load(mn_rows + group, mask=mask, other=0.0)
+        words = tl.load(w_ptrs, mask=mask[:, :, :, None], other=0)
     return _tile_weights(words, s, mn, shifts, ONE_BITS, BITS, out_ty, PACKED, BLOCK_N, TG, GW)
 
 
@@ -71,8 +77,8 @@ def _moe_int_gemm_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     GROUP: tl.constexpr, BITS: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, SPLIT_MAJOR: tl.constexpr, PACKED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr,
+    PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program (m, n): row block m (all of one expert) times that expert's channels [n * BLOCK_N, +BLOCK_N), in K
     # steps of TG group parts of GW words. PAIR_BLOCKS: block m is pair m alone (row 0; expert_ids_ptr holds the
@@ -120,13 +126,16 @@ def _moe_int_gemm_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         first = k0 + wg * GK
-        a = tl.load(a_ptrs, mask=valid[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+        if EVEN:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=valid[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
         w = _int_tile(w_ptrs, s_rows, mn_rows, first, K, n_ok, shifts, ONE_BITS, GROUP, BITS, out_ty, PACKED,
-                      BLOCK_N, TG, GW)
+                      EVEN, BLOCK_N, TG, GW)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
         if GATED:
             u = _int_tile(w_ptrs + up_w, s_rows + up_s, mn_rows + up_s, first, K, n_ok, shifts, ONE_BITS, GROUP,
-                          BITS, out_ty, PACKED, BLOCK_N, TG, GW)
+                          BITS, out_ty, PACKED, EVEN, BLOCK_N, TG, GW)
             acc_up = tl.dot(a, tl.trans(u), acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // PER_WORD
@@ -175,6 +184,7 @@ def moe_int_gemm(
         a.stride(0), w.words.stride(0), w.words.stride(1), w.scales.stride(0), w.scales.stride(1), out.stride(0),
         GROUP=group, BITS=bits, GATED=gated, MUL_WEIGHT=topk_weights is not None, PAIR_BLOCKS=pair_blocks,
         HAS_MAP=pair_blocks and expert_map is not None, SPLIT_MAJOR=split_major, PACKED=packed,
+        EVEN=k % tile.block_k == 0 and n % tile.block_n == 0,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, TG=tile.block_k // gk, GW=gk // per_word,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=bool(pdl),
