@@ -20,7 +20,15 @@ import triton.language as tl
 from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
 from tandem.kernels.moe_align import AlignedTokens, align_by_expert
-from tandem.kernels.triton_int_weight import MIN_GEMM_PART, ONE_BITS, _code_slots, _tile_weights, part_elements
+from tandem.kernels.triton_int_weight import (
+    GEMV_STEP_BYTES,
+    MIN_GEMM_PART,
+    ONE_BITS,
+    _code_slots,
+    _tile_weights,
+    _word_sums,
+    part_elements,
+)
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
 from tandem.kernels.triton_moe import (
     ALIGN_KERNEL_MAX_PAIRS,
@@ -32,6 +40,7 @@ from tandem.kernels.triton_moe import (
 )
 
 PAIR_ROWS = 16  # the row block of the pair path: one pair in it (tl.dot's least M)
+GEMV_WORDS = 512  # int32 words of codes the pair GEMV's 4 warps load per K step at least: 16-byte loads each
 
 
 def int_moe_tile(num_tokens: int, top_k: int, num_experts: int, bits: int, pair_path: bool) -> MoETile:
@@ -148,6 +157,138 @@ def _moe_int_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _moe_int_pair_gemv_kernel(
+    a_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, topk_w_ptr, ids_ptr, map_ptr,
+    N, K, top_k, up_offset, num_tokens, ONE_BITS,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    GROUP: tl.constexpr, BITS: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_MAP: tl.constexpr,
+    SPLIT_MAJOR: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # Program (pair, n): the pair's row against BLOCK_N channels of its expert over all of K on the CUDA cores, as
+    # the dense GEMV at one row (triton_int_weight._int_gemv_kernel, _word_sums): K steps of TG group parts of GW
+    # words, sums kept per word until after the loop. GATED: the row is the pair's token, gate and up channels
+    # read together, silu(gate) * up written; else the row is the pair, scaled by its routing weight. Another
+    # rank's expert: nothing runs, nothing is written. SPLIT_MAJOR as in _moe_int_gemm_kernel.
+    PER_WORD: tl.constexpr = 32 // BITS
+    GK: tl.constexpr = GW * PER_WORD
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pdl_wait(USE_PDL)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert).to(tl.int64)
+    if expert < 0:
+        return
+    row = (pair // top_k) if GATED else pair
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None, None]  # [1, BLOCK_N, 1, 1]
+    offs_g = tl.arange(0, TG)[None, None, :, None]  # [1, 1, TG, 1]
+    offs_w = tl.arange(0, GW)[None, None, None, :]  # [1, 1, 1, GW]
+    offs_e = tl.arange(0, PER_WORD)[None, None, None, None, :]  # [1, 1, 1, 1, PER_WORD]
+    n_mask = offs_n < N
+    part = offs_g * GK
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn + (part // PER_WORD + offs_w)
+    x_ptrs = a_ptr + row.to(tl.int64) * stride_am + (part + offs_w * PER_WORD)[:, :, :, :, None] + offs_e
+    s_rows = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn  # [1, BLOCK_N, 1, 1]
+    mn_rows = mn_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    up_w = up_offset * stride_wn
+    up_s = up_offset * stride_sn
+    shifts = _code_slots(offs_e, BITS) * BITS
+    acc = tl.zeros([1, BLOCK_N, TG, GW], dtype=tl.float32)
+    acc_up = tl.zeros([1, BLOCK_N, TG, GW], dtype=tl.float32)
+    for k0 in range(0, K, TG * GK):
+        start = k0 + part  # [1, 1, TG, 1]
+        group = start // GROUP
+        if EVEN:
+            x = tl.load(x_ptrs).to(tl.float32)
+            words = tl.load(w_ptrs)
+            s = tl.load(s_rows + group).to(tl.float32)
+            mn = tl.load(mn_rows + group).to(tl.float32)
+        else:
+            mask = n_mask & (start < K)  # whole group parts: K and the groups are multiples of GK
+            x = tl.load(x_ptrs, mask=(start < K)[:, :, :, :, None], other=0.0).to(tl.float32)
+            words = tl.load(w_ptrs, mask=mask, other=0)
+            s = tl.load(s_rows + group, mask=mask, other=0.0).to(tl.float32)
+            mn = tl.load(mn_rows + group, mask=mask, other=0.0).to(tl.float32)
+        acc += _word_sums(words, x, s, mn, shifts, ONE_BITS, BITS)
+        if GATED:
+            if EVEN:
+                words = tl.load(w_ptrs + up_w)
+                s = tl.load(s_rows + up_s + group).to(tl.float32)
+                mn = tl.load(mn_rows + up_s + group).to(tl.float32)
+            else:
+                words = tl.load(w_ptrs + up_w, mask=mask, other=0)
+                s = tl.load(s_rows + up_s + group, mask=mask, other=0.0).to(tl.float32)
+                mn = tl.load(mn_rows + up_s + group, mask=mask, other=0.0).to(tl.float32)
+            acc_up += _word_sums(words, x, s, mn, shifts, ONE_BITS, BITS)
+        w_ptrs += TG * GK // PER_WORD
+        x_ptrs += TG * GK
+    y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)  # [BLOCK_N]
+    if GATED:
+        up = tl.sum(tl.sum(tl.sum(acc_up, axis=3), axis=2), axis=0)
+        y = y / (1.0 + tl.exp(-y)) * up
+    if MUL_WEIGHT:
+        y *= tl.load(topk_w_ptr + pair)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_row = ((pair % top_k) * num_tokens + pair // top_k) if SPLIT_MAJOR else pair
+    tl.store(out_ptr + out_row.to(tl.int64) * stride_om + cols, y.to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+def pair_gemv_tile(n: int, k: int, bits: int, group_size: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of the pair GEMV, from the shape alone: GEMV_STEP_BYTES of each of 8 channels per K step
+    (the dense GEMV's one-row tile), halved while that is more than K or does not divide it (no step past the end
+    where a smaller one fits), and more channels while a step holds fewer than GEMV_WORDS words (Qwen3-30B-A3B's
+    down projection, K 768: 256-wide steps, 16 channels); TANDEM_MOE_INT_GEMV="BLOCK_N,BLOCK_K" overrides it."""
+    override = os.environ.get("TANDEM_MOE_INT_GEMV")
+    if override:
+        block_n, block_k = (int(v) for v in override.split(","))
+        return block_n, block_k
+    block_k = GEMV_STEP_BYTES * 8 // bits
+    per_word = WORD_BITS // bits
+    while block_k > max(per_word, 64) and (block_k > k or k % block_k):
+        block_k //= 2
+    block_n = 8
+    while block_n < 64 and block_n * (block_k // per_word) < GEMV_WORDS:
+        block_n *= 2
+    return block_n, block_k
+
+
+def moe_int_pair_gemv(
+    a: torch.Tensor, w: IntWeight, out: torch.Tensor, topk_ids: torch.Tensor, top_k: int, gated: bool,
+    expert_map: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None, split_major: bool = False,
+) -> None:
+    """out[pair] = (silu(gate) * up of) the pair's row of a against its expert in w, on the CUDA cores; one program
+    per pair and N tile (see _moe_int_pair_gemv_kernel)."""
+    n, k = out.shape[1], a.shape[1]
+    bits, group = w.bits, w.group_size
+    per_word = WORD_BITS // bits
+    block_n, block_k = pair_gemv_tile(n, k, bits, group)
+    gk = part_elements(block_k, group, bits)
+    assert a.stride(1) == 1 and w.words.stride(2) == 1 and out.stride(1) == 1
+    if w.scales.stride() != w.mins.stride():
+        raise ValueError("integer experts need scales and mins of one layout")
+    pdl = use_pdl(a.device)
+    _moe_int_pair_gemv_kernel[(out.shape[0], triton.cdiv(n, block_n))](
+        a, w.words, w.scales, w.mins, out, topk_weights if topk_weights is not None else out, topk_ids,
+        expert_map if expert_map is not None else topk_ids,
+        n, k, top_k, n, out.shape[0] // top_k, ONE_BITS,
+        a.stride(0), w.words.stride(0), w.words.stride(1), w.scales.stride(0), w.scales.stride(1), out.stride(0),
+        GROUP=group, BITS=bits, GATED=gated, MUL_WEIGHT=topk_weights is not None, HAS_MAP=expert_map is not None,
+        SPLIT_MAJOR=split_major, EVEN=k % block_k == 0 and n % block_n == 0, BLOCK_N=block_n,
+        TG=block_k // gk, GW=gk // per_word, USE_PDL=pdl, num_warps=4, num_stages=1, launch_pdl=bool(pdl),
+    )
+
+
+def pair_kernel() -> str:
+    """The pair path's kernel: "gemv" (CUDA cores, as dense linears run one row) or "mma" (the tensor-core
+    kernel, one pair a 16-row block); TANDEM_MOE_INT_PAIR chooses (read per call: a graph keeps its capture's)."""
+    choice = os.environ.get("TANDEM_MOE_INT_PAIR", "gemv")
+    if choice not in ("gemv", "mma"):
+        raise ValueError(f"TANDEM_MOE_INT_PAIR must be gemv or mma, got {choice!r}")
+    return choice
+
+
 def moe_int_gemm(
     a: torch.Tensor,  # [rows, K]: tokens (gated) or pairs
     w: IntWeight,  # a stack: [E, N or 2N, K]
@@ -224,13 +365,18 @@ def fused_moe_int_triton(
         ids = topk_ids.reshape(-1)
         if ids.dtype != torch.int32 or not ids.is_contiguous():
             ids = ids.to(torch.int32).contiguous()
-        t13 = tile or int_moe_tile(num_tokens, top_k, num_global, w13.bits, True)
-        t2 = tile or int_moe_tile(num_tokens, top_k, num_global, w2.bits, True)
-        moe_int_gemm(x, w13, act, t13, top_k, gated=True, topk_ids=ids, expert_map=expert_map)
         partials = into_norm and pair_config()[1] == "norm"
         rows = alloc(num_pairs, hidden, dtype=torch.float32, device=x.device)
-        moe_int_gemm(act, w2, rows, t2, top_k, gated=False, topk_ids=ids, expert_map=expert_map,
-                     topk_weights=weights, split_major=partials)
+        if tile is None and pair_kernel() == "gemv":
+            moe_int_pair_gemv(x, w13, act, ids, top_k, gated=True, expert_map=expert_map)
+            moe_int_pair_gemv(act, w2, rows, ids, top_k, gated=False, expert_map=expert_map, topk_weights=weights,
+                              split_major=partials)
+        else:
+            t13 = tile or int_moe_tile(num_tokens, top_k, num_global, w13.bits, True)
+            t2 = tile or int_moe_tile(num_tokens, top_k, num_global, w2.bits, True)
+            moe_int_gemm(x, w13, act, t13, top_k, gated=True, topk_ids=ids, expert_map=expert_map)
+            moe_int_gemm(act, w2, rows, t2, top_k, gated=False, topk_ids=ids, expert_map=expert_map,
+                         topk_weights=weights, split_major=partials)
         if partials:  # [top_k, tokens, hidden]: the norm after the block adds them in top_k order
             return PartialSums(rows.view(top_k, num_tokens, hidden), None, None, x.dtype)
         return rows.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -58,8 +58,11 @@ def test_sorted_blocks_match_the_dequantized_loop(bits, num_tokens, mode):
     check(num_tokens, bits, mode)
 
 
+@pytest.mark.parametrize("kernel", ["gemv", "mma"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_pair_path_matches_the_dequantized_loop(bits, monkeypatch):
+def test_pair_path_matches_the_dequantized_loop(kernel, bits, monkeypatch):
+    """Both kernels of the pair path: the CUDA-core GEMV (K steps of 64 here) and the tensor-core one."""
+    monkeypatch.setenv("TANDEM_MOE_INT_PAIR", kernel)
     monkeypatch.setenv("TANDEM_MOE_INT_TILE", "16,16,64,4,2")
     check(1, bits, pair_path=True, hidden=192, inter=64)  # every tile whole (EVEN)
     check(2, bits, pair_path=True, into_norm=True)  # K tail (96 = 64 + 32); the norm's [top_k, tokens, hidden] rows
@@ -71,6 +74,8 @@ def test_expert_parallel_rank_and_fp16(monkeypatch):
     check(7, 4, expert_map=expert_map)
     monkeypatch.setenv("TANDEM_MOE_INT_TILE", "16,16,64,4,2")
     check(2, 4, pair_path=True, expert_map=expert_map)
+    monkeypatch.setenv("TANDEM_MOE_INT_GEMV", "64,64")  # N tails (96 gate rows) and a K tail (96) in the GEMV
+    check(2, 8, pair_path=True, expert_map=expert_map)
     check(13, 4, dtype=torch.float16, num_experts=5, top_k=3, group=None)  # groups of 128 (w13), 32 (w2)
 
 
@@ -102,20 +107,29 @@ def test_rtn_experts_quantize_each_row_like_a_linear():
 
 
 def test_tile_choice():
+    from tandem.kernels.triton_moe_int import pair_gemv_tile
+
     assert int_moe_tile(1, 8, 128, 4, True).block_m == 16 and int_moe_tile(1, 8, 128, 8, True).block_k == 64
     assert int_moe_tile(64, 8, 128, 4, False).block_k == 128 and int_moe_tile(4096, 8, 128, 4, False).block_m == 64
+    # Qwen3-30B-A3B: gate_up K 2048 in one step of 8 channels, down K 768 in steps of 256 (16 channels); 8 bits.
+    assert pair_gemv_tile(1536, 2048, 4, 128) == (8, 2048) and pair_gemv_tile(2048, 768, 4, 128) == (16, 256)
+    assert pair_gemv_tile(2048, 768, 8, 128) == (8, 256) and pair_gemv_tile(1536, 2048, 8, 128) == (8, 1024)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("num_tokens", [1, 4, 64, 600])
-def test_bf16_on_gpu_matches_the_dequantized_loop(bits, num_tokens):
+@pytest.mark.parametrize("num_tokens,pair", [(1, "gemv"), (1, "mma"), (4, "gemv"), (4, "mma"), (64, None),
+                                             (600, None)])
+def test_bf16_on_gpu_matches_the_dequantized_loop(bits, num_tokens, pair, monkeypatch):
     """Qwen3-30B-A3B's expert shapes (128 experts, top 8, 2048 x 768) in bf16, each path by its token count,
     against the per-expert loop in fp32 over the same dequantized weights. The kernel rounds each weight to bf16
     (2**-9 relative; with the packed 4-bit assembly q * s + min in one bf16 FMA) and the gate_up activation to bf16
     before the down projection: errors of random sign over K = 2048 and 768 of a few 1e-3 of the output's scale,
-    the same bound as the bf16 MoE test (3e-2 absolute and relative)."""
+    the same bound as the bf16 MoE test (3e-2 absolute and relative). 1 and 4 tokens run the pair path (both of
+    its kernels), 64 the sorted small-batch tile, 600 the prefill tile; each also replays from a CUDA graph."""
+    if pair is not None:
+        monkeypatch.setenv("TANDEM_MOE_INT_PAIR", pair)
     num_experts, top_k, hidden, inter = 128, 8, 2048, 768
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16).cuda()
@@ -141,7 +155,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tandem.kernels.triton_moe_int import _moe_int_gemm_kernel
+from tandem.kernels.triton_moe_int import _moe_int_gemm_kernel, _moe_int_pair_gemv_kernel
 
 names = ["a_ptr", "w_ptr", "s_ptr", "mn_ptr", "out_ptr", "topk_w_ptr", "sorted_ids_ptr", "expert_ids_ptr",
          "num_padded_ptr", "map_ptr", "N", "K", "num_pairs", "top_k", "up_offset", "num_tokens", "ONE_BITS",
@@ -175,17 +189,39 @@ for name, bits, oty, flags, warps in cases:
     out[name] = {"mma": "mma.sync" in ptx or "wgmma.mma_async" in ptx,
                  "packed_fma": "fma.rn.bf16x2" in ptx, "local": "ld.local" in ptx or "st.local" in ptx,
                  "shared": kernel.metadata.shared}
+# The pair GEMV at Qwen3-30B-A3B's decode tiles: gate_up (K 2048 in one step), down (K 768 in steps of 256).
+gemv_names = ["a_ptr", "w_ptr", "s_ptr", "mn_ptr", "out_ptr", "topk_w_ptr", "ids_ptr", "map_ptr", "N", "K", "top_k",
+              "up_offset", "num_tokens", "ONE_BITS", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn",
+              "stride_om"]
+for name, oty, flags in [("gemv-gate-up", "bf16", dict(GATED=True, MUL_WEIGHT=False, HAS_MAP=False, SPLIT_MAJOR=False,
+                                                     TG=16, GW=16)),
+                         ("gemv-down", "fp32", dict(GATED=False, MUL_WEIGHT=True, HAS_MAP=True, SPLIT_MAJOR=True,
+                                                   BLOCK_N=16, TG=2, GW=16))]:
+    constexprs = {**dict(GROUP=128, BITS=4, EVEN=True, BLOCK_N=8, USE_PDL=2), **flags}
+    types = ["*bf16", "*i32", "*bf16", "*bf16", f"*{oty}", "*fp32", "*i32", "*i32"] + ["i32"] * 12
+    signature = dict(zip(gemv_names, types))
+    signature.update({key: "constexpr" for key in constexprs})
+    src = ASTSource(fn=_moe_int_pair_gemv_kernel, signature=signature, constexprs=constexprs,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 8, 9, 14, 15, 16, 17, 19)})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+    ptx = kernel.asm["ptx"]
+    out[name] = {"mma": None, "packed_fma": None, "local": "ld.local" in ptx or "st.local" in ptx,
+                 "shared": kernel.metadata.shared, "v4_loads": "ld.global.v4" in ptx}
 json.dump(out, sys.stdout)
 """
 
 
 def test_kernel_compiles_for_sm90():
-    """The kernel at its decode (pair path), small-batch and prefill tiles compiles for Hopper without a GPU: tensor-
-    core MMAs, the packed 4-bit dequantization (bf16 inline assembly accepted by ptxas), no local memory (spills),
-    shared memory within the 227 KiB a block may have."""
+    """The kernels at their decode (pair path), small-batch and prefill tiles compile for Hopper without a GPU: no
+    local memory (spills), shared memory within the 227 KiB a block may have; the tile kernel on tensor-core MMAs
+    with the packed 4-bit dequantization (bf16 inline assembly accepted by ptxas), the pair GEMV with 16-byte
+    loads."""
     from tests.kernels.sm90 import compile_sm90
 
     result = compile_sm90(_COMPILE_SM90)
     for name, info in result.items():
-        assert info["mma"] and not info["local"] and info["shared"] <= 227 * 1024, (name, info)
-        assert info["packed_fma"] == (name != "pair-w8"), (name, info)
+        assert not info["local"] and info["shared"] <= 227 * 1024, (name, info)
+        if name.startswith("gemv"):  # the pair GEMV streams 16-byte loads of codes
+            assert info["v4_loads"], (name, info)
+        else:
+            assert info["mma"] and info["packed_fma"] == (name != "pair-w8"), (name, info)
