@@ -3,10 +3,11 @@ expert weight tile dequantized in registers (triton_int_weight._tile_weights) be
 
 Both projections run one kernel: gate_up (rows are tokens, gate and up tiles of w13 [E, 2I, H] in one pass,
 silu(gate) * up in the epilogue, written to pair rows of [pairs, I]) and down (rows are pairs, w2 [E, H, I], each
-row scaled by its routing weight). Rows come either sorted by expert and padded to BLOCK_M (moe_align, as
-triton_moe's GEMMs read them) or, for the fewest tokens (`use_pair_path`: decode at batch 1 to a few), one pair a
-program with no sort at all: the row block holds that pair alone (its other rows masked), so every touched expert's
-codes are read once per N tile and no align kernel runs. Grids depend on the token count only: graph-safe.
+row scaled by its routing weight). Rows come sorted by expert and padded to BLOCK_M (moe_align, as triton_moe's
+GEMMs read them), except for the fewest tokens (`use_pair_path`: decode at batch 1 to a few), which skip the sort:
+one program per (token-expert pair, N tile) reads that pair's expert codes once, by default on the CUDA cores as
+the dense GEMV runs one row (_moe_int_pair_gemv_kernel), or (TANDEM_MOE_INT_PAIR=mma) through the tensor-core
+kernel with the pair alone in its row block. Grids depend on the token count only: graph-safe.
 """
 
 from __future__ import annotations
@@ -344,8 +345,9 @@ def fused_moe_int_triton(
     into_norm: bool = False,  # the output goes only into a residual add + RMSNorm: PartialSums are fine
 ) -> torch.Tensor | PartialSums:  # [num_tokens, hidden]
     """triton_moe.fused_moe_triton for integer experts: the same paths and outputs (the pair path's down rows
-    handed to the norm as PartialSums under TANDEM_MOE_PAIR's "norm"), each weight tile dequantized in
-    registers. No host sync: captures in CUDA graphs."""
+    handed to the norm as PartialSums under TANDEM_MOE_PAIR's "norm"; its "sum" runs as "pairs" here, and its
+    BLOCK_N is the bf16 kernels' only), each weight tile dequantized in registers. A tile given runs the
+    tensor-core kernel on either path. No host sync: captures in CUDA graphs."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.words.shape[0], *w13.shape
     inter = two_inter // 2

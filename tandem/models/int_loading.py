@@ -52,7 +52,8 @@ def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpoin
             raise ValueError(f"checkpoint layer {prefix!r}: a quantized lm_head is not supported (it stays in the "
                              "model dtype)")
         if (module is None and ".experts." in prefix) or isinstance(module, FusedMoE):
-            raise ValueError(f"checkpoint layer {prefix!r}: MoE experts in 4 / 8 bits are not supported yet")
+            raise ValueError(f"checkpoint layer {prefix!r}: checkpoints with MoE experts quantized already are not "
+                             "supported yet (load the full-precision checkpoint with quantization int4 / int8)")
         if not isinstance(module, Linear):
             raise ValueError(f"checkpoint layer {prefix!r} holds quantized weights but {type(model).__name__} has "
                              f"no linear {target!r} to take them")
