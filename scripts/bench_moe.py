@@ -2,7 +2,7 @@
 against the bytes of the experts each call's routing touches.
 
     python scripts/bench_moe.py --out out/moe.json [--shape qwen3-30b-a3b|mixtral-8x7b] [--tokens 1,8,64,...]
-                                [--fp8] [--sweep]
+                                [--fp8] [--int 4,8] [--sweep]
 
 Each fused time is GPU time from a CUDA graph of CALLS calls, each with its own routing (so the experts touched
 change from call to call) over COPIES copies of one layer's expert stacks (> 4x L2 in all): every call streams its
@@ -11,7 +11,9 @@ expert's bytes (exact, counted on the host before capture); the fraction is byte
 copy bandwidth measured in the same run (BENCHMARKS.md's roofline convention). The loop (one masked gather and
 two matmuls per expert hit, as transformers runs it) cannot be captured (it sizes tensors from the routing), so it
 is timed eagerly with events around each call. --sweep times a few tiles per token count (TANDEM_MOE_TILE format),
-and on the pair path (the fewest tokens) its N tiles and both down projections (TANDEM_MOE_PAIR format).
+and on the pair path (the fewest tokens) its N tiles and both down projections (TANDEM_MOE_PAIR format). --int
+times 4- / 8-bit experts (round to nearest, group 128; bytes: codes, scales and mins), whose --sweep compares the
+pair path's two kernels (TANDEM_MOE_INT_PAIR gemv / mma) and the tiles above on the sorted path.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from bench_kernels import copy_bandwidth_gbs, replay_ms  # noqa: E402
 
 from tandem.kernels.moe_align import route_topk  # noqa: E402
 from tandem.kernels.triton_moe import MoETile, fused_moe_triton, moe_tile, use_pair_path  # noqa: E402
+from tandem.kernels.triton_moe_int import fused_moe_int_triton  # noqa: E402
+from tandem.layers.int_quant import quantize_rtn_experts  # noqa: E402
 from tandem.layers.quantization import quantize_weight_fp8  # noqa: E402
 
 SHAPES = {  # (experts, top_k, hidden, expert intermediate)
@@ -58,7 +62,7 @@ def loop_moe(x, w13, w2, weights, ids):  # type: ignore[no-untyped-def]
     return out
 
 
-def expert_stacks(num_experts, hidden, inter, copies, fp8, device):  # type: ignore[no-untyped-def]
+def expert_stacks(num_experts, hidden, inter, copies, fp8, device, bits=0):  # type: ignore[no-untyped-def]
     stacks = []
     for c in range(copies):
         gen = torch.Generator(device=device).manual_seed(c)
@@ -69,6 +73,9 @@ def expert_stacks(num_experts, hidden, inter, copies, fp8, device):  # type: ign
             q2, s2 = quantize_weight_fp8(w2.view(-1, inter))
             stacks.append((q13.view(w13.shape), q2.view(w2.shape), s13.view(num_experts, -1), s2.view(num_experts, -1)))
             del w13, w2
+        elif bits:
+            stacks.append((quantize_rtn_experts(w13, bits), quantize_rtn_experts(w2, bits), None, None))
+            del w13, w2
         else:
             stacks.append((w13, w2, None, None))
     return stacks
@@ -78,7 +85,10 @@ def time_fused(stacks, xs, routings, tile):  # type: ignore[no-untyped-def]
     def calls():  # type: ignore[no-untyped-def]
         for i, (x, (weights, ids)) in enumerate(zip(xs, routings)):
             w13, w2, s13, s2 = stacks[i % len(stacks)]
-            fused_moe_triton(x, w13, w2, weights, ids, None, s13, s2, tile=tile)
+            if s13 is None and not isinstance(w13, torch.Tensor):  # integer experts
+                fused_moe_int_triton(x, w13, w2, weights, ids, tile=tile)
+            else:
+                fused_moe_triton(x, w13, w2, weights, ids, None, s13, s2, tile=tile)
 
     calls()
     torch.cuda.synchronize()
@@ -88,14 +98,16 @@ def time_fused(stacks, xs, routings, tile):  # type: ignore[no-untyped-def]
     return replay_ms(graph) / len(xs)
 
 
-def bench(shape: str, tokens: list[int], fp8: bool, sweep: bool, calls: int) -> dict:
+def bench(shape: str, tokens: list[int], fp8: bool, sweep: bool, calls: int, bits: int = 0) -> dict:
     device = torch.device("cuda")
     num_experts, top_k, hidden, inter = SHAPES[shape]
     expert_bytes = 3 * hidden * inter * (1 if fp8 else 2)  # FP8 scales (fp32 per channel) are < 0.2% more
+    if bits:  # codes, a bf16 scale and a min (bf16 at 4 bits, fp32 at 8) per group of 128
+        expert_bytes = 3 * hidden * inter * (bits / 8 + (2 + (2 if bits == 4 else 4)) / 128)
     layer_bytes = num_experts * expert_bytes
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     copies = max(1, min(8, -(-4 * l2 // layer_bytes)))
-    stacks = expert_stacks(num_experts, hidden, inter, copies, fp8, device)
+    stacks = expert_stacks(num_experts, hidden, inter, copies, fp8, device, bits)
     bw = copy_bandwidth_gbs(device)
     rows = []
     for t in tokens:
@@ -111,7 +123,7 @@ def bench(shape: str, tokens: list[int], fp8: bool, sweep: bool, calls: int) -> 
                "tile": [getattr(chosen, f) for f in MoETile.__slots__],
                "fused_us": ms * 1e3, "experts_touched": touched, "bytes_mb": moved / 1e6,
                "roofline_fraction": moved / (ms * 1e-3) / (bw * 1e9)}
-        if not fp8:
+        if not fp8 and not bits:
             w13, w2, _, _ = stacks[0]
             loop_times = []
             for x, (weights, ids) in zip(xs[:5], routings[:5]):
@@ -127,7 +139,15 @@ def bench(shape: str, tokens: list[int], fp8: bool, sweep: bool, calls: int) -> 
                                                  float((ref.float() - out.float()).abs().max()))
             row["loop_us"] = sorted(loop_times)[len(loop_times) // 2] * 1e3
             row["speedup_vs_loop"] = row["loop_us"] / row["fused_us"]
-        if sweep and row["pair_path"]:
+        if sweep and row["pair_path"] and bits:
+            row["pair_sweep_us"] = {}
+            for kernel in ("gemv", "mma"):
+                os.environ["TANDEM_MOE_INT_PAIR"] = kernel
+                try:
+                    row["pair_sweep_us"][kernel] = time_fused(stacks, xs, routings, None) * 1e3
+                finally:
+                    del os.environ["TANDEM_MOE_INT_PAIR"]
+        elif sweep and row["pair_path"]:
             row["pair_sweep_us"] = {}
             for spec in PAIR_SWEEP:
                 os.environ["TANDEM_MOE_PAIR"] = spec
@@ -148,7 +168,8 @@ def bench(shape: str, tokens: list[int], fp8: bool, sweep: bool, calls: int) -> 
             row["sweep_best"] = {"tile": best[0], "us": best[1]} if best else None
         print(json.dumps(row), flush=True)
         rows.append(row)
-    return {"shape": shape, "fp8": fp8, "copy_gbps": bw, "device": torch.cuda.get_device_name(device),
+    return {"shape": shape, "fp8": fp8, "bits": bits or None, "copy_gbps": bw,
+            "device": torch.cuda.get_device_name(device),
             "weight_copies": copies, "rows": rows}
 
 
@@ -157,6 +178,7 @@ def main() -> int:
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     p.add_argument("--tokens", default="1,8,64,256,1024,4096")
     p.add_argument("--fp8", action="store_true", help="also the FP8-expert kernel (per-channel scales)")
+    p.add_argument("--int", default="", help="comma list of 4 / 8: also integer experts at those bit widths")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--calls", type=int, default=16)
     p.add_argument("--out", default=None)
@@ -166,6 +188,9 @@ def main() -> int:
     if args.fp8:
         torch.cuda.empty_cache()
         results.append(bench(args.shape, tokens, True, args.sweep, args.calls))
+    for bits in (int(b) for b in args.int.split(",") if b):
+        torch.cuda.empty_cache()
+        results.append(bench(args.shape, tokens, False, args.sweep, args.calls, bits))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -113,6 +113,10 @@ def moe_routing_scale(routed: int, step_log: list[tuple[int, int, int]], cost: M
     return routed / expected if expected > 0 else 1.0
 
 
+# Parameters of the routed experts: w13 / w2 in the model dtype or FP8, or their integer stacks (IntWeight).
+_EXPERT_SUFFIXES = tuple(f".mlp.{proj}{part}" for proj in ("w13", "w2") for part in ("", "_words", "_scales", "_mins"))
+
+
 def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,
                kv_cache_dtype: torch.dtype | None = None) -> ModelCost:
     """Per-GPU cost: with tensor parallelism `model` is one rank's shard, and every term is that rank's share
@@ -125,10 +129,14 @@ def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,
     total, embed, total_bytes, embed_bytes, fp8, head = 0, 0, 0, 0, 0, 0
     expert_params, expert_bytes, fp8_experts = 0, 0, False
     for name, p in model.named_parameters():
-        if name.endswith((".mlp.w13", ".mlp.w2")):  # routed experts (layers.moe.FusedMoE): counted per step
-            expert_params += p.numel()
+        if name.endswith(_EXPERT_SUFFIXES):  # routed experts (layers.moe.FusedMoE): counted per step
             expert_bytes += p.numel() * p.element_size()
             fp8_experts = p.dtype == FP8_DTYPE
+            if name.endswith(("_scales", "_mins")):  # integer experts' groups: read, not multiplied
+                continue
+            # 4- / 8-bit experts' int32 words hold 32 // bits weights each
+            bits = model.get_submodule(name.rpartition(".")[0]).int_bits if name.endswith("_words") else 0
+            expert_params += p.numel() * (32 // bits if bits else 1)
             continue
         total_bytes += p.numel() * p.element_size()
         if name.endswith((".scales", ".zeros", ".mins", ".perm")):  # an integer weight's groups / act order: read only

@@ -19,7 +19,9 @@ NIBBLE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 @dataclass(slots=True)
 class IntWeight:
     """A weight W [N, K] = q * scale + min per group of group_size elements of a row (min = -zero * scale),
-    as the kernels read it: codes in int32 words along K, scales and mins in the activation dtype."""
+    as the kernels read it: codes in int32 words along K, scales and mins in the activation dtype. A stack of
+    MoE experts' weights has one leading dimension more: words [E, N, K * bits // 32], scales and mins
+    [E, N, K // group_size]."""
 
     words: torch.Tensor  # int32 [N, K * bits // 32]: 8 bits, element 4w + i in byte i of word w; 4 bits, nibble
     # i of word w holds element 8w + NIBBLE_ORDER[i]
@@ -30,8 +32,8 @@ class IntWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        """(N, K): output and input features."""
-        return self.words.shape[0], self.words.shape[1] * (WORD_BITS // self.bits)
+        """(N, K): output and input features (of each expert, for a stack)."""
+        return self.words.shape[-2], self.words.shape[-1] * (WORD_BITS // self.bits)
 
 
 def repack_int_weight(
@@ -63,14 +65,15 @@ def repack_int_weight(
     return IntWeight(words.contiguous(), scales.contiguous(), mins.contiguous(), bits, group_size)
 
 
-def dequantize_repacked(weight: IntWeight) -> torch.Tensor:  # [N, K] in the scales' dtype
+def dequantize_repacked(weight: IntWeight) -> torch.Tensor:  # [N, K] (a stack: [E, N, K]) in the scales' dtype
     """The weight an IntWeight holds, q * scale + min in fp32 rounded once to the scales' dtype."""
     n, k = weight.shape
+    lead = weight.words.shape[:-2]  # () for one weight, (E,) for a stack of experts
     per_word = WORD_BITS // weight.bits
     shifts = torch.arange(per_word, device=weight.words.device, dtype=torch.int32) * weight.bits
-    slots = (weight.words[:, :, None] >> shifts) & ((1 << weight.bits) - 1)  # [N, K // per_word, per_word]
+    slots = (weight.words[..., None] >> shifts) & ((1 << weight.bits) - 1)  # [..., N, K // per_word, per_word]
     if weight.bits == 4:  # back to element order: nibbles 0-3 hold the even elements, 4-7 the odd
-        slots = torch.stack((slots[:, :, :4], slots[:, :, 4:]), dim=-1).reshape(slots.shape)
-    q = slots.reshape(n, k // weight.group_size, weight.group_size).float()
-    w = q * weight.scales.float()[:, :, None] + weight.mins.float()[:, :, None]
-    return w.view(n, k).to(weight.scales.dtype)
+        slots = torch.stack((slots[..., :4], slots[..., 4:]), dim=-1).reshape(slots.shape)
+    q = slots.reshape(*lead, n, k // weight.group_size, weight.group_size).float()
+    w = q * weight.scales.float()[..., None] + weight.mins.float()[..., None]
+    return w.view(*lead, n, k).to(weight.scales.dtype)

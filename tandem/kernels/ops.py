@@ -229,8 +229,8 @@ def count_routed_experts(topk_ids: torch.Tensor, num_experts: int, counter: torc
 
 def fused_moe(
     x: torch.Tensor,  # [num_tokens, hidden]
-    w13: torch.Tensor,  # [num_local_experts, 2 * inter, hidden]
-    w2: torch.Tensor,  # [num_local_experts, hidden, inter]
+    w13: torch.Tensor | IntWeight,  # [num_local_experts, 2 * inter, hidden] (an IntWeight stack: 4- / 8-bit)
+    w2: torch.Tensor | IntWeight,  # [num_local_experts, hidden, inter]
     topk_weights: torch.Tensor,  # [num_tokens, top_k] fp32
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int32, global expert ids
     expert_map: torch.Tensor | None = None,  # [num_global_experts] int32: local index or -1 (expert parallel)
@@ -239,8 +239,20 @@ def fused_moe(
     into_norm: bool = False,  # the output goes only into a residual add + RMSNorm: PartialSums are fine
 ) -> torch.Tensor | PartialSums:  # [num_tokens, hidden]: this rank's sum over k of weight_k * expert_k(x)
     """Routed experts: the token sort/align and two grouped GEMMs (Triton) on CUDA, a masked per-expert loop on CPU.
-    With into_norm the Triton pair path may leave the sum over k to the norm (TANDEM_MOE_PAIR's "norm")."""
-    if use_triton(x):
+    With into_norm the Triton pair path may leave the sum over k to the norm (TANDEM_MOE_PAIR's "norm").
+    Integer experts (IntWeight stacks, both or neither): the kernels of triton_moe_int where Triton runs (not
+    for fp32 x on a GPU, whose tensor-core dots would round to TF32), else every expert dequantized
+    (dequantize_repacked) and the per-expert loop."""
+    integer = isinstance(w13, IntWeight)
+    if integer != isinstance(w2, IntWeight):
+        raise ValueError("w13 and w2 must both be integer (IntWeight) or both tensors")
+    if integer and use_triton(x) and not (x.is_cuda and x.dtype == torch.float32):
+        from tandem.kernels.triton_moe_int import fused_moe_int_triton  # lazy: CPU runs never import Triton
+
+        return fused_moe_int_triton(x, w13, w2, topk_weights, topk_ids, expert_map, into_norm=into_norm)
+    if integer:
+        w13, w2 = dequantize_repacked(w13).to(x.dtype), dequantize_repacked(w2).to(x.dtype)
+    elif use_triton(x):
         from tandem.kernels.triton_moe import fused_moe_triton  # lazy: CPU runs never import Triton
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale,

@@ -42,6 +42,18 @@ def _code_slots(e, BITS: tl.constexpr):
 
 
 @triton.jit
+def _word_sums(words, x, s, mn, shifts, ONE_BITS, BITS: tl.constexpr):
+    # The GEMV's products, per word: words [1, N, TG, GW] int32, x [M, 1, TG, GW, PER_WORD] fp32, s and mn
+    # [1, N, TG, 1] fp32 (a part's scale and min) -> [M, N, TG, GW] sums over each word's elements of x (q s + mn).
+    # With f = 1 + q / 2**B (_codes_plus_one) that is 2**B s F - (2**B s - mn) X, F = sum x f and X = sum x: per
+    # element one shift, one and-or and one FMA, no scale.
+    f = _codes_plus_one(words[:, :, :, :, None], shifts, ONE_BITS, BITS)  # [1, N, TG, GW, PER_WORD]
+    fx = tl.sum(x * f, axis=4)  # [M, N, TG, GW]
+    xs = tl.sum(x, axis=4)  # [M, 1, TG, GW]
+    return (s * (1 << BITS)) * fx - (s * (1 << BITS) - mn) * xs
+
+
+@triton.jit
 def _prefetch_rows(w_ptr, rows, N, stride_wn, word_begin, word_end, PREFETCH_LINES: tl.constexpr,
                    USE_PDL: tl.constexpr):
     # Before the PDL wait (the previous kernel may still run; weights are no kernel's output): the first
@@ -69,7 +81,6 @@ def _int_gemv_kernel(
     # so no cross-thread reduction runs inside it. EVEN: N and K fill whole tiles, so only x's rows are masked.
     PER_WORD: tl.constexpr = 32 // BITS
     GK: tl.constexpr = GW * PER_WORD
-    QSCALE: tl.constexpr = 1 << BITS
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)[:, None, None, None]  # [BLOCK_M, 1, 1, 1]
     offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None, None]  # [1, BLOCK_N, 1, 1]
@@ -108,10 +119,7 @@ def _int_gemv_kernel(
             s = tl.load(s_rows + group, mask=n_mask & g_mask, other=0.0).to(tl.float32)
             mn = tl.load(mn_rows + group, mask=n_mask & g_mask, other=0.0).to(tl.float32)
             x = tl.load(x_ptrs, mask=g_mask[:, :, :, :, None] & x_rows, other=0.0).to(tl.float32)
-        f = _codes_plus_one(words[:, :, :, :, None], shifts, ONE_BITS, BITS)  # [1, BLOCK_N, TG, GW, PER_WORD]
-        fx = tl.sum(x * f, axis=4)  # [BLOCK_M, BLOCK_N, TG, GW]
-        xs = tl.sum(x, axis=4)  # [BLOCK_M, 1, TG, GW]
-        acc += (s * QSCALE) * fx - (s * QSCALE - mn) * xs
+        acc += _word_sums(words, x, s, mn, shifts, ONE_BITS, BITS)
         w_ptrs += TG * GK // PER_WORD
         x_ptrs += TG * GK
     y = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BLOCK_M, BLOCK_N]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kernels.int_weight import IntWeight
+from tandem.kernels.int_weight import IntWeight, repack_int_weight
 from tandem.kernels.ops import int_weight_linear
 from tandem.kernels.reference import dequantize_int_weight, unpack_int4_rows
 
@@ -101,6 +101,21 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int, name: str = "
     q = (w / scale[:, :, None] + zero[:, :, None]).round().clamp(0, levels).reshape(out_features, in_features)
     return PackedIntWeight(pack_codes(q.to(torch.uint8), bits), scale.to(weight.dtype), zero.to(weight.dtype),
                            bits, group)
+
+
+def quantize_rtn_experts(weights: torch.Tensor, bits: int, group_size: int | None = None,
+                         name: str = "experts") -> IntWeight:
+    """A stack of MoE experts' weights [E, N, K] -> one IntWeight stack in the kernels' layout (words
+    [E, N, K * bits // 32], scales and mins [E, N, K // group]): quantize_rtn of each expert, group_size None:
+    rtn_group_size(K). One expert's temporaries at a time."""
+    num_experts, n, k = weights.shape
+    group = rtn_group_size(k, name) if group_size is None else group_size
+    parts = []
+    for e in range(num_experts):
+        packed = quantize_rtn(weights[e], bits, group, f"{name}[{e}]")
+        parts.append(repack_int_weight(packed.qweight, packed.scales, packed.zeros, bits, group))
+    return IntWeight(torch.stack([p.words for p in parts]), torch.stack([p.scales for p in parts]),
+                     torch.stack([p.mins for p in parts]), bits, group)
 
 
 def int_linear(

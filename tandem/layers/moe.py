@@ -18,7 +18,9 @@ from torch import nn
 from tandem.config import ModelConfig
 from tandem.distributed.group import TPGroup, Unreduced
 from tandem.kernels.fp8 import DEFER_REDUCE, FP8_DTYPE, PartialSums
+from tandem.kernels.int_weight import IntWeight
 from tandem.kernels.ops import count_routed_experts, fused_moe, moe_route
+from tandem.layers.int_quant import quantize_rtn_experts
 from tandem.layers.linear import Linear
 from tandem.layers.parallel import LazyTensor, materialize, take
 from tandem.layers.quantization import quantize_weight_fp8
@@ -37,7 +39,8 @@ class RouterLinear(Linear):
 
 class FusedMoE(nn.Module):
     """Routed experts: w13 [local experts, 2 * local inter, hidden] (gate rows, then up rows) and
-    w2 [local experts, hidden, local inter]; FP8 after quantize_fp8_() with per-output-channel scales."""
+    w2 [local experts, hidden, local inter]; FP8 after quantize_fp8_() with per-output-channel scales, 4- / 8-bit
+    integer codes after quantize_int_() (w13_words, w13_scales, w13_mins and the same for w2: IntWeight stacks)."""
 
     def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
@@ -55,6 +58,8 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden, self.local_inter), requires_grad=False)
         self.register_buffer("w13_scale", None)  # [local experts, 2 * local inter] fp32 with FP8 weights
         self.register_buffer("w2_scale", None)  # [local experts, hidden] fp32
+        self.int_bits = 0  # 4 / 8 once quantize_int_() has replaced w13 and w2 by integer stacks
+        self.int_group_sizes = (0, 0)  # (w13's, w2's) input columns per group
         # TANDEM_MOE_ROUTE_STATS=1 (set by `tandem bench` before the engine captures its graphs): a device counter of
         # the distinct experts each forward routes to, summed over forwards, for the roofline's expert bytes.
         stats = os.environ.get("TANDEM_MOE_ROUTE_STATS") == "1"
@@ -84,9 +89,19 @@ class FusedMoE(nn.Module):
             count_routed_experts(ids, self.num_experts, self.routed_experts)
         # Unsummed rows go on to the norm on one rank, and across ranks where its all-reduce kernel adds them up.
         into_norm = reduce and DEFER_REDUCE and (self.tp.size == 1 or self.tp.defers_all_reduce())
-        out = fused_moe(x, self.w13, self.w2, weights, ids, self.expert_map, self.w13_scale, self.w2_scale,
+        w13, w2 = self.expert_weights()
+        out = fused_moe(x, w13, w2, weights, ids, self.expert_map, self.w13_scale, self.w2_scale,
                         into_norm=into_norm)
         return self.tp.all_reduce_or_defer(out) if reduce and self.tp.size > 1 else out
+
+    def expert_weights(self) -> tuple[torch.Tensor | IntWeight, torch.Tensor | IntWeight]:
+        """(w13, w2): the stacked parameters, or with integer experts IntWeight stacks viewing them (made per call,
+        so they follow the parameters wherever the module moves)."""
+        if not self.int_bits:
+            return self.w13, self.w2
+        return tuple(IntWeight(getattr(self, f"{proj}_words").data, getattr(self, f"{proj}_scales").data,
+                               getattr(self, f"{proj}_mins").data, self.int_bits, group)
+                     for proj, group in zip(("w13", "w2"), self.int_group_sizes))  # type: ignore[return-value]
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor | LazyTensor) -> tuple[str, int]:
         """Copies one checkpoint expert matrix (proj: gate, up or down; Hugging Face [out, in]) into this rank's
@@ -119,6 +134,8 @@ class FusedMoE(nn.Module):
 
     def quantize_fp8_(self) -> bool:
         """Expert weights to FP8 with a scale per expert output channel (the router stays in the model dtype)."""
+        if self.int_bits:
+            return False
         if self.w13.dtype == FP8_DTYPE:
             return True
         for name in ("w13", "w2"):
@@ -127,3 +144,21 @@ class FusedMoE(nn.Module):
             setattr(self, name, nn.Parameter(q.view(w.shape), requires_grad=False))
             setattr(self, f"{name}_scale", scale.view(w.shape[0], w.shape[1]))
         return True
+
+    def quantize_int_(self, bits: int, group_size: int | None = None, name: str = "experts") -> None:
+        """Expert weights to 4- / 8-bit codes, round to nearest per group of each stack's (local) input columns
+        (group_size None: rtn_group_size, 128 where it divides; a tensor-parallel shard is quantized after it is
+        cut, so its groups never straddle ranks), held in the kernels' layout only; the full-precision stacks
+        are freed and the router stays in the model dtype. ValueError naming the layer where no group fits."""
+        if self.int_bits:
+            return
+        if self.w13.dtype == FP8_DTYPE:
+            raise ValueError(f"{name}: FP8 experts cannot be quantized to {bits} bits")
+        groups = []
+        for proj in ("w13", "w2"):
+            stack = quantize_rtn_experts(getattr(self, proj).data, bits, group_size, f"{name}.{proj}")
+            delattr(self, proj)
+            for part in ("words", "scales", "mins"):
+                setattr(self, f"{proj}_{part}", nn.Parameter(getattr(stack, part), requires_grad=False))
+            groups.append(stack.group_size)
+        self.int_bits, self.int_group_sizes = bits, (groups[0], groups[1])

@@ -52,7 +52,8 @@ def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpoin
             raise ValueError(f"checkpoint layer {prefix!r}: a quantized lm_head is not supported (it stays in the "
                              "model dtype)")
         if (module is None and ".experts." in prefix) or isinstance(module, FusedMoE):
-            raise ValueError(f"checkpoint layer {prefix!r}: MoE experts in 4 / 8 bits are not supported yet")
+            raise ValueError(f"checkpoint layer {prefix!r}: checkpoints with MoE experts quantized already are not "
+                             "supported yet (load the full-precision checkpoint with quantization int4 / int8)")
         if not isinstance(module, Linear):
             raise ValueError(f"checkpoint layer {prefix!r} holds quantized weights but {type(model).__name__} has "
                              f"no linear {target!r} to take them")
@@ -112,11 +113,12 @@ def repack_int_checkpoint(weights: Iterable[tuple[str, object]], cfg: IntCheckpo
 
 
 def quantize_linears_int(model: nn.Module, bits: int) -> None:
-    """Turns every Linear but the lm_head (and MoE routers) into integer codes, round to nearest per group of
-    input columns (quantization int4 / int8: rtn_group_size, 128 where it divides), one module at a time;
-    embeddings and the lm_head keep the model dtype. ValueError naming a layer no group size divides."""
+    """Turns every Linear but the lm_head (and MoE routers) and every MoE block's experts into integer codes,
+    round to nearest per group of input columns (quantization int4 / int8: rtn_group_size, 128 where it
+    divides), one module at a time; embeddings and the lm_head keep the model dtype. ValueError naming a layer
+    no group size divides."""
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and name.split(".")[-1] != "lm_head":
+        if isinstance(module, (Linear, FusedMoE)) and name.split(".")[-1] != "lm_head":
             module.quantize_int_(bits, name=name)
 
 

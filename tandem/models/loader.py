@@ -469,9 +469,9 @@ def init_dummy_weights(model: nn.Module, seed: int, device: torch.device, int_bi
     """Fills linear and embedding parameters in place with N(0, 0.02) from a seeded generator on device.
 
     Norm weights keep their construction values (ones, zero bias) so activations stay in a sane range; MoE
-    expert stacks are drawn like linears. With int_bits (quantization int4 / int8) each linear but the lm_head
-    is quantized right after it is drawn, so only one full-precision weight exists at a time (parameters left
-    on the meta device by EmptyOnMeta get their storage here, one module at a time).
+    expert stacks are drawn like linears. With int_bits (quantization int4 / int8) each linear but the lm_head,
+    and each MoE block's experts, is quantized right after it is drawn, so only one full-precision weight exists
+    at a time (parameters left on the meta device by EmptyOnMeta get their storage here, one module at a time).
     """
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, module in model.named_modules():
@@ -479,7 +479,7 @@ def init_dummy_weights(model: nn.Module, seed: int, device: torch.device, int_bi
             materialize_meta(module, device)
             for param in module.parameters(recurse=False):
                 param.data.normal_(0.0, 0.02, generator=generator)
-            if int_bits and isinstance(module, Linear) and name.split(".")[-1] != "lm_head":
+            if int_bits and isinstance(module, (Linear, FusedMoE)) and name.split(".")[-1] != "lm_head":
                 module.quantize_int_(int_bits, name=name)
     materialize_meta(model, device)
 

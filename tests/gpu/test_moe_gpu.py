@@ -1,5 +1,6 @@
 """Mixtures of experts on a GPU: decode graphs of every batch size and piecewise prefill graphs equal eager, overlap
-equals sync, FP8 experts stay close to bf16, and TP=2 / EP=2 give one GPU's tokens (two GPUs)."""
+equals sync, FP8 experts stay close to bf16, 4- / 8-bit experts on the kernels close to their fp32 reference, and
+TP=2 / EP=2 give one GPU's tokens (two GPUs)."""
 
 from __future__ import annotations
 
@@ -125,6 +126,26 @@ def test_moe_fp8_experts_close_to_bf16(moe_checkpoint):
     bf16 = generate(make_llm(moe_checkpoint("qwen3_moe")), prompts, [8] * 8)
     first = [a[0][0] == b[0][0] for a, b in zip(fp8, bf16)]
     assert sum(first) >= 6, "FP8 experts changed most first tokens"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_moe_int_experts_match_their_fp32_reference(moe_checkpoint, quantization):
+    """4- / 8-bit experts on the Triton kernels (bf16, decode graphs; 8 sequences take the sorted path, the last
+    one or two the pair path) against the same quantization run in fp32 (every integer weight dequantized into
+    the PyTorch references): the same first tokens but for bf16's near-ties (as FP8 against bf16 above)."""
+    rng = random.Random(5)
+    prompts = [random_prompt(rng, 16) for _ in range(8)]
+    llm = make_llm(moe_checkpoint("qwen3_moe"), quantization=quantization)
+    block = llm.engine.runner.model.model.layers[1].mlp
+    assert block.int_bits == int(quantization[3:]) and block.gate.weight.dtype == torch.bfloat16
+    kernels = generate(llm, prompts, [8] * 8)
+    llm.shutdown()
+    llm = make_llm(moe_checkpoint("qwen3_moe"), quantization=quantization, dtype="float32")
+    reference = generate(llm, prompts, [8] * 8)
+    llm.shutdown()
+    first = [a[0][0] == b[0][0] for a, b in zip(kernels, reference)]
+    assert sum(first) >= 6, f"{quantization} experts on the kernels changed most first tokens"
 
 
 @pytest.mark.gpu

@@ -230,16 +230,6 @@ def test_integer_models_never_allocate_full_precision_linears():
     assert not any(p.is_meta for p in model.parameters()) and model.lm_head is None  # tied: the embedding
 
 
-def test_int4_moe_keeps_router_and_experts_in_the_model_dtype():
-    model, _ = load("mixtral-8x7b", load_format="dummy", quantization="int4",
-                    hf_overrides=dict(num_hidden_layers=1, hidden_size=128, intermediate_size=128, vocab_size=256,
-                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4))
-    layer = model.model.layers[0]
-    assert layer.self_attn.qkv_proj.int_bits == 4 and layer.self_attn.o_proj.int_bits == 4
-    assert layer.mlp.gate.weight.dtype == torch.float32 and layer.mlp.gate.int_bits == 0
-    assert layer.mlp.w13.dtype == torch.float32
-
-
 def test_bench_runs_a_checkpoint_in_place_of_random_weights(tmp_path):
     from tandem.bench.offline import bench_workload
     from tandem.bench.workloads import Workload

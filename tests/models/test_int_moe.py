@@ -1,0 +1,107 @@
+"""Mixture-of-experts models in 4 and 8 bits (quantization int4 / int8): tiny Mixtral and Qwen3-MoE checkpoints give
+in tandem (fp32, CPU) the logits and greedy tokens transformers gives with every quantized weight, experts included,
+replaced by its dequantized values; the router stays in the model dtype; dummy shapes and the roofline's bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.layers.int_quant import quantize_rtn, rtn_group_size
+from tandem.layers.moe import FusedMoE
+from tandem.models.loader import load_model_and_tokenizer
+from tests.models.test_hf_parity import run_and_compare
+from tests.models.test_moe_parity import tiny_moe_config
+
+transformers = pytest.importorskip("transformers")
+CPU = torch.device("cpu")
+
+
+def rtn(weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """What quantization int4 / int8 makes of a [out, in] weight, dequantized."""
+    return quantize_rtn(weight, bits, rtn_group_size(weight.shape[1])).dequantize()
+
+
+def dequantize_like_tandem(hf: torch.nn.Module, bits: int) -> None:
+    """Every linear but the lm_head and the routers, and each expert of the stacked expert tensors, replaced by
+    its round-to-nearest values (rows quantize on their own, so fused projections and stacks change nothing)."""
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head" and not name.endswith("mlp.gate"):
+                module.weight.copy_(rtn(module.weight, bits))
+            if name.endswith("mlp.experts"):
+                for stacked in (module.gate_up_proj, module.down_proj):
+                    for e in range(stacked.shape[0]):
+                        stacked[e].copy_(rtn(stacked[e], bits))
+
+
+@pytest.mark.parametrize("family,bits", [("mixtral", 4), ("qwen3_moe", 4), ("qwen3_moe", 8)])
+def test_int_experts_match_dequantized_transformers(family, bits, tmp_path):
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_moe_config(family)).float().eval()
+    hf.save_pretrained(tmp_path)
+    config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", quantization=f"int{bits}")
+    model, model_config, _ = load_model_and_tokenizer(config, CPU, torch.float32)
+    blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert blocks and all(b.int_bits == bits and not hasattr(b, "w13") for b in blocks)
+    block = blocks[0]
+    assert block.w13_words.dtype == torch.int32 and block.gate.weight.dtype == torch.float32
+    # Groups of 64 over the hidden size, 32 over the experts' intermediate size (96 for Mixtral, 32 Qwen3-MoE).
+    assert block.int_group_sizes == (64, 32)
+    dequantize_like_tandem(hf, bits)
+    run_and_compare(f"{family}-int{bits}", hf, model, model_config, "cpu", atol=1e-4)
+
+
+def test_dummy_int4_moe_and_its_roofline_bytes():
+    from tandem.bench.roofline import model_cost
+
+    overrides = dict(num_hidden_layers=1, hidden_size=128, intermediate_size=128, vocab_size=256,
+                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+
+    def load(quantization):
+        config = EngineConfig(model="mixtral-8x7b", load_format="dummy", device="cpu", dtype="float32",
+                              quantization=quantization, hf_overrides=overrides)
+        return load_model_and_tokenizer(config, CPU, torch.float32)[:2]
+
+    model, mc = load("int4")
+    block = model.model.layers[0].mlp
+    assert block.int_bits == 4 and block.gate.int_bits == 0 and block.gate.weight.dtype == torch.float32
+    assert not any(p.is_meta for p in model.parameters())
+    full, _ = load(None)
+    before, after = model_cost(full, mc), model_cost(model, mc)
+    assert after.expert_params == before.expert_params  # the same multiplications
+    # 4 experts x (256 x 128 gate/up + 128 x 128 down) weights: half a byte each, an fp32 scale and min per 128.
+    weights = 4 * (256 * 128 + 128 * 128)
+    assert after.expert_bytes == weights * (0.5 + 8 / 128) and before.expert_bytes == weights * 4
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_shards_quantize_whole_groups(expert_parallel, tmp_path):
+    """At TP=2 each rank quantizes its shard once it is cut: whole experts (EP), or every expert's half of the
+    intermediate dimension (TP), whose 128 columns of w2 are one group as in the unsharded model. The rank's
+    stacks are then the unsharded model's, sliced."""
+    from tandem.config import ParallelConfig
+    from tests.models.test_moe_parity import COMMON
+
+    torch.manual_seed(0)
+    hf_config = transformers.Qwen3MoeConfig(**{**COMMON, "intermediate_size": 256}, num_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=256, head_dim=32)
+    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path)
+    config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", quantization="int4")
+    full = load_model_and_tokenizer(config, CPU, torch.float32)[0].model.layers[0].mlp
+    assert full.int_group_sizes == (64, 128)
+    for rank in range(2):
+        tp = ParallelConfig(rank, 2, expert_parallel)
+        block = load_model_and_tokenizer(config, CPU, torch.float32, tp)[0].model.layers[0].mlp
+        assert block.int_group_sizes == (64, 128)
+        for part in ("words", "scales", "mins"):
+            w13, w2 = getattr(full, f"w13_{part}"), getattr(full, f"w2_{part}")
+            if expert_parallel:
+                expected13, expected2 = w13[rank::2], w2[rank::2]
+            else:  # rows: this rank's gate half, then its up half; w2's columns (words, groups): its half
+                gate, up = w13.chunk(2, dim=1)
+                expected13 = torch.cat([gate.chunk(2, dim=1)[rank], up.chunk(2, dim=1)[rank]], dim=1)
+                expected2 = w2.chunk(2, dim=2)[rank]
+            assert torch.equal(getattr(block, f"w13_{part}"), expected13)
+            assert torch.equal(getattr(block, f"w2_{part}"), expected2)
