@@ -202,22 +202,24 @@ def test_kernel_compiles_for_sm90():
     (8, 4100, 4096 + 64, 64, None, True),
 ])
 def test_gpu_matches_reference_and_the_fp32_gemv(bits, n, k, group, split, bias, monkeypatch):
-    """bf16 on the GPU: close to the fp32 product of the reference dequantization (the codes and x are exact in
-    the MMA and its sums fp32: only the bf16 output rounding and the fp32 sum order differ, far inside
-    assert_close_to's bound) and to the fp32 CUDA-core GEMV (TANDEM_INT_GEMV_MMA=0)."""
+    """bf16 on the GPU: close to the fp32 product of the reference dequantization within assert_close_to's bound
+    (the layout's 4-bit mins are rounded to bf16, the reference's are not: errors of a few 1e-3 of the largest
+    output), and closer to the fp32 CUDA-core GEMV (TANDEM_INT_GEMV_MMA=0), which reads the same codes, scales and
+    mins: the codes and x are exact in the MMA and its sums fp32, so only the bf16 output rounding and the fp32
+    sum order differ."""
     from tandem.kernels.triton_int_weight import int_weight_matmul_triton
     from tests.kernels.test_triton_int_weight import assert_close_to, make_weight, reference
 
     group_size = k if group == -1 else group
     qweight, scales, zeros, _ = make_weight(n, k, bits, group_size, torch.bfloat16, seed=n + k)
     packed = repack_int_weight(qweight, scales, zeros, bits, group_size)
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    gen = torch.Generator(device="cuda").manual_seed(k)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen) if bias else None
     ref = reference(x, qweight, scales, zeros, bits, group_size, b)
     assert mma.use_mma_gemv(x, packed)
     out = mma.int_mma_gemv(x, packed, b, config={"SPLIT_K": split} if split else None)
     assert_close_to(out, ref)
-    torch.testing.assert_close(out.float(), ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-2)
     monkeypatch.setenv("TANDEM_INT_GEMV_MMA", "0")
     assert not mma.use_mma_gemv(x, packed)
     fp32_gemv = int_weight_matmul_triton(x, packed, b)
