@@ -11,10 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.fp8 import DEFER_REDUCE, PartialSums
+from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
 from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
-from tandem.kernels.triton_quant import reduce_partial_sums_triton
+from tandem.kernels.triton_quant import finish_split
 
 
 PROGRAMS_PER_SM = 8  # the most programs of 4 warps a GEMV's grid gives each SM (mma_gemv_config)
@@ -344,9 +344,4 @@ def int_mma_gemv(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None =
         x, w, scales, weight.mins, bias if bias is not None else scales, out, ws, n, k,
         mma_k_split(k, bits, cfg["SPLIT_K"], cfg["num_warps"]), **flags, num_warps=cfg["num_warps"],
         num_stages=1, launch_pdl=bool(pdl))
-    if split_k > 1:
-        parts = PartialSums(ws, None, bias, out.dtype)
-        if defer and DEFER_REDUCE:
-            return parts
-        reduce_partial_sums_triton(parts, out)
-    return out
+    return finish_split(ws, out, bias, split_k, defer)

@@ -10,11 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.fp8 import DEFER_REDUCE, PartialSums
+from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
 from tandem.kernels.triton_int_gemv_mma import int_mma_gemv, use_mma_gemv
 from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
-from tandem.kernels.triton_quant import reduce_partial_sums_triton, split_k_until
+from tandem.kernels.triton_quant import finish_split, split_k_until
 
 ONE_BITS = 0x3F800000  # the bits of 1.0f
 
@@ -479,12 +479,7 @@ def int_weight_matmul_triton(
         packed = (x.is_cuda and bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
                   and scales.dtype == x.dtype and os.environ.get("TANDEM_INT_PACKED") != "0")
         _int_gemm_kernel[grid](*args, PACKED=packed, WORD_GROUPS=word_groups, **common, **cfg)
-    if split_k > 1:
-        parts = PartialSums(ws, None, bias, out.dtype)
-        if defer and DEFER_REDUCE:
-            return parts
-        reduce_partial_sums_triton(parts, out)
-    return out
+    return finish_split(ws, out, bias, split_k, defer)
 
 
 DEQUANT_MIN_ROWS = 512  # rows from which the weight is dequantized whole and multiplied by cuBLAS

@@ -727,3 +727,17 @@ def skinny_matmul_triton(
     return _launch_small_m(_swap_ab_kernel, (x, x), x.stride(0), weight, None, bias, out, cfg, defer, (out,),
                            HAS_SCALE=False, X_SCALED=False, GATED=GATE_TWO if gated else GATE_NONE, up_offset=n_out,
                            AMAX_OUT=False, GROUP_K=0, **_prefetch(weight, cfg), **flags)
+
+
+def finish_split(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, split_k: int, defer: bool
+                 ) -> torch.Tensor | PartialSums:
+    """A kernel's output once it ran: `out` itself (no K split), or its fp32 partial sums ws [split_k, M, N] (the
+    bias added when reduced) reduced into `out`, or handed on as PartialSums where `defer` and
+    TANDEM_DEFER_REDUCE allow (the RMSNorm after adds them)."""
+    if split_k == 1:
+        return out
+    parts = PartialSums(ws, None, bias, out.dtype)
+    if defer and DEFER_REDUCE:
+        return parts
+    reduce_partial_sums_triton(parts, out)
+    return out

@@ -14,9 +14,9 @@ from tandem.request import Request, RequestStatus
 from tandem.scheduler.output import SchedulerOutput, ScheduledRequest
 from tandem.speculative.eagle3_head import Eagle3Head
 from tandem.speculative.eagle3_rows import (
-    ChainLayout,
-    FeedLayout,
     HeadSteps,
+    chain_layout,
+    feed_layout,
     pinned,
     bucket,
     on_stream,
@@ -130,7 +130,7 @@ class Eagle3Proposer:
                    groups: list[tuple[Request, list[int], int, int]], aux: torch.Tensor) -> torch.Tensor:
         """A feed on the static buffers, one query row per position: -> each group's last output stream."""
         n, steps = len(rows), self.steps
-        lay = FeedLayout(bucket(n, steps.feed_buckets), steps.feed_width)
+        lay = feed_layout(bucket(n, steps.feed_buckets), steps.feed_width)
         ints = np.zeros(lay.size, dtype=np.int64)
         ints[lay.region(0)][:n] = tokens
         ints[lay.region(1)][:n] = positions
@@ -189,7 +189,7 @@ class Eagle3Proposer:
         device here). Chain row b owns scratch blocks: its table names the request's blocks of positions before
         the first chain position's block, then those (the first one a copy of that block)."""
         bs, steps, n = self.block_size, self.steps, len(lasts)
-        lay = ChainLayout(bucket(n, steps.chain_buckets), steps.chain_width)
+        lay = chain_layout(bucket(n, steps.chain_buckets), steps.chain_width)
         ints = np.zeros(lay.size, dtype=np.int64)
         positions, source, scratch = ints[lay.region(0)], ints[lay.region(1)], ints[lay.region(2)]
         tables = ints[lay.tables].reshape(lay.rows, lay.width)

@@ -32,43 +32,38 @@ def scratch_blocks_per_row(block_size: int, max_drafts: int) -> int:
 
 
 @dataclass(slots=True)
-class FeedLayout:
-    """Offsets of a feed's int64 inputs for a bucket of r rows: tokens, positions, slots, aux rows and the rows
-    whose output streams are kept (r each), then each row's block table (r x width)."""
+class IntsLayout:
+    """Offsets of a step's int64 inputs for a bucket of `rows` rows: `regions` vectors of one value a row, then each
+    row's block table (rows x width). A feed's regions: tokens, positions, slots, aux rows and the rows whose output
+    streams are kept; a chain's: positions (of its first row), the block copied into the row's first scratch block
+    and that block."""
 
     rows: int
     width: int
+    regions: int
 
     def region(self, index: int) -> slice:
         return slice(index * self.rows, (index + 1) * self.rows)
 
     @property
     def tables(self) -> slice:
-        return slice(5 * self.rows, 5 * self.rows + self.rows * self.width)
+        start = self.regions * self.rows
+        return slice(start, start + self.rows * self.width)
 
     @property
     def size(self) -> int:
         return self.tables.stop
 
 
-@dataclass(slots=True)
-class ChainLayout:
-    """Offsets of a chain's int64 inputs for a bucket of b rows: positions (of the first chain row), the block
-    copied into the row's first scratch block and that block (b each), then each row's block table (b x width)."""
+FEED_REGIONS, CHAIN_REGIONS = 5, 3
 
-    rows: int
-    width: int
 
-    def region(self, index: int) -> slice:
-        return slice(index * self.rows, (index + 1) * self.rows)
+def feed_layout(rows: int, width: int) -> IntsLayout:
+    return IntsLayout(rows, width, FEED_REGIONS)
 
-    @property
-    def tables(self) -> slice:
-        return slice(3 * self.rows, 3 * self.rows + self.rows * self.width)
 
-    @property
-    def size(self) -> int:
-        return self.tables.stop
+def chain_layout(rows: int, width: int) -> IntsLayout:
+    return IntsLayout(rows, width, CHAIN_REGIONS)
 
 
 class HeadSteps:
@@ -84,9 +79,9 @@ class HeadSteps:
         self.chain_width = max_blocks + scratch_blocks_per_row(block_size, max_drafts)
         device = kv.device
         self.feed_buckets, self.chain_buckets = row_buckets(feed_rows), row_buckets(chain_rows)
-        self.feed_ints = torch.zeros(FeedLayout(feed_rows, self.feed_width).size, dtype=torch.int64, device=device)
+        self.feed_ints = torch.zeros(feed_layout(feed_rows, self.feed_width).size, dtype=torch.int64, device=device)
         self.feed_aux = torch.zeros(feed_rows, 3 * c.target_hidden_size, dtype=kv.dtype, device=device)
-        self.chain_ints = torch.zeros(ChainLayout(chain_rows, self.chain_width).size, dtype=torch.int64,
+        self.chain_ints = torch.zeros(chain_layout(chain_rows, self.chain_width).size, dtype=torch.int64,
                                       device=device)
         self.chain_stream = torch.zeros(chain_rows, c.hidden_size, dtype=kv.dtype, device=device)
         self.chain_tokens = torch.zeros(chain_rows, max_drafts, dtype=torch.int64, device=device)
@@ -109,14 +104,14 @@ class HeadSteps:
                                  max_seq_len=tables.shape[1] * self.block_size)
 
     def _feed(self, r: int) -> torch.Tensor:
-        lay, ints = FeedLayout(r, self.feed_width), self.feed_ints
+        lay, ints = feed_layout(r, self.feed_width), self.feed_ints
         tokens, positions, slots = ints[lay.region(0)], ints[lay.region(1)], ints[lay.region(2)]
         tables = ints[lay.tables].view(r, self.feed_width).to(torch.int32)
         hidden = self.head.fuse(self.feed_aux[:r])
         return self.head.layer_rows(tokens, hidden, positions, self.kv, self._meta(slots, positions, tables))
 
     def _chain(self, b: int) -> None:
-        lay, ints, bs, head = ChainLayout(b, self.chain_width), self.chain_ints, self.block_size, self.head
+        lay, ints, bs, head = chain_layout(b, self.chain_width), self.chain_ints, self.block_size, self.head
         positions, source, scratch = ints[lay.region(0)], ints[lay.region(1)], ints[lay.region(2)]
         tables = ints[lay.tables].view(b, self.chain_width)
         # The block holding the first chain position is copied into the row's scratch block, which the table
@@ -136,9 +131,9 @@ class HeadSteps:
     # ---------------------------------------------------------------- running them
 
     def feed(self, host_ints: np.ndarray, rows: int, aux: torch.Tensor) -> torch.Tensor:
-        """Runs a feed: host_ints in FeedLayout(bucket, width) order; -> the kept rows' output streams."""
+        """Runs a feed: host_ints in feed_layout(bucket, width) order; -> the kept rows' output streams."""
         r = bucket(rows, self.feed_buckets)
-        lay = FeedLayout(r, self.feed_width)
+        lay = feed_layout(r, self.feed_width)
         self.feed_ints[: lay.size].copy_(pinned(host_ints), non_blocking=True)
         torch.index_select(aux, 0, self.feed_ints[lay.region(3)], out=self.feed_aux[:r])
         graph = self.feed_graphs.get(r)
@@ -150,10 +145,10 @@ class HeadSteps:
         return out.index_select(0, self.feed_ints[lay.region(4)])
 
     def chain(self, host_ints: np.ndarray, rows: int, streams: list[torch.Tensor]) -> torch.Tensor:
-        """Runs a chain: host_ints in ChainLayout(bucket, width) order, each row's last output stream; -> the
+        """Runs a chain: host_ints in chain_layout(bucket, width) order, each row's last output stream; -> the
         rows' drafts [rows, max_drafts] (target ids, on the device)."""
         b = bucket(rows, self.chain_buckets)
-        self.chain_ints[: ChainLayout(b, self.chain_width).size].copy_(pinned(host_ints), non_blocking=True)
+        self.chain_ints[: chain_layout(b, self.chain_width).size].copy_(pinned(host_ints), non_blocking=True)
         self.chain_stream[:rows].copy_(torch.stack(streams))
         graph = self.chain_graphs.get(b)
         if graph is not None:
