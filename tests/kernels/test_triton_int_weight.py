@@ -320,8 +320,9 @@ def test_deferred_reduce_hands_on_the_partial_sums(monkeypatch):
     """defer_reduce on 2-D x: a K split returns PartialSums whose reduce is the linear's output (bias in it);
     a GEMM that does not split, or 3-D x, returns the tensor."""
     import tandem.kernels.triton_int_weight as module
+    import tandem.kernels.triton_quant as quant
 
-    monkeypatch.setattr(module, "DEFER_REDUCE", True)
+    monkeypatch.setattr(quant, "DEFER_REDUCE", True)  # finish_split's switch
     if not CUDA:
         monkeypatch.setenv("TANDEM_FORCE_TRITON", "1")
     qweight, scales, zeros, _ = make_weight(32, 512, 4, 64, torch.float32, 9)
