@@ -254,13 +254,16 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=128256)
     p.add_argument("--engine-ms", type=float, default=2.5, help="Python on the engine's thread while the worker fills")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lineages", type=int, default=0,
+                   help="start matchers the rows descend from (default: one per mask thread, as the engine builds)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0))
     threads = ([int(t) for t in args.threads.split(",")] if args.threads else
                sorted({t for t in (1, 2, 4, 8, 12, 16, cores - 1, cores) if 1 <= t <= max(cores, 1)}))
     os.environ["TANDEM_STRUCTURED_BACKEND"] = "llguidance"
-    cache = GrammarCache(None, args.vocab_size, [args.vocab_size - 1], backend_name="llguidance")
+    cache = GrammarCache(None, args.vocab_size, [args.vocab_size - 1], backend_name="llguidance",
+                         lineages=args.lineages or matcher_module.mask_threads())
     compiled = cache.submit(StructuredOutputParams(json=json.dumps(SCHEMA))).result()
     start = warm_states(compiled, args.rows, args.vocab_size, args.seed)
     timer = CallTimer()

@@ -17,6 +17,7 @@ import json
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.config import GRAMMAR_BACKENDS
@@ -200,12 +201,30 @@ def llguidance_tokenizer_json(tokenizer: Any) -> str:
 MAX_CACHED_GRAMMARS = 512
 
 
+@dataclass(slots=True)
+class LLGuidanceStarts:
+    """A compiled llguidance grammar as requests start from it: matchers in the start state ("lineages"), each built
+    from the grammar on its own; a request advances a copy of one. The copies of one matcher share its lexer state
+    behind one lock, so a step's rows, filled on several threads, wait for each other when they all descend from
+    one matcher: requests take the lineages in turn. On 2 cores, 48 rows of the structured workload's schema filled
+    in 12.3 ms on one thread; on two, 16.6 ms as copies of one matcher and 8.8 ms from separate ones."""
+
+    starts: list[Any]
+    turn: int = 0
+
+    def next_start(self) -> Any:
+        """The start matcher the next request copies (round robin)."""
+        start = self.starts[self.turn % len(self.starts)]
+        self.turn += 1
+        return start
+
+
 class GrammarCache:
     """Compiled grammars for one tokenizer, one per distinct spec; compiled on a worker thread. xgrammar: a
     CompiledGrammar; llguidance: a matcher in its start state, which each request copies."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], max_workers: int = 1,
-                 backend_name: str | None = None, strict_json_schema: bool = True) -> None:
+                 backend_name: str | None = None, strict_json_schema: bool = True, lineages: int = 1) -> None:
         self.backend = backend_name or backend()
         if self.backend not in BACKENDS:
             raise ValueError(f"structured-output backend must be one of {BACKENDS}, got {self.backend!r}")
@@ -213,6 +232,7 @@ class GrammarCache:
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
         self.max_workers = max_workers
         self.strict_json_schema = strict_json_schema  # the reading of a JSON schema's unnamed properties
+        self.lineages = max(1, lineages)  # llguidance: start matchers built per grammar (LLGuidanceStarts)
         self.compiler: Any = None  # built on the worker thread by the first compile (a second or so)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
@@ -260,15 +280,19 @@ class GrammarCache:
     def _compile(self, spec: StructuredOutputParams) -> Any:
         if self.backend == "xgrammar":
             return self._compiler().compile_grammar(_xgr_grammar(spec, self.strict_json_schema))
-        matcher = _llg().LLMatcher(self._compiler(), _llg_grammar(spec, self.strict_json_schema))
-        if matcher.is_error():
-            raise ValueError(f"the {_LABEL.get(spec.kind(), spec.kind())} does not compile: {matcher.get_error()}")
-        # The start state's mask, computed once here: the lexer states it builds are shared with every request's
-        # copy, so a request's first mask does not build them on the step (computing a mask leaves the state).
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-        fill_next_token_bitmask(matcher, allocate_token_bitmask(1, self.vocab_size))
-        return matcher
+        grammar, bits, starts = _llg_grammar(spec, self.strict_json_schema), None, []
+        for _ in range(self.lineages):  # ~1 ms each for a JSON schema
+            matcher = _llg().LLMatcher(self._compiler(), grammar)
+            if matcher.is_error():
+                raise ValueError(f"the {_LABEL.get(spec.kind(), spec.kind())} does not compile: {matcher.get_error()}")
+            # The start state's mask, computed once here: the lexer states it builds are shared with every copy, so
+            # a request's first mask does not build them on the step (computing a mask leaves the state).
+            bits = allocate_token_bitmask(1, self.vocab_size) if bits is None else bits
+            fill_next_token_bitmask(matcher, bits)
+            starts.append(matcher)
+        return LLGuidanceStarts(starts)
 
     def __len__(self) -> int:
         return len(self._futures)

@@ -10,20 +10,24 @@ from typing import Any
 
 import numpy as np
 
+from tandem.structured.grammar import LLGuidanceStarts
+
 logger = logging.getLogger(__name__)
 
 
 def _is_llguidance(compiled: Any) -> bool:
-    """An llguidance LLMatcher (GrammarCache's llguidance form) rather than an xgrammar CompiledGrammar."""
-    return type(compiled).__name__ == "LLMatcher"
+    """An llguidance grammar (GrammarCache's LLGuidanceStarts, or a start-state LLMatcher) rather than an xgrammar
+    CompiledGrammar."""
+    return isinstance(compiled, LLGuidanceStarts) or type(compiled).__name__ == "LLMatcher"
 
 
 class HostMask:
     def __init__(self, compiled_grammar: Any | None, bad_word_ids: tuple[tuple[int, ...], ...] = ()) -> None:
         self.matcher: Any = None
         self.llguidance = compiled_grammar is not None and _is_llguidance(compiled_grammar)
-        if self.llguidance:  # the cache holds a matcher in its start state: each request advances its own copy
-            self.matcher = compiled_grammar.deep_copy()
+        if self.llguidance:  # the cache holds matchers in their start state: each request advances its own copy
+            start = compiled_grammar.next_start() if isinstance(compiled_grammar, LLGuidanceStarts) else compiled_grammar
+            self.matcher = start.deep_copy()
         elif compiled_grammar is not None:
             import xgrammar as xgr
 
@@ -57,7 +61,7 @@ class HostMask:
                 continue
             (llg if mask.llguidance else xgr).append((mask.matcher, token))
         if threaded is None:
-            threaded = _num_threads() >= 4
+            threaded = mask_threads() >= 4
         if len(llg) + len(xgr) <= 1 or not threaded:  # nothing to spread: the plain call
             return sum(not mask.accept(token) for mask, token in tokens if mask.matcher is not None)
         results: list[bool] = []
@@ -260,7 +264,7 @@ def dense_rows(bits: Any, indices: list[int]) -> list[bool]:
     return (2 * allowed > 32 * band.shape[1]).tolist()
 
 
-def _num_threads() -> int:
+def mask_threads() -> int:
     """The mask threads: TANDEM_MASK_THREADS where set (to compare counts: the engine's own thread wants a core
     too), else one per core up to 16."""
     value = os.environ.get("TANDEM_MASK_THREADS")
@@ -282,7 +286,7 @@ def _xgr_batch() -> Any:
     if _XGR_BATCH is None:
         import xgrammar as xgr
 
-        _XGR_BATCH = xgr.BatchGrammarMatcher(_num_threads())
+        _XGR_BATCH = xgr.BatchGrammarMatcher(mask_threads())
     return _XGR_BATCH
 
 
@@ -292,5 +296,5 @@ def _llg_executor() -> Any:
     if _LLG_EXECUTOR is None:
         import llguidance
 
-        _LLG_EXECUTOR = llguidance.LLExecutor(_num_threads())
+        _LLG_EXECUTOR = llguidance.LLExecutor(mask_threads())
     return _LLG_EXECUTOR

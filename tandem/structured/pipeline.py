@@ -23,7 +23,7 @@ from tandem.sampling_params import StructuredOutputParams
 from tandem.structured.grammar import BACKENDS, GrammarCache
 from tandem.structured.grammar import backend as default_backend
 from tandem.structured.grammar import validate
-from tandem.structured.matcher import HostMask
+from tandem.structured.matcher import HostMask, mask_threads
 
 
 class GrammarPipeline:
@@ -54,9 +54,10 @@ class GrammarPipeline:
         validate(spec, self.backend)
         if self._cache is None:
             # Distinct specs (each tool set is one) compile side by side; a spec seen before is not compiled again.
+            # llguidance: a start matcher per mask thread, so that a step's rows do not share one matcher's lock.
             self._cache = GrammarCache(self.tokenizer, self.vocab_size, self.stop_token_ids,
                                        max_workers=compile_workers(), backend_name=self.backend,
-                                       strict_json_schema=self.strict_json_schema)
+                                       strict_json_schema=self.strict_json_schema, lineages=mask_threads())
         self.compiling[request.request_id] = (request, self._cache.submit(spec))
 
     def admit(self, schedule: Callable[[Request], None], block: bool) -> list[tuple[Request, Exception]]:

@@ -92,6 +92,28 @@ def test_both_backends_fill_the_same_bitmask(monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_requests_take_the_start_matchers_in_turn_and_fill_the_same_rows():
+    """A grammar compiles into one start matcher per lineage (copies of one matcher share its lock, so a step's rows
+    come from several); requests take them in turn, and whichever a row descends from, it allows the same tokens."""
+    from tandem.structured.grammar import LLGuidanceStarts
+
+    spec = StructuredOutputParams(json=json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                                   "required": ["a"]}))
+    cache = GrammarCache(None, 300, [299], backend_name="llguidance", lineages=3)
+    compiled = cache.submit(spec).result()
+    assert isinstance(compiled, LLGuidanceStarts) and len({id(m) for m in compiled.starts}) == 3
+    masks = [HostMask(compiled) for _ in range(4)]
+    assert compiled.turn == 4  # lineages 0, 1, 2, 0
+    bits = torch.zeros(4, (300 + 31) // 32, dtype=torch.int32)
+    for char in '{"a": 1':
+        HostMask.fill_rows(bits, [(i, m, []) for i, m in enumerate(masks)])
+        assert all(torch.equal(bits[0], bits[i]) for i in range(1, 4))
+        assert bits[0].any()
+        for m in masks:
+            assert m.accept(ord(char) - 32)
+    cache.shutdown()
+
+
 def test_the_engine_switches_backend_between_runs(guided_llm):
     engine = guided_llm.engine
     assert engine.structured_backend == "llguidance"
