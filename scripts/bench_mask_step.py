@@ -39,7 +39,7 @@ from tandem.sampling_params import StructuredOutputParams
 from tandem.structured import matcher as matcher_module
 from tandem.structured.grammar import GrammarCache
 from tandem.structured.matcher import HostMask
-from tandem.structured.pipeline import FILL_SWITCH_INTERVAL_S
+from tandem.structured.pipeline import FILL_SWITCH_INTERVAL_S, grammar_lineages
 
 
 class CallTimer:
@@ -255,7 +255,7 @@ def main() -> None:
     p.add_argument("--engine-ms", type=float, default=2.5, help="Python on the engine's thread while the worker fills")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lineages", type=int, default=0,
-                   help="start matchers the rows descend from (default: one per mask thread, as the engine builds)")
+                   help="start matchers the rows descend from (default: TANDEM_GRAMMAR_LINEAGES, as the engine)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     cores = len(os.sched_getaffinity(0))
@@ -263,7 +263,7 @@ def main() -> None:
                sorted({t for t in (1, 2, 4, 8, 12, 16, cores - 1, cores) if 1 <= t <= max(cores, 1)}))
     os.environ["TANDEM_STRUCTURED_BACKEND"] = "llguidance"
     cache = GrammarCache(None, args.vocab_size, [args.vocab_size - 1], backend_name="llguidance",
-                         lineages=args.lineages or matcher_module.mask_threads())
+                         lineages=args.lineages or grammar_lineages())
     compiled = cache.submit(StructuredOutputParams(json=json.dumps(SCHEMA))).result()
     start = warm_states(compiled, args.rows, args.vocab_size, args.seed)
     timer = CallTimer()

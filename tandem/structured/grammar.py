@@ -207,7 +207,8 @@ class LLGuidanceStarts:
     from the grammar on its own; a request advances a copy of one. The copies of one matcher share its lexer state
     behind one lock, so a step's rows, filled on several threads, wait for each other when they all descend from
     one matcher: requests take the lineages in turn. On 2 cores, 48 rows of the structured workload's schema filled
-    in 12.3 ms on one thread; on two, 16.6 ms as copies of one matcher and 8.8 ms from separate ones."""
+    in 12.3 ms on one thread; on two, 16.6 ms as copies of one matcher and 8.8 ms as separately built ones. How
+    many lineages (pipeline.grammar_lineages) is TANDEM_GRAMMAR_LINEAGES, 1 until measured on a many-core host."""
 
     starts: list[Any]
     turn: int = 0

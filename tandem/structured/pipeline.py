@@ -23,7 +23,7 @@ from tandem.sampling_params import StructuredOutputParams
 from tandem.structured.grammar import BACKENDS, GrammarCache
 from tandem.structured.grammar import backend as default_backend
 from tandem.structured.grammar import validate
-from tandem.structured.matcher import HostMask, mask_threads
+from tandem.structured.matcher import HostMask
 
 
 class GrammarPipeline:
@@ -54,10 +54,9 @@ class GrammarPipeline:
         validate(spec, self.backend)
         if self._cache is None:
             # Distinct specs (each tool set is one) compile side by side; a spec seen before is not compiled again.
-            # llguidance: a start matcher per mask thread, so that a step's rows do not share one matcher's lock.
             self._cache = GrammarCache(self.tokenizer, self.vocab_size, self.stop_token_ids,
                                        max_workers=compile_workers(), backend_name=self.backend,
-                                       strict_json_schema=self.strict_json_schema, lineages=mask_threads())
+                                       strict_json_schema=self.strict_json_schema, lineages=grammar_lineages())
         self.compiling[request.request_id] = (request, self._cache.submit(spec))
 
     def admit(self, schedule: Callable[[Request], None], block: bool) -> list[tuple[Request, Exception]]:
@@ -206,6 +205,17 @@ class GrammarPipeline:
 # The GIL switch interval while a fill runs on the worker: how long the worker may wait for the GIL each time one of
 # its parallel calls returns while the engine's thread runs Python (a forced switch costs some microseconds).
 FILL_SWITCH_INTERVAL_S = 1e-4
+
+
+def grammar_lineages() -> int:
+    """llguidance start matchers built per grammar (grammar.LLGuidanceStarts): TANDEM_GRAMMAR_LINEAGES, default 1.
+    Copies of one matcher share its lock, so a step's rows filled on many threads wait for each other; separate
+    matchers each build their own lexer states (a request's first masks cost more). Which pays on a 16-core host
+    is not measured yet (scripts/bench_mask_step.py --lineages N)."""
+    value = os.environ.get("TANDEM_GRAMMAR_LINEAGES", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"TANDEM_GRAMMAR_LINEAGES must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def compile_workers() -> int:

@@ -114,6 +114,19 @@ def test_requests_take_the_start_matchers_in_turn_and_fill_the_same_rows():
     cache.shutdown()
 
 
+def test_grammar_lineages_setting(monkeypatch):
+    from tandem.structured.pipeline import grammar_lineages
+
+    monkeypatch.delenv("TANDEM_GRAMMAR_LINEAGES", raising=False)
+    assert grammar_lineages() == 1
+    monkeypatch.setenv("TANDEM_GRAMMAR_LINEAGES", "16")
+    assert grammar_lineages() == 16
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv("TANDEM_GRAMMAR_LINEAGES", bad)
+        with pytest.raises(ValueError, match="TANDEM_GRAMMAR_LINEAGES must be a positive integer"):
+            grammar_lineages()
+
+
 def test_the_engine_switches_backend_between_runs(guided_llm):
     engine = guided_llm.engine
     assert engine.structured_backend == "llguidance"
