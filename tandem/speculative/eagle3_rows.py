@@ -74,7 +74,7 @@ class HeadSteps:
                  max_drafts: int, feed_rows: int) -> None:
         c = head.config
         self.head, self.kv, self.block_size = head, kv, block_size  # kv [2, blocks, block_size, kv heads, dim]
-        self.max_drafts, self.feed_rows, self.chain_rows = max_drafts, feed_rows, chain_rows
+        self.max_drafts = max_drafts
         self.feed_width = max_blocks
         self.chain_width = max_blocks + scratch_blocks_per_row(block_size, max_drafts)
         device = kv.device
