@@ -1,7 +1,7 @@
 """Per-kernel profile of one decode step (forward graph + sampling graph replay) for named random-weight shapes.
 
     python scripts/profile_decode.py --out out/profile [--workloads bs1,seed-async,nano] [--context 512]
-        [--quantization fp8] [--kv-cache-dtype fp8] [--tensor-parallel-size 2]
+        [--quantization fp8|int4|int8] [--kv-cache-dtype fp8] [--tensor-parallel-size 2]
 
 For each workload the engine is built with random weights of the named shape (load_format=dummy), every row
 gets a prompt of --context tokens and decodes a few steps in sync mode; then the last decode step's slot is
@@ -257,7 +257,8 @@ def main() -> None:
     parser.add_argument("--workloads", default="bs1,seed-async,nano", help=f"comma list of {sorted(WORKLOADS)}")
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per row")
     parser.add_argument("--sampling", choices=("greedy", "top-p"), default="greedy")
-    parser.add_argument("--quantization", choices=("fp8",), default=None, help="FP8 weights (weight floor in FP8 bytes)")
+    parser.add_argument("--quantization", choices=("fp8", "int4", "int8"), default=None,
+                        help="FP8 or 4- / 8-bit integer weights (the weight floor counts their stored bytes)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="fp8: an FP8 KV cache (KV floor in its FP8 bytes)")
     parser.add_argument("--by-position", action="store_true",

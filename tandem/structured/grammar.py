@@ -207,8 +207,9 @@ class LLGuidanceStarts:
     from the grammar on its own; a request advances a copy of one. The copies of one matcher share its lexer state
     behind one lock, so a step's rows, filled on several threads, wait for each other when they all descend from
     one matcher: requests take the lineages in turn. On 2 cores, 48 rows of the structured workload's schema filled
-    in 12.3 ms on one thread; on two, 16.6 ms as copies of one matcher and 8.8 ms as separately built ones. How
-    many lineages (pipeline.grammar_lineages) is TANDEM_GRAMMAR_LINEAGES, 1 until measured on a many-core host."""
+    in 12.3 ms on one thread; on two, 16.6 ms as copies of one matcher and 8.8 ms as separately built ones. The
+    first lineage is built by the compile; the others (pipeline.grammar_lineages in all) are appended by a
+    background thread, so a new grammar's first request does not wait for them."""
 
     starts: list[Any]
     turn: int = 0
@@ -236,6 +237,8 @@ class GrammarCache:
         self.lineages = max(1, lineages)  # llguidance: start matchers built per grammar (LLGuidanceStarts)
         self.compiler: Any = None  # built on the worker thread by the first compile (a second or so)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        # llguidance lineages past a grammar's first, behind every compile: one thread, so they never delay one.
+        self._lineage_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-lineages")
         self._lock = threading.Lock()
         self._build_lock = threading.Lock()
         self._futures: dict[tuple[str, str], Future] = {}  # insertion order: the oldest spec first
@@ -281,22 +284,34 @@ class GrammarCache:
     def _compile(self, spec: StructuredOutputParams) -> Any:
         if self.backend == "xgrammar":
             return self._compiler().compile_grammar(_xgr_grammar(spec, self.strict_json_schema))
+        grammar = _llg_grammar(spec, self.strict_json_schema)
+        matcher = self._start_matcher(grammar)
+        if matcher.is_error():
+            raise ValueError(f"the {_LABEL.get(spec.kind(), spec.kind())} does not compile: {matcher.get_error()}")
+        starts = LLGuidanceStarts([matcher])
+        if self.lineages > 1:
+            self._lineage_pool.submit(self._add_lineages, starts, grammar)
+        return starts
+
+    def _start_matcher(self, grammar: str) -> Any:
+        """A matcher built from the grammar (~1 ms for a JSON schema), its start state's mask computed once here:
+        the lexer states that builds are shared with every copy, so a request's first mask does not build them on
+        the step (computing a mask leaves the state)."""
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-        grammar, bits, starts = _llg_grammar(spec, self.strict_json_schema), None, []
-        for _ in range(self.lineages):  # ~1 ms each for a JSON schema
-            matcher = _llg().LLMatcher(self._compiler(), grammar)
-            if matcher.is_error():
-                raise ValueError(f"the {_LABEL.get(spec.kind(), spec.kind())} does not compile: {matcher.get_error()}")
-            # The start state's mask, computed once here: the lexer states it builds are shared with every copy, so
-            # a request's first mask does not build them on the step (computing a mask leaves the state).
-            bits = allocate_token_bitmask(1, self.vocab_size) if bits is None else bits
-            fill_next_token_bitmask(matcher, bits)
-            starts.append(matcher)
-        return LLGuidanceStarts(starts)
+        matcher = _llg().LLMatcher(self._compiler(), grammar)
+        if not matcher.is_error():
+            fill_next_token_bitmask(matcher, allocate_token_bitmask(1, self.vocab_size))
+        return matcher
+
+    def _add_lineages(self, starts: LLGuidanceStarts, grammar: str) -> None:
+        """Appends the grammar's other lineages (requests already running keep the matcher they copied)."""
+        while len(starts.starts) < self.lineages:
+            starts.starts.append(self._start_matcher(grammar))
 
     def __len__(self) -> int:
         return len(self._futures)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lineage_pool.shutdown(wait=False, cancel_futures=True)
