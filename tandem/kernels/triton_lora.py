@@ -101,12 +101,6 @@ def _expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, M, N, R, stride_sm, stride_bs
         tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# lora_tile_delta: a pool of at most this many slots x rank columns takes them all in one product (see there), in
-# dots of SLOT_CHUNK slots.
-DENSE_SLOT_COLUMNS: tl.constexpr = tl.constexpr(256)
-SLOT_CHUNK: tl.constexpr = tl.constexpr(4)
-
-
 @triton.jit
 def lora_tile_delta(slots, offs_m, offs_n, n_mask, ls_ptr, lb_ptr, R, stride_lsm, stride_lbs, stride_lbn,
                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, SLOTS_P2: tl.constexpr):
@@ -116,27 +110,8 @@ def lora_tile_delta(slots, offs_m, offs_n, n_mask, ls_ptr, lb_ptr, R, stride_lsm
     # whose slots the caller loads as -1) get exactly 0.
     ids = tl.arange(0, SLOTS_P2)
     used = tl.max((slots[:, None] == ids[None, :]).to(tl.int32), axis=0)
-    delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if SLOTS_P2 * BLOCK_R <= DENSE_SLOT_COLUMNS:
-        # A pool of few slots: every slot's rank columns side by side as one product's K, SLOT_CHUNK slots a dot,
-        # [BLOCK_N, slots x R] of B (a slot no row uses is masked off, never read) against the rows' shrink placed
-        # in their own slot's columns (zeros elsewhere). Its loads do not wait on each other, where the loop
-        # below, one slot after another, pays a load's latency per slot in the tile.
-        rc = tl.arange(0, BLOCK_R)
-        s_rows = tl.load(ls_ptr + offs_m[:, None] * stride_lsm + rc[None, :],
-                         mask=(slots >= 0)[:, None] & (rc < R)[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
-        for c in tl.static_range(0, SLOTS_P2, SLOT_CHUNK):
-            cid = c + tl.arange(0, SLOT_CHUNK)
-            cid_used = tl.sum(tl.where(ids[None, :] == cid[:, None], used[None, :], 0), axis=1) > 0
-            b_cols = tl.load(lb_ptr + cid[None, :, None].to(tl.int64) * stride_lbs
-                             + offs_n[:, None, None].to(tl.int64) * stride_lbn + rc[None, None, :],
-                             mask=n_mask[:, None, None] & cid_used[None, :, None] & (rc < R)[None, None, :],
-                             other=0.0)  # [BLOCK_N, SLOT_CHUNK, BLOCK_R]
-            s_cols = tl.where(slots[:, None, None] == cid[None, :, None], s_rows[:, None, :], 0.0).to(b_cols.dtype)
-            delta = tl.dot(tl.reshape(b_cols, (BLOCK_N, SLOT_CHUNK * BLOCK_R)),
-                           tl.trans(tl.reshape(s_cols, (BLOCK_M, SLOT_CHUNK * BLOCK_R))), delta)
-        return delta
     running = tl.cumsum(used, axis=0)
+    delta = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for nth in range(0, tl.sum(used, axis=0)):
         slot = _nth_slot(used, running, nth, SLOTS_P2)
         mine = slots == slot
