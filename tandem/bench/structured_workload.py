@@ -73,6 +73,16 @@ def run_pass(llm: Any, requests: list[tuple[list[int], int]], fraction: float, p
             "_timeline": tl, "_outputs": [list(o.outputs[0].token_ids) for o in outs]}
 
 
+def start_matchers(engine: Any) -> int | None:
+    """The llguidance start matchers (lineages) the schema's grammar was built into, None for xgrammar."""
+    from tandem.sampling_params import StructuredOutputParams
+    from tandem.structured.grammar import LLGuidanceStarts
+
+    cache = engine.grammar.cache
+    compiled = cache.submit(StructuredOutputParams(json=json.dumps(SCHEMA))).result() if cache is not None else None
+    return len(compiled.starts) if isinstance(compiled, LLGuidanceStarts) else None
+
+
 def run_structured_workload(model: str | None, num_requests: int, prompt_len: int, output_len: int,
                             plot_dir: str | None = None, backends: list[str] | None = None) -> dict[str, Any]:
     """The passes on one engine: 0% constrained, then 50% and 100% for each grammar backend in `backends`
@@ -108,6 +118,7 @@ def run_structured_workload(model: str | None, num_requests: int, prompt_len: in
         for fraction in (0.5, 1.0):
             rows.append({**run_pass(llm, requests, fraction), "backend": name})
         on = run_pass(llm, requests, 1.0, forced_drafts=True)
+        on["start_matchers"] = start_matchers(engine)
         # Exact on the CPU in fp32; in bf16 a verify row's logits may differ from a decode row's in the last bit.
         on["same_tokens_as_forced_off"] = on["_outputs"] == rows[-1]["_outputs"]
         rows.append({**on, "backend": name})
@@ -124,6 +135,9 @@ def run_structured_workload(model: str | None, num_requests: int, prompt_len: in
               f"{r['tokens_per_s']:>10.1f} {r['vs_unconstrained']:>7.3f} {busy:>8} "
               f"{r['mask_ms_per_step']:>12.3f} {r['mask_wait_ms_per_step']:>9.3f} {r['forced_accepted_per_step']:>13.2f} "
               f"{r['grammar_rejections']:>8}")
+    for r in rows:
+        if r.get("start_matchers"):
+            print(f"{r['backend']}: the schema's grammar holds {r['start_matchers']} start matchers (lineages)")
     if plot_dir:
         from tandem.profiling.timeline import plot_timelines
 

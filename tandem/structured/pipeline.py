@@ -20,7 +20,7 @@ from typing import Any
 
 from tandem.request import Request
 from tandem.sampling_params import StructuredOutputParams
-from tandem.structured.grammar import BACKENDS, GrammarCache
+from tandem.structured.grammar import BACKENDS, GrammarCache, LLGuidanceStarts
 from tandem.structured.grammar import backend as default_backend
 from tandem.structured.grammar import validate
 from tandem.structured.matcher import HostMask, mask_threads
@@ -68,6 +68,9 @@ class GrammarPipeline:
         for rid, (request, future) in list(self.compiling.items()):
             if not future.done():
                 continue
+            compiled = None if future.exception() is not None else future.result()
+            if isinstance(compiled, LLGuidanceStarts) and not compiled.has_next():
+                continue  # its lineage is a millisecond or so away
             del self.compiling[rid]
             try:
                 compiled = future.result()

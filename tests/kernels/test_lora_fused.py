@@ -82,15 +82,28 @@ def test_gemv_adds_each_rows_delta(dtype, m, gated):
         assert torch.equal(got[none], plain[none])  # a row without an adapter keeps the base output bit for bit
 
 
+def widen(a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, places: tuple[int, ...], num_slots: int):
+    """The same adapters in a pool of num_slots slots, slot i moved to places[i] (the others empty)."""
+    wide_a = a.new_zeros(num_slots, *a.shape[1:])
+    wide_b = b.new_zeros(num_slots, *b.shape[1:])
+    index = torch.tensor(places, device=a.device)
+    wide_a[index], wide_b[index] = a, b
+    moved = torch.where(slots >= 0, index[slots.clamp(min=0).long()].to(slots.dtype), slots)
+    return wide_a, wide_b, moved
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m", [8, 32])
-def test_skinny_gemm_adds_each_rows_delta(dtype, m):
+@pytest.mark.parametrize("m,pool_slots", [(8, 3), (32, 3), (32, 20)])
+def test_skinny_gemm_adds_each_rows_delta(dtype, m, pool_slots):
     """The swap-AB tile GEMM with the delta in its first K split's sums: whole K, split in two (through the reduce
-    kernel, and handed on as PartialSums), and gated; the token-block shrink feeds it."""
+    kernel, and handed on as PartialSums), and gated; the token-block shrink feeds it; in a pool of 20 slots too,
+    with slots up to 19 in use."""
     if CUDA and dtype == torch.float32:
         pytest.skip("fp32 tensor-core dots round to TF32 on a GPU: the skinny GEMM runs 16-bit rows only there")
     n, k = 128, 256
     x, w, a, b, slots = operands(m, n, k, dtype, seed=m + 1)
+    if pool_slots != NUM_SLOTS:
+        a, b, slots = widen(a, b, slots, (5, 19, 12), pool_slots)
     shrink = lora_shrink_block_triton(x, a, slots)
     none = slots[:m] < 0
     # rows without an adapter are left unwritten (the epilogues never read them)

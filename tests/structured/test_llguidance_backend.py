@@ -106,7 +106,7 @@ def test_requests_take_the_start_matchers_in_turn_and_fill_the_same_rows():
     deadline = time.monotonic() + 30
     while len(compiled.starts) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len({id(m) for m in compiled.starts}) == 3
+    assert len({id(m) for m in compiled.starts}) == 3 and compiled.target == 3
     masks = [HostMask(compiled) for _ in range(4)]
     assert compiled.turn == 4  # lineages 0, 1, 2, 0
     bits = torch.zeros(4, (300 + 31) // 32, dtype=torch.int32)
@@ -117,6 +117,40 @@ def test_requests_take_the_start_matchers_in_turn_and_fill_the_same_rows():
         for m in masks:
             assert m.accept(ord(char) - 32)
     cache.shutdown()
+
+
+def test_a_burst_sharing_a_grammar_is_admitted_as_its_lineages_are_built(monkeypatch):
+    """The i-th request of a grammar takes lineage i mod N, and waits in admission until that one is built: every
+    request is admitted, in order, each lineage taken by as many requests as the others."""
+    from tandem.request import Request
+    from tandem.structured.grammar import LLGuidanceStarts
+    from tandem.structured.pipeline import GrammarPipeline
+
+    taken: list[int] = []
+    next_start = LLGuidanceStarts.next_start
+
+    def recording(self):  # type: ignore[no-untyped-def]
+        start = next_start(self)
+        taken.append(id(start))
+        return start
+
+    monkeypatch.setattr(LLGuidanceStarts, "next_start", recording)
+
+    spec = StructuredOutputParams(json=json.dumps({"type": "object", "properties": {"b": {"type": "string"}}}))
+    pipeline = GrammarPipeline(None, 300, [299], "llguidance")
+    pipeline._cache = GrammarCache(None, 300, [299], backend_name="llguidance", lineages=4)
+    requests = [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=4), frozenset(), 64, 0) for i in range(8)]
+    for request in requests:
+        pipeline.submit(request, spec)
+    admitted: list[Request] = []
+    deadline = time.monotonic() + 30
+    while len(admitted) < 8 and time.monotonic() < deadline:
+        assert not pipeline.admit(admitted.append, block=True)
+    assert admitted == requests
+    compiled = pipeline._cache.submit(spec).result()
+    assert isinstance(compiled, LLGuidanceStarts) and len(compiled.starts) == 4
+    assert taken == [id(m) for m in compiled.starts] * 2
+    pipeline._cache.shutdown()
 
 
 def test_grammar_lineages_setting(monkeypatch):
