@@ -68,9 +68,7 @@ class Linear(nn.Module):
                                  f"{'integer codes' if self.int_bits else self.weight.dtype}")
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, defer_reduce)
         if self.int_bits:
-            repacked = self._kernel_int_weight(x)
-            perm = getattr(self, "perm", None)
-            return int_linear(x, self.packed_weight(), self.bias, repacked, None if perm is None else perm.data)
+            return self._int_forward(x, defer_reduce)
         if use_gemv(x, self.in_features, self.weight_scale is not None):
             return self._gemv(x, gated=False)
         if self.weight_scale is not None:
@@ -94,8 +92,8 @@ class Linear(nn.Module):
             if fused == "skinny":
                 return self._skinny(x, gated=True, with_lora=True)  # type: ignore[arg-type]
             return silu_and_mul(self(x))
-        if self.int_bits:
-            return silu_and_mul(self(x))
+        if self.int_bits:  # one kernel at one bf16 row on a GPU, as the GEMV below
+            return self._int_forward(x, gated=True)  # type: ignore[return-value]
         if isinstance(x, QuantizedRows):
             if self.bias is None and x.q.shape[0] <= W8A8_MAX_M and use_triton(x.q):
                 from tandem.kernels.triton_quant import fp8_w8a8_gated  # lazy: CPU runs never import Triton
@@ -130,6 +128,13 @@ class Linear(nn.Module):
         lora = self.lora.shrink(x2) if with_lora else None  # base + each token's delta (see _fused_lora)
         out = gemv_triton(x2, self.weight, self.weight_scale, self.bias, gated=gated, lora=lora)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _int_forward(self, x: torch.Tensor, defer_reduce: bool = False, gated: bool = False
+                     ) -> torch.Tensor | PartialSums:
+        """The integer weight's product (gated: silu(gate) * up of it; defer_reduce: as base_forward's)."""
+        perm = getattr(self, "perm", None)
+        return int_linear(x, self.packed_weight(), self.bias, self._kernel_int_weight(x),
+                          None if perm is None else perm.data, defer_reduce=defer_reduce, gated=gated)
 
     def _kernel_int_weight(self, x: torch.Tensor) -> IntWeight | None:
         """The GPU kernels' layout of the integer weight: made at placement (repack_int_, which the loader runs on
