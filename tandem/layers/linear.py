@@ -132,9 +132,10 @@ class Linear(nn.Module):
     def _int_forward(self, x: torch.Tensor, defer_reduce: bool = False, gated: bool = False
                      ) -> torch.Tensor | PartialSums:
         """The integer weight's product (gated: silu(gate) * up of it; defer_reduce: as base_forward's)."""
+        repacked = self._kernel_int_weight(x)  # first: on a GPU it replaces the int-N layout (packed_weight None)
         perm = getattr(self, "perm", None)
-        return int_linear(x, self.packed_weight(), self.bias, self._kernel_int_weight(x),
-                          None if perm is None else perm.data, defer_reduce=defer_reduce, gated=gated)
+        return int_linear(x, self.packed_weight(), self.bias, repacked, None if perm is None else perm.data,
+                          defer_reduce=defer_reduce, gated=gated)
 
     def _kernel_int_weight(self, x: torch.Tensor) -> IntWeight | None:
         """The GPU kernels' layout of the integer weight: made at placement (repack_int_, which the loader runs on

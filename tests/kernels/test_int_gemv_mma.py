@@ -203,8 +203,8 @@ def test_kernel_compiles_for_sm90():
 @pytest.mark.parametrize("bits,n,k,group,split,bias", [
     (4, 1536, 4096, 128, None, False),  # the default config
     (4, 4100, 4096 + 128, 128, None, True),  # N past whole 16-row blocks, K past whole rounds of the warps
-    (4, 512, 14336, -1, 4, False),  # one group a row (per channel), K split over programs with a reduce
-    (4, 1024, 2048, 256, 2, True),  # bias added by the reduce
+    (4, 512, 14336, -1, 4, False),  # one group a row (per channel), K split over programs, added by the last
+    (4, 1024, 2048, 256, 2, True),  # bias added by the program that adds the splits
     (8, 1536, 4096, 128, None, False),
     (8, 4100, 4096 + 64, 64, None, True),
 ])
