@@ -39,8 +39,8 @@ from tandem.kernels.int_weight import WORD_BITS  # noqa: E402
 
 NAMES = ["x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "M", "N", "K", "K_SPLIT", "GROUP",
          "ONE_BITS", "stride_xm", "stride_wn", "stride_sn", "stride_om"]
-ALIGNED = {"x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "K", "K_SPLIT", "stride_xm", "stride_wn",
-           "stride_sn", "stride_om"}  # multiples of 16 (Triton specializes such arguments)
+ALIGNED = {"x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "K", "K_SPLIT", "stride_xm",
+           "stride_wn", "stride_sn", "stride_om"}  # multiples of 16 (Triton specializes such arguments)
 
 
 def nvidia_bin(tool: str) -> str:
