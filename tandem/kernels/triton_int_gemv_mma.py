@@ -420,7 +420,8 @@ def int_mma_gemv(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None =
     out = torch.empty(1, n // 2 if gated else n, dtype=x.dtype, device=x.device)
     cfg = {**mma_gemv_config(n, k, bits, device_sms(x.device), gated), **(config or {})}
     pdl = use_pdl(x.device)
-    split_k = mma_gemv_constexprs(n, k, bits, weight.group_size, cfg, bias is not None, pdl, gated)["SPLIT_K"]
+    k_split = mma_k_split(k, bits, cfg["SPLIT_K"], cfg["num_warps"])
+    split_k = triton.cdiv(k, k_split)  # whole rounds a split can leave fewer splits than asked for
     deferred = defers(defer) and not gated
     reduce = split_k > 1 and not deferred and (gated or fold_reduce())
     flags = mma_gemv_constexprs(n, k, bits, weight.group_size, cfg, bias is not None, pdl, gated, reduce)
@@ -430,9 +431,8 @@ def int_mma_gemv(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None =
     counts = _split_counters(x.device, programs) if reduce else ws
     w, scales = weight.words, weight.scales
     _int_mma_gemv_kernel[(programs, split_k)](
-        x, w, scales, weight.mins, bias if bias is not None else scales, out, ws, counts, n, k,
-        mma_k_split(k, bits, cfg["SPLIT_K"], cfg["num_warps"]), **flags, num_warps=cfg["num_warps"],
-        num_stages=1, launch_pdl=bool(pdl))
+        x, w, scales, weight.mins, bias if bias is not None else scales, out, ws, counts, n, k, k_split, **flags,
+        num_warps=cfg["num_warps"], num_stages=1, launch_pdl=bool(pdl))
     if reduce:
         return out
     return finish_split(ws, out, bias, split_k, deferred)
