@@ -134,12 +134,13 @@ def report(kernel, warps: int, weights: int, params: dict, dump: str | None, nam
     outside = len([text for _, text in instructions(sass) if not text.startswith("NOP")]) - len(body)
     regs = re.search(r"REG:(\d+)", usage)
     local = re.search(r"LOCAL:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)  # where ptxas keeps spilled registers
     mix = collections.Counter(opcode(text) for text in body)
     return {"kernel": name, "loop_instructions": len(body), "weights_per_iteration": weights, "warps": warps,
             "per_weight": round(len(body) * warps * 32 / weights, 3), "rounds": rounds,
             "program_per_weight": round((outside + rounds * len(body)) * warps * 32 / (rounds * weights), 3),
             "registers": int(regs.group(1)) if regs else None,
-            "local_bytes": int(local.group(1)) if local else None,
+            "local_bytes": int(local.group(1)) if local else None, "stack_bytes": int(stack.group(1)) if stack else None,
             "spills": sum(mix[op] for op in ("LDL", "STL")), "mix": dict(mix.most_common()), "params": params}
 
 
@@ -168,7 +169,7 @@ def main() -> None:
               f"instructions x {r['warps']} warps x 32 / {r['weights_per_iteration']} weights = "
               f"{r['per_weight']} a weight ({r['program_per_weight']} with the code outside the loop, "
               f"{r['rounds']} rounds a program); {r['registers']} registers, local {r['local_bytes']} B, "
-              f"spills {r['spills']}\n  {top}")
+              f"stack {r['stack_bytes']} B, spills {r['spills']}\n  {top}")
 
 
 if __name__ == "__main__":

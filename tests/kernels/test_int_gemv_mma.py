@@ -131,6 +131,12 @@ def test_shapes_it_takes():
     assert mma.mma_gemv_config(6144, 4096, 4, 132) == {"ROW_BLOCKS": 1, "SPLIT_K": 2, "num_warps": 4}
     assert mma.mma_gemv_config(4096, 4096, 4, 132) == {"ROW_BLOCKS": 1, "SPLIT_K": 4, "num_warps": 4}
     assert mma.mma_gemv_config(4096, 14336, 4, 132) == {"ROW_BLOCKS": 1, "SPLIT_K": 4, "num_warps": 4}
+    # Gated: a gate block and its up block at least, so gate_up keeps its tile; small ones split K instead.
+    assert mma.mma_gemv_config(28672, 4096, 4, 132, gated=True) == {"ROW_BLOCKS": 2, "SPLIT_K": 1, "num_warps": 4}
+    assert mma.mma_gemv_config(57344, 8192, 4, 132, gated=True)["ROW_BLOCKS"] == 4
+    assert mma.mma_gemv_config(1024, 4096, 4, 132, gated=True) == {"ROW_BLOCKS": 2, "SPLIT_K": 4, "num_warps": 4}
+    with pytest.raises(ValueError, match="gated"):
+        mma.mma_gemv_constexprs(1024, 4096, 4, 128, {"ROW_BLOCKS": 1, "SPLIT_K": 1, "num_warps": 4}, False, 0, True)
     sms = 132
     for bits in (4, 8):
         for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
