@@ -83,8 +83,9 @@ class Linear(nn.Module):
         """silu(gate) * up of this merged gate/up projection (gate rows first): one weight-streaming kernel at
         decode batch sizes on CUDA (integer weights: at one bf16 row), else the projection followed by
         silu_and_mul. fp8_out (the result feeds an FP8 linear): where that linear would quantize it per token, the
-        silu_and_mul kernel writes it quantized (QuantizedRows). Quantized rows up to W8A8_MAX_M on a GPU (or the interpreter) run the W8A8
-        GEMM with silu(gate) * up in its epilogue, quantized for fp8_out from the row maxima it writes."""
+        silu_and_mul kernel writes it quantized (QuantizedRows). Quantized rows up to W8A8_MAX_M on a GPU (or the
+        interpreter) run the W8A8 GEMM with silu(gate) * up in its epilogue, quantized for fp8_out from the row
+        maxima it writes."""
         if self.lora is not None:
             fused = self._fused_lora(x)
             if fused == "gemv":
