@@ -14,7 +14,9 @@ weight; the fraction of a device-to-
 device copy bandwidth measured in the same run is the roofline figure (target at one row: >= 0.80), beside TFLOP/s.
 
 At one row with 4-bit bf16 weights the path is the tensor-core GEMV (triton_int_gemv_mma; variant gemv_fp32: the fp32
-CUDA-core GEMV it replaces, which TANDEM_INT_GEMV_MMA=0 selects).
+CUDA-core GEMV it replaces, which TANDEM_INT_GEMV_MMA=0 selects). Its time includes adding a K split (in its own
+last program); the variants deferred, reduce_kernel and split1 (K split shapes) and gated, gated_unfused (gate_up)
+time it as the decode step runs each projection and against the kernels that saves (mma_variants).
 
 --sweep also times a grid of GEMV tiles (BLOCK_N, BLOCK_K, num_warps; for the tensor-core GEMV ROW_BLOCKS,
 num_warps, SPLIT_K) where the GEMV runs (1 row) and of GEMM tiles
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import sys
 import time
 from pathlib import Path
@@ -112,6 +115,44 @@ def sweep(x, weights, gemv: bool, grid: list[dict], frac, mma: bool = False) -> 
     return sorted(table, key=lambda e: e["us"])
 
 
+def mma_variants(name: str, n: int, k: int, bits: int, sms: int) -> dict[str, dict]:
+    """The one-row tensor-core GEMV as the decode step runs each projection, beside the kernels it saves: o and down
+    hand a K split to the add + RMSNorm (deferred: the GEMV alone), qkv adds its split in its last program (the
+    default) where the reduce kernel did (TANDEM_INT_MMA_FOLD_REDUCE=0) or does not split (split1), and gate_up
+    writes silu(gate) * up itself (gated) where the GEMV and silu_and_mul ran (gated_unfused)."""
+    split = mma_gemv_config(n, k, bits, sms)["SPLIT_K"] > 1
+    out: dict[str, dict] = {}
+    if split:
+        out.update(deferred=dict(defer=True), reduce_kernel=dict(env={"TANDEM_INT_MMA_FOLD_REDUCE": "0"}),
+                   split1=dict(mma_config={"SPLIT_K": 1}))
+    if name == "gate_up":
+        out.update(gated=dict(gated=True), gated_unfused=dict(unfused=True))
+    return out
+
+
+def time_variant(x: torch.Tensor, weights: list, kw: dict) -> float:
+    """GPU us a call of int_weight_matmul_triton with kw (env: variables set while the graph is captured; mma_config:
+    the tensor-core GEMV with that config; unfused: the product then silu_and_mul_triton)."""
+    from tandem.kernels.triton_fused import silu_and_mul_triton
+
+    kw = dict(kw)
+    env, mma_config, unfused = kw.pop("env", {}), kw.pop("mma_config", None), kw.pop("unfused", False)
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        if mma_config is not None:
+            return graph_us([lambda w=w: int_mma_gemv(x, w, config=mma_config) for w in weights])
+        if unfused:
+            return graph_us([lambda w=w: silu_and_mul_triton(int_weight_matmul_triton(x, w)) for w in weights])
+        return graph_us([lambda w=w: int_weight_matmul_triton(x, w, **kw) for w in weights])
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
@@ -153,13 +194,14 @@ def main() -> None:
                 variants = {}
                 if mma:  # the fp32 CUDA-core GEMV the tensor-core one replaces (a config selects it)
                     variants["gemv_fp32"] = dict(config=int_gemv_config(m, n, k, bits, args.group, sms))
+                    variants.update(mma_variants(name, n, k, bits, sms))
                 if m <= 4:
                     variants["gemm" if gemv else "gemv"] = dict(gemv=not gemv)
                 if m <= 16:
                     variants["gemm_swap_ab"] = dict(gemv=False, config=swap_ab_config(n, k, bits, sms))
                 row["variants"] = {}
                 for label, kw in variants.items():
-                    t = graph_us([lambda w=w, kw=kw: int_weight_matmul_triton(x, w, **kw) for w in weights])
+                    t = time_variant(x, weights, kw)
                     row["variants"][label] = {"us": t, "copy_fraction": frac(t)}
                 if m == prefill and m > 64:
                     deq = graph_us([lambda w=w: F.linear(x, dequantize_int_weight_triton(w, x.dtype))

@@ -1,7 +1,7 @@
 """Instructions a weight in the int-weight GEMV's K loop, read from its sm_90 SASS (no GPU needed).
 
-    python scripts/sass_int_gemv.py [--n 4096] [--k 4096] [--bits 4] [--group 128] [--kernel fma,mma] [--config JSON]
-        [--dump DIR] [--json]
+    python scripts/sass_int_gemv.py [--n 4096] [--k 4096] [--bits 4] [--group 128] [--kernel fma,mma,mma-gated]
+        [--config JSON] [--dump DIR] [--json]
 
 Compiles the decode GEMV the way int_weight_matmul_triton launches it for one row of the given shape (bf16
 activations, PDL on) with Triton's own ptxas for sm_90, disassembles the cubin (cuobjdump), finds the K loop (the
@@ -9,8 +9,9 @@ longest backward branch) and prints its instruction count, the count per weight 
 32 lanes / the weights one loop iteration of a program consumes), the same over a whole program at this shape
 (the code outside the loop once, an upper bound: both sides of its branches), the opcode mix, the registers and
 any local memory (spills). kernel `fma` is the fp32 CUDA-core GEMV (_int_gemv_kernel), `mma` the tensor-core one
-(triton_int_gemv_mma). On an H200 (132 SMs x 4 schedulers x ~1.98 GHz, 32 lanes an issue) streaming 4-bit
-weights at 0.8 of 4.8 TB/s leaves ~4.3 lane-instructions a weight at perfect issue; ~2 or fewer in practice.
+(triton_int_gemv_mma), `mma-gated` the same writing silu(gate) * up of its N rows (gate then up). On an H200
+(132 SMs x 4 schedulers x ~1.98 GHz, 32 lanes an issue) streaming 4-bit weights at 0.8 of 4.8 TB/s leaves ~4.3
+lane-instructions a weight at perfect issue; ~2 or fewer in practice.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from tandem.kernels.int_weight import WORD_BITS  # noqa: E402
 
 NAMES = ["x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "M", "N", "K", "K_SPLIT", "GROUP",
          "ONE_BITS", "stride_xm", "stride_wn", "stride_sn", "stride_om"]
-ALIGNED = {"x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "K", "K_SPLIT", "stride_xm", "stride_wn",
-           "stride_sn", "stride_om"}  # multiples of 16 (Triton specializes such arguments)
+ALIGNED = {"x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "K", "K_SPLIT", "stride_xm",
+           "stride_wn", "stride_sn", "stride_om"}  # multiples of 16 (Triton specializes such arguments)
 
 
 def nvidia_bin(tool: str) -> str:
@@ -76,15 +77,17 @@ def fma_case(n: int, k: int, bits: int, group: int, override: dict) -> tuple:
     return kernel, cfg["num_warps"], block_n * block_k, {**cfg, **constexprs}, rounds
 
 
-def mma_case(n: int, k: int, bits: int, group: int, override: dict) -> tuple:
-    """The tensor-core GEMV as int_weight_matmul_triton launches it at one row."""
+def mma_case(n: int, k: int, bits: int, group: int, override: dict, gated: bool = False) -> tuple:
+    """The tensor-core GEMV as int_weight_matmul_triton launches it at one row (gated: silu(gate) * up of n rows,
+    gate then up; a K split then adds its partial sums in the kernel, as it does wherever nothing defers them)."""
     if not mma.mma_gemv_fits(1, k, bits, group):
         raise SystemExit(f"the tensor-core GEMV does not take {bits} bits, group {group}, K {k}")
-    cfg = {**mma.mma_gemv_config(n, k, bits, 132), **override}
-    constexprs = mma.mma_gemv_constexprs(n, k, bits, group, cfg, has_bias=False, use_pdl=2)
-    names = NAMES[:7] + ["N", "K", "K_SPLIT"]
+    cfg = {**mma.mma_gemv_config(n, k, bits, 132, gated), **override}
+    constexprs = mma.mma_gemv_constexprs(n, k, bits, group, cfg, has_bias=False, use_pdl=2, gated=gated,
+                                         reduce=cfg["SPLIT_K"] > 1 and (gated or mma.fold_reduce()))
+    names = NAMES[:7] + ["cnt_ptr", "N", "K", "K_SPLIT"]
     mins = "*bf16" if bits == 4 else "*fp32"  # IntWeight's mins: fp32 at 8 bits
-    types = ["*bf16", "*i32", "*bf16", mins, "*bf16", "*bf16", "*fp32"] + ["i32"] * 3
+    types = ["*bf16", "*i32", "*bf16", mins, "*bf16", "*bf16", "*fp32", "*i32"] + ["i32"] * 3
     kernel = compile_kernel(mma._int_mma_gemv_kernel, constexprs, cfg["num_warps"], names, types)
     part = mma.part_elements(bits)
     weights = 16 * cfg["ROW_BLOCKS"] * part * cfg["num_warps"]  # each warp: one part of every row block
@@ -131,12 +134,13 @@ def report(kernel, warps: int, weights: int, params: dict, dump: str | None, nam
     outside = len([text for _, text in instructions(sass) if not text.startswith("NOP")]) - len(body)
     regs = re.search(r"REG:(\d+)", usage)
     local = re.search(r"LOCAL:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)  # where ptxas keeps spilled registers
     mix = collections.Counter(opcode(text) for text in body)
     return {"kernel": name, "loop_instructions": len(body), "weights_per_iteration": weights, "warps": warps,
             "per_weight": round(len(body) * warps * 32 / weights, 3), "rounds": rounds,
             "program_per_weight": round((outside + rounds * len(body)) * warps * 32 / (rounds * weights), 3),
             "registers": int(regs.group(1)) if regs else None,
-            "local_bytes": int(local.group(1)) if local else None,
+            "local_bytes": int(local.group(1)) if local else None, "stack_bytes": int(stack.group(1)) if stack else None,
             "spills": sum(mix[op] for op in ("LDL", "STL")), "mix": dict(mix.most_common()), "params": params}
 
 
@@ -146,14 +150,14 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group", type=int, default=128)
-    parser.add_argument("--kernel", default="fma,mma")
+    parser.add_argument("--kernel", default="fma,mma", help="fma, mma, and mma-gated (silu(gate) * up of N rows)")
     parser.add_argument("--config", default="{}", help="JSON entries that override the config (both kernels)")
     parser.add_argument("--dump", default=None, help="folder for the SASS and PTX")
     parser.add_argument("--json", action="store_true", help="print the full reports as JSON")
     args = parser.parse_args()
     reports = []
     for name in args.kernel.split(","):
-        case = {"fma": fma_case, "mma": mma_case}[name]
+        case = {"fma": fma_case, "mma": mma_case, "mma-gated": lambda *a: mma_case(*a, gated=True)}[name]
         kernel, warps, weights, params, rounds = case(args.n, args.k, args.bits, args.group, json.loads(args.config))
         reports.append(report(kernel, warps, weights, params, args.dump, name, rounds))
     if args.json:
@@ -165,7 +169,7 @@ def main() -> None:
               f"instructions x {r['warps']} warps x 32 / {r['weights_per_iteration']} weights = "
               f"{r['per_weight']} a weight ({r['program_per_weight']} with the code outside the loop, "
               f"{r['rounds']} rounds a program); {r['registers']} registers, local {r['local_bytes']} B, "
-              f"spills {r['spills']}\n  {top}")
+              f"stack {r['stack_bytes']} B, spills {r['spills']}\n  {top}")
 
 
 if __name__ == "__main__":

@@ -270,19 +270,22 @@ def int_weight_linear(
     bias: torch.Tensor | None = None,  # [N]
     packed: IntWeight | None = None,  # the same weight as repack_int_weight made it (once, at load)
     defer_reduce: bool = False,  # 2-D x only: a split-K GEMM may return PartialSums (Linear.forward's contract)
+    gated: bool = False,  # W holds gate rows then up rows: silu(gate) * up, [..., N / 2]
 ) -> torch.Tensor | PartialSums:  # [..., N] in x's dtype
     """x W^T + b for a 4- or 8-bit weight (W = (q - zero) * scale per group): where Triton runs, the kernels of
     kernels/triton_int_weight.py (the GEMV up to a few rows, the tile GEMM above) on `packed` (repacked here,
     a pass over the weight, when not given); elsewhere, and for fp32 x on a GPU (whose tensor-core dots would
     round to TF32), the reference dequantization and a matmul. defer_reduce: as Linear.forward's (PartialSums
-    where the kernel splits K, for the add + RMSNorm after it)."""
+    where the kernel splits K, for the add + RMSNorm after it). gated: silu(gate) * up of the product (one
+    kernel for one bf16 row on the GPU, see int_weight_matmul_triton), never deferred."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if use_triton(x2) and not (x2.is_cuda and x2.dtype == torch.float32):
         from tandem.kernels.triton_int_weight import int_weight_matmul_triton  # lazy: CPU runs never import Triton
 
         weight = packed if packed is not None else repack_int_weight(qweight, scales, zeros, bits, group_size)
-        out = int_weight_matmul_triton(x2, weight, bias, defer=defer_reduce and x.dim() == 2)
+        out = int_weight_matmul_triton(x2, weight, bias, defer=defer_reduce and x.dim() == 2 and not gated,
+                                       gated=gated)
         if isinstance(out, PartialSums):
             return out
     else:
@@ -293,4 +296,7 @@ def int_weight_linear(
         else:
             dense = dequantize_int_weight(qweight, scales, zeros, bits, group_size).to(x.dtype)
         out = torch.nn.functional.linear(x2, dense, bias)
+        if gated:
+            gate, up = out.chunk(2, dim=-1)
+            out = torch.nn.functional.silu(gate) * up
     return out.view(*lead, out.shape[-1])

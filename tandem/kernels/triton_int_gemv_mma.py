@@ -13,8 +13,8 @@ import triton.language as tl
 
 from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
-from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
-from tandem.kernels.triton_quant import finish_split
+from tandem.kernels.triton_launch import device_sms, pdl_wait, persistent_state, prefetch_l2, use_pdl
+from tandem.kernels.triton_quant import defers, finish_split
 
 
 PROGRAMS_PER_SM = 8  # the most programs of 4 warps a GEMV's grid gives each SM (mma_gemv_config)
@@ -125,10 +125,11 @@ def _x_regs(x_ptrs, live, EVEN: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _int_mma_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr, N, K, K_SPLIT, GROUP: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, K_SPLIT, GROUP: tl.constexpr,
     stride_wn: tl.constexpr, stride_sn: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN: tl.constexpr, ROW_BLOCKS: tl.constexpr, WARPS: tl.constexpr,
-    PREFETCH_PARTS: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH_PARTS: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr = False, UP: tl.constexpr = 0,
+    REDUCE: tl.constexpr = False,
 ):
     # Program = ROW_BLOCKS blocks of 16 channels over K range [pid_k * K_SPLIT, +K_SPLIT) (a multiple of
     # WARPS * PART): warp w takes parts w, w + WARPS, ... of it, and the warps' sums are added at the end. Every
@@ -136,8 +137,12 @@ def _int_mma_gemv_kernel(
     # through shared memory): lane (g, t) of a warp holds words 4t .. 4t + 3 of each part of rows g and g + 8
     # of every block and x at their elements. The MMAs leave a row's F in all four lanes of its g, so lane t
     # scales and stores only block t % ROW_BLOCKS's rows (one load of each scale and min a part, not
-    # ROW_BLOCKS). A part never straddles a group (GROUP is a multiple of PART). EVEN: K_SPLIT divides K and N
-    # fills whole programs.
+    # ROW_BLOCKS). A part never straddles a group (GROUP is a multiple of PART). EVEN: K_SPLIT divides K and the
+    # output channels fill whole programs.
+    # GATED (N = 2 UP weight rows, gate then up): blocks b < ROW_BLOCKS / 2 hold gate rows, the others the up rows
+    # UP below them, and the program writes silu(gate) * up of its 16 ROW_BLOCKS / 2 channels. SPLIT_K > 1: the
+    # splits' fp32 sums go to ws [SPLIT_K, N] by weight row; REDUCE: the last program of a row block to arrive
+    # (counted at cnt_ptr) adds them in split order and writes the output, as the reduce kernel would have.
     PART: tl.constexpr = 512 // BITS
     PER_WORD: tl.constexpr = 32 // BITS
     OFFSET: tl.constexpr = 1.0 if BITS == 4 else 17.0  # F = sum_k x_k (OFFSET + q_k / 16)
@@ -151,27 +156,29 @@ def _int_mma_gemv_kernel(
     pid_k = tl.program_id(1)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
+    OUT_BLOCKS: tl.constexpr = ROW_BLOCKS // 2 if GATED else ROW_BLOCKS  # blocks of output channels
+    n_out = N - UP  # output channels (UP is 0 unless GATED)
     first = k_begin + warp * PART  # [T]: the first element of the warp's first part
-    block0 = tl.program_id(0) * (16 * ROW_BLOCKS)
+    block0 = tl.program_id(0) * (16 * OUT_BLOCKS)  # the program's first output channel
     mine = t % ROW_BLOCKS  # [T]: the block whose rows this lane scales and stores
-    row_e = block0 + 16 * mine + g
+    chan_e = block0 + 16 * (mine % OUT_BLOCKS) + g  # [T]: its channel g (and g + 8)
+    half_e = mine // OUT_BLOCKS  # [T]: 1 where the block holds up rows
     x_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     x_ptrs = x_words + tl.multiple_of((first + t * (PART // 4)) // 2, 4)[:, None] + quad  # [T, 4]
     word = tl.multiple_of(first // PER_WORD + 4 * t, 4)[:, None] + quad  # [T, 4]: words 4t .. 4t + 3 of the part
     if EVEN:  # the strides are compile-time: one pointer, the other rows at immediate offsets
-        w_lo = w_ptr + (block0 + g).to(tl.int64)[:, None] * stride_wn + word  # block 0; block b: + 16 b rows
-        s_lo = row_e.to(tl.int64) * stride_sn
+        w_lo = w_ptr + (block0 + g).to(tl.int64)[:, None] * stride_wn + word  # block 0's rows
+        s_lo = (chan_e + half_e * UP).to(tl.int64) * stride_sn
         s_hi = s_lo + 8 * stride_sn
-    else:  # rows past N read row N - 1 and store nothing
+    else:  # channels past n_out read channel n_out - 1 and store nothing
         w_lo = word  # unused: the words' offsets come from each part's start
-        s_lo = tl.minimum(row_e, N - 1).to(tl.int64) * stride_sn
-        s_hi = tl.minimum(row_e + 8, N - 1).to(tl.int64) * stride_sn
-    block_step = 16 * stride_wn
+        s_lo = (tl.minimum(chan_e, n_out - 1) + half_e * UP).to(tl.int64) * stride_sn
+        s_hi = (tl.minimum(chan_e + 8, n_out - 1) + half_e * UP).to(tl.int64) * stride_sn
     acc_lo = tl.zeros([T], dtype=tl.float32)
     acc_hi = tl.zeros([T], dtype=tl.float32)
     if USE_PDL and PREFETCH_PARTS > 0:  # before the wait: each warp's first parts of every row to L2
-        _prefetch_parts(w_ptr, block0, first // PER_WORD, lane, k_end, N, stride_wn, ROW_BLOCKS, WARPS,
-                        PREFETCH_PARTS, PART)
+        _prefetch_parts(w_ptr, block0, first // PER_WORD, lane, k_end, n_out, stride_wn, ROW_BLOCKS, OUT_BLOCKS, UP,
+                        WARPS, PREFETCH_PARTS, PART)
     pdl_wait(USE_PDL)
     for k0 in range(k_begin, k_end, WARPS * PART):
         start = k0 + warp * PART
@@ -193,13 +200,17 @@ def _int_mma_gemv_kernel(
         f_lo = xs
         f_hi = xs
         for b in tl.static_range(ROW_BLOCKS):
-            if EVEN:
-                lo = tl.load(w_lo + b * block_step)
-                hi = tl.load(w_lo + b * block_step + 8 * stride_wn)
+            if EVEN:  # block b's rows: its 16 channels' offset, and UP further down for an up block
+                step = (16 * (b % OUT_BLOCKS) + (b // OUT_BLOCKS) * UP) * stride_wn
+                lo = tl.load(w_lo + step)
+                hi = tl.load(w_lo + step + 8 * stride_wn)
             else:
-                rows = block0 + 16 * b + g
-                lo = tl.load(w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn + word)
-                hi = tl.load(w_ptr + tl.minimum(rows + 8, N - 1).to(tl.int64)[:, None] * stride_wn + word)
+                chans = block0 + 16 * (b % OUT_BLOCKS) + g
+                up_rows = (b // OUT_BLOCKS) * UP
+                lo = tl.load(w_ptr + (tl.minimum(chans, n_out - 1) + up_rows).to(tl.int64)[:, None] * stride_wn
+                             + word)
+                hi = tl.load(w_ptr + (tl.minimum(chans + 8, n_out - 1) + up_rows).to(tl.int64)[:, None] * stride_wn
+                             + word)
             l0, l1, l2, l3 = _quad(lo)
             h0, h1, h2, h3 = _quad(hi)
             if BITS == 4:
@@ -226,40 +237,88 @@ def _int_mma_gemv_kernel(
         x_ptrs += WARPS * PART // 2
         w_lo += WARPS * PART // PER_WORD
     # Lanes t < ROW_BLOCKS hold their rows' sums over their warp's parts: added over the warps, stored once.
-    _store_rows(acc_lo, acc_hi, row_e, t < ROW_BLOCKS, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS, SPLIT_K, WARPS)
+    _store_rows(acc_lo, acc_hi, chan_e, half_e, t < ROW_BLOCKS, n_out, b_ptr, out_ptr, ws_ptr, cnt_ptr, pid_k, N, UP,
+                HAS_BIAS, SPLIT_K, WARPS, GATED, OUT_BLOCKS, REDUCE)
 
 
 @triton.jit
-def _prefetch_parts(w_ptr, block0, first_word, lane, k_end, N, stride_wn: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                    WARPS: tl.constexpr, PREFETCH_PARTS: tl.constexpr, PART: tl.constexpr):
+def _prefetch_parts(w_ptr, block0, first_word, lane, k_end, n_out, stride_wn: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                    OUT_BLOCKS: tl.constexpr, UP: tl.constexpr, WARPS: tl.constexpr, PREFETCH_PARTS: tl.constexpr,
+                    PART: tl.constexpr):
     # Asks for the 64 bytes of each of the program's rows in the warp's first PREFETCH_PARTS parts (first_word
     # [T]: the first part's first word) to be brought to L2, one (row, part) a lane and instruction; no effect on
     # values.
     ROWS: tl.constexpr = 16 * ROW_BLOCKS
     for j in tl.static_range((ROWS * PREFETCH_PARTS + 31) // 32):
         chunk = j * 32 + lane
-        row = tl.minimum(block0 + chunk % ROWS, N - 1)
+        block = (chunk % ROWS) // 16
+        chan = tl.minimum(block0 + 16 * (block % OUT_BLOCKS) + chunk % 16, n_out - 1)
+        row = chan + (block // OUT_BLOCKS) * UP
         at = first_word + (chunk // ROWS) * (WARPS * 16)  # a part is 4 words a lane, 16 a row
         live = (chunk < ROWS * PREFETCH_PARTS) & (at * (PART // 16) < k_end)
         prefetch_l2(w_ptr + row.to(tl.int64) * stride_wn + at, live)
 
 
 @triton.jit
-def _store_rows(acc_lo, acc_hi, rows, keep, N, b_ptr, out_ptr, ws_ptr, pid_k, HAS_BIAS: tl.constexpr,
-                SPLIT_K: tl.constexpr, WARPS: tl.constexpr):
-    # acc_lo, acc_hi, rows and keep [T] (thread = warp * 32 + lane; rows and keep the same in every warp) -> the
-    # sums of acc_lo and acc_hi over the warps, stored at rows and rows + 8 where keep
+def _store_rows(acc_lo, acc_hi, chan_e, half_e, keep_e, n_out, b_ptr, out_ptr, ws_ptr, cnt_ptr, pid_k, N, UP,
+                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, WARPS: tl.constexpr, GATED: tl.constexpr,
+                OUT_BLOCKS: tl.constexpr, REDUCE: tl.constexpr):
+    # acc_lo, acc_hi, chan_e, half_e and keep_e [T] (thread = warp * 32 + lane; all but the sums the same in every
+    # warp) -> the sums of acc_lo and acc_hi over the warps, [32, 2] (lane, row g or g + 8): the output where K is
+    # not split, else the split's partial sums into ws at their weight rows and, with REDUCE, the output from the
+    # last split of the row block to arrive.
     both = tl.reshape(tl.join(acc_lo, acc_hi), [WARPS, 32, 2])
     y = tl.sum(both, axis=0)  # [32, 2]
-    rows = tl.max(tl.reshape(rows, [WARPS, 32]), axis=0)[:, None] + 8 * tl.arange(0, 2)[None, :]
-    keep = tl.max(tl.reshape(keep.to(tl.int32), [WARPS, 32]), axis=0)[:, None] > 0
-    mask = keep & (rows < N)
+    chan = tl.max(tl.reshape(chan_e, [WARPS, 32]), axis=0)[:, None] + 8 * tl.arange(0, 2)[None, :]
+    rows = chan + tl.max(tl.reshape(half_e, [WARPS, 32]), axis=0)[:, None] * UP  # weight rows
+    keep = tl.max(tl.reshape(keep_e.to(tl.int32), [WARPS, 32]), axis=0)[:, None] > 0
+    mask = keep & (chan < n_out)
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            y = y + tl.load(b_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_output(y, chan, rows, mask, b_ptr, out_ptr, HAS_BIAS, GATED, OUT_BLOCKS)
     else:
         tl.store(ws_ptr + pid_k.to(tl.int64) * N + rows, y, mask=mask)
+        if REDUCE:
+            # Count in (release: every thread's partial sums above first); the last to arrive adds them all.
+            tl.debug_barrier()
+            count = cnt_ptr + tl.program_id(0)
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                tl.store(count, 0)  # zero again for the next launch (which counts only after its PDL wait)
+                total = tl.load(ws_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
+                for i in tl.static_range(1, SPLIT_K):
+                    total += tl.load(ws_ptr + i * N + rows, mask=mask, other=0.0, cache_modifier=".cg")
+                _store_output(total, chan, rows, mask, b_ptr, out_ptr, HAS_BIAS, GATED, OUT_BLOCKS)
+
+
+@triton.jit
+def _store_output(y, chan, rows, mask, b_ptr, out_ptr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                  OUT_BLOCKS: tl.constexpr):
+    # The rows' full sums y [32, 2] (lane, g or g + 8) plus the bias, rounded to the output dtype at channels chan
+    # where mask; GATED: silu(gate) * up, each rounded where the unfused GEMV + silu_and_mul round it.
+    out_ty = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        gate, up = _gate_up(y, OUT_BLOCKS)
+        chan, _ = _gate_up(chan, OUT_BLOCKS)
+        mask, _ = _gate_up(mask.to(tl.int32), OUT_BLOCKS)
+        gate = gate.to(out_ty).to(tl.float32)
+        silu = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)  # F.silu rounds before the multiply
+        tl.store(out_ptr + chan, (silu * up.to(out_ty).to(tl.float32)).to(out_ty), mask=mask > 0)
+    else:
+        tl.store(out_ptr + chan, y.to(out_ty), mask=mask)
+
+
+@triton.jit
+def _gate_up(v, OUT_BLOCKS: tl.constexpr):
+    # [32, 2] by (lane 4g + t, row g or g + 8) -> the gate lanes' and the up lanes' values, [8, 2, 2] each, paired
+    # by channel. Lane t holds block t % ROW_BLOCKS: at 2 blocks t % 2 tells gate (0) from up (1), and lanes t and
+    # t + 2 hold the same; at 4 blocks t // 2 does, and t % 2 is the 16-channel block.
+    v4 = tl.reshape(v, [8, 2, 2, 2])  # (g, t // 2, t % 2, g or g + 8)
+    if OUT_BLOCKS == 1:
+        v4 = tl.permute(v4, (0, 1, 3, 2))
+    else:
+        v4 = tl.permute(v4, (0, 2, 3, 1))
+    return tl.split(v4)
 
 
 def mma_gemv_fits(m: int, k: int, bits: int, group_size: int) -> bool:
@@ -267,16 +326,17 @@ def mma_gemv_fits(m: int, k: int, bits: int, group_size: int) -> bool:
     return m == 1 and bits in (4, 8) and k % part_elements(bits) == 0 and group_size % part_elements(bits) == 0
 
 
-def mma_gemv_config(n: int, k: int, bits: int, sms: int) -> dict[str, int]:
+def mma_gemv_config(n: int, k: int, bits: int, sms: int, gated: bool = False) -> dict[str, int]:
     """Tile from the shape alone (graph-safe), 4 warps splitting K in a program: the fewest 16-row blocks a program
     that keep the grid within 8 programs an SM, then K split over programs (fp32 partial sums, reduced after or by
     the RMSNorm that follows) while that stays within 8 an SM, each split at least two parts a warp. On an H200
     (scripts/bench_int_weight.py --sweep, Llama-3-8B projections at 4 bits) the best tiles gave 6-8 programs of 4
     warps an SM: fewer leave too few loads in flight, more cost more partial sums; 8 warps a program were slower
     at every shape. (sm_90 ptxas, K 4096, the K loop per 4-bit weight: 1.94 instructions at 1 block, 1.59 at 2,
-    1.37 at 4; 54, 66 and 72 registers, no spills; scripts/sass_int_gemv.py.)"""
+    1.37 at 4; 54, 66 and 72 registers, no spills; scripts/sass_int_gemv.py.) gated (n gate then up rows): at
+    least 2 blocks, a gate block and its up block (the Llama-3-8B gate/up projection's tile either way)."""
     warps, parts, most = 4, k // part_elements(bits), PROGRAMS_PER_SM * sms
-    blocks = next((b for b in (1, 2) if triton.cdiv(n, 16 * b) <= most), 4)
+    blocks = next((b for b in ((2,) if gated else (1, 2)) if triton.cdiv(n, 16 * b) <= most), 4)
     programs, split_k = triton.cdiv(n, 16 * blocks), 1
     while 2 * programs * split_k <= most and split_k < 8 and parts >= 4 * split_k * warps:
         split_k *= 2
@@ -284,15 +344,20 @@ def mma_gemv_config(n: int, k: int, bits: int, sms: int) -> dict[str, int]:
 
 
 def mma_gemv_constexprs(n: int, k: int, bits: int, group_size: int, cfg: dict[str, int], has_bias: bool,
-                        use_pdl: int) -> dict:
+                        use_pdl: int, gated: bool = False, reduce: bool = False) -> dict:
     """The kernel's compile-time arguments for a config (also scripts/sass_int_gemv.py's); the strides are those
-    of a contiguous IntWeight (words K bits / 32, scales K / group_size a row)."""
-    warps = cfg["num_warps"]
+    of a contiguous IntWeight (words K bits / 32, scales K / group_size a row). gated: n rows, gate then up, give
+    n / 2 outputs silu(gate) * up (ROW_BLOCKS 2 or 4); reduce: a K split adds its partial sums in the kernel."""
+    warps, blocks = cfg["num_warps"], cfg["ROW_BLOCKS"]
+    if gated and (blocks not in (2, 4) or n % 2):
+        raise ValueError(f"the gated GEMV takes 2 or 4 row blocks and an even number of rows, got {blocks} and {n}")
     k_split = mma_k_split(k, bits, cfg["SPLIT_K"], warps)
+    channels = 16 * (blocks // 2 if gated else blocks)  # output channels a program
     return dict(GROUP=group_size, stride_wn=k * bits // WORD_BITS, stride_sn=k // group_size, BITS=bits,
                 HAS_BIAS=has_bias, SPLIT_K=triton.cdiv(k, k_split),
-                EVEN=k % k_split == 0 and n % (16 * cfg["ROW_BLOCKS"]) == 0, ROW_BLOCKS=cfg["ROW_BLOCKS"],
-                WARPS=warps, PREFETCH_PARTS=prefetch_parts() if use_pdl else 0, USE_PDL=use_pdl)
+                EVEN=k % k_split == 0 and (n // 2 if gated else n) % channels == 0, ROW_BLOCKS=blocks,
+                WARPS=warps, PREFETCH_PARTS=prefetch_parts() if use_pdl else 0, USE_PDL=use_pdl, GATED=gated,
+                UP=n // 2 if gated else 0, REDUCE=reduce)
 
 
 def prefetch_parts() -> int:
@@ -326,22 +391,48 @@ def use_mma_gemv(x: torch.Tensor, weight: IntWeight) -> bool:
             and _has_bf16_mma(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
+def fold_reduce() -> bool:
+    """Whether a K split the next kernel does not add up (no `defer`) is added up by the GEMV's own last program of
+    each row block (the default; TANDEM_INT_MMA_FOLD_REDUCE=0: by the split-K reduce kernel after it), read per
+    call: a CUDA graph keeps what its capture chose. A gated GEMV always adds its splits itself."""
+    return os.environ.get("TANDEM_INT_MMA_FOLD_REDUCE", "1") != "0"
+
+
+def _split_counters(device: torch.device, programs: int) -> torch.Tensor:
+    """Arrival counts of a folded K split, one int32 per row block, zero between launches (the program that adds the
+    splits resets its own). One buffer per device (persistent_state): kernels that use it run one after another
+    in the stream and count only after their PDL wait, when the one before has finished."""
+    return persistent_state("the int GEMV's split counters", device, programs,
+                            lambda n: torch.zeros(n, dtype=torch.int32, device=device), 4096)
+
+
 def int_mma_gemv(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = None, defer: bool = False,
-                 config: dict[str, int] | None = None) -> torch.Tensor | PartialSums:
+                 config: dict[str, int] | None = None, gated: bool = False) -> torch.Tensor | PartialSums:
     """x W^T + b for one bf16 row x [1, K] (use_mma_gemv holds) on the tensor cores; grid and workspace from the
     shape alone (captures in CUDA graphs). With `defer` (and TANDEM_DEFER_REDUCE not 0) a K split hands its
-    fp32 partial sums on. config: overrides mma_gemv_config's entries (benchmarks, tests)."""
+    fp32 partial sums on; otherwise the kernel adds them itself (fold_reduce). gated (weight rows gate then up):
+    silu(gate) * up, [1, N / 2], in the same kernel. config: overrides mma_gemv_config's entries (benchmarks,
+    tests)."""
     n, k = weight.shape
     bits = weight.bits
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    cfg = {**mma_gemv_config(n, k, bits, device_sms(x.device)), **(config or {})}
+    if gated and n % 2:
+        raise ValueError(f"the gated GEMV needs an even number of weight rows (gate then up), got {n}")
+    out = torch.empty(1, n // 2 if gated else n, dtype=x.dtype, device=x.device)
+    cfg = {**mma_gemv_config(n, k, bits, device_sms(x.device), gated), **(config or {})}
     pdl = use_pdl(x.device)
-    flags = mma_gemv_constexprs(n, k, bits, weight.group_size, cfg, bias is not None, pdl)
-    split_k = flags["SPLIT_K"]
+    k_split = mma_k_split(k, bits, cfg["SPLIT_K"], cfg["num_warps"])
+    split_k = triton.cdiv(k, k_split)  # whole rounds a split can leave fewer splits than asked for
+    deferred = defers(defer) and not gated
+    reduce = split_k > 1 and not deferred and (gated or fold_reduce())
+    flags = mma_gemv_constexprs(n, k, bits, weight.group_size, cfg, bias is not None, pdl, gated, reduce)
     ws = torch.empty(split_k, 1, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    channels = 16 * (cfg["ROW_BLOCKS"] // 2 if gated else cfg["ROW_BLOCKS"])
+    programs = triton.cdiv(out.shape[1], channels)
+    counts = _split_counters(x.device, programs) if reduce else ws
     w, scales = weight.words, weight.scales
-    _int_mma_gemv_kernel[(triton.cdiv(n, 16 * cfg["ROW_BLOCKS"]), split_k)](
-        x, w, scales, weight.mins, bias if bias is not None else scales, out, ws, n, k,
-        mma_k_split(k, bits, cfg["SPLIT_K"], cfg["num_warps"]), **flags, num_warps=cfg["num_warps"],
-        num_stages=1, launch_pdl=bool(pdl))
-    return finish_split(ws, out, bias, split_k, defer)
+    _int_mma_gemv_kernel[(programs, split_k)](
+        x, w, scales, weight.mins, bias if bias is not None else scales, out, ws, counts, n, k, k_split, **flags,
+        num_warps=cfg["num_warps"], num_stages=1, launch_pdl=bool(pdl))
+    if reduce:
+        return out
+    return finish_split(ws, out, bias, split_k, deferred)

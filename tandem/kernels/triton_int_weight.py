@@ -12,6 +12,7 @@ import triton.language as tl
 
 from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
+from tandem.kernels.triton_fused import silu_and_mul_triton
 from tandem.kernels.triton_int_gemv_mma import int_mma_gemv, use_mma_gemv
 from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
 from tandem.kernels.triton_quant import finish_split, split_k_until
@@ -428,14 +429,23 @@ def int_weight_matmul_triton(
     gemv: bool | None = None,  # the GEMV (True) or the tile GEMM (False); None: by M (use_int_gemv)
     config: dict[str, int] | None = None,  # overrides the config's entries (benchmarks, tests)
     defer: bool = False,  # split over K: may return PartialSums instead of running the reduce
+    gated: bool = False,  # W holds gate rows then up rows: returns silu(gate) * up, [M, N / 2]
 ) -> torch.Tensor | PartialSums:  # [M, N] in x's dtype
     """x W^T + b with W = q * scale + min dequantized inside the kernel: the GEMV for a few rows (one bf16 row:
     the tensor-core GEMV of triton_int_gemv_mma where it applies), the tile GEMM otherwise. No host sync, grid
     and workspace from the shape alone: captures in CUDA graphs. With `defer` (and TANDEM_DEFER_REDUCE not 0) a
-    K split hands its fp32 partial sums on for the RMSNorm after it."""
+    K split hands its fp32 partial sums on for the RMSNorm after it. gated: the tensor-core GEMV writes silu(gate)
+    * up itself; the other kernels' output goes through silu_and_mul_triton (never deferred)."""
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}] for this weight, got {tuple(x.shape)}")
+    if gated:
+        if n % 2:
+            raise ValueError(f"a gated product needs an even number of weight rows (gate then up), got {n}")
+        x = x if x.stride(1) == 1 else x.contiguous()
+        if (use_int_gemv(x.shape[0]) if gemv is None else gemv) and config is None and use_mma_gemv(x, weight):
+            return int_mma_gemv(x, weight, bias, gated=True)
+        return silu_and_mul_triton(int_weight_matmul_triton(x, weight, bias, gemv, config))  # type: ignore[arg-type]
     bits, group_size = weight.bits, weight.group_size
     per_word = WORD_BITS // bits
     m = x.shape[0]

@@ -737,7 +737,13 @@ def finish_split(ws: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
     if split_k == 1:
         return out
     parts = PartialSums(ws, None, bias, out.dtype)
-    if defer and DEFER_REDUCE:
+    if defers(defer):
         return parts
     reduce_partial_sums_triton(parts, out)
     return out
+
+
+def defers(defer: bool) -> bool:
+    """Whether a split-K kernel asked to `defer` hands on its partial sums (TANDEM_DEFER_REDUCE not 0): the one
+    switch finish_split and the kernels that add their splits themselves read."""
+    return defer and DEFER_REDUCE

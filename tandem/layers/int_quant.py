@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import IntWeight, repack_int_weight
 from tandem.kernels.ops import int_weight_linear
 from tandem.kernels.reference import dequantize_int_weight, unpack_int4_rows
@@ -124,7 +125,9 @@ def int_linear(
     bias: torch.Tensor | None,  # [out]
     repacked: IntWeight | None = None,  # the GPU kernels' copy of the same weight (repack_int_weight), if made
     perm: torch.Tensor | None = None,  # int64 [in]: act order's input columns (packed.perm when packed is given)
-) -> torch.Tensor:  # [..., out] in x's dtype
+    defer_reduce: bool = False,  # 2-D x: a K split may come back as PartialSums (Linear.forward's contract)
+    gated: bool = False,  # gate rows then up rows: silu(gate) * up, [..., out / 2]
+) -> torch.Tensor | PartialSums:  # [..., out] in x's dtype
     """x W^T + b for an integer weight; the one place act order's column permutation is applied."""
     if packed is not None:
         perm = packed.perm
@@ -134,6 +137,6 @@ def int_linear(
         if repacked is None:
             raise ValueError("an integer linear needs its weight in the int-N layout or the kernels' layout")
         return int_weight_linear(x, None, None, None, repacked.bits, repacked.group_size, bias=bias,
-                                 packed=repacked)  # type: ignore[return-value]
+                                 packed=repacked, defer_reduce=defer_reduce, gated=gated)
     return int_weight_linear(x, packed.qweight, packed.scales, packed.zeros, packed.bits, packed.group_size,
-                             bias=bias, packed=repacked)  # type: ignore[return-value]
+                             bias=bias, packed=repacked, defer_reduce=defer_reduce, gated=gated)

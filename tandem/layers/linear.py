@@ -68,9 +68,7 @@ class Linear(nn.Module):
                                  f"{'integer codes' if self.int_bits else self.weight.dtype}")
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, defer_reduce)
         if self.int_bits:
-            repacked = self._kernel_int_weight(x)
-            perm = getattr(self, "perm", None)
-            return int_linear(x, self.packed_weight(), self.bias, repacked, None if perm is None else perm.data)
+            return self._int_forward(x, defer_reduce)
         if use_gemv(x, self.in_features, self.weight_scale is not None):
             return self._gemv(x, gated=False)
         if self.weight_scale is not None:
@@ -83,10 +81,11 @@ class Linear(nn.Module):
         self, x: torch.Tensor | QuantizedRows, fp8_out: bool = False
     ) -> torch.Tensor | QuantizedRows:
         """silu(gate) * up of this merged gate/up projection (gate rows first): one weight-streaming kernel at
-        decode batch sizes on CUDA, else the projection followed by silu_and_mul. fp8_out (the result feeds
-        an FP8 linear): where that linear would quantize it per token, the silu_and_mul kernel writes it
-        quantized (QuantizedRows). Quantized rows up to W8A8_MAX_M on a GPU (or the interpreter) run the W8A8
-        GEMM with silu(gate) * up in its epilogue, quantized for fp8_out from the row maxima it writes."""
+        decode batch sizes on CUDA (integer weights: at one bf16 row), else the projection followed by
+        silu_and_mul. fp8_out (the result feeds an FP8 linear): where that linear would quantize it per token, the
+        silu_and_mul kernel writes it quantized (QuantizedRows). Quantized rows up to W8A8_MAX_M on a GPU (or the
+        interpreter) run the W8A8 GEMM with silu(gate) * up in its epilogue, quantized for fp8_out from the row
+        maxima it writes."""
         if self.lora is not None:
             fused = self._fused_lora(x)
             if fused == "gemv":
@@ -94,8 +93,8 @@ class Linear(nn.Module):
             if fused == "skinny":
                 return self._skinny(x, gated=True, with_lora=True)  # type: ignore[arg-type]
             return silu_and_mul(self(x))
-        if self.int_bits:
-            return silu_and_mul(self(x))
+        if self.int_bits:  # one kernel at one bf16 row on a GPU, as the GEMV below
+            return self._int_forward(x, gated=True)  # type: ignore[return-value]
         if isinstance(x, QuantizedRows):
             if self.bias is None and x.q.shape[0] <= W8A8_MAX_M and use_triton(x.q):
                 from tandem.kernels.triton_quant import fp8_w8a8_gated  # lazy: CPU runs never import Triton
@@ -130,6 +129,14 @@ class Linear(nn.Module):
         lora = self.lora.shrink(x2) if with_lora else None  # base + each token's delta (see _fused_lora)
         out = gemv_triton(x2, self.weight, self.weight_scale, self.bias, gated=gated, lora=lora)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _int_forward(self, x: torch.Tensor, defer_reduce: bool = False, gated: bool = False
+                     ) -> torch.Tensor | PartialSums:
+        """The integer weight's product (gated: silu(gate) * up of it; defer_reduce: as base_forward's)."""
+        repacked = self._kernel_int_weight(x)  # first: on a GPU it replaces the int-N layout (packed_weight None)
+        perm = getattr(self, "perm", None)
+        return int_linear(x, self.packed_weight(), self.bias, repacked, None if perm is None else perm.data,
+                          defer_reduce=defer_reduce, gated=gated)
 
     def _kernel_int_weight(self, x: torch.Tensor) -> IntWeight | None:
         """The GPU kernels' layout of the integer weight: made at placement (repack_int_, which the loader runs on

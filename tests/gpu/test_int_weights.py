@@ -63,6 +63,35 @@ def test_int4_graphs_and_overlap_equal_eager_sync(source, tmp_path):
 
 
 @pytest.mark.gpu
+def test_int4_one_row_split_sums_deferred_and_folded_give_the_reduce_kernels_tokens(tmp_path, monkeypatch):
+    """A Llama wide enough that the one-row tensor-core GEMV splits K (hidden 2048: qkv in 2, o and down in more),
+    in CUDA graphs with the overlap loop: o_proj and down_proj handing their partial sums to the add + RMSNorm and
+    qkv adding its own (the split counters reset on every replay) give the greedy tokens of the reduce kernels
+    after every split (TANDEM_DEFER_REDUCE off, TANDEM_INT_MMA_FOLD_REDUCE=0): the same sums in the same order."""
+    import tandem.kernels.triton_quant as quant
+    from tandem.kernels.triton_int_gemv_mma import mma_gemv_config
+
+    shape = dict(CONFIG, hidden_size=2048, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=4)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert mma_gemv_config(2048 + 2 * 512, 2048, 4, sms)["SPLIT_K"] > 1  # qkv
+    assert mma_gemv_config(2048, 4096, 4, sms)["SPLIT_K"] > 1  # down
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).save_pretrained(tmp_path)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(quant, "DEFER_REDUCE", fused)
+        monkeypatch.setenv("TANDEM_INT_MMA_FOLD_REDUCE", "1" if fused else "0")
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", quantization="int4", max_model_len=64,
+                  max_num_seqs=1)
+        try:
+            runs.append(llm.generate([[5, 9, 13, 17, 21]], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+        finally:
+            llm.shutdown()
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
 def test_int4_llama3_8b_shape_loads_without_its_bf16_copy():
     """The 8B shape at int4 holds ~5.8 GB (a 3.5 GB packed body, 0.2 GB of bf16 scales and zeros, 2.1 GB of bf16
     embeddings and lm_head) where bf16 holds 16 GB; the peak stays under 10 GiB because each linear is drawn and

@@ -131,6 +131,12 @@ def test_shapes_it_takes():
     assert mma.mma_gemv_config(6144, 4096, 4, 132) == {"ROW_BLOCKS": 1, "SPLIT_K": 2, "num_warps": 4}
     assert mma.mma_gemv_config(4096, 4096, 4, 132) == {"ROW_BLOCKS": 1, "SPLIT_K": 4, "num_warps": 4}
     assert mma.mma_gemv_config(4096, 14336, 4, 132) == {"ROW_BLOCKS": 1, "SPLIT_K": 4, "num_warps": 4}
+    # Gated: a gate block and its up block at least, so gate_up keeps its tile; small ones split K instead.
+    assert mma.mma_gemv_config(28672, 4096, 4, 132, gated=True) == {"ROW_BLOCKS": 2, "SPLIT_K": 1, "num_warps": 4}
+    assert mma.mma_gemv_config(57344, 8192, 4, 132, gated=True)["ROW_BLOCKS"] == 4
+    assert mma.mma_gemv_config(1024, 4096, 4, 132, gated=True) == {"ROW_BLOCKS": 2, "SPLIT_K": 4, "num_warps": 4}
+    with pytest.raises(ValueError, match="gated"):
+        mma.mma_gemv_constexprs(1024, 4096, 4, 128, {"ROW_BLOCKS": 1, "SPLIT_K": 1, "num_warps": 4}, False, 0, True)
     sms = 132
     for bits in (4, 8):
         for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
@@ -148,19 +154,23 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tandem.kernels.triton_int_gemv_mma import _int_mma_gemv_kernel, mma_gemv_config, mma_gemv_constexprs
 
-names = ["x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "N", "K", "K_SPLIT"]
+names = ["x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "N", "K", "K_SPLIT"]
 out = {}
-for name, n, k, bits, rows in [("even", 4096, 4096, 4, 4), ("ragged", 4100, 4096 + 128, 4, 4),
-                               ("one-block", 6144, 4096, 4, 1), ("two-blocks", 4096, 4096, 4, 2),
-                               ("int8", 4096, 4096, 8, 4), ("int8-ragged", 4100, 4096 + 64, 8, 2)]:
+for name, n, k, bits, rows, gated, reduce in [
+        ("even", 4096, 4096, 4, 4, False, False), ("ragged", 4100, 4096 + 128, 4, 4, False, False),
+        ("one-block", 6144, 4096, 4, 1, False, False), ("two-blocks", 4096, 4096, 4, 2, False, False),
+        ("int8", 4096, 4096, 8, 4, False, False), ("int8-ragged", 4100, 4096 + 64, 8, 2, False, False),
+        ("folded", 6144, 4096, 4, 1, False, True), ("gated", 28672, 4096, 4, 2, True, False),
+        ("gated-four", 57344, 8192, 4, 4, True, False), ("gated-ragged-folded", 2 * 4100, 4096, 8, 2, True, True)]:
     mins = "*bf16" if bits == 4 else "*fp32"
-    types = ["*bf16", "*i32", "*bf16", mins, "*bf16", "*bf16", "*fp32", "i32", "i32", "i32"]
-    cfg = {**mma_gemv_config(n, k, bits, 132), "ROW_BLOCKS": rows}
-    flags = mma_gemv_constexprs(n, k, bits, 128, cfg, True, 2)
+    types = ["*bf16", "*i32", "*bf16", mins, "*bf16", "*bf16", "*fp32", "*i32", "i32", "i32", "i32"]
+    cfg = {**mma_gemv_config(n, k, bits, 132, gated), "ROW_BLOCKS": rows}
+    cfg["SPLIT_K"] = max(cfg["SPLIT_K"], 2) if reduce else cfg["SPLIT_K"]
+    flags = mma_gemv_constexprs(n, k, bits, 128, cfg, True, 2, gated, reduce)
     signature = dict(zip(names, types))
     signature.update({key: "constexpr" for key in flags if key not in signature})
     src = ASTSource(fn=_int_mma_gemv_kernel, signature=signature, constexprs=flags,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 9)})
+                    attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 7, 10)})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"],
                                                                              "num_stages": 1})
     ptx = kernel.asm["ptx"]
@@ -171,6 +181,7 @@ for name, n, k, bits, rows in [("even", 4096, 4096, 4, 4), ("ragged", 4100, 4096
         if 0 <= label < branch.start():
             loop = ptx[label:branch.end()]
     out[name] = {"even": flags["EVEN"], "blocks": rows, "bits": bits, "mma": ptx.count("mma.sync.aligned.m16n8k16"),
+                 "atomics": ptx.count("atom.global"), "reduce": reduce,
                  "local": "ld.local" in ptx or "st.local" in ptx, "v4_loads": "ld.global.v4" in ptx,
                  "stores_before_wait": any(op in ptx[:max(wait, 0)] for op in ("st.global", "red.global")),
                  "prefetch_before_wait": 0 <= ptx.find("prefetch.global.L2") < wait,
@@ -182,13 +193,15 @@ json.dump(out, sys.stdout)
 def test_kernel_compiles_for_sm90():
     """Hopper build without a GPU: mma.sync (a part: 8 for X at 4 bits, 4 at 8, then 8 for each 16-row block), no
     local memory, 16-byte loads, under PDL weight lines sent to L2 and nothing written before the wait, and no
-    barrier in the K loop (no layout change through shared memory: every tensor keeps one element a thread)."""
+    barrier in the K loop (no layout change through shared memory: every tensor keeps one element a thread);
+    gated (a gate block and its up block) and with the split added in the kernel (one atomic count) alike."""
     for name, info in compile_sm90(_COMPILE_SM90).items():
         assert info["mma"] >= 16 and not info["local"] and info["v4_loads"], (name, info)
         assert info["waits"] and info["prefetch_before_wait"] and not info["stores_before_wait"], (name, info)
         x_mmas = 8 if info["bits"] == 4 else 4
         assert info["loop_mma"] == x_mmas + 8 * info["blocks"], (name, info)  # X's, then 8 a block
         assert not info["bar_in_loop"], (name, info)
+        assert (info["atomics"] > 0) == info["reduce"], (name, info)  # the split counter only where it folds
 
 
 @pytest.mark.gpu
@@ -196,8 +209,8 @@ def test_kernel_compiles_for_sm90():
 @pytest.mark.parametrize("bits,n,k,group,split,bias", [
     (4, 1536, 4096, 128, None, False),  # the default config
     (4, 4100, 4096 + 128, 128, None, True),  # N past whole 16-row blocks, K past whole rounds of the warps
-    (4, 512, 14336, -1, 4, False),  # one group a row (per channel), K split over programs with a reduce
-    (4, 1024, 2048, 256, 2, True),  # bias added by the reduce
+    (4, 512, 14336, -1, 4, False),  # one group a row (per channel), K split over programs, added by the last
+    (4, 1024, 2048, 256, 2, True),  # bias added by the program that adds the splits
     (8, 1536, 4096, 128, None, False),
     (8, 4100, 4096 + 64, 64, None, True),
 ])
@@ -276,8 +289,67 @@ def test_kernel_in_the_interpreter(bits, n, k, group, blocks, warps, split, monk
     k_split = mma.mma_k_split(k, bits, split, warps)
     ws = torch.full((flags["SPLIT_K"], 1, n), float("nan"))
     mma._int_mma_gemv_kernel[(-(-n // (16 * blocks)), flags["SPLIT_K"])](
-        x, packed.words, packed.scales, packed.mins, packed.scales, ws, ws, n, k, k_split, **flags, num_warps=warps)
+        x, packed.words, packed.scales, packed.mins, packed.scales, ws, ws, ws, n, k, k_split, **flags,
+        num_warps=warps)
     w = (codes.double() * scales.double().repeat_interleave(group, 1)
          + packed.mins.double().repeat_interleave(group, 1))
     want = x.double() @ w.T
     torch.testing.assert_close(ws.double().sum(0), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+
+
+def run_in_interpreter(x, packed, bias, cfg, out_dtype, gated=False, reduce=False):
+    """The kernel launched as int_mma_gemv launches it (PDL off), in the Triton interpreter with its assembly run
+    by run_warps: (output [1, N or N / 2] in out_dtype, the splits' partial sums ws [SPLIT_K, 1, N], counters)."""
+    n, k = packed.shape
+    bits, group = packed.bits, packed.group_size
+    flags = mma.mma_gemv_constexprs(n, k, bits, group, cfg, bias is not None, 0, gated, reduce)
+    channels = 16 * (cfg["ROW_BLOCKS"] // 2 if gated else cfg["ROW_BLOCKS"])
+    out = torch.full((1, n // 2 if gated else n), float("nan"), dtype=out_dtype)
+    ws = torch.full((flags["SPLIT_K"], 1, n), float("nan"))
+    counts = torch.zeros(64, dtype=torch.int32)
+    mma._int_mma_gemv_kernel[(-(-out.shape[1] // channels), flags["SPLIT_K"])](
+        x, packed.words, packed.scales, packed.mins, bias if bias is not None else packed.scales, out, ws, counts, n,
+        k, mma.mma_k_split(k, bits, cfg["SPLIT_K"], cfg["num_warps"]), **flags, num_warps=cfg["num_warps"])
+    return out, ws, counts
+
+
+def random_int_weight(n, k, bits, group, seed):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
+    qweight = codes[:, 0::2] | (codes[:, 1::2] << 4) if bits == 4 else codes
+    scales = torch.rand(n, k // group, generator=gen) * 0.02 + 0.005
+    zeros = torch.randint(0, 2**bits, (n, k // group), generator=gen).float()
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen)
+    return repack_int_weight(qweight, scales, zeros, bits, group), x, bias
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter case; on a GPU: test_gpu_gated_and_folded_match_the_unfused_path")
+@pytest.mark.parametrize("bits,n,k,group,blocks,split,bias", [
+    (4, 64, 1024, 256, 2, 2, True),  # EVEN: 2 programs of 16 channels, each split added by the last to arrive
+    (4, 40, 1152, 1152, 2, 2, False),  # ragged: 20 channels (past whole blocks), K past whole rounds
+    (4, 128, 512, 128, 4, 1, True),  # 4 blocks: two gate blocks and their up blocks, no split
+    (8, 72, 576, 192, 4, 2, True),  # ragged at 8 bits
+])
+def test_gated_and_folded_kernel_in_the_interpreter(bits, n, k, group, blocks, split, bias, monkeypatch):
+    """The kernel that adds its own K splits (REDUCE) writes what the split-K reduce of its partial sums writes,
+    bit for bit, and leaves its counters at zero; the gated kernel writes silu(gate) * up of those outputs
+    rounded as the GEMV + silu_and_mul round them (fp16 output: the interpreter's bf16 is wrong)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    from tandem.kernels.fp8 import PartialSums
+
+    monkeypatch.setattr(InterpreterBuilder, "create_inline_asm", emulate_inline_asm, raising=True)
+    packed, x, b = random_int_weight(n, k, bits, group, seed=n + k + blocks)
+    b = b.to(torch.float16) if bias else None
+    cfg = {"ROW_BLOCKS": blocks, "SPLIT_K": split, "num_warps": 4}
+    plain, ws, _ = run_in_interpreter(x, packed, b, {**cfg, "ROW_BLOCKS": blocks // 2}, torch.float16)
+    want = PartialSums(ws, None, b, torch.float16).reduce() if split > 1 else plain
+    if split > 1:
+        folded, _, counts = run_in_interpreter(x, packed, b, {**cfg, "ROW_BLOCKS": blocks // 2}, torch.float16,
+                                               reduce=True)
+        assert torch.equal(folded, want) and not counts.any()
+    gated, _, counts = run_in_interpreter(x, packed, b, cfg, torch.float16, gated=True, reduce=split > 1)
+    gate, up = want.chunk(2, dim=-1)
+    torch.testing.assert_close(gated, torch.nn.functional.silu(gate.float()).half() * up, rtol=2e-3, atol=1e-5)
+    assert not counts.any()
