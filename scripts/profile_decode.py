@@ -1,7 +1,7 @@
 """Per-kernel profile of one decode step (forward graph + sampling graph replay) for named random-weight shapes.
 
     python scripts/profile_decode.py --out out/profile [--workloads bs1,seed-async,nano] [--context 512]
-        [--quantization fp8|int4|int8] [--kv-cache-dtype fp8] [--tensor-parallel-size 2]
+        [--quantization fp8|int4|int8] [--kv-cache-dtype fp8] [--tensor-parallel-size 2] [--lora 8]
 
 For each workload the engine is built with random weights of the named shape (load_format=dummy), every row
 gets a prompt of --context tokens and decodes a few steps in sync mode; then the last decode step's slot is
@@ -46,31 +46,51 @@ WORKLOADS = {
     "prefix": ("llama-3.2-1b", 32),
     "70b-bs1": ("llama-3-70b", 1),  # needs --tensor-parallel-size >= 2 in bf16
     "70b-batch": ("llama-3-70b", 32),
+    "lora-32": ("llama-3-8b", 32),  # the lora workload's 32-sequence pass (with --lora 8)
 }
 DECODE_STEPS = 4
 REPLAYS = 10
 BY_POSITION = False  # --by-position
 KV_CACHE_DTYPE = "auto"  # --kv-cache-dtype
 TENSOR_PARALLEL_SIZE = 1  # --tensor-parallel-size
+LORA_ADAPTERS = 0  # --lora N: rows spread over N adapters (0: no LoRA)
+LORA_SLOTS, LORA_RANK = 16, 16  # the lora workload's device slots and rank
 
 
 def build(shape: str, batch: int, context: int, quantization: str | None = None) -> LLM:
     max_model_len = context + 64
     blocks_per_seq = -(-max_model_len // 16)
+    lora = dict(enable_lora=True, max_loras=LORA_SLOTS, max_lora_rank=LORA_RANK) if LORA_ADAPTERS else {}
     return LLM(model=shape, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=max_model_len,
                max_num_seqs=batch, max_num_batched_tokens=max(8192, context), num_kv_blocks=batch * blocks_per_seq + 8,
                overlap=False, seed=0, quantization=quantization, kv_cache_dtype=KV_CACHE_DTYPE,
-               tensor_parallel_size=TENSOR_PARALLEL_SIZE)
+               tensor_parallel_size=TENSOR_PARALLEL_SIZE, **lora)
+
+
+def adapters(llm: LLM, folder: str) -> list:
+    """LORA_ADAPTERS random rank-LORA_RANK adapters on all seven projections (the lora workload's), written to
+    folder."""
+    from tandem import LoRARequest
+    from tandem.bench.lora_workload import write_adapter
+
+    engine = llm.engine
+    shapes = {k: list(v) for k, v in engine.runner.lora.module_shapes(engine.model_config).items()}
+    return [LoRARequest(f"a{i}", i + 1, write_adapter(f"{folder}/a{i}", shapes, LORA_RANK, i))
+            for i in range(LORA_ADAPTERS)]
 
 
 def decode_a_few_steps(llm: LLM, batch: int, context: int, greedy: bool) -> None:
+    import tempfile
+
     engine = llm.engine
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     params = (SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True) if greedy
               else SamplingParams(temperature=0.8, top_p=0.95, max_tokens=48, ignore_eos=True, seed=1))
+    loras = adapters(llm, tempfile.mkdtemp(prefix="profile-lora-")) if LORA_ADAPTERS else []
     for i in range(batch):
-        engine.add_request(f"p{i}", [rng.randrange(10, vocab - 10) for _ in range(context)], params)
+        engine.add_request(f"p{i}", [rng.randrange(10, vocab - 10) for _ in range(context)], params,
+                           lora_request=loras[i % len(loras)] if loras else None)
     decode_steps = 0
     for _ in range(10_000):
         engine.step()  # sync mode: each step is finished when step() returns
@@ -208,7 +228,8 @@ def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool, qu
     weight_floor_us = cost.weight_bytes / (copy_gbps * 1e9) * 1e6
     kv_floor_us = (cost.weight_bytes + kv_bytes) / (copy_gbps * 1e9) * 1e6
     result = {
-        "workload": name, "shape": shape, "quantization": quantization, "batch": batch, "graph_batch_size": graph_bs,
+        "workload": name, "shape": shape, "quantization": quantization, "lora_adapters": LORA_ADAPTERS,
+        "batch": batch, "graph_batch_size": graph_bs,
         "context": context, "kv_cache_dtype": str(runner.kv_cache.dtype), "tensor_parallel_size": TENSOR_PARALLEL_SIZE,
         "sampler_variant": variant._asdict(), "profiled": mode, "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "build_s": round(build_s, 1),
@@ -228,7 +249,8 @@ def profile_workload(name: str, context: int, copy_gbps: float, greedy: bool, qu
 
 def markdown(res: dict) -> str:
     lines = [
-        f"### {res['workload']}: {res['shape']}{' ' + res['quantization'] if res.get('quantization') else ''} at batch "
+        f"### {res['workload']}: {res['shape']}{' ' + res['quantization'] if res.get('quantization') else ''}"
+        f"{' over %d LoRA adapters' % res['lora_adapters'] if res.get('lora_adapters') else ''} at batch "
         f"{res['batch']}, context {res['context']}, KV cache {res.get('kv_cache_dtype', 'bf16')} ({res['device']})",
         "",
         f"step {res['step_us']:.1f} us (kernels sum {res['kernel_sum_us']:.1f} us, added times sum "
@@ -265,8 +287,14 @@ def main() -> None:
                         help="one row per position in the layer for kernels that run several times a layer")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="N > 1: rank 0 of N profiled over real decode steps (see above)")
+    parser.add_argument("--lora", type=int, default=0,
+                        help=f"N > 0: LoRA on, the rows spread over N random rank-{LORA_RANK} adapters on all seven "
+                             f"projections ({LORA_SLOTS} device slots; N <= {LORA_SLOTS})")
     args = parser.parse_args()
-    global BY_POSITION, KV_CACHE_DTYPE, TENSOR_PARALLEL_SIZE
+    global BY_POSITION, KV_CACHE_DTYPE, TENSOR_PARALLEL_SIZE, LORA_ADAPTERS
+    if not 0 <= args.lora <= LORA_SLOTS:
+        raise SystemExit(f"--lora must be 0 to {LORA_SLOTS}")
+    LORA_ADAPTERS = args.lora
     BY_POSITION = args.by_position
     KV_CACHE_DTYPE = args.kv_cache_dtype
     TENSOR_PARALLEL_SIZE = args.tensor_parallel_size
