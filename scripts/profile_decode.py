@@ -88,6 +88,10 @@ def decode_a_few_steps(llm: LLM, batch: int, context: int, greedy: bool) -> None
     params = (SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True) if greedy
               else SamplingParams(temperature=0.8, top_p=0.95, max_tokens=48, ignore_eos=True, seed=1))
     loras = adapters(llm, tempfile.mkdtemp(prefix="profile-lora-")) if LORA_ADAPTERS else []
+    for lora in loras:  # host copies made on the loader thread before the requests come
+        engine.add_lora(lora)
+    if loras:
+        engine.runner.lora.wait_ready()
     for i in range(batch):
         engine.add_request(f"p{i}", [rng.randrange(10, vocab - 10) for _ in range(context)], params,
                            lora_request=loras[i % len(loras)] if loras else None)
