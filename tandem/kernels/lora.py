@@ -5,6 +5,7 @@ the expand may instead run in the epilogue of the base projection's kernel (LoRA
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,13 +39,42 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     kernels' split counters (triton_lora.lora_counters), shared by a pool's linears."""
     y2, x2 = y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
     slots = token_slots[: x2.shape[0]]
-    if use_triton(x2) and not (x2.is_cuda and x2.dtype == torch.float32):
+    if _lora_kernels(x2):
         from tandem.kernels.triton_lora import lora_add_triton  # lazy: CPU runs never import Triton
 
         lora_add_triton(y2, x2, a, b, slots, counters)
     else:
         lora_add_ref(y2, x2, a, b, slots)
     return y
+
+
+def lora_add_beside(x: torch.Tensor, base: Callable[[], torch.Tensor], a: torch.Tensor, b: torch.Tensor,
+                    token_slots: torch.Tensor, counters: torch.Tensor | None,
+                    side: torch.cuda.Stream | None) -> torch.Tensor:
+    """base() (x's base projection, [..., out]) plus the per-token delta. Where the Triton kernels run and a side
+    stream is given, the shrink, which reads only x, runs on `side` while base() runs, and the expand after both
+    (a captured graph keeps the fork and the join): the shrink's fixed cost, ~6-10 us a projection at 32 rows,
+    leaves the step's critical path. counters: the side stream's own (its shrinks may overlap the main stream's)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if side is None or not _lora_kernels(x2):
+        return lora_add(base(), x, a, b, token_slots, counters)
+    from tandem.kernels.triton_lora import lora_expand_triton, lora_shrink_block_triton  # lazy: no Triton on CPU
+
+    slots = token_slots[: x2.shape[0]]
+    main = torch.cuda.current_stream(x2.device)
+    side.wait_stream(main)  # x is written
+    with torch.cuda.stream(side):
+        # Its memory returns to the side stream's pool, whose next use waits on the main stream (above) again.
+        shrink = lora_shrink_block_triton(x2, a, slots, counters)
+    y = base()
+    main.wait_stream(side)
+    lora_expand_triton(y.view(-1, y.shape[-1]), shrink, b, slots)
+    return y
+
+
+def _lora_kernels(x2: torch.Tensor) -> bool:
+    """Whether the Triton kernels take x2's rows (not fp32 on a GPU, where tensor-core dots round to TF32)."""
+    return use_triton(x2) and not (x2.is_cuda and x2.dtype == torch.float32)
 
 
 def lora_counters(num_slots: int, device: torch.device) -> torch.Tensor:

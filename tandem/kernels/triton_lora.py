@@ -147,17 +147,31 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.
                          f"y {tuple(y.shape)}, slots {tuple(token_slots.shape)}")
     if n == 0:
         return y
+    shrink = lora_shrink_block_triton(x, a, token_slots, counters, block_k, block_m, splits)
+    return lora_expand_triton(y, shrink, b, token_slots, block_n, block_m)
+
+
+def lora_expand_triton(y: torch.Tensor, shrink: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
+                       block_n: int | None = None, block_m: int | None = None) -> torch.Tensor:
+    """y [n, out] += shrink [n, rank] fp32 (lora_shrink_block_triton's, made with the same block_m) through each
+    token's B [slots, out, rank], in place; rows with slot -1 keep y's bits."""
+    n, rank = shrink.shape
+    num_slots, out = b.shape[0], b.shape[1]
+    if b.shape[2] != rank or y.shape != (n, out) or token_slots.shape[0] < n:
+        raise ValueError(f"lora expand: shrink {tuple(shrink.shape)}, b {tuple(b.shape)}, y {tuple(y.shape)}, "
+                         f"slots {tuple(token_slots.shape)}")
+    if n == 0:
+        return y
     assert y.stride(-1) == 1 and b.stride(-1) == 1
     block_m = _block_m(n, block_m)
-    shrink = lora_shrink_block_triton(x, a, token_slots, counters, block_k, block_m, splits)
     blocks = triton.cdiv(n, block_m)
     slot_programs = min(n, num_slots) if blocks == 1 else 1
     block_r = _block_r(rank)
     if block_n is None:  # wider output tiles where many slot programs would each pay a tile's fixed cost
         programs = blocks * slot_programs * out
-        block_n = min(256, max(64, triton.next_power_of_2(triton.cdiv(programs, 8 * _num_sms(x.device)))))
+        block_n = min(256, max(64, triton.next_power_of_2(triton.cdiv(programs, 8 * _num_sms(y.device)))))
     block_n = max(16, min(block_n, triton.next_power_of_2(out)))
-    pdl = use_pdl(x.device)
+    pdl = use_pdl(y.device)
     _expand_kernel[(blocks, slot_programs, triton.cdiv(out, block_n))](
         shrink, b, token_slots, y, n, out, rank, shrink.stride(0), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SLOTS_P2=slots_p2(num_slots), USE_PDL=pdl,

@@ -42,7 +42,8 @@ class Linear(nn.Module):
                 return self._gemv(x, gated=False, with_lora=True)  # type: ignore[arg-type]
             if fused == "skinny":
                 return self._skinny(x, gated=False, defer=defer_reduce and x.dim() == 2, with_lora=True)  # type: ignore[arg-type]
-            return self.lora.add(x, self.base_forward(x))  # the base output whole (never deferred), then the delta
+            # The base output whole (never deferred), then the delta; the shrink runs beside it on the GPU.
+            return self.lora.add_beside(x, lambda: self.base_forward(x))
         return self.base_forward(x, defer_reduce)
 
     def _fused_lora(self, x: torch.Tensor | QuantizedRows) -> str | None:

@@ -3,9 +3,12 @@ per-token slot index every linear reads, and the delta each target linear adds t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from tandem.kernels.lora import LoRAShrunk, lora_add, lora_counters, lora_shrink
+from tandem.kernels.lora import LoRAShrunk, lora_add, lora_add_beside, lora_counters, lora_shrink
 from tandem.layers.linear import Linear
 from tandem.lora.pack import PackedAdapter, num_parts
 
@@ -15,22 +18,38 @@ class LoRADelta:
     `add(x, y)` onto its base output y (before a row-parallel layer's all-reduce: A's input columns are sharded like
     the base weight, so the ranks' partial deltas sum with the partial products)."""
 
-    __slots__ = ("a", "b", "token_slots", "counters")
+    __slots__ = ("a", "b", "token_slots", "counters", "side")
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
-                 counters: torch.Tensor | None = None) -> None:
+                 counters: torch.Tensor | None = None, side: SideStream | None = None) -> None:
         self.a = a  # [max_loras, parts * max_rank, in_local]
         self.b = b  # [max_loras, out_local, parts * max_rank], the adapter's scale folded in
         self.token_slots = token_slots  # [max_num_tokens] int32, -1: no adapter
         self.counters = counters  # the kernels' split counters, one buffer for the pool (None: off the GPU)
+        self.side = side  # the stream the shrink runs on beside the base projection, with its counters (GPU)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return lora_add(y, x, self.a, self.b, self.token_slots, self.counters)
+
+    def add_beside(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """base() (the base projection of x) plus each token's delta, the shrink beside base() on the GPU."""
+        side = self.side
+        if side is None:
+            return self.add(x, base())
+        return lora_add_beside(x, base, self.a, self.b, self.token_slots, side.counters, side.stream)
 
     def shrink(self, x: torch.Tensor) -> LoRAShrunk:
         """x [n, in_local]'s rank columns through each token's A, with B and the slots: what the epilogue of a
         decode kernel (the GEMV, the skinny tile GEMM) reads to add the delta itself (Linear._fused_lora)."""
         return LoRAShrunk(lora_shrink(x, self.a, self.token_slots, self.counters), self.b, self.token_slots)
+
+
+@dataclass(slots=True)
+class SideStream:
+    """The stream LoRA shrinks run on beside the base projections, and its own split counters."""
+
+    stream: torch.cuda.Stream
+    counters: torch.Tensor
 
 
 class LoRAPool:
@@ -43,13 +62,15 @@ class LoRAPool:
         self.max_loras = max_loras
         self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device)
         self.counters = lora_counters(max_loras, device)
+        side = (SideStream(torch.cuda.Stream(device), lora_counters(max_loras, device)) if device.type == "cuda"
+                else None)
         self.slots: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, linear in targets.items():
             cols = num_parts(linear) * max_rank
             a = torch.zeros(max_loras, cols, linear.in_features, dtype=dtype, device=device)
             b = torch.zeros(max_loras, linear.out_features, cols, dtype=dtype, device=device)
             self.slots[name] = (a, b)
-            linear.lora = LoRADelta(a, b, self.token_slots, self.counters)
+            linear.lora = LoRADelta(a, b, self.token_slots, self.counters, side)
 
     @property
     def num_bytes(self) -> int:

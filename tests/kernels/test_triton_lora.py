@@ -146,3 +146,43 @@ def test_kernels_compile_for_sm90():
 
     for name, info in compile_sm90(_COMPILE_SM90).items():
         assert not info["local"] and info["shared"] <= 227 * 1024, (name, info)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_shrink_beside_the_base_projection_gives_the_serial_bits():
+    """lora_add_beside (the shrink on a side stream while the base product runs, the expand after the join) gives
+    the bits of the base product then lora_add on one stream, eagerly and replayed from a CUDA graph whose inputs
+    change between replays."""
+    from tandem.kernels.lora import lora_add, lora_add_beside
+
+    gen = torch.Generator().manual_seed(3)
+    n, k, out, rank, num_slots = 32, 4096, 6144, 48, 16
+    x = torch.randn(n, k, generator=gen).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(out, k, generator=gen) * k**-0.5).to(DEVICE, torch.bfloat16)
+    a = (torch.randn(num_slots, rank, k, generator=gen) * k**-0.5).to(DEVICE, torch.bfloat16)
+    b = (torch.randn(num_slots, out, rank, generator=gen) * 0.1).to(DEVICE, torch.bfloat16)
+    slots = torch.tensor([(i % 9) - 1 for i in range(n)], dtype=torch.int32, device=DEVICE)
+    side, side_counters = torch.cuda.Stream(), lora_counters(num_slots, x.device)
+
+    def serial() -> torch.Tensor:
+        return lora_add(x @ w.t(), x, a, b, slots, lora_counters(num_slots, x.device))
+
+    def beside() -> torch.Tensor:
+        return lora_add_beside(x, lambda: x @ w.t(), a, b, slots, side_counters, side)
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        eager = beside()
+        torch.cuda.current_stream().synchronize()
+        assert torch.equal(eager, serial())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = beside()
+    for seed in range(3):
+        x.copy_(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE, torch.bfloat16))
+        slots.copy_(slots.roll(seed + 1))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, serial()), seed
+    assert not side_counters.any()
