@@ -430,7 +430,7 @@ class EngineCore:
         the proposer's for the others (speculative decoding). Both read each request's tokens up to its last on the
         host, so the step in flight is collected first (returning its outputs). The proposer is off while more than
         disable_by_batch_size requests run or its controller finds that speculating does not pay; a request with a
-        grammar gets only forced drafts, and one with penalties or bias none."""
+        grammar gets only forced drafts."""
         spec, scheduler = self.spec, self.scheduler
         running = scheduler.running
         if not running:
@@ -771,10 +771,10 @@ class EngineCore:
 
 
 def _draft_room(request: Request) -> int:
-    """How many drafts a running request may take in its next step: 0 while it has a token in flight, is still in
-    its prompt, or has penalties or bias (they apply to a sequence's own row only, not to draft rows); else its
-    room before max_tokens less the one token the step samples anyway."""
-    if request.num_pending_tokens or request.sampling_params.uses_logits_state:
+    """How many drafts a running request may take in its next step: 0 while it has a token in flight or is still in
+    its prompt; else its room before max_tokens less the one token the step samples anyway. Penalties and bias
+    apply to its draft rows too (each row's penalties count the drafts before it: runner.logits_state)."""
+    if request.num_pending_tokens:
         return 0
     if request.num_computed_tokens != len(request.all_token_ids) - 1:
         return 0

@@ -110,6 +110,19 @@ class ModelExecutor:
         cap = torch.where(match, num_drafts.index_select(0, seq), ints["row_rank"][:num_rows].long())
         buf.out_accepted[:num_rows].copy_(num_drafts.scatter_reduce(0, seq, cap, reduce="amin"))
 
+    def kept_rows(self, plan: StepPlan) -> torch.Tensor:
+        """[plan.rows] int32 after a verify step's sampling: 1 on the rows whose sampled token is output (a
+        sequence's accepted drafts' rows, and the row after them: the first rejected draft's, or its own row when
+        every draft was accepted), 0 on the others."""
+        buf, rows = self.buffers[plan.slot], plan.rows
+        ints = buf.ints.dev
+        seq = ints["row_seq"][:rows].long()
+        accepted = buf.out_accepted[:rows].index_select(0, seq)
+        own = torch.arange(rows, device=seq.device) < plan.num_seqs
+        num_drafts = ints["num_drafts"][:rows].long().index_select(0, seq)
+        keep = (ints["row_rank"][:rows].long() <= accepted) | (own & (accepted == num_drafts))
+        return keep.to(torch.int32)
+
     def meta(self, slot: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
              num_decodes: int = 0, fuse_kv_write: bool = True) -> AttentionMetadata:
         ints, longs = self.buffers[slot].ints.dev, self.buffers[slot].longs.dev

@@ -60,6 +60,7 @@ class LogitsPlan:
     any_presence_frequency: bool
     any_bias: bool
     num_inits: int
+    verifies: bool = False  # a verify step: its rows count their sampled tokens only where kept (count's keep)
 
 
 class _SlotStaging:
@@ -75,10 +76,12 @@ class _SlotStaging:
         self.output_idx = _Staging(torch.int64, device)  # the same for output tokens (repeated: counts)
         self.bias_idx = _Staging(torch.int64, device)
         self.bias_val = _Staging(torch.float32, device)
+        # A verify step's drafts before each row (flat batch_row * V + token): counted for that row's penalties.
+        self.draft_idx = _Staging(torch.int64, device)
 
     def all(self) -> list[_Staging]:
         return [self.row_state, self.count_state, self.params, self.init_rows, self.init_fill, self.prompt_idx,
-                self.output_idx, self.bias_idx, self.bias_val]
+                self.output_idx, self.bias_idx, self.bias_val, self.draft_idx]
 
 
 class LogitsState:
@@ -108,9 +111,13 @@ class LogitsState:
         for rid in done:
             self.free_rows.append(self.held.pop(rid)[1])
 
-    def prepare(self, slot: int, scheduled: list[ScheduledRequest], any_state: bool) -> LogitsPlan | None:
+    def prepare(self, slot: int, scheduled: list[ScheduledRequest], any_state: bool,
+                draft_rows: list[tuple[int, int, int]] | None = None, num_rows: int = 0) -> LogitsPlan | None:
         """Writes the step's host inputs into the slot's staging; None when no row uses logits state
-        (`any_state`, which write_step derives only when the batch's requests change)."""
+        (`any_state`, which write_step derives only when the batch's requests change). A verify step
+        (draft_rows: (sequence, first draft row, drafts) of each sequence with drafts, num_rows rows in all) gives
+        each draft row its sequence's state and parameters, and counts the drafts before a row (draft j's row:
+        drafts 0..j-1; the sequence's own row: all of them) into that row's penalties as if already output."""
         if self.held:
             self._release_done()
         if not any_state:
@@ -159,6 +166,11 @@ class LogitsState:
             any_rep |= sp.repetition_penalty != 1.0
             any_pf |= sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
             any_bias |= bool(sp.logit_bias) or sp.allowed_token_ids is not None or bool(req.banned_token_ids)
+        draft_idx: list[int] = []
+        if draft_rows:
+            row_state, count_state, params = self._draft_rows(scheduled, draft_rows, num_rows, row_state,
+                                                              count_state, params, draft_idx)
+        st.draft_idx.write(draft_idx)
         st.row_state.write(row_state)
         st.count_state.write(count_state)
         st.params.write(params.reshape(-1))
@@ -169,9 +181,32 @@ class LogitsState:
         st.output_idx.write(np.concatenate(output_idx) if output_idx else empty)
         st.bias_idx.write(np.concatenate(bias_idx) if bias_idx else empty)
         st.bias_val.write(np.concatenate(bias_val) if bias_val else np.zeros(0, dtype=np.float32))
-        plan = LogitsPlan(n, any_rep, any_pf, any_bias, len(init_rows))
+        plan = LogitsPlan(len(row_state), any_rep, any_pf, any_bias, len(init_rows), verifies=bool(draft_rows))
         self.plans[slot] = plan
         return plan
+
+    def _draft_rows(self, scheduled: list[ScheduledRequest], draft_rows: list[tuple[int, int, int]], num_rows: int,
+                    row_state: list[int], count_state: list[int], params: np.ndarray, draft_idx: list[int]
+                    ) -> tuple[list[int], list[int], np.ndarray]:
+        """The verify step's rows past the sequences' own: each draft row reads and counts into its sequence's
+        state row with its parameters; draft_idx gets every row's preceding drafts."""
+        n, v = len(scheduled), self.vocab_size
+        row_state = row_state + [self.zero_row] * (num_rows - n)
+        count_state = count_state + [self.trash_row] * (num_rows - n)
+        wide = np.zeros((3, num_rows), dtype=np.float32)
+        wide[0] = 1.0
+        wide[:, :n] = params
+        for i, first, k in draft_rows:
+            if row_state[i] == self.zero_row:  # no logits state: its draft rows read the zero row
+                continue
+            drafts = scheduled[i].token_ids[-k:]
+            for j in range(k):
+                row_state[first + j] = row_state[i]
+                count_state[first + j] = row_state[i]
+                wide[:, first + j] = params[:, i]
+                draft_idx.extend((first + j) * v + t for t in drafts[:j])
+            draft_idx.extend(i * v + t for t in drafts)
+        return row_state, count_state, wide
 
     def upload(self, slot: int) -> None:
         """H2D of the slot's staged inputs (call on the H2D stream, before its h2d_done)."""
@@ -180,13 +215,14 @@ class LogitsState:
                 staged.upload()
 
     def apply(self, slot: int, logits: torch.Tensor) -> None:
-        """Initialises new state rows, then applies penalties and bias to logits [num_rows, V] in place."""
+        """Initialises new state rows, then applies penalties and bias to logits [>= num_rows, V] in place."""
         plan = self.plans[slot]
         if plan is None:
             return
         st = self.staging[slot]
         counts, prompt_mask, bias = self.counts, self.prompt_mask, self.bias
         assert counts is not None and prompt_mask is not None and bias is not None
+        logits = logits[: plan.num_rows]  # a verify step's draft rows too; padding rows never
         if plan.num_inits:
             rows = st.init_rows.dev()
             counts.index_fill_(0, rows, 0)
@@ -204,6 +240,8 @@ class LogitsState:
         x = logits.float()
         if plan.any_repetition or plan.any_presence_frequency:
             row_counts = counts.index_select(0, rows)  # [n, V]
+            if st.draft_idx.n:  # a verify row's penalties see the drafts before it as output tokens
+                row_counts.view(-1).index_put_((st.draft_idx.dev(),), self._one, accumulate=True)
             if plan.any_repetition:
                 seen = prompt_mask.index_select(0, rows) | (row_counts > 0)
                 rep = params[0][:, None]
@@ -214,13 +252,16 @@ class LogitsState:
             x = x + bias.index_select(0, rows)
         logits.copy_(x)
 
-    def count(self, slot: int, token_ids: torch.Tensor) -> None:
-        """Adds each row's sampled token [num_rows] to its state row's counts (after sampling, same stream)."""
-        if self.plans[slot] is None:
+    def count(self, slot: int, token_ids: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Adds each row's sampled token [num_rows] to its state row's counts (after sampling, same stream); in a
+        verify step only the rows `keep` marks ([num_rows] int32, 1: the row's token is an output token)."""
+        plan = self.plans[slot]
+        if plan is None:
             return
-        assert self.counts is not None
-        idx = self.staging[slot].count_state.dev() * self.vocab_size + token_ids
-        self.counts.view(-1).index_put_((idx,), self._one, accumulate=True)
+        assert self.counts is not None and (keep is not None) == plan.verifies
+        idx = self.staging[slot].count_state.dev() * self.vocab_size + token_ids[: plan.num_rows]
+        self.counts.view(-1).index_put_((idx,), self._one if keep is None else keep[: plan.num_rows],
+                                        accumulate=True)
 
 
 def token_bias(req: Request) -> dict[int, float]:

@@ -207,7 +207,7 @@ class ModelRunner:
         else:
             shape = write_step(self.buffers[slot], sched, self._prev_rows, self.block_size, graph_bs, rows,
                                piece_tokens)
-        self.logits_state.prepare(slot, sched.scheduled, shape.any_logits_state)
+        self.logits_state.prepare(slot, sched.scheduled, shape.any_logits_state, shape.draft_rows, shape.num_rows)
         if self.lora is not None:  # each token's adapter slot, and the adapters to page in before the step
             self.lora.write_slots(self.buffers[slot].ints.np["lora_slots"], sched.scheduled, num_tokens,
                                   max(num_tokens, graph_bs or 0, piece_tokens or 0))
@@ -268,8 +268,8 @@ class ModelRunner:
                 score = partial(self.prompt_logprobs.compute, plan.slot, compute_logits=self.model.compute_logits)
             logits = self.executor.run(plan, rows_view=defer_sampling or bool(self.logits_state.plans[plan.slot]),
                                        score=score)
-            # Penalties and bias, only where a row uses them (a sequence's own row; rows with drafts use none).
-            self.logits_state.apply(plan.slot, logits[: plan.num_seqs] if plan.verifies else logits)
+            # Penalties and bias, only where a row uses them (a verify step's draft rows with their sequence's).
+            self.logits_state.apply(plan.slot, logits)
         events.deferred = defer_sampling
         if defer_sampling:
             with streams.on("compute"):
@@ -291,7 +291,11 @@ class ModelRunner:
                 streams.record("compute", events.sample_start)
                 self.host_masks.apply(plan.slot, logits, num_masked)
             self.executor.sample(plan, logits)
-            self.logits_state.count(plan.slot, buf.out_tokens[: plan.num_seqs])
+            if plan.verifies:  # the accepted drafts and the token after them: the rows the verify kept
+                if self.logits_state.plans[plan.slot] is not None:
+                    self.logits_state.count(plan.slot, buf.out_tokens, self.executor.kept_rows(plan))
+            else:
+                self.logits_state.count(plan.slot, buf.out_tokens[: plan.num_seqs])
             streams.record("compute", events.compute_done)
         if download or self._timeout_flag is not None:
             streams.wait("d2h", events.compute_done)

@@ -5,6 +5,7 @@ run), drafts really accepted and rejected, no KV block lost, and a clear error f
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig, SpeculativeConfig
@@ -85,6 +86,39 @@ def test_ngram_tokens_equal_decoding_without_drafts(folder, overlap, monkeypatch
     assert kinds["flat"] > 0 and kinds["mixed"] > 0, kinds
     assert llm.engine.scheduler.num_free_blocks() == 13, "KV blocks leaked"
     llm.engine.scheduler.kv_cache_manager.check_invariants()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_penalties_and_bias_with_drafts_equal_decoding_without(folder, overlap):
+    """Requests with repetition / presence / frequency penalties, logit_bias or allowed_token_ids take drafts too:
+    each verified row's penalties count the drafts before it, and only the tokens a verify keeps are counted after
+    it. Greedy and seeded sampling, beside a request without any, in both verify layouts (the 30-token prompt
+    prefills in chunks beside rows that verify)."""
+    penalties = dict(repetition_penalty=1.15, presence_penalty=0.3, frequency_penalty=0.2)
+    mild = dict(repetition_penalty=1.02, presence_penalty=0.02, frequency_penalty=0.01)  # loops go on: drafts kept
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **mild),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logit_bias={44: 2.0, 41: -1.5}),
+              SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, ignore_eos=True, seed=5, **penalties),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                             allowed_token_ids=list(range(38, 60)), repetition_penalty=1.1),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    prompts = [[40, 41, 42, 43] * 6, [50, 51, 52] * 8, [40, 41, 42, 43] * 6, [44, 45, 46, 47] * 6,
+               [(3 * i) % 11 + 4 for i in range(30)]]
+    engine = {**ENGINE, "max_num_seqs": 5}
+    reference = LLM(folder, num_kv_blocks=256, overlap=overlap, **engine)
+    want = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(folder, num_kv_blocks=256, overlap=overlap, speculative_config=SPEC, **engine)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    metrics = [o.metrics for o in outs]
+    assert all(m["spec_draft_tokens"] > 0 for m in metrics[:4]), metrics  # logits state does not bar drafts
+    # ... and some are kept: the counts after a verify hold exactly the kept tokens, or later rows would differ
+    assert all(metrics[i]["spec_accepted_tokens"] > 0 for i in (0, 1, 3)), metrics
+    state = llm.engine.runner.logits_state
+    for req, row in state.held.values():  # the device counts hold each output token once, rejected drafts none
+        want = torch.bincount(torch.tensor(req.output_token_ids), minlength=state.vocab_size).int()
+        assert torch.equal(state.counts[row], want), req.request_id
+    assert llm.engine.scheduler.num_free_blocks() == 255, "KV blocks leaked"
 
 
 def test_stop_token_and_max_tokens_inside_an_accepted_run(folder):
