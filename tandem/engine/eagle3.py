@@ -11,6 +11,7 @@ from tandem.models.loader import load_model_config, model_max_len
 from tandem.models.registry import MODEL_REGISTRY
 from tandem.runner.model_runner import ModelRunner, SideOutputs
 from tandem.speculative.eagle3 import Eagle3Proposer
+from tandem.speculative.eagle3_rows import scratch_blocks_per_row
 from tandem.speculative.eagle3_head import Eagle3Config, Eagle3Head, random_head_tensors, read_head_tensors
 
 
@@ -33,7 +34,17 @@ def load_eagle3_head(config: EngineConfig) -> tuple[Eagle3Head, SideOutputs]:
     dtype = config.resolved_dtype()
     max_len = config.max_model_len or min(model_max_len(target), 8192)
     head = Eagle3Head(head_config, tensors, config.resolved_device(), dtype, max_len + MAX_SPEC_TOKENS + 1)
-    return head, SideOutputs(aux_layers, head_config.kv_bytes_per_block(config.block_size, dtype))
+    per_block = head_config.kv_bytes_per_block(config.block_size, dtype)
+    scratch = chain_rows(config) * scratch_blocks_per_row(config.block_size, spec.num_speculative_tokens)
+    return head, SideOutputs(aux_layers, per_block, scratch * per_block)
+
+
+def chain_rows(config: EngineConfig) -> int:
+    """Requests the head's chains take at once: disable_by_batch_size (no drafts are proposed above), at most
+    max_num_seqs."""
+    spec = config.speculative
+    assert spec is not None
+    return min(spec.disable_by_batch_size, config.max_num_seqs)
 
 
 def eagle3_proposer(head: Eagle3Head, runner: ModelRunner) -> Eagle3Proposer:
@@ -49,8 +60,7 @@ def eagle3_proposer(head: Eagle3Head, runner: ModelRunner) -> Eagle3Proposer:
     cuda = runner.device.type == "cuda"
     proposer = Eagle3Proposer(head, runner.num_blocks, runner.block_size, runner.streams.compute if cuda else None,
                               max_blocks=runner.max_blocks_per_seq,
-                              chain_rows=min(spec.disable_by_batch_size, runner.max_num_seqs),
-                              max_drafts=spec.num_speculative_tokens)
+                              chain_rows=chain_rows(config), max_drafts=spec.num_speculative_tokens)
     if cuda and config.cuda_graph:
         proposer.capture()
     return proposer

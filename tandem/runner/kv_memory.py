@@ -44,12 +44,14 @@ class KVLayout:
 
 
 def num_blocks_from_memory(config: EngineConfig, layout: KVLayout, model: nn.Module, device: torch.device,
-                           max_num_tokens: int, max_blocks_per_seq: int) -> int:
+                           max_num_tokens: int, max_blocks_per_seq: int, reserved_bytes: int = 0) -> int:
     """Blocks that fit the budget: cpu_kv_cache_gib on the CPU; on a GPU what is left of gpu_memory_utilization
-    after the weights, a full-budget forward's activations and the graphs' reserve. Never more than every seat
-    filled to the context limit can use."""
+    after the weights, a full-budget forward's activations and the graphs' reserve; less reserved_bytes (memory
+    allocated beside the pool, such as a speculative head's scratch blocks). Never more than every seat filled to
+    the context limit can use."""
     budget = int(config.cpu_kv_cache_gib * (1 << 30)) if device.type != "cuda" else \
         _gpu_budget(config, layout, model, device, max_num_tokens)
+    budget -= reserved_bytes
     num_blocks = min(budget // layout.bytes_per_block, config.max_num_seqs * max_blocks_per_seq + 1)
     if num_blocks < 2:
         raise ValueError(f"not enough memory for the KV cache: {budget / 2**30:.2f} GiB left, "

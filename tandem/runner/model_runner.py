@@ -48,6 +48,7 @@ class SideOutputs:
 
     aux_layers: tuple[int, ...]  # every step copies the residual stream entering these layers, per token
     kv_bytes_per_block: int  # the head's own KV per block of the target's: the pool is sized for both
+    extra_kv_bytes: int = 0  # the head's KV past the target's blocks (its chains' scratch blocks)
 
 
 class ModelRunner:
@@ -111,7 +112,8 @@ class ModelRunner:
             per_layer = layout.bytes_per_block // layout.num_layers
             sizing = replace(layout, num_layers=layout.num_layers + math.ceil(side.kv_bytes_per_block / per_layer))
         self.num_blocks = config.num_kv_blocks or num_blocks_from_memory(
-            config, sizing, loaded.model, self.device, self.max_num_tokens, self.max_blocks_per_seq)
+            config, sizing, loaded.model, self.device, self.max_num_tokens, self.max_blocks_per_seq,
+            side.extra_kv_bytes if side is not None else 0)
         if group is not None and config.num_kv_blocks is None:
             # One scheduler drives every rank: all KV shards get the block count of the tightest GPU.
             self.num_blocks = group.min_over_ranks(self.num_blocks)

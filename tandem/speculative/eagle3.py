@@ -76,7 +76,7 @@ class Eagle3Proposer:
                               dtype=head.fc.dtype, device=head.fc.device)
         self.feed_rows = chain_rows * (max_drafts + 1) if feed_rows is None else feed_rows
         self.steps = HeadSteps(head, self.kv, block_size, max_blocks or num_blocks, chain_rows, max_drafts,
-                               max(self.feed_rows, 1))
+                               max(self.feed_rows, 1), self.scratch)
         self.last: dict[str, _Last] = {}
 
     def capture(self) -> None:

@@ -71,12 +71,12 @@ class HeadSteps:
     (up to `chain_rows` requests, `max_drafts` drafts each), and their graphs once `capture` ran."""
 
     def __init__(self, head: Eagle3Head, kv: torch.Tensor, block_size: int, max_blocks: int, chain_rows: int,
-                 max_drafts: int, feed_rows: int) -> None:
+                 max_drafts: int, feed_rows: int, scratch_blocks: int) -> None:
         c = head.config
         self.head, self.kv, self.block_size = head, kv, block_size  # kv [2, blocks, block_size, kv heads, dim]
         self.max_drafts = max_drafts
         self.feed_width = max_blocks
-        self.chain_width = max_blocks + scratch_blocks_per_row(block_size, max_drafts)
+        self.chain_width = max_blocks + scratch_blocks  # a chain row's table: its blocks, then its scratch blocks
         device = kv.device
         self.feed_buckets, self.chain_buckets = row_buckets(feed_rows), row_buckets(chain_rows)
         self.feed_ints = torch.zeros(feed_layout(feed_rows, self.feed_width).size, dtype=torch.int64, device=device)
