@@ -9,6 +9,7 @@ import torch
 from tandem.kernels.triton_attention import NewTokens, paged_decode_attention
 from tandem.kernels.triton_rotary_kv import rotary_write_kv_triton
 from tandem.layers.rotary import apply_rotary
+from tests.sweeps import pairwise
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -76,10 +77,11 @@ def run_both(st, *, norm, num_splits, order=None, one_tile_programs=None):
     return out, kv, ref, kv_ref, qkv
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("norm", [False, True], ids=["rope", "qk_norm+rope"])
-@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128), (2, 80)])
-@pytest.mark.parametrize("num_splits", [1, 3, 16])
+# Every pair of (splits, shape, norm, dtype) values; the cross product on a GPU or with TANDEM_FULL_SWEEPS=1.
+@pytest.mark.parametrize("num_splits,group,head_dim,norm,dtype",
+                         pairwise([1, 3, 16], [(1, 64), (4, 128), (2, 80)], [False, True],
+                                  [torch.float32, torch.float16]),
+                         ids=lambda v: ("qk_norm+rope" if v else "rope") if isinstance(v, bool) else str(v))
 def test_fused_rotary_decode_equals_rotary_then_decode(dtype, norm, group, head_dim, num_splits):
     # Contexts across page boundaries, a new token first in its page (17, 33), one-token contexts, padding rows.
     seq_lens = [17, 0, 1, 70, 33, 5, 0, 129]

@@ -12,6 +12,7 @@ from tandem.kernels.reference import paged_attention_ref, to_cache_dtype, write_
 from tandem.kernels.triton_attention import paged_decode_attention, paged_prefill_attention
 from tandem.kernels.triton_kv import write_kv_triton
 from tandem.kernels.triton_rotary_kv import rotary_write_kv_triton
+from tests.sweeps import pairwise
 
 from .test_decode_rotary import make_step, run_both
 from .test_triton_kernels import (
@@ -118,9 +119,9 @@ def test_prefill_reads_fp8_cache(dtype, group):
                                ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("norm", [False, True], ids=["rope", "qk_norm+rope"])
-@pytest.mark.parametrize("group,num_splits", [(1, 1), (4, 3), (4, 16)])
+# Every pair of values on the CPU (tests/sweeps.py), the cross product on a GPU.
+@pytest.mark.parametrize("group,num_splits,norm,dtype", pairwise([(1, 1), (4, 3), (4, 16)], [False, True], DTYPES),
+                         ids=lambda v: ("qk_norm+rope" if v else "rope") if isinstance(v, bool) else str(v))
 def test_fused_rotary_decode_on_fp8_cache(dtype, norm, group, num_splits):
     """The decode kernel's own rotary + cache write (the new token from registers) against the rotary kernel
     followed by the plain decode kernel, both on an FP8 cache."""

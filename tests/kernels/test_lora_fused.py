@@ -15,6 +15,7 @@ from tandem.kernels.triton_gemv import gemv_triton, lora_shrink_triton
 from tandem.kernels.triton_lora import lora_shrink_block_triton
 from tandem.kernels.triton_quant import skinny_matmul_triton
 from tests.kernels.sm90 import compile_sm90
+from tests.sweeps import pairwise
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -60,9 +61,9 @@ def test_shrink_matches_reference(dtype, m, k):
     assert not got[slots[:m] < 0].any()  # no adapter: zero rank columns, no weight read
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m", [1, 3, 4, 32])
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+# Every pair of values on the CPU (tests/sweeps.py), the cross product on a GPU.
+@pytest.mark.parametrize("gated,m,dtype", pairwise([False, True], [1, 3, 4, 32], [torch.float32, torch.float16]),
+                         ids=lambda v: ("gated" if v else "plain") if isinstance(v, bool) else str(v))
 def test_gemv_adds_each_rows_delta(dtype, m, gated):
     n, k = 48, 160
     x, w, a, b, slots = operands(m, n, k, dtype, seed=10 * m + gated)

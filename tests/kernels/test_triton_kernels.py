@@ -21,11 +21,13 @@ from tandem.kernels.triton_attention import (
     paged_prefill_attention,
 )
 from tandem.kernels.triton_kv import write_kv_triton
+from tests.sweeps import pairwise
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
+# The sweeps over these run every pair of values on the CPU (tests/sweeps.py), the cross product on a GPU.
 BLOCK_SIZES = [16, 32]
 HEAD_DIMS = [64, 128]
 GROUPS = [1, 4, 8]  # query heads per kv head
@@ -114,9 +116,7 @@ def poisoned_like(q: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- write_kv
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS + [80])
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("block_size,head_dim,dtype", pairwise(BLOCK_SIZES, HEAD_DIMS + [80], DTYPES), ids=str)
 def test_write_kv_scatters_rows_and_skips_padding(block_size, head_dim, dtype):
     gen = torch.Generator().manual_seed(1)
     num_tokens, num_kv_heads, num_blocks = 21, 3, 6
@@ -154,10 +154,7 @@ def test_write_kv_rejects_mismatched_shapes():
 DECODE_SEQ_LENS = [1, 0, 37, 130, 64, 0]  # padding rows (0) between and after real ones
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("group", GROUPS)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("block_size,head_dim,group,dtype", pairwise(BLOCK_SIZES, HEAD_DIMS, GROUPS, DTYPES), ids=str)
 def test_decode_matches_reference(block_size, head_dim, group, dtype):
     case = make_case(DECODE_SEQ_LENS, [1] * len(DECODE_SEQ_LENS), group=group, head_dim=head_dim,
                      block_size=block_size, dtype=dtype, seed=block_size + head_dim + group)
@@ -208,9 +205,8 @@ def assert_same_codes(got: torch.Tensor, want: torch.Tensor) -> None:
     assert differ.float().mean().item() <= 0.01 and ((got - want).abs()[differ] <= 1).all()
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])  # direct write, and the last split's merge
-@pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# num_splits 1: direct write; 3: the last split's merge.
+@pytest.mark.parametrize("num_splits,group,dtype", pairwise([1, 3], [1, 4], DTYPES), ids=str)
 def test_decode_fp8_out_is_its_output_quantized_in_kv_head_groups(num_splits, group, dtype):
     """With out_scale the decode kernel writes, bit for bit, its own output (in q's dtype) quantized in one
     group per (sequence, kv head): quantize_activation_groups_ref's e4m3 bytes and scales; padding rows get
@@ -319,10 +315,7 @@ def test_num_splits_heuristic_bounds():
 PREFILL_BATCH = ([40, 75, 9, 1, 0, 52], [40, 11, 9, 1, 0, 3])
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("group", GROUPS)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("block_size,head_dim,group,dtype", pairwise(BLOCK_SIZES, HEAD_DIMS, GROUPS, DTYPES), ids=str)
 def test_prefill_matches_reference(block_size, head_dim, group, dtype):
     seq_lens, query_lens = PREFILL_BATCH
     case = make_case(seq_lens, query_lens, group=group, head_dim=head_dim, block_size=block_size, dtype=dtype,
@@ -534,9 +527,7 @@ def test_gpu_decode_cuda_graph_replay_matches_eager():
         assert torch.equal(static_out, eager)
 
 
-@pytest.mark.parametrize("num_splits", [2, 5, 16, 64])
-@pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("one_tile_programs", [1 << 20, 42, 0])
+@pytest.mark.parametrize("one_tile_programs,group,num_splits", pairwise([1 << 20, 42, 0], [1, 4], [2, 5, 16, 64]))
 def test_decode_many_splits_odd_lengths_and_padding_rows(num_splits, group, one_tile_programs):
     # More splits than tiles (most empty), odd context lengths, and seq_len 0 rows that must read exactly 0. Past
     # one_tile_programs (over 7 rows x 2 kv heads) a sequence takes two tiles a share or more, its trailing splits

@@ -1,4 +1,6 @@
-"""The process split as users run it: the engine core killed mid-stream, several API processes, no orphans."""
+"""The process split as users run it: the engine core killed mid-stream, several API processes, no orphans. The
+embedded model streams slowly enough for the kill to land mid-stream; the process-count tests serve a tiny random
+model with a character tokenizer, which starts faster."""
 
 from __future__ import annotations
 
@@ -11,7 +13,13 @@ import time
 import httpx
 import pytest
 
+from tests.parallel.tiny_models import save_tiny, save_tiny_tokenizer
 from tests.server.procs import ServeProcess, wait_gone
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return save_tiny_tokenizer(save_tiny("llama", tmp_path_factory.mktemp("llama")))
 
 
 @pytest.fixture
@@ -86,8 +94,8 @@ def _metric(url: str, name: str) -> float:
     return total
 
 
-def test_two_api_processes_serve_and_count_across_processes_then_shut_down_clean(serve_factory):
-    server = serve_factory("--api-server-count", "2")
+def test_two_api_processes_serve_and_count_across_processes_then_shut_down_clean(serve_factory, tiny_model):
+    server = serve_factory("--model", tiny_model, "--api-server-count", "2")
     server.wait_healthy()
     children = server.descendants()
     assert len(children) >= 3  # the engine core and two API processes (plus multiprocessing's tracker)
@@ -119,8 +127,8 @@ def test_bad_model_path_exits_nonzero_with_the_reason(serve_factory):
     assert "/no/such/model" in server.read_log()
 
 
-def test_data_parallel_two_engine_replicas_serve_every_request_once(serve_factory):
-    server = serve_factory("--data-parallel-size", "2", "--num-kv-blocks", "64")
+def test_data_parallel_two_engine_replicas_serve_every_request_once(serve_factory, tiny_model):
+    server = serve_factory("--model", tiny_model, "--data-parallel-size", "2", "--num-kv-blocks", "64")
     server.wait_healthy()
     log = server.read_log(tail=None)
     assert log.count("engine core ready") == 2, log

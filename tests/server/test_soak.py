@@ -1,5 +1,5 @@
-"""`tandem bench soak`: the request mix and the verdict's arithmetic (fast), and a 2-minute soak of the embedded
-model on CPU (slow; the 60-minute one is run by hand, see docs/benchmarks.md)."""
+"""`tandem bench soak`: the request mix and the verdict's arithmetic (fast), and a 1-minute soak of the embedded
+model on CPU (slow; TANDEM_SOAK_MINUTES=N soaks longer, the 60-minute one is run by hand, see docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -60,21 +60,31 @@ def test_plot_writes_a_png(tmp_path):
     assert (tmp_path / "soak.png").stat().st_size > 10_000
 
 
+# CI soaks 1 minute at 1 request/s (as many requests as 2 minutes at 0.5); TANDEM_SOAK_MINUTES=N for a longer run.
+SOAK_REQUEST_RATE = 1.0
+
+
+def _soak_minutes() -> float:
+    return float(os.environ.get("TANDEM_SOAK_MINUTES", "1"))
+
+
 @pytest.mark.slow
-def test_two_minute_soak_on_cpu(tmp_path):
+def test_short_soak_on_cpu(tmp_path):
+    minutes = _soak_minutes()
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, "-m", "tandem", "bench", "soak", "--minutes", "2", "--warmup-minutes", "0.5",
-           "--request-rate", "0.5", "--max-tokens", "8", "--interval", "10", "--api-key", "k",
+    cmd = [sys.executable, "-m", "tandem", "bench", "soak", "--minutes", f"{minutes:g}", "--warmup-minutes", "0.5",
+           "--request-rate", f"{SOAK_REQUEST_RATE:g}", "--max-tokens", "8", "--interval", "10", "--api-key", "k",
            "--server-args", "--device cpu --max-model-len 256 --num-kv-blocks 256 --api-key k",
            "--server-log", str(tmp_path / "server.log"), "--out", str(out)]
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900 + 90 * minutes,
                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     summary = report["summary"]
     assert summary["passed"], json.dumps(summary, indent=1)
     assert run.returncode == 0
-    assert summary["sent"] >= 30 and summary["counts"].get("2xx", 0) >= 20
+    expected = SOAK_REQUEST_RATE * minutes * 60  # Poisson arrivals: at least half sent, a third answered 2xx
+    assert summary["sent"] >= expected / 2 and summary["counts"].get("2xx", 0) >= expected / 3
     assert report["server_exit_code"] == 0
     assert (tmp_path / "soak.png").exists()
     for key in ("date", "commit", "device", "command"):
