@@ -65,12 +65,14 @@ class GrammarPipeline:
         if block:
             futures_wait([f for _, f in self.compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
         failed: list[tuple[Request, Exception]] = []
+        waiting: set[int] = set()  # grammars whose next lineage is not built: their later requests wait too
         for rid, (request, future) in list(self.compiling.items()):
             if not future.done():
                 continue
             compiled = None if future.exception() is not None else future.result()
-            if isinstance(compiled, LLGuidanceStarts) and not compiled.has_next():
-                continue  # its lineage is a millisecond or so away
+            if isinstance(compiled, LLGuidanceStarts) and (id(compiled) in waiting or not compiled.has_next()):
+                waiting.add(id(compiled))  # its lineage is a millisecond or so away; requests keep their order
+                continue
             del self.compiling[rid]
             try:
                 compiled = future.result()
