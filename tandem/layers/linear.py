@@ -31,8 +31,8 @@ class Linear(nn.Module):
         # the weight parameter is then replaced by qweight, scales, zeros (and perm) in the tandem int-N layout.
         self.int_bits = 0
         self.group_size = 0
-        # With LoRA adapters (tandem.lora): an object whose add(x, y) adds each token's adapter delta onto the
-        # base output y in place and whose shrink(x) gives the decode GEMV's epilogue operands; None without.
+        # With LoRA adapters (tandem.lora): an object whose add_beside(x, base) adds each token's adapter delta onto
+        # the base output base() in place and whose shrink(x) gives the decode GEMV's epilogue operands; None without.
         self.lora = None
 
     def forward(self, x: torch.Tensor | QuantizedRows, defer_reduce: bool = False) -> torch.Tensor | PartialSums:

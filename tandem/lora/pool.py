@@ -8,15 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kernels.lora import LoRAShrunk, lora_add, lora_add_beside, lora_counters, lora_shrink
+from tandem.kernels.lora import LoRAShrunk, lora_add_beside, lora_counters, lora_shrink
 from tandem.layers.linear import Linear
 from tandem.lora.pack import PackedAdapter, num_parts
 
 
 class LoRADelta:
     """What a target Linear holds as `.lora`: its slice of the pool and the shared token index. Linear.forward adds
-    `add(x, y)` onto its base output y (before a row-parallel layer's all-reduce: A's input columns are sharded like
-    the base weight, so the ranks' partial deltas sum with the partial products)."""
+    the delta onto its base output (`add_beside`; before a row-parallel layer's all-reduce: A's input columns are
+    sharded like the base weight, so the ranks' partial deltas sum with the partial products)."""
 
     __slots__ = ("a", "b", "token_slots", "counters", "side")
 
@@ -28,15 +28,11 @@ class LoRADelta:
         self.counters = counters  # the kernels' split counters, one buffer for the pool (None: off the GPU)
         self.side = side  # the stream the shrink runs on beside the base projection, with its counters (GPU)
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return lora_add(y, x, self.a, self.b, self.token_slots, self.counters)
-
     def add_beside(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
         """base() (the base projection of x) plus each token's delta, the shrink beside base() on the GPU."""
         side = self.side
-        if side is None:
-            return self.add(x, base())
-        return lora_add_beside(x, base, self.a, self.b, self.token_slots, side.counters, side.stream)
+        return lora_add_beside(x, base, self.a, self.b, self.token_slots, self.counters if side is None else
+                               side.counters, None if side is None else side.stream)
 
     def shrink(self, x: torch.Tensor) -> LoRAShrunk:
         """x [n, in_local]'s rank columns through each token's A, with B and the slots: what the epilogue of a

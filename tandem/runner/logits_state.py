@@ -253,7 +253,7 @@ class LogitsState:
         logits.copy_(x)
 
     def count(self, slot: int, token_ids: torch.Tensor, keep: torch.Tensor | None = None) -> None:
-        """Adds each row's sampled token [num_rows] to its state row's counts (after sampling, same stream); in a
+        """Adds each row's sampled token ([>= num_rows]) to its state row's counts (after sampling, same stream); in a
         verify step only the rows `keep` marks ([num_rows] int32, 1: the row's token is an output token)."""
         plan = self.plans[slot]
         if plan is None:

@@ -293,11 +293,9 @@ class ModelRunner:
                 streams.record("compute", events.sample_start)
                 self.host_masks.apply(plan.slot, logits, num_masked)
             self.executor.sample(plan, logits)
-            if plan.verifies:  # the accepted drafts and the token after them: the rows the verify kept
-                if self.logits_state.plans[plan.slot] is not None:
-                    self.logits_state.count(plan.slot, buf.out_tokens, self.executor.kept_rows(plan))
-            else:
-                self.logits_state.count(plan.slot, buf.out_tokens[: plan.num_seqs])
+            # A verify step counts the accepted drafts and the token after them: the rows the verify kept.
+            verified = plan.verifies and self.logits_state.plans[plan.slot] is not None
+            self.logits_state.count(plan.slot, buf.out_tokens, self.executor.kept_rows(plan) if verified else None)
             streams.record("compute", events.compute_done)
         if download or self._timeout_flag is not None:
             streams.wait("d2h", events.compute_done)
