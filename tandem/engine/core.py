@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import random
 import time
 from collections.abc import Container
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 from tandem.config import EngineConfig
 from tandem.engine.draft_model import DraftModelProposer, draft_engine_config
@@ -33,6 +35,9 @@ from tandem.speculative.eagle3 import Eagle3Proposer
 from tandem.speculative.ngram import NgramProposer
 from tandem.structured.matcher import HostMask
 from tandem.structured.pipeline import GrammarPipeline
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +181,10 @@ class EngineCore:
         self.spec_draft_tokens = self.spec_accepted_tokens = self.spec_verified_rows = 0
         self.spec_controller = SpecController() if self.spec is not None and self.spec.adaptive else None
         self._speculated = False  # whether the step launched last proposed drafts (its tokens come next)
+        # An EAGLE-3 head's drafts for the step being launched, left on the device (its output, and the requests
+        # holding its draft_stand_in ids); TANDEM_DEVICE_DRAFTS=0 brings them to the host instead.
+        self._device_drafts: tuple[torch.Tensor, list[Request]] | None = None
+        self.device_drafts = os.environ.get("TANDEM_DEVICE_DRAFTS") != "0"
         self._collected_prefill = False  # a step collected in this call computed prompt tokens (not timed)
         self._step_end = 0.0
         self.spec_accepted_per_position = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
@@ -455,12 +464,29 @@ class EngineCore:
             room = 0 if request.host_mask is not None else _draft_room(request)
             if room > 0:
                 eligible.append((request, min(request.spec_k, room)))
-        if eligible:
-            proposer = self.proposer
-            assert proposer is not None
-            for (request, _), drafts in zip(eligible, self._timed("propose", lambda: proposer.propose_all(eligible))):
-                request.draft_token_ids = drafts
+        if not eligible:
+            return outputs
+        proposer = self.proposer
+        assert proposer is not None
+        on_device = None
+        if self._drafts_on_device(proposer, eligible):
+            assert isinstance(proposer, Eagle3Proposer)
+            on_device = self._timed("propose", lambda: proposer.propose_on_device(eligible))
+        if on_device is not None:
+            proposals, tokens = on_device
+            self._device_drafts = (tokens, [r for r, _ in eligible])
+        else:
+            proposals = self._timed("propose", lambda: proposer.propose_all(eligible))
+        for (request, _), drafts in zip(eligible, proposals):
+            request.draft_token_ids = drafts
         return outputs
+
+    def _drafts_on_device(self, proposer: object, eligible: list[tuple[Request, int]]) -> bool:
+        """Whether the drafts may stay on the device (the host schedules and prepares the verify step while the head
+        drafts): an EAGLE-3 head on one rank, and no request whose penalties or bias count its drafts on the host
+        (runner.logits_state)."""
+        return (proposer is self.eagle3 and self.runner.group is None and self.device_drafts
+                and not any(r.sampling_params.uses_logits_state for r, _ in eligible))
 
     def _grammar_running(self) -> bool:
         """Whether a running request decodes under a grammar (its next step may get forced drafts)."""
@@ -498,7 +524,15 @@ class EngineCore:
                 prepared = self._timed("prepare", lambda: self.runner.prepare(sched, self.grammar.active))
             if previous is not None and previous.sampling_pending:
                 self._launch_sampling(previous)
-            return (self._timed("launch", lambda: self.runner.enqueue(prepared)) if prepared is not None else None), []
+            drafts = None
+            if self._device_drafts is not None:
+                drafts, proposed = self._device_drafts
+                self._device_drafts = None
+                for request in proposed:  # stand-ins the scheduler did not take must not outlive this step
+                    request.draft_token_ids = []
+            if prepared is None:
+                return None, []
+            return self._timed("launch", lambda: self.runner.enqueue(prepared, drafts)), []
         except Exception as exc:  # a failure to build or launch the step fails its requests, not the engine
             logger.exception("engine step failed at launch")
             failed = self._fail(sched.scheduled if sched is not None else [], exc)

@@ -93,6 +93,17 @@ class ModelExecutor:
             if plan.verifies:
                 self.verify(plan.slot, plan.rows)
 
+    def take_drafts(self, slot: int, drafts: torch.Tensor, num_tokens: int, num_rows: int) -> None:
+        """Swaps a verify step's draft_stand_in ids for the drafts a device proposer left in `drafts` (flattened
+        in the stand-ins' order), in the input ids and in the draft rows' compared tokens, so that the host never
+        waits for the drafts. Enqueued after the slot's H2D and before the forward, on the buffers a graph reads."""
+        ints = self.buffers[slot].ints.dev
+        flat = drafts.reshape(-1)
+        for name, n in (("input_ids", num_tokens), ("row_draft", num_rows)):
+            ids = ints[name][:n]
+            picked = flat.index_select(0, (-2 - ids).clamp(min=0, max=flat.numel() - 1).long())
+            ids.copy_(torch.where(ids < -1, picked.to(ids.dtype), ids))
+
     def verify(self, slot: int, num_rows: int) -> None:
         """Counts each sequence's accepted drafts into out_accepted: the drafts before the first whose row's sampled
         token differs from it. Sampling each verified position as a plain step would (same noise, same rules) and

@@ -225,9 +225,12 @@ class ModelRunner:
         return PreparedStep(sched, plan, shape.num_context_tokens, mask_rows, shape.draft_rows)
 
     @torch.inference_mode()
-    def enqueue(self, prepared: PreparedStep) -> StepHandle:
-        """Enqueues a prepared step on the GPU streams and returns without waiting."""
+    def enqueue(self, prepared: PreparedStep, drafts: torch.Tensor | None = None) -> StepHandle:
+        """Enqueues a prepared step on the GPU streams and returns without waiting. `drafts`: the device output of
+        a proposer whose draft_stand_in ids the step's input ids hold (one rank only)."""
         plan = prepared.plan
+        if drafts is not None and self.group is not None:
+            raise RuntimeError("drafts left on the device reach no other rank: propose them on the host")
         if plan.step_index != self.step_index:
             raise RuntimeError(f"step {plan.step_index} was prepared, but the runner is at step {self.step_index}")
         handle = StepHandle(prepared.sched, plan, self.events[plan.slot], prepared.num_context_tokens,
@@ -244,16 +247,18 @@ class ModelRunner:
             except Exception as exc:  # on gloo the model's collectives run here: a dead peer surfaces now
                 self.group.raise_failure(exc)
         elif prepared.mask_rows:
-            handle.logits = self.enqueue_plan(plan, download=True, defer_sampling=True)
+            handle.logits = self.enqueue_plan(plan, download=True, defer_sampling=True, drafts=drafts)
             handle.mask_rows = prepared.mask_rows
         else:
-            self.enqueue_plan(plan, download=True)
+            self.enqueue_plan(plan, download=True, drafts=drafts)
         self.step_index += 1  # only once enqueued: a failed launch leaves the slot order unchanged
         return handle
 
-    def enqueue_plan(self, plan: StepPlan, download: bool, defer_sampling: bool = False) -> torch.Tensor:
+    def enqueue_plan(self, plan: StepPlan, download: bool, defer_sampling: bool = False,
+                     drafts: torch.Tensor | None = None) -> torch.Tensor:
         """H2D of the slot, forward, sampling and (rank 0) D2H, ordered by the slot's events; with defer_sampling
-        only the H2D and the forward (`_enqueue_sampling` adds the rest). Returns the step's logits rows."""
+        only the H2D and the forward (`_enqueue_sampling` adds the rest); `drafts` fills the step's draft
+        stand-ins first (enqueue). Returns the step's logits rows."""
         buf, events, streams = self.buffers[plan.slot], self.events[plan.slot], self.streams
         with streams.on("h2d"):
             buf.upload(plan.graph_bs or plan.attention_rows)
@@ -265,6 +270,8 @@ class ModelRunner:
         streams.wait("compute", events.h2d_done)
         with streams.on("compute"):
             streams.record("compute", events.compute_start)
+            if drafts is not None and drafts.numel():
+                self.executor.take_drafts(plan.slot, drafts, plan.num_tokens, plan.rows)
             score = None  # the prompt rows' log-probabilities, from the step's hidden rows
             if self.prompt_logprobs.plans[plan.slot] is not None:
                 score = partial(self.prompt_logprobs.compute, plan.slot, compute_logits=self.model.compute_logits)

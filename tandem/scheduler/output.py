@@ -10,6 +10,13 @@ from tandem.lora_request import LoRARequest
 from tandem.request import Request
 
 
+def draft_stand_in(index: int) -> int:
+    """The input id standing for a draft a device proposer left on the device, at `index` of its flattened
+    output: -2, -3, ... (never a token id, nor -1, which marks a row without a draft). The runner swaps them for
+    the drafts on the device before the forward (ModelExecutor.take_drafts)."""
+    return -2 - index
+
+
 class ScheduledRequest(msgspec.Struct, gc=False):
     """One request's share of a step. A msgspec struct for its C constructor: the scheduler builds one per
     running request per step (a slotted dataclass's __init__ cost ~8x more). Not GC-tracked: it refers to its
@@ -22,7 +29,8 @@ class ScheduledRequest(msgspec.Struct, gc=False):
     carry: bool  # the LAST input position is the placeholder for the token the previous step samples
     block_ids: list[int]  # the request's whole block table (read-only for the runner)
     sample: bool  # this step's last position yields a new output token
-    # Speculative decoding: the last num_draft input ids are proposed tokens the step verifies (then `sample`);
+    # Speculative decoding: the last num_draft input ids are proposed tokens the step verifies (then `sample`), or
+    # draft_stand_in ids where the proposer's drafts stay on the device;
     # the step yields 1 to num_draft + 1 tokens, and the positions of rejected drafts are rolled back.
     num_draft: int = 0
 

@@ -11,7 +11,7 @@ import torch
 
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.request import Request, RequestStatus
-from tandem.scheduler.output import SchedulerOutput, ScheduledRequest
+from tandem.scheduler.output import SchedulerOutput, ScheduledRequest, draft_stand_in
 from tandem.speculative.eagle3_head import Eagle3Head
 from tandem.speculative.eagle3_rows import (
     HeadSteps,
@@ -166,15 +166,41 @@ class Eagle3Proposer:
                               self.kv, meta)
         return out.index_select(0, _ints(starts[1:] - 1, device))
 
-    @torch.inference_mode()
-    def propose_all(self, requests: list[tuple[Request, int]]) -> list[list[int]]:
-        """Up to k greedy drafts for each (request, k): none for a request whose last position the head has not
-        been fed (its hidden state there is unknown)."""
+    def _chosen(self, requests: list[tuple[Request, int]]) -> list[tuple[int, int, _Last]]:
+        """(index, k, last row) of the requests the head can draft for: those whose last position it was fed."""
         chosen: list[tuple[int, int, _Last]] = []
         for i, (request, k) in enumerate(requests):
             last = self.last.get(request.request_id)
             if k > 0 and last is not None and last.position == len(request.all_token_ids) - 2:
                 chosen.append((i, k, last))
+        return chosen
+
+    @torch.inference_mode()
+    def propose_on_device(self, requests: list[tuple[Request, int]]) -> tuple[list[list[int]], torch.Tensor] | None:
+        """propose_all without waiting for the device: the chain is enqueued and each request gets k stand-in ids
+        naming its drafts in the chain's output (draft j of chain row b: draft_stand_in(b * max_drafts + j)),
+        which the runner swaps for the drafts on the device before the verify forward (ModelExecutor.take_drafts).
+        -> (stand-ins per request, the chain's output [rows, max_drafts] on the device); None where the requests
+        take more than one chain (propose_all then)."""
+        chosen = self._chosen(requests)
+        if len(chosen) > self.chain_rows:
+            return None
+        drafts: list[list[int]] = [[] for _ in requests]
+        if not chosen:
+            return drafts, self.steps.chain_tokens[:0]
+        with on_stream(self.stream):
+            tokens = self.steps.chain(self._chain_ints([e for _, _, e in chosen]), len(chosen),
+                                      [e.stream for _, _, e in chosen])
+        width = self.steps.max_drafts
+        for b, (i, k, _) in enumerate(chosen):
+            drafts[i] = [draft_stand_in(b * width + j) for j in range(k)]
+        return drafts, tokens
+
+    @torch.inference_mode()
+    def propose_all(self, requests: list[tuple[Request, int]]) -> list[list[int]]:
+        """Up to k greedy drafts for each (request, k): none for a request whose last position the head has not
+        been fed (its hidden state there is unknown)."""
+        chosen = self._chosen(requests)
         drafts: list[list[int]] = [[] for _ in requests]
         for lo in range(0, len(chosen), self.chain_rows):
             part = chosen[lo : lo + self.chain_rows]
@@ -186,8 +212,13 @@ class Eagle3Proposer:
 
     def _chain(self, lasts: list[_Last]) -> list[list[int]]:
         """The chain from each request's last row: [rows][max_drafts] target token ids (the only wait for the
-        device here). Chain row b owns scratch blocks: its table names the request's blocks of positions before
-        the first chain position's block, then those (the first one a copy of that block)."""
+        device here)."""
+        return self.steps.chain(self._chain_ints(lasts), len(lasts), [e.stream for e in lasts]).tolist()
+
+    def _chain_ints(self, lasts: list[_Last]) -> np.ndarray:
+        """A chain's inputs in chain_layout order. Chain row b owns scratch blocks: its table names the request's
+        blocks of positions before the first chain position's block, then those (the first one a copy of that
+        block)."""
         bs, steps, n = self.block_size, self.steps, len(lasts)
         lay = chain_layout(bucket(n, steps.chain_buckets), steps.chain_width)
         ints = np.zeros(lay.size, dtype=np.int64)
@@ -205,4 +236,4 @@ class Eagle3Proposer:
                 if positions[b] % bs:
                     source[b] = e.blocks[full]
             tables[b, full : full + self.scratch] = range(own, own + self.scratch)
-        return steps.chain(ints, n, [e.stream for e in lasts]).tolist()
+        return ints

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tandem import LLM, SamplingParams
 from tandem.config import ModelConfig
 from tandem.request import Request, RequestStatus
+from tandem.runner.executor import ModelExecutor
 from tandem.scheduler.output import ScheduledRequest, SchedulerOutput
 from tandem.speculative.eagle3 import Eagle3Proposer
 from tandem.speculative.eagle3_head import Eagle3Config, Eagle3Head, read_head_tensors
@@ -212,13 +213,20 @@ def likely_head(tmp_path_factory, plain):
     return save_likely_head(tmp_path_factory.mktemp("likely"), plain)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_greedy_with_eagle3_equals_greedy_without(target, likely_head, plain, overlap):
+@pytest.mark.parametrize("overlap, device_drafts", [(True, True), (False, False)])
+def test_greedy_with_eagle3_equals_greedy_without(target, likely_head, plain, overlap, device_drafts, monkeypatch):
+    """Drafts left on the device (stand-in ids swapped on the device before the verify forward) or brought to the
+    host: the same tokens as without speculation."""
     spec = {"method": "eagle3", "model": likely_head, "num_speculative_tokens": 3, "adaptive": False}
     llm = LLM(target, speculative_config=spec, overlap=overlap, **ENGINE)
+    llm.engine.device_drafts = device_drafts
+    swaps = []
+    take = ModelExecutor.take_drafts
+    monkeypatch.setattr(ModelExecutor, "take_drafts", lambda self, *a: swaps.append(a[2]) or take(self, *a))
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
+    assert bool(swaps) == device_drafts
     drafted = sum(o.metrics["spec_draft_tokens"] for o in outs)
     accepted = sum(o.metrics["spec_accepted_tokens"] for o in outs)
     assert drafted >= accepted > 0
@@ -325,6 +333,8 @@ def test_engine_feeds_the_head_the_targets_hidden_states(target, likely_head):
             if last is not None and last.position == len(request.all_token_ids) - 2:
                 got = engine.eagle3.propose_all([(request, 3)])[0]
                 assert got == reference_drafts(likely_head, model, request.all_token_ids, 3), (rid, steps)
+                stand_ins, on_device = engine.eagle3.propose_on_device([(request, 2)])
+                assert stand_ins == [[-2, -3]] and on_device[0, :2].tolist() == got[:2]
                 checked[rid] += 1
     assert checked["a"] >= 3 and checked["b"] >= 3, checked
     llm.shutdown()
