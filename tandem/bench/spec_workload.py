@@ -61,6 +61,16 @@ class OracleProposer:
             return [self.propose(r.all_token_ids, len(d)) for (r, _), d in zip(requests, computed)]
         return [self.propose(r.all_token_ids, k) for r, k in requests]
 
+    def propose_on_device(self, requests: list[tuple[Any, int]]) -> tuple[list[list[int]], Any] | None:
+        """As the inner proposer's propose_on_device (its compute enqueued, nothing awaited), with the recorded
+        tokens as host drafts (and no device output to swap in); None where the inner proposer has none."""
+        inner = getattr(self.inner, "propose_on_device", None)
+        on_device = inner(requests) if inner is not None else None
+        if on_device is None:
+            return None
+        drafts = [self.propose(r.all_token_ids, len(d)) for (r, _), d in zip(requests, on_device[0])]
+        return drafts, on_device[1][:0]
+
     def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
         num_prompt, ref = self.references[tuple(token_ids[:16])]
         done = len(token_ids) - num_prompt

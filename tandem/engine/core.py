@@ -469,9 +469,9 @@ class EngineCore:
         proposer = self.proposer
         assert proposer is not None
         on_device = None
-        if self._drafts_on_device(proposer, eligible):
-            assert isinstance(proposer, Eagle3Proposer)
-            on_device = self._timed("propose", lambda: proposer.propose_on_device(eligible))
+        propose_on_device = getattr(proposer, "propose_on_device", None)
+        if propose_on_device is not None and self._drafts_on_device(eligible):
+            on_device = self._timed("propose", lambda: propose_on_device(eligible))
         if on_device is not None:
             proposals, tokens = on_device
             self._device_drafts = (tokens, [r for r, _ in eligible])
@@ -481,11 +481,11 @@ class EngineCore:
             request.draft_token_ids = drafts
         return outputs
 
-    def _drafts_on_device(self, proposer: object, eligible: list[tuple[Request, int]]) -> bool:
-        """Whether the drafts may stay on the device (the host schedules and prepares the verify step while the head
-        drafts): an EAGLE-3 head on one rank, and no request whose penalties or bias count its drafts on the host
-        (runner.logits_state)."""
-        return (proposer is self.eagle3 and self.runner.group is None and self.device_drafts
+    def _drafts_on_device(self, eligible: list[tuple[Request, int]]) -> bool:
+        """Whether a proposer that can (an EAGLE-3 head: propose_on_device) may leave its drafts on the device, so that
+        the host schedules and prepares the verify step while the head drafts: on one rank, and for no request whose
+        penalties or bias count its drafts on the host (runner.logits_state)."""
+        return (self.runner.group is None and self.device_drafts
                 and not any(r.sampling_params.uses_logits_state for r, _ in eligible))
 
     def _grammar_running(self) -> bool:

@@ -1,0 +1,25 @@
+"""`tandem bench --workload spec`'s acceptance mode on the CPU (a tiny named Llama shape, a random EAGLE-3 head):
+the recorded continuation offered with acceptance 1 is taken whole, with acceptance 0 never, and speculating
+changes no token (the head's drafts are computed on the device path, their tokens replaced)."""
+
+from __future__ import annotations
+
+from tandem.bench.spec_workload import run_spec_workload
+from tandem.models import loader
+
+TINY = dict(model_type="llama", vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+            rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def test_eagle3_acceptance_mode(monkeypatch):
+    monkeypatch.setitem(loader.NAMED_SHAPES, "tiny-llama", TINY)
+    result = run_spec_workload("tiny-llama", k=3, acceptance=[1.0, 0.0], batch_sizes=[1], max_tokens=16,
+                               eagle3_head="random")
+    always, never = result["rows"]
+    assert always["same_tokens"] and never["same_tokens"]
+    assert always["spec"]["output_tokens"] == never["spec"]["output_tokens"] == 16
+    # Every draft right: each verify step keeps all its drafts (the last may be cut by max_tokens).
+    assert always["spec"]["accepted_tokens"] == always["spec"]["draft_tokens"] > 0
+    assert always["spec"]["num_steps"] < never["spec"]["num_steps"]
+    assert never["spec"]["accepted_tokens"] == 0 and never["spec"]["draft_tokens"] > 0
