@@ -532,7 +532,13 @@ class EngineCore:
                     request.draft_token_ids = []
             if prepared is None:
                 return None, []
-            return self._timed("launch", lambda: self.runner.enqueue(prepared, drafts)), []
+            handle = self._timed("launch", lambda: self.runner.enqueue(prepared, drafts))
+            if self._may_prefetch(handle):
+                eagle3, buf = self.eagle3, self.runner.buffers[handle.slot]
+                assert eagle3 is not None
+                self._timed("prefetch", lambda: eagle3.prefetch(handle.sched, aux_states(self.runner, handle.slot),
+                                                                buf.out_tokens, buf.out_accepted))
+            return handle, []
         except Exception as exc:  # a failure to build or launch the step fails its requests, not the engine
             logger.exception("engine step failed at launch")
             failed = self._fail(sched.scheduled if sched is not None else [], exc)
@@ -541,6 +547,19 @@ class EngineCore:
                 self._drop(previous)
                 self._inflight = None
             return None, failed
+
+    def _may_prefetch(self, handle: StepHandle) -> bool:
+        """Whether the EAGLE-3 head drafts the next step right behind this one on the device (Eagle3Proposer.prefetch):
+        a flat verify step whose sampling is enqueued, while drafts may stay on the device (_drafts_on_device) and
+        no request in it decodes under a grammar (they take no drafts from the head)."""
+        spec = self.spec
+        if (self.eagle3 is None or self.proposer is None or spec is None or not handle.draft_rows
+                or not handle.plan.flat or handle.sampling_pending
+                or len(self.scheduler.running) > spec.disable_by_batch_size):
+            return False
+        requests = [s.request for s in handle.sched.scheduled]
+        return (self._drafts_on_device([(r, 0) for r in requests])
+                and all(r.host_mask is None for r in requests))
 
     def _launch_sampling(self, handle: StepHandle) -> None:
         """Fills a step's grammar bitmask rows (or joins the worker filling them) and enqueues its sampling."""

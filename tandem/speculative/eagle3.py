@@ -78,6 +78,11 @@ class Eagle3Proposer:
         self.steps = HeadSteps(head, self.kv, block_size, max_blocks or num_blocks, chain_rows, max_drafts,
                                max(self.feed_rows, 1), self.scratch)
         self.last: dict[str, _Last] = {}
+        # A verify step fed and chained before the host learned its accepted counts (prefetch): its schedule and
+        # each group's output stream at its last kept row; then, once observe kept them, the chain row each
+        # request's drafts wait in (with the position it chained from).
+        self._prefetched: tuple[SchedulerOutput, torch.Tensor] | None = None
+        self._ready: dict[str, tuple[int, int]] = {}
 
     def capture(self) -> None:
         """CUDA graphs for the feeds and chains that fit the static buffers (on the proposer's stream)."""
@@ -93,8 +98,77 @@ class Eagle3Proposer:
         self.last = {}
 
     @torch.inference_mode()
+    def prefetch(self, sched: SchedulerOutput, aux: torch.Tensor, sampled: torch.Tensor, accepted: torch.Tensor
+                 ) -> bool:
+        """Enqueued right behind a flat verify step (input_buffers.write_flat_verify), before the host waits for
+        it: feeds the head every row of the step and chains from each request's last kept row, with the sampled
+        tokens [rows] and accepted counts [sequences] the step leaves on the device, so the next step's drafts
+        are drafted while the host collects this one. A row past a request's kept drafts is fed the token
+        sampled there: its head KV lies past the positions the request keeps, and is written again before a
+        chain reads it (a chain writes each position before attending to it). observe() then keeps what the
+        host learns was accepted. False, with nothing enqueued, where the step does not fit the static buffers."""
+        groups = list(step_rows(sched, flat=True))
+        n = sum(len(r) for _, r in groups)
+        steps, bs = self.steps, self.block_size
+        if not 0 < n <= self.feed_rows or len(groups) > self.chain_rows:
+            return False
+        lay = feed_layout(bucket(n, steps.feed_buckets), steps.feed_width)
+        ints = np.zeros(lay.size, dtype=np.int64)
+        tables = ints[lay.tables].reshape(lay.rows, lay.width)
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        firsts: list[int] = []
+        base = np.zeros(len(groups), dtype=np.int64)
+        chain_tables = np.zeros((len(groups), steps.chain_width), dtype=np.int64)
+        for g, (s, step_rows_) in enumerate(groups):
+            start, end, blocks = s.num_computed_tokens, s.num_computed_tokens + len(step_rows_), s.block_ids
+            firsts.append(len(rows))
+            tables[len(rows) : len(rows) + len(step_rows_), : len(blocks)] = blocks
+            chain_tables[g, : len(blocks)] = blocks
+            base[g] = start + 1
+            rows.extend(step_rows_)
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+        ints[lay.region(1)][:n] = positions
+        ints[lay.region(2)] = -1  # padding rows write nothing
+        ints[lay.region(2)][:n] = slots
+        ints[lay.region(3)][:n] = rows
+        kept = accepted[: len(groups)]
+        with on_stream(self.stream):
+            last_rows = _ints(np.asarray(firsts), kept.device) + kept
+            streams = steps.feed_sampled(ints, n, aux, sampled, last_rows)
+            steps.chain_after_verify(base, chain_tables, kept, len(groups), streams)
+        self._prefetched = (sched, streams)
+        self._ready = {}
+        return True
+
+    def _keep_prefetched(self, sched: SchedulerOutput) -> bool:
+        """observe() of a prefetched step: each running request's last kept row becomes its last fed row, and its
+        drafts wait in the prefetched chain's row. False where `sched` was not prefetched."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is None or prefetched[0] is not sched:
+            return False
+        streams = prefetched[1]
+        bs = self.block_size
+        for g, s in enumerate(sched.scheduled):
+            request = s.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            position = request.num_computed_tokens - 1  # the last kept position; its next token is the last known
+            if not s.num_computed_tokens <= position <= s.num_computed_tokens + s.num_draft:
+                continue
+            self.last[request.request_id] = _Last(request, s.block_ids[: position // bs + 1], position, streams[g])
+            self._ready[request.request_id] = (g, position)
+        return True
+
+    @torch.inference_mode()
     def observe(self, sched: SchedulerOutput, flat: bool, aux: torch.Tensor) -> None:
         """Feeds the head a collected step's rows: aux [>= step rows, 3 x target hidden] (the slot's copy)."""
+        self.last = {rid: e for rid, e in self.last.items() if e.request.status is RequestStatus.RUNNING}
+        if self._keep_prefetched(sched):
+            return
+        self._ready = {}
         rows: list[int] = []
         positions: list[int] = []
         tokens: list[int] = []
@@ -116,8 +190,6 @@ class Eagle3Proposer:
             positions.extend(range(start, end))
             tokens.extend(known[start + 1 : end + 1])
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-        live = {rid: e for rid, e in self.last.items() if e.request.status is RequestStatus.RUNNING}
-        self.last = live
         if not rows:
             return
         with on_stream(self.stream):
@@ -188,10 +260,19 @@ class Eagle3Proposer:
         drafts: list[list[int]] = [[] for _ in requests]
         if not chosen:
             return drafts, self.steps.chain_tokens[:0]
+        width = self.steps.max_drafts
+        ready = [self._ready.get(requests[i][0].request_id) for i, _, _ in chosen]
+        if all(r is not None and r[1] == e.position for r, (_, _, e) in zip(ready, chosen)):
+            # Drafted by the prefetched chain, behind the verify step the host just collected.
+            for (i, k, _), r in zip(chosen, ready):
+                assert r is not None
+                drafts[i] = [draft_stand_in(r[0] * width + j) for j in range(k)]
+            self._ready = {}
+            return drafts, self.steps.chain_tokens
+        self._ready, self._prefetched = {}, None  # the prefetched chain's output is about to be overwritten
         with on_stream(self.stream):
             tokens = self.steps.chain(self._chain_ints([e for _, _, e in chosen]), len(chosen),
                                       [e.stream for _, _, e in chosen])
-        width = self.steps.max_drafts
         for b, (i, k, _) in enumerate(chosen):
             drafts[i] = [draft_stand_in(b * width + j) for j in range(k)]
         return drafts, tokens
@@ -213,6 +294,7 @@ class Eagle3Proposer:
     def _chain(self, lasts: list[_Last]) -> list[list[int]]:
         """The chain from each request's last row: [rows][max_drafts] target token ids (the only wait for the
         device here)."""
+        self._ready, self._prefetched = {}, None  # the prefetched chain's output is about to be overwritten
         return self.steps.chain(self._chain_ints(lasts), len(lasts), [e.stream for e in lasts]).tolist()
 
     def _chain_ints(self, lasts: list[_Last]) -> np.ndarray:

@@ -75,6 +75,7 @@ class HeadSteps:
         c = head.config
         self.head, self.kv, self.block_size = head, kv, block_size  # kv [2, blocks, block_size, kv heads, dim]
         self.max_drafts = max_drafts
+        self.scratch_rows, self.scratch_blocks = chain_rows, scratch_blocks  # the last blocks of kv
         self.feed_width = max_blocks
         self.chain_width = max_blocks + scratch_blocks  # a chain row's table: its blocks, then its scratch blocks
         device = kv.device
@@ -143,6 +144,61 @@ class HeadSteps:
         else:
             out = self._feed(r)
         return out.index_select(0, self.feed_ints[lay.region(4)])
+
+    def feed_sampled(self, host_ints: np.ndarray, rows: int, aux: torch.Tensor, sampled: torch.Tensor,
+                     kept: torch.Tensor) -> torch.Tensor:
+        """A feed whose tokens are still on the device: row r's token is sampled[aux row of r] (the target's token
+        after that row's position); -> the output streams of the rows `kept` (device indices)."""
+        r = bucket(rows, self.feed_buckets)
+        lay = feed_layout(r, self.feed_width)
+        self.feed_ints[: lay.size].copy_(pinned(host_ints), non_blocking=True)
+        aux_rows = self.feed_ints[lay.region(3)]
+        self.feed_ints[lay.region(0)].copy_(sampled.index_select(0, aux_rows))
+        torch.index_select(aux, 0, aux_rows, out=self.feed_aux[:r])
+        graph = self.feed_graphs.get(r)
+        if graph is not None:
+            graph[0].replay()
+            out = graph[1]
+        else:
+            out = self._feed(r)
+        return out.index_select(0, kept)
+
+    def chain_after_verify(self, base: np.ndarray, blocks: np.ndarray, accepted: torch.Tensor, rows: int,
+                           streams: torch.Tensor) -> torch.Tensor:
+        """A chain whose first positions are only known on the device: row b starts at base[b] + accepted[b]
+        (base: the position after its verified run's first position; accepted: its kept drafts, [rows] on the
+        device), blocks [rows, chain_width] its block table. The row's table and the block copied into its first
+        scratch block follow from that position as `chain`'s host inputs would (Eagle3Proposer._chain_ints).
+        -> the rows' drafts [rows, max_drafts] on the device."""
+        b, bs, width = bucket(rows, self.chain_buckets), self.block_size, self.chain_width
+        lay = chain_layout(b, width)
+        device = self.chain_ints.device
+        scratch = self.kv.shape[1] - self.scratch_rows * self.scratch_blocks  # the first chain row's scratch
+        own = torch.arange(b, device=device) * self.scratch_blocks + scratch
+        padded = np.zeros((b, width), dtype=np.int64)
+        padded[:rows] = blocks
+        starts = np.zeros(b, dtype=np.int64)
+        starts[:rows] = base
+        table = pinned(padded).to(device, non_blocking=True)
+        pos = pinned(starts).to(device, non_blocking=True)
+        pos[:rows] += accepted[:rows]
+        full = (pos // bs)[:, None]
+        col = torch.arange(width, device=device)[None, :]
+        chained = torch.where(col < full, table, own[:, None] + col - full)
+        chained = torch.where(col < full + self.scratch_blocks, chained, 0)
+        source = torch.where(pos % bs != 0, table.gather(1, full)[:, 0], own)
+        ints = self.chain_ints
+        ints[lay.region(0)].copy_(pos)
+        ints[lay.region(1)].copy_(source)
+        ints[lay.region(2)].copy_(own)
+        ints[lay.tables].copy_(chained.reshape(-1))
+        self.chain_stream[:rows].copy_(streams)
+        graph = self.chain_graphs.get(b)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._chain(b)
+        return self.chain_tokens[:rows]
 
     def chain(self, host_ints: np.ndarray, rows: int, streams: list[torch.Tensor]) -> torch.Tensor:
         """Runs a chain: host_ints in chain_layout(bucket, width) order, each row's last output stream; -> the
