@@ -3,7 +3,9 @@ in the tandem int-N layout; llama.cpp's q/k rotary permutation undone."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import mmap
+import struct
+from collections.abc import Collection, Iterator
 
 import numpy as np
 import torch
@@ -76,17 +78,75 @@ def gguf_architecture(reader) -> str:
 def gguf_moe_config(path: str) -> dict[str, object]:
     """Config fields a GGUF's metadata adds for a mixture of experts transformers' GGUF reader leaves out: llama.cpp
     stores Mixtral as architecture llama with llama.expert_count (-> model_type mixtral); {} otherwise."""
-    import gguf
+    meta = gguf_metadata(path, ("general.architecture", "llama.expert_count", "llama.expert_used_count"))
+    if "general.architecture" not in meta:
+        raise ValueError("GGUF file has no general.architecture")
+    count = meta.get("llama.expert_count")
+    if meta["general.architecture"] != "llama" or not count:
+        return {}
+    return {"model_type": "mixtral", "num_local_experts": int(count),
+            "num_experts_per_tok": int(meta.get("llama.expert_used_count", 2))}
 
-    reader = gguf.GGUFReader(path)
-    if gguf_architecture(reader) != "llama":
-        return {}
-    count = reader.fields.get("llama.expert_count")
-    used = reader.fields.get("llama.expert_used_count")
-    if count is None or int(count.contents()) == 0:
-        return {}
-    return {"model_type": "mixtral", "num_local_experts": int(count.contents()),
-            "num_experts_per_tok": int(used.contents()) if used is not None else 2}
+
+def gguf_has_tokenizer(path: str) -> bool:
+    """Whether the file carries tokenizer metadata (a benchmark's random weights-only file does not); ValueError
+    for an architecture tandem does not run."""
+    meta = gguf_metadata(path, ("general.architecture", "tokenizer.ggml.model"))
+    arch = meta.get("general.architecture")
+    if arch is None:
+        raise ValueError("GGUF file has no general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_GGUF_ARCHS}")
+    return "tokenizer.ggml.model" in meta
+
+
+# GGUF metadata value types (the format's numbering): struct codes of the fixed-size ones; 8 string, 9 array.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_metadata(path: str, keys: Collection[str]) -> dict[str, object]:
+    """{key: value} of those `keys` that the file's metadata holds as a number or a string (arrays are skipped),
+    read from the header alone: gguf.GGUFReader also maps every tensor and every array element, seconds for a
+    tokenizer's vocabulary on a CPU core."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"  # a big-endian file's version reads as 0
+        version, _, kv_count = struct.unpack_from(order + "IQQ", buf, 4)
+        if version < 2:
+            raise ValueError(f"GGUF version {version} of {path} is not supported")
+        wanted, found, pos = set(keys), {}, 24
+
+        def string(at: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from(order + "Q", buf, at)
+            return bytes(buf[at + 8:at + 8 + n]).decode("utf-8", errors="replace"), at + 8 + n
+
+        def skip(kind: int, at: int) -> int:  # the offset past one value of type `kind`
+            if kind in _GGUF_SCALARS:
+                return at + struct.calcsize(_GGUF_SCALARS[kind])
+            if kind == _GGUF_STRING:
+                return at + 8 + struct.unpack_from(order + "Q", buf, at)[0]
+            if kind != _GGUF_ARRAY:
+                raise ValueError(f"GGUF metadata of {path}: unknown value type {kind}")
+            inner, count = struct.unpack_from(order + "IQ", buf, at)
+            at += 12
+            if inner in _GGUF_SCALARS:
+                return at + count * struct.calcsize(_GGUF_SCALARS[inner])
+            for _ in range(count):
+                at = skip(inner, at)
+            return at
+
+        for _ in range(kv_count):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from(order + "I", buf, pos)
+            pos += 4
+            if key in wanted and kind in _GGUF_SCALARS:
+                found[key] = struct.unpack_from(order + _GGUF_SCALARS[kind], buf, pos)[0]
+            elif key in wanted and kind == _GGUF_STRING:
+                found[key] = string(pos)[0]
+            pos = skip(kind, pos)
+    return found
 
 
 def open_gguf(path: str):  # -> gguf.GGUFReader

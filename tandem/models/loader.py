@@ -21,7 +21,7 @@ from tandem.layers.linear import Embedding, Linear
 from tandem.layers.moe import FusedMoE
 from tandem.layers.quantization import checkpoint_fp8_config, dequantize_fp8_checkpoint
 from tandem.models.gguf_int import plan_gguf_int, prepare_gguf_int_linears
-from tandem.models.gguf_weights import gguf_moe_config, iter_gguf_weights, open_gguf
+from tandem.models.gguf_weights import gguf_has_tokenizer, gguf_moe_config, iter_gguf_weights, open_gguf
 from tandem.models.int_checkpoints import IntCheckpointConfig, checkpoint_int_config
 from tandem.models.int_loading import (
     RTN_METHODS,
@@ -456,7 +456,7 @@ def _load_tokenizer(config: EngineConfig, source: ModelSource):
     if source.path is None:
         return None  # named shape: benchmarks feed token ids
     if source.path.endswith(".gguf"):
-        if "tokenizer.ggml.model" not in open_gguf(source.path).fields:
+        if not gguf_has_tokenizer(source.path):
             return None  # a weights-only file (a benchmark's random one): benchmarks feed token ids
         folder, name = os.path.split(source.path)
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)

@@ -12,6 +12,7 @@ from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.engine_args import add_engine_args, engine_kwargs
 from tests.chat_prompts import QUESTIONS, chat_messages
+from tests.parallel.tiny_models import save_tiny
 
 NEW_TOKENS = 24
 
@@ -35,11 +36,13 @@ def test_kv_cache_dtype_is_validated_and_reaches_the_cli():
     assert engine_kwargs(parser.parse_args([]))["kv_cache_dtype"] == "auto"
 
 
-def test_fp8_cache_holds_four_times_the_fp32_blocks_in_the_same_memory():
+def test_fp8_cache_holds_four_times_the_fp32_blocks_in_the_same_memory(tmp_path):
+    # A tiny random model (it starts in a second; the block count follows from its layers, KV heads and head size).
+    model = save_tiny("llama", tmp_path / "llama")
     sizes = {}
     for kv in ("auto", "fp8"):
-        llm = LLM(device="cpu", dtype="float32", max_model_len=512, max_num_seqs=64, seed=0, kv_cache_dtype=kv,
-                  cpu_kv_cache_gib=0.02)
+        llm = LLM(model, device="cpu", dtype="float32", max_model_len=256, max_num_seqs=64, seed=0, kv_cache_dtype=kv,
+                  cpu_kv_cache_gib=0.001)
         runner = llm.engine.runner
         sizes[kv] = (runner.kv_cache.dtype, runner.num_blocks, runner.kv_cache.numel() * runner.kv_cache.element_size())
         llm.shutdown()

@@ -1,4 +1,5 @@
-"""The embedded SmolLM2 GGUF through our loader matches transformers' own GGUF loading in fp32."""
+"""The embedded SmolLM2 GGUF through our loader matches transformers' own GGUF loading in fp32; GGUF metadata read
+from the header alone equals the gguf package's reading."""
 
 from __future__ import annotations
 
@@ -60,3 +61,61 @@ def test_logits_match_transformers_gguf(smol, hf_smol):
             expected = hf_smol(torch.tensor([prompt])).logits[0, -1].float()
             torch.testing.assert_close(row, expected, atol=2e-3, rtol=1e-3)
             assert int(row.argmax()) == int(expected.argmax())
+
+
+def _scalar_fields(path: str) -> dict[str, object]:
+    """gguf's own reading of the file's number and string metadata (its GGUF.* entries are the header's)."""
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    return {k: f.contents() for k, f in fields.items()
+            if not k.startswith("GGUF.") and f.types[0] != gguf.GGUFValueType.ARRAY}
+
+
+@pytest.mark.parametrize("endian", ["little", "big"])
+def test_header_metadata_equals_the_gguf_reader(tmp_path, endian):
+    import gguf
+
+    from tandem.models.gguf_weights import gguf_has_tokenizer, gguf_metadata
+
+    path = str(tmp_path / "meta.gguf")
+    order = gguf.GGUFEndian.BIG if endian == "big" else gguf.GGUFEndian.LITTLE
+    writer = gguf.GGUFWriter(path, "qwen2", endianess=order)
+    writer.add_uint32("qwen2.block_count", 3)
+    writer.add_int64("a.int64", -5)
+    writer.add_float32("a.float", 0.5)
+    writer.add_bool("a.bool", True)
+    writer.add_string("a.before_arrays", "x")
+    writer.add_array("a.strings", ["é", "", "long " * 40])
+    writer.add_array("a.ints", [1, 2, 3])
+    writer.add_array("a.nested", [[1, 2], [3]])
+    writer.add_uint8("a.after_arrays", 7)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    expected = _scalar_fields(path)
+    assert expected["a.after_arrays"] == 7 and expected["general.architecture"] == "qwen2"
+    assert gguf_metadata(path, [*expected, "a.strings", "missing"]) == pytest.approx(expected)
+    assert gguf_metadata(path, ["a.bool"]) == {"a.bool": True}
+    assert not gguf_has_tokenizer(path)
+
+
+def test_the_embedded_gguf_header(tmp_path):
+    import gguf
+
+    from tandem.models.gguf_weights import gguf_has_tokenizer, gguf_metadata, gguf_moe_config
+
+    path = default_model_path()
+    expected = _scalar_fields(path)
+    assert gguf_metadata(path, expected) == pytest.approx(expected)
+    assert gguf_has_tokenizer(path) and gguf_moe_config(path) == {}
+    other = str(tmp_path / "other.gguf")
+    writer = gguf.GGUFWriter(other, "bert")
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="architecture 'bert' is not supported"):
+        gguf_has_tokenizer(other)

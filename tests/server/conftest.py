@@ -1,4 +1,5 @@
-"""Live-server fixtures: an engine-core process + an API app on 127.0.0.1 serving the embedded model (one per module)."""
+"""Live-server fixtures: an engine-core process + an API app on 127.0.0.1 serving the embedded model (one shared by
+the modules of tests/server that need no settings of their own)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from tests.server.flaky_core import FAULT_DIR_ENV
 MODEL_NAME = "smol-test"
 # Small and CPU-friendly: short context (cheap "beyond the context" checks), a small KV pool.
 ENGINE_KWARGS = dict(device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=256, max_num_seqs=64)
+API_KEY = "test-key-123"
+# The shared server's settings: an API key (the auth checks; every other test sends it) and room for the tools'
+# system prompt of the structured-output tests. Starting a server takes ~40 s on 2 cores, so one serves them all.
+SHARED_SERVER_KWARGS = dict(api_key=API_KEY, max_model_len=768)
 
 
 def free_port() -> int:
@@ -122,9 +127,11 @@ def stop_server(live: LiveServer) -> None:
     shutil.rmtree(live.fault_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def live_server(request: pytest.FixtureRequest):
-    """One server per test module; a module may set SERVER_KWARGS (api_key, max_queue, engine fields)."""
-    live = start_server(**getattr(request.module, "SERVER_KWARGS", {}))
+@pytest.fixture(scope="package")
+def live_server():
+    """One server (SHARED_SERVER_KWARGS) for every module of tests/server that uses it; a module that needs other
+    settings starts its own with start_server. Tests leave it as they found it: idle, default max_queue, no fault
+    pending."""
+    live = start_server(**SHARED_SERVER_KWARGS)
     yield live
     stop_server(live)

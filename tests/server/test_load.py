@@ -11,15 +11,14 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tests.server.conftest import MODEL_NAME
+from tests.server.conftest import API_KEY, MODEL_NAME
 
-SERVER_KWARGS = dict(max_queue=128)
 NUM_CLIENTS = 50
 NUM_DISCONNECT = 12  # every fourth client (up to 12) hangs up after two chunks
 MAX_TOKENS = 8
 # What the hanging-up clients ask for: more than they could get before the server sees them go (with 8, a run
 # saw all of them finish first, counted as "length" rather than aborted).
-DISCONNECT_MAX_TOKENS = 200  # with the prompt, within the test server's max_model_len of 256
+DISCONNECT_MAX_TOKENS = 200  # with the prompt, within the test server's max_model_len
 
 
 async def _stream_one(client: httpx.AsyncClient, i: int, disconnect: bool) -> dict:
@@ -53,7 +52,8 @@ def test_concurrent_streams_with_disconnects(live_server):
 
     async def main() -> list[dict]:
         limits = httpx.Limits(max_connections=NUM_CLIENTS + 5)
-        async with httpx.AsyncClient(base_url=live_server.url, limits=limits, timeout=240) as client:
+        async with httpx.AsyncClient(base_url=live_server.url, limits=limits, timeout=240,
+                                     headers=live_server.headers) as client:
             tasks = [_stream_one(client, i, i in disconnecting) for i in range(NUM_CLIENTS)]
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
 
@@ -87,7 +87,7 @@ def test_non_streaming_client_disconnect_aborts(live_server):
     before = live_server.metrics()
     body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):  # the client gives up and closes the connection
-        httpx.post(f"{live_server.url}/v1/completions", json=body, timeout=1.0)
+        live_server.post("/v1/completions", json=body, timeout=1.0)
     after = live_server.wait_idle(timeout_s=30)
     assert after["tandem_kv_cache_usage_ratio"] == 0 and live_server.engine.num_requests == 0
     aborted = 'tandem_request_success_total{finished_reason="abort"}'
@@ -97,17 +97,17 @@ def test_non_streaming_client_disconnect_aborts(live_server):
 
 def test_full_queue_answers_429_at_once(live_server):
     engine = live_server.engine
-    engine.max_queue = 2
+    max_queue, engine.max_queue = engine.max_queue, 2
     try:
         body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True,
                 "stream": True}
-        with httpx.Client(base_url=live_server.url, timeout=120) as client:
+        with httpx.Client(base_url=live_server.url, timeout=120, headers=live_server.headers) as client:
             with client.stream("POST", "/v1/completions", json=body) as first, \
                     client.stream("POST", "/v1/completions", json=body) as second:
                 assert first.status_code == second.status_code == 200
                 start = time.monotonic()
-                third = httpx.post(f"{live_server.url}/v1/completions", timeout=30,
-                                   json={**body, "stream": False, "max_tokens": 2})
+                third = live_server.post("/v1/completions", timeout=30,
+                                         json={**body, "stream": False, "max_tokens": 2})
                 assert third.status_code == 429, third.text
                 assert time.monotonic() - start < 5
                 assert third.json()["error"]["type"] == "rate_limit_error"
@@ -115,9 +115,8 @@ def test_full_queue_answers_429_at_once(live_server):
                     lines = [line for line in s.iter_lines() if line.startswith("data: ")]
                     assert lines[-1] == "data: [DONE]"
     finally:
-        engine.max_queue = SERVER_KWARGS["max_queue"]
-    r = httpx.post(f"{live_server.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2},
-                   timeout=60)
+        engine.max_queue = max_queue
+    r = live_server.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
 
 
@@ -133,7 +132,7 @@ def test_bounded_load_with_bench_serve(live_server, tmp_path, num_clients):
     args = parser.parse_args(["--base-url", live_server.url, "--num-requests", "24", "--request-rate", "20",
                               "--max-tokens", "6", "--max-concurrency", "16", "--warmup", "1",
                               "--prompt", "Hello", "--prompt", "Tell me a story", "--timeout", "120",
-                              "--num-clients", str(num_clients), "--out", str(out)])
+                              "--num-clients", str(num_clients), "--api-key", API_KEY, "--out", str(out)])
     start = time.monotonic()
     assert bench_serve_main(args) == 0
     assert time.monotonic() - start < 150
@@ -208,7 +207,7 @@ def _post_and_check(live_server, path: str, body: object) -> None:
         raw = json.dumps(body).encode()
     except (TypeError, ValueError):
         return
-    with httpx.Client(base_url=live_server.url, timeout=120) as client:
+    with httpx.Client(base_url=live_server.url, timeout=120, headers=live_server.headers) as client:
         with client.stream("POST", path, content=raw, headers={"Content-Type": "application/json"}) as r:
             content = r.read().decode()
     assert r.status_code < 500, (body, r.status_code, content)
@@ -240,7 +239,7 @@ def test_fuzz_chat_bodies(live_server, body):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=st.binary(max_size=64), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
 def test_fuzz_raw_bytes(live_server, raw, path):
-    r = httpx.post(f"{live_server.url}{path}", content=raw, timeout=60)
+    r = live_server.post(path, content=raw, timeout=60)
     assert r.status_code == 400 or (r.status_code == 200 and raw), (raw, r.text)
 
 
@@ -248,6 +247,5 @@ def test_server_healthy_after_fuzzing(live_server):
     m = live_server.wait_idle()
     assert m["tandem_kv_cache_usage_ratio"] == 0 and live_server.engine.num_requests == 0
     assert httpx.get(f"{live_server.url}/health").status_code == 200
-    r = httpx.post(f"{live_server.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2},
-                   timeout=60)
+    r = live_server.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200

@@ -9,11 +9,10 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import ENGINE_KWARGS, MODEL_NAME
+from tests.server.conftest import API_KEY, MODEL_NAME, SHARED_SERVER_KWARGS
 
-API_KEY = "test-key-123"
-SERVER_KWARGS = dict(api_key=API_KEY)
-MAX_MODEL_LEN = ENGINE_KWARGS["max_model_len"]
+MAX_MODEL_LEN = SHARED_SERVER_KWARGS["max_model_len"]
+TOO_LONG = "hello " * (MAX_MODEL_LEN + 1)  # a token a word at least: beyond the context
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
@@ -132,7 +131,7 @@ BAD_COMPLETIONS = [
     ({"prompt": []}, "prompt"),
     ({"prompt": 42}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
-    ({"prompt": "hello " * 400}, "prompt"),
+    ({"prompt": TOO_LONG}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": "x", "temperature": -0.5}, "temperature"),
@@ -162,7 +161,7 @@ BAD_CHAT = [
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": "hello " * 400}]}, "messages"),
+    ({"messages": [{"role": "user", "content": TOO_LONG}]}, "messages"),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": CHAT, "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ({"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),

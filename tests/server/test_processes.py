@@ -1,6 +1,6 @@
-"""The process split as users run it: the engine core killed mid-stream, several API processes, no orphans. The
-embedded model streams slowly enough for the kill to land mid-stream; the process-count tests serve a tiny random
-model with a character tokenizer, which starts faster."""
+"""The process split as users run it: the engine core killed mid-stream, several API processes, no orphans. Each
+serves a tiny random model with a character tokenizer, which starts in seconds (the embedded model takes ~40 s on
+2 CPU cores); on the CPU it streams 200 tokens over several seconds, so the kill lands mid-stream."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def serve_factory(tmp_path):
         server.close()
 
 
-def test_engine_killed_mid_stream_fails_requests_and_the_server_exits_nonzero(serve_factory):
-    server = serve_factory()
+def test_engine_killed_mid_stream_fails_requests_and_the_server_exits_nonzero(serve_factory, tiny_model):
+    server = serve_factory("--model", tiny_model)
     server.wait_healthy()
     children = server.descendants()
     engine_pid = server.engine_pid()

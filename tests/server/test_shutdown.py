@@ -1,4 +1,6 @@
-"""`tandem serve` as a subprocess: SIGTERM stops accepting, lets the in-flight stream finish, exits 0."""
+"""`tandem serve` as a subprocess: SIGTERM stops accepting, lets the in-flight stream finish, exits 0. It serves a
+tiny random model with a character tokenizer (up in seconds; on the CPU its 64-token stream outlasts the check that
+new connections are refused)."""
 
 from __future__ import annotations
 
@@ -12,18 +14,20 @@ import time
 
 import httpx
 
+from tests.parallel.tiny_models import save_tiny, save_tiny_tokenizer
 from tests.server.conftest import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_sigterm_graceful_shutdown_exits_zero(tmp_path):
+    model = save_tiny_tokenizer(save_tiny("llama", tmp_path / "llama"))
     port = free_port()
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--device", "cpu", "--max-model-len", "256", "--num-kv-blocks", "128", "--graceful-timeout", "60",
-         "--log-level", "warning"],
+         "--model", model, "--device", "cpu", "--max-model-len", "256", "--num-kv-blocks", "128",
+         "--graceful-timeout", "60", "--log-level", "warning"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -42,7 +46,7 @@ def test_sigterm_graceful_shutdown_exits_zero(tmp_path):
         events: list[str] = []
 
         def stream() -> None:
-            body = {"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True, "stream": True}
+            body = {"prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):

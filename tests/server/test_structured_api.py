@@ -11,7 +11,6 @@ from pydantic import BaseModel
 
 from tests.server.conftest import MODEL_NAME
 
-SERVER_KWARGS = dict(max_model_len=768)  # room for the tools' system prompt
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99}},

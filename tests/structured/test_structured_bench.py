@@ -1,4 +1,4 @@
-"""`tandem bench --workload structured` on the CPU (the embedded model, a few short requests): the passes of both
+"""`tandem bench --workload structured` on the CPU (the embedded model, two short requests): the passes of both
 grammar backends on one engine (forced drafts off, and on at 100%), their ratios to the unconstrained pass,
 grammar-mask time only where a pass has constrained requests, and forced drafts accepted only where they are on."""
 
@@ -8,11 +8,15 @@ import json
 
 from tandem.cli import main
 
+# Two requests (the 50% passes constrain one of them) of int(256 * 0.05) = 12 new tokens: enough steps for the
+# schema's forced drafts and grammar masks; every pass of the table still runs.
+NUM_REQUESTS, SCALE, OUTPUT_LEN = 2, "0.05", 12
+
 
 def test_structured_workload_reports_each_pass(tmp_path):
     out = tmp_path / "structured.json"
-    rc = main(["bench", "--workload", "structured", "--structured-model", "embedded", "--structured-requests", "4",
-               "--structured-backends", "xgrammar,llguidance", "--scale", "0.1", "--out", str(out)])
+    rc = main(["bench", "--workload", "structured", "--structured-model", "embedded", "--structured-requests",
+               str(NUM_REQUESTS), "--structured-backends", "xgrammar,llguidance", "--scale", SCALE, "--out", str(out)])
     assert rc == 0
     (r,) = json.loads(out.read_text())["results"]
     assert r["workload"] == "structured" and r["structured_backends"] == ["xgrammar", "llguidance"]
@@ -21,7 +25,7 @@ def test_structured_workload_reports_each_pass(tmp_path):
         (0.0, None, False, False), (0.5, "xgrammar", False, False), (1.0, "xgrammar", False, False),
         (1.0, "xgrammar", True, False), (0.5, "llguidance", False, False), (1.0, "llguidance", False, False),
         (1.0, "llguidance", True, False), (0.0, None, False, True)]
-    assert all(x["generated_tokens"] == 4 * 25 for x in rows)
+    assert all(x["generated_tokens"] == NUM_REQUESTS * OUTPUT_LEN for x in rows)
     assert rows[0]["vs_unconstrained"] == 1.0
     assert rows[0]["num_mask_steps"] == 0 and rows[-1]["num_mask_steps"] == 0
     assert all(x["num_mask_steps"] > 0 for x in rows[1:-1])
