@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -155,7 +156,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
                    quantization: str | None = None, tensor_parallel_size: int = 1,
                    data_parallel_size: int = 1, kv_cache_dtype: str = "auto",
                    quantize_lm_head: bool = False, expert_parallel: bool = False,
-                   checkpoint: str | None = None) -> dict[str, Any]:
+                   checkpoint: str | None = None, speculative_config: dict[str, Any] | None = None
+                   ) -> dict[str, Any]:
     import torch
 
     from tandem import LLM
@@ -168,7 +170,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
                               "quantize_lm_head": quantize_lm_head,
                               "kv_cache_dtype": kv_cache_dtype, "peers": {},
                               "tensor_parallel_size": tensor_parallel_size, "data_parallel_size": data_parallel_size,
-                              "enable_expert_parallel": expert_parallel, "checkpoint": checkpoint}
+                              "enable_expert_parallel": expert_parallel, "checkpoint": checkpoint,
+                              "speculative_config": speculative_config}
     peer_results: dict[str, Any] = {}
     vocab = None
     # transformers first, then free it, so tandem can size its KV cache from what is left.
@@ -196,6 +199,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
                                       data_parallel_size=data_parallel_size)
     if w.model is not None:
         llm_kwargs.update(model=w.model, load_format="dummy")
+    if speculative_config is not None:
+        llm_kwargs["speculative_config"] = _bench_speculative_config(speculative_config, w)
     # The workload's own weights, for the bf16 peer (a checkpoint replaces them for tandem's runs only).
     own_weights = {k: llm_kwargs[k] for k in ("model", "load_format") if k in llm_kwargs}
     if checkpoint is not None:
@@ -326,6 +331,18 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         peer_results["tandem bf16"] = r
     # Kernel-path ablations: the same workload in a fresh engine with one path switched off through its
     # environment switch (read when graphs are captured, so the switch must be set before the engine exists).
+    if speculative_config is not None and "nospec" in peers:
+        # The same workload without speculative decoding, in a fresh engine (no head, no copied hidden states, the
+        # KV pool sized without them): what enabling speculation costs where it does not speculate, or gains.
+        if llm is not None:
+            llm.shutdown()
+        llm = None
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        r = run_fresh_tandem({k: v for k, v in llm_kwargs.items() if k != "speculative_config"}, requests, warm)
+        r.update(token_agreement(r["_outputs"], main["_outputs"]))
+        peer_results["tandem without speculation"] = r
     for peer, label, env in (("nopdl", "tandem without PDL", {"TANDEM_PDL": "0"}),
                              ("nogemv", "tandem without GEMV", {"TANDEM_GEMV_MAX_ROWS": "0"})):
         if peer not in peers or not device.startswith("cuda"):
@@ -450,6 +467,18 @@ def run_tensor_parallel_peer(w: Workload, size: int, scale: float, quantization:
         with open(out) as f:
             r = json.load(f)["results"][0]
     return {k: r[k] for k in TP_PEER_FIELDS if k in r}
+
+
+def _bench_speculative_config(config: dict[str, Any], w: Workload) -> dict[str, Any]:
+    """--speculative-config for a workload's engine: an EAGLE-3 head named "random" becomes a head of the workload's
+    shape with random weights (a named shape's dummy weights only)."""
+    if config.get("method") != "eagle3" or config.get("model") != "random":
+        return config
+    if w.model is None:
+        raise ValueError(f"speculative_config model 'random' needs a workload of a named shape; {w.name!r} has none")
+    from tandem.bench.spec_workload import random_eagle3_folder
+
+    return {**config, "model": random_eagle3_folder(w.model, tempfile.mkdtemp(prefix="tandem-eagle3-"))}
 
 
 def run_fresh_tandem(llm_kwargs: dict[str, Any], requests: list[tuple[list[int], int]],
@@ -577,7 +606,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"== {n}: {WORKLOADS[n].what}", flush=True)
         results.append(bench_workload(WORKLOADS[n], peers, args.scale, args.plot_dir, args.quantization,
                                       args.tensor_parallel_size, args.data_parallel_size, args.kv_cache_dtype,
-                                      args.quantize_lm_head, args.enable_expert_parallel, args.checkpoint))
+                                      args.quantize_lm_head, args.enable_expert_parallel, args.checkpoint,
+                                      args.speculative_config))
         _print_table(results[-1:])
     _print_table([r for r in results if r["workload"] not in ("serve", "structured", "score", "spec", "lora")])
     if args.out:
@@ -602,6 +632,7 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
                             "ep (MoE with --tensor-parallel-size N > 1: the other expert layout, TP or EP), "
                             "dp1 (with --data-parallel-size M > 1: the same run on one engine, in a fresh LLM), "
                             "nogemv (CUDA: a fresh engine without the decode GEMV kernel, TANDEM_GEMV_MAX_ROWS=0), "
+                            "nospec (with --speculative-config: a fresh engine without it), "
                             "nopdl (CUDA: a fresh engine whose Triton kernels launch without programmatic "
                             "dependent launch, TANDEM_PDL=0); "
                             "with M > 1 only hf and dp1 run")
@@ -642,6 +673,10 @@ def add_bench_args(sub: argparse._SubParsersAction, add_engine_args: Callable) -
                        help="spec workload: comma list of per-draft acceptance probabilities for a proposer that "
                             "offers the target's own recorded tokens (e.g. 0.6,0.8,0.9)")
     bench.add_argument("--spec-k", type=int, default=4, help="spec workload: num_speculative_tokens")
+    bench.add_argument("--speculative-config", type=json.loads, default=None,
+                       help="the named workloads' engine with speculative decoding, as JSON (serve's field; an "
+                            "eagle3 model \"random\": a head of the workload's shape with random weights); peer "
+                            "nospec: the same workload without it")
     bench.add_argument("--spec-draft-model", default=None,
                        help="spec workload: method draft_model with this draft (a named shape with random weights "
                             "when --spec-model is one, else a model path); default: ngram")

@@ -4,7 +4,13 @@ changes no token (the head's drafts are computed on the device path, their token
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
+from tandem.bench.offline import bench_workload
 from tandem.bench.spec_workload import run_spec_workload
+from tandem.bench.workloads import Workload
 from tandem.models import loader
 
 TINY = dict(model_type="llama", vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -23,3 +29,19 @@ def test_eagle3_acceptance_mode(monkeypatch):
     assert always["spec"]["accepted_tokens"] == always["spec"]["draft_tokens"] > 0
     assert always["spec"]["num_steps"] < never["spec"]["num_steps"]
     assert never["spec"]["accepted_tokens"] == 0 and never["spec"]["draft_tokens"] > 0
+
+
+def test_named_workload_with_speculation_beside_the_same_without(monkeypatch):
+    """`tandem bench --speculative-config '{"method": "eagle3", "model": "random", ...}' --peers nospec`: the
+    workload's engine with a random head of its shape, and the same workload in an engine without one, side by side
+    with the same tokens."""
+    monkeypatch.setitem(loader.NAMED_SHAPES, "tiny-llama", TINY)
+    w = Workload("tiny-spec", "tiny-llama", 2, (12, 12), (10, 10), dtype="float32", device="cpu")
+    spec = {"method": "eagle3", "model": "random", "num_speculative_tokens": 2}
+    r = bench_workload(w, ["nospec"], 1.0, None, speculative_config=spec)
+    assert r["speculative_config"] == spec
+    peer = r["peer_details"]["tandem without speculation"]
+    assert peer["identical_requests_fraction"] == 1.0 and peer["generated_tokens"] == r["generated_tokens"] == 20
+    assert r["ratios"]["tandem without speculation"] == r["tokens_per_s"] / peer["tokens_per_s"]
+    with pytest.raises(ValueError, match="named shape"):
+        bench_workload(replace(w, model=None), ["nospec"], 1.0, None, speculative_config=spec)
