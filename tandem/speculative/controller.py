@@ -21,6 +21,9 @@ class SpecController:
     retry_every: int = 256  # while plain: steps before speculating is tried again
     alpha: float = 0.2  # weight of a new step in the moving averages
     margin: float = 1.02  # speculation must be this much cheaper per token to stay on
+    # Speculating steps (since the mode began) before speculation may go off: enough for the averages, and few
+    # enough that a short request does not pay long for a proposer that does not help it.
+    decide_after: int = 16
     speculating: bool = True  # the mode (probes aside)
     # Moving averages of (seconds, output tokens) per step of each kind: the cost per token is their ratio (the
     # mean of per-step ratios would overweight steps that accepted nothing).
@@ -62,7 +65,7 @@ class SpecController:
         if spec_cost is None or plain_cost is None:
             return
         pays = spec_cost * self.margin < plain_cost
-        if self.speculating and not pays and self.steps >= self.probe_every:
+        if self.speculating and not pays and self.steps >= self.decide_after:
             self.speculating, self.steps = False, 0
         elif not self.speculating and self.steps >= self.retry_every + self.probe_len:
             self.speculating, self.steps = pays, 0

@@ -53,3 +53,12 @@ def test_steps_without_tokens_are_not_counted():
     c.record(True, 1.0, 0)
     c.record(False, 0.0, 3)
     assert c.spec_avg is None and c.plain_avg is None
+
+
+def test_speculation_that_costs_goes_off_within_its_first_steps():
+    """With the default settings a proposer whose steps cost twice a plain step's per token is off after
+    decide_after (16) steps: a short request pays for it briefly."""
+    c = SpecController()
+    modes = _run(c, spec_cost=2.0, plain_cost=1.0, steps=40)
+    assert not c.speculating
+    assert sum(modes) <= c.decide_after and not any(modes[c.decide_after + 1 :])
