@@ -47,6 +47,7 @@ WORKLOADS = {
     "70b-bs1": ("llama-3-70b", 1),  # needs --tensor-parallel-size >= 2 in bf16
     "70b-batch": ("llama-3-70b", 32),
     "lora-32": ("llama-3-8b", 32),  # the lora workload's 32-sequence pass (with --lora 8)
+    "lora-64": ("llama-3-8b", 64),  # the paging pass's full batch (with --lora 16: every slot in use)
 }
 DECODE_STEPS = 4
 REPLAYS = 10
