@@ -78,29 +78,27 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, out_ptr, count_ptr, M, K, 
 def _expand_kernel(s_ptr, b_ptr, slots_ptr, y_ptr, M, N, R, stride_sm, stride_bs, stride_bn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SLOTS_P2: tl.constexpr,
                    USE_PDL: tl.constexpr):
-    # grid (token blocks, 1, output tiles): y[t, n] += sum_r s[t, r] * B[slot, n, r]. A program takes every slot
-    # its block uses, one tile product each over that slot's tokens (the others' rows load as 0, so a row's sum
-    # gets its own slot's product and exact zeros), and reads and writes its y tile once: one pass whatever the
-    # mix of adapters, where a program per slot paid a dependent load and store of y per slot. Tokens without an
-    # adapter keep y's bits.
+    # grid (token blocks, slot programs, output tiles): y[t, n] += sum_r s[t, r] * B[slot, n, r] for the tokens of
+    # the program's used slots (as in the shrink); each slot's rows are its own, so programs never write the
+    # same element; tokens without an adapter keep y's bits.
     pdl_wait(USE_PDL)
     m, slots, used, running, count = _block_slots(slots_ptr, M, BLOCK_M, SLOTS_P2)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for nth in range(0, count):
+    for nth in range(tl.program_id(1), count, tl.num_programs(1)):
         slot = _nth_slot(used, running, nth, SLOTS_P2)
         mine = slots == slot
         b_rows = b_ptr + slot.to(tl.int64) * stride_bs + n[:, None] * stride_bn
+        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for r0 in range(0, R, BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
             s = tl.load(s_ptr + m[:, None] * stride_sm + r[None, :], mask=mine[:, None] & (r[None, :] < R),
                         other=0.0)
             b = tl.load(b_rows + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
             delta += tl.dot(s.to(b.dtype), tl.trans(b))
-    y_ptrs = y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :]
-    mask = (slots >= 0)[:, None] & (n[None, :] < N)
-    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
+        y_ptrs = y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :]
+        mask = mine[:, None] & (n[None, :] < N)
+        y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -167,12 +165,14 @@ def lora_expand_triton(y: torch.Tensor, shrink: torch.Tensor, b: torch.Tensor, t
     assert y.stride(-1) == 1 and b.stride(-1) == 1
     block_m = _block_m(n, block_m)
     blocks = triton.cdiv(n, block_m)
+    slot_programs = min(n, num_slots) if blocks == 1 else 1
     block_r = _block_r(rank)
-    if block_n is None:  # wider output tiles where many blocks would each pay a tile's fixed cost
-        block_n = min(256, max(64, triton.next_power_of_2(triton.cdiv(blocks * out, 8 * _num_sms(y.device)))))
+    if block_n is None:  # wider output tiles where many slot programs would each pay a tile's fixed cost
+        programs = blocks * slot_programs * out
+        block_n = min(256, max(64, triton.next_power_of_2(triton.cdiv(programs, 8 * _num_sms(y.device)))))
     block_n = max(16, min(block_n, triton.next_power_of_2(out)))
     pdl = use_pdl(y.device)
-    _expand_kernel[(blocks, 1, triton.cdiv(out, block_n))](
+    _expand_kernel[(blocks, slot_programs, triton.cdiv(out, block_n))](
         shrink, b, token_slots, y, n, out, rank, shrink.stride(0), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, SLOTS_P2=slots_p2(num_slots), USE_PDL=pdl,
         launch_pdl=bool(pdl), num_warps=8 if block_m >= 64 else 4)
