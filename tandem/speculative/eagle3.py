@@ -137,7 +137,7 @@ class Eagle3Proposer:
         kept = accepted[: len(groups)]
         with on_stream(self.stream):
             last_rows = _ints(np.asarray(firsts), kept.device) + kept
-            streams = steps.feed_sampled(ints, n, aux, sampled, last_rows)
+            streams = steps.feed(ints, n, aux, sampled, last_rows)
             steps.chain_after_verify(base, chain_tables, kept, len(groups), streams)
         self._prefetched = (sched, streams)
         self._ready = {}

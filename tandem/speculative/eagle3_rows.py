@@ -131,29 +131,17 @@ class HeadSteps:
 
     # ---------------------------------------------------------------- running them
 
-    def feed(self, host_ints: np.ndarray, rows: int, aux: torch.Tensor) -> torch.Tensor:
-        """Runs a feed: host_ints in feed_layout(bucket, width) order; -> the kept rows' output streams."""
-        r = bucket(rows, self.feed_buckets)
-        lay = feed_layout(r, self.feed_width)
-        self.feed_ints[: lay.size].copy_(pinned(host_ints), non_blocking=True)
-        torch.index_select(aux, 0, self.feed_ints[lay.region(3)], out=self.feed_aux[:r])
-        graph = self.feed_graphs.get(r)
-        if graph is not None:
-            graph[0].replay()
-            out = graph[1]
-        else:
-            out = self._feed(r)
-        return out.index_select(0, self.feed_ints[lay.region(4)])
-
-    def feed_sampled(self, host_ints: np.ndarray, rows: int, aux: torch.Tensor, sampled: torch.Tensor,
-                     kept: torch.Tensor) -> torch.Tensor:
-        """A feed whose tokens are still on the device: row r's token is sampled[aux row of r] (the target's token
-        after that row's position); -> the output streams of the rows `kept` (device indices)."""
+    def feed(self, host_ints: np.ndarray, rows: int, aux: torch.Tensor, sampled: torch.Tensor | None = None,
+             kept: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs a feed: host_ints in feed_layout(bucket, width) order; -> the kept rows' output streams (those of
+        region 4, or the device indices `kept`). With `sampled`, the tokens are still on the device: row r's token
+        is sampled[aux row of r] (the target's token after that row's position), not region 0's."""
         r = bucket(rows, self.feed_buckets)
         lay = feed_layout(r, self.feed_width)
         self.feed_ints[: lay.size].copy_(pinned(host_ints), non_blocking=True)
         aux_rows = self.feed_ints[lay.region(3)]
-        self.feed_ints[lay.region(0)].copy_(sampled.index_select(0, aux_rows))
+        if sampled is not None:
+            self.feed_ints[lay.region(0)].copy_(sampled.index_select(0, aux_rows))
         torch.index_select(aux, 0, aux_rows, out=self.feed_aux[:r])
         graph = self.feed_graphs.get(r)
         if graph is not None:
@@ -161,7 +149,7 @@ class HeadSteps:
             out = graph[1]
         else:
             out = self._feed(r)
-        return out.index_select(0, kept)
+        return out.index_select(0, self.feed_ints[lay.region(4)] if kept is None else kept)
 
     def chain_after_verify(self, base: np.ndarray, blocks: np.ndarray, accepted: torch.Tensor, rows: int,
                            streams: torch.Tensor) -> torch.Tensor:
@@ -192,20 +180,17 @@ class HeadSteps:
         ints[lay.region(1)].copy_(source)
         ints[lay.region(2)].copy_(own)
         ints[lay.tables].copy_(chained.reshape(-1))
-        self.chain_stream[:rows].copy_(streams)
-        graph = self.chain_graphs.get(b)
-        if graph is not None:
-            graph.replay()
-        else:
-            self._chain(b)
-        return self.chain_tokens[:rows]
+        return self._run_chain(b, rows, streams)
 
     def chain(self, host_ints: np.ndarray, rows: int, streams: list[torch.Tensor]) -> torch.Tensor:
         """Runs a chain: host_ints in chain_layout(bucket, width) order, each row's last output stream; -> the
         rows' drafts [rows, max_drafts] (target ids, on the device)."""
         b = bucket(rows, self.chain_buckets)
         self.chain_ints[: chain_layout(b, self.chain_width).size].copy_(pinned(host_ints), non_blocking=True)
-        self.chain_stream[:rows].copy_(torch.stack(streams))
+        return self._run_chain(b, rows, torch.stack(streams))
+
+    def _run_chain(self, b: int, rows: int, streams: torch.Tensor) -> torch.Tensor:
+        self.chain_stream[:rows].copy_(streams)
         graph = self.chain_graphs.get(b)
         if graph is not None:
             graph.replay()
