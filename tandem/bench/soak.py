@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.bench.serve import percentile
+from tandem.bench.serve import CLIENT_KEEP_ALIVE_S, percentile
 
 PROMPT_WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
                 "near an old stone bridge under the pale morning light").split()
@@ -297,7 +297,10 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
     def new_session(limit: int) -> Any:
-        return aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=limit),
+        # Idle connections are dropped well before the server's keep-alive closes them: a request sent on a
+        # connection the server is closing at that moment would be lost to the race, not to the server.
+        connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=CLIENT_KEEP_ALIVE_S)
+        return aiohttp.ClientSession(headers=headers, connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=None))
 
     # Two sessions: `control` (one connection: health, /metrics) and `load`; closing `load` before an idle sample
