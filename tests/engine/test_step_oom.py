@@ -25,11 +25,11 @@ def test_out_of_memory_in_a_step_fails_its_requests_and_the_engine_goes_on(tiny_
         core.add_request(rid, [5, 6, 7, 8, 9], params)
     original, launches = core.runner.enqueue, []
 
-    def enqueue(prepared):  # the second step's activations do not fit
+    def enqueue(prepared, drafts=None):  # the second step's activations do not fit
         launches.append(sorted(s.request.request_id for s in prepared.sched.scheduled))
         if len(launches) == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return original(prepared)
+        return original(prepared, drafts)
 
     core.runner.enqueue = enqueue
     tokens: dict[str, int] = {}

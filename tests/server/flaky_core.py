@@ -18,10 +18,10 @@ class FlakyEngineCore(EngineCore):
         self._fault_dir = os.environ[FAULT_DIR_ENV]
         original = self.runner.enqueue
 
-        def enqueue(prepared):  # type: ignore[no-untyped-def]
+        def enqueue(prepared, drafts=None):  # type: ignore[no-untyped-def]
             if self._take("launch"):
                 raise RuntimeError("injected device fault")
-            return original(prepared)
+            return original(prepared, drafts)
 
         self.runner.enqueue = enqueue
 
