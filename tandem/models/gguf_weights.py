@@ -70,19 +70,25 @@ def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def gguf_architecture(reader) -> str:
     field = reader.fields.get("general.architecture")
-    if field is None:
+    return _checked_architecture(None if field is None else str(field.contents()), supported_only=False)
+
+
+def _checked_architecture(arch: object, supported_only: bool = True) -> str:
+    """The file's general.architecture; ValueError where it has none or (supported_only) tandem does not run it."""
+    if arch is None:
         raise ValueError("GGUF file has no general.architecture")
-    return str(field.contents())
+    if supported_only and arch not in SUPPORTED_GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_GGUF_ARCHS}")
+    return str(arch)
 
 
 def gguf_moe_config(path: str) -> dict[str, object]:
     """Config fields a GGUF's metadata adds for a mixture of experts transformers' GGUF reader leaves out: llama.cpp
     stores Mixtral as architecture llama with llama.expert_count (-> model_type mixtral); {} otherwise."""
     meta = gguf_metadata(path, ("general.architecture", "llama.expert_count", "llama.expert_used_count"))
-    if "general.architecture" not in meta:
-        raise ValueError("GGUF file has no general.architecture")
+    arch = _checked_architecture(meta.get("general.architecture"), supported_only=False)
     count = meta.get("llama.expert_count")
-    if meta["general.architecture"] != "llama" or not count:
+    if arch != "llama" or not count:
         return {}
     return {"model_type": "mixtral", "num_local_experts": int(count),
             "num_experts_per_tok": int(meta.get("llama.expert_used_count", 2))}
@@ -92,11 +98,7 @@ def gguf_has_tokenizer(path: str) -> bool:
     """Whether the file carries tokenizer metadata (a benchmark's random weights-only file does not); ValueError
     for an architecture tandem does not run."""
     meta = gguf_metadata(path, ("general.architecture", "tokenizer.ggml.model"))
-    arch = meta.get("general.architecture")
-    if arch is None:
-        raise ValueError("GGUF file has no general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_GGUF_ARCHS}")
+    _checked_architecture(meta.get("general.architecture"))
     return "tokenizer.ggml.model" in meta
 
 
@@ -154,9 +156,7 @@ def open_gguf(path: str):  # -> gguf.GGUFReader
     import gguf
 
     reader = gguf.GGUFReader(path)
-    arch = gguf_architecture(reader)
-    if arch not in SUPPORTED_GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_GGUF_ARCHS}")
+    _checked_architecture(gguf_architecture(reader))
     return reader
 
 
