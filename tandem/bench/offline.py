@@ -329,31 +329,26 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         r.update(token_agreement(r["_outputs"], main["_outputs"]))
         r["weight_bytes"] = model_cost(llm.engine.runner.model, llm.engine.model_config).weight_bytes
         peer_results["tandem bf16"] = r
-    # Kernel-path ablations: the same workload in a fresh engine with one path switched off through its
-    # environment switch (read when graphs are captured, so the switch must be set before the engine exists).
+    # Peers in a fresh engine each, once the main one's memory is back. Kernel-path ablations switch one path off
+    # through its environment switch (read when graphs are captured, so it must be set before the engine exists);
+    # nospec runs without speculative decoding (no head, no copied hidden states, the KV pool sized without them).
+    fresh: list[tuple[str, dict[str, str], dict[str, Any]]] = []
     if speculative_config is not None and "nospec" in peers:
-        # The same workload without speculative decoding, in a fresh engine (no head, no copied hidden states, the
-        # KV pool sized without them): what enabling speculation costs where it does not speculate, or gains.
+        fresh.append(("tandem without speculation", {},
+                      {k: v for k, v in llm_kwargs.items() if k != "speculative_config"}))
+    if device.startswith("cuda"):
+        fresh += [(label, env, llm_kwargs) for peer, label, env in (
+            ("nopdl", "tandem without PDL", {"TANDEM_PDL": "0"}),
+            ("nogemv", "tandem without GEMV", {"TANDEM_GEMV_MAX_ROWS": "0"})) if peer in peers]
+    for label, env, kwargs in fresh:
         if llm is not None:
             llm.shutdown()
         llm = None
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-        r = run_fresh_tandem({k: v for k, v in llm_kwargs.items() if k != "speculative_config"}, requests, warm)
-        r.update(token_agreement(r["_outputs"], main["_outputs"]))
-        peer_results["tandem without speculation"] = r
-    for peer, label, env in (("nopdl", "tandem without PDL", {"TANDEM_PDL": "0"}),
-                             ("nogemv", "tandem without GEMV", {"TANDEM_GEMV_MAX_ROWS": "0"})):
-        if peer not in peers or not device.startswith("cuda"):
-            continue
-        if llm is not None:
-            llm.shutdown()
-        llm = None
-        gc.collect()
-        torch.cuda.empty_cache()
         with environment(env):
-            r = run_fresh_tandem(llm_kwargs, requests, warm)
+            r = run_fresh_tandem(kwargs, requests, warm)
         r.update(token_agreement(r["_outputs"], main["_outputs"]))
         peer_results[label] = r
     _add_peers(result, main, peer_results)
