@@ -183,7 +183,7 @@ class EngineCore:
         self._speculated = False  # whether the step launched last proposed drafts (its tokens come next)
         # An EAGLE-3 head's drafts for the step being launched, left on the device (its output, and the requests
         # holding its draft_stand_in ids); TANDEM_DEVICE_DRAFTS=0 brings them to the host instead.
-        self._device_drafts: tuple[torch.Tensor, list[Request]] | None = None
+        self._pending_drafts: tuple[torch.Tensor, list[Request]] | None = None
         self.device_drafts = os.environ.get("TANDEM_DEVICE_DRAFTS") != "0"
         self._collected_prefill = False  # a step collected in this call computed prompt tokens (not timed)
         self._step_end = 0.0
@@ -470,23 +470,23 @@ class EngineCore:
         assert proposer is not None
         on_device = None
         propose_on_device = getattr(proposer, "propose_on_device", None)
-        if propose_on_device is not None and self._drafts_on_device(eligible):
+        if propose_on_device is not None and self._drafts_on_device([r for r, _ in eligible]):
             on_device = self._timed("propose", lambda: propose_on_device(eligible))
         if on_device is not None:
             proposals, tokens = on_device
-            self._device_drafts = (tokens, [r for r, _ in eligible])
+            self._pending_drafts = (tokens, [r for r, _ in eligible])
         else:
             proposals = self._timed("propose", lambda: proposer.propose_all(eligible))
         for (request, _), drafts in zip(eligible, proposals):
             request.draft_token_ids = drafts
         return outputs
 
-    def _drafts_on_device(self, eligible: list[tuple[Request, int]]) -> bool:
+    def _drafts_on_device(self, requests: list[Request]) -> bool:
         """Whether a proposer that can (an EAGLE-3 head: propose_on_device) may leave its drafts on the device, so that
         the host schedules and prepares the verify step while the head drafts: on one rank, and for no request whose
         penalties or bias count its drafts on the host (runner.logits_state)."""
         return (self.runner.group is None and self.device_drafts
-                and not any(r.sampling_params.uses_logits_state for r, _ in eligible))
+                and not any(r.sampling_params.uses_logits_state for r in requests))
 
     def _grammar_running(self) -> bool:
         """Whether a running request decodes under a grammar (its next step may get forced drafts)."""
@@ -525,9 +525,9 @@ class EngineCore:
             if previous is not None and previous.sampling_pending:
                 self._launch_sampling(previous)
             drafts = None
-            if self._device_drafts is not None:
-                drafts, proposed = self._device_drafts
-                self._device_drafts = None
+            if self._pending_drafts is not None:
+                drafts, proposed = self._pending_drafts
+                self._pending_drafts = None
                 for request in proposed:  # stand-ins the scheduler did not take must not outlive this step
                     request.draft_token_ids = []
             if prepared is None:
@@ -558,8 +558,7 @@ class EngineCore:
                 or len(self.scheduler.running) > spec.disable_by_batch_size):
             return False
         requests = [s.request for s in handle.sched.scheduled]
-        return (self._drafts_on_device([(r, 0) for r in requests])
-                and all(r.host_mask is None for r in requests))
+        return self._drafts_on_device(requests) and all(r.host_mask is None for r in requests)
 
     def _launch_sampling(self, handle: StepHandle) -> None:
         """Fills a step's grammar bitmask rows (or joins the worker filling them) and enqueues its sampling."""

@@ -269,10 +269,7 @@ class Eagle3Proposer:
                 drafts[i] = [draft_stand_in(r[0] * width + j) for j in range(k)]
             self._ready = {}
             return drafts, self.steps.chain_tokens
-        self._ready, self._prefetched = {}, None  # the prefetched chain's output is about to be overwritten
-        with on_stream(self.stream):
-            tokens = self.steps.chain(self._chain_ints([e for _, _, e in chosen]), len(chosen),
-                                      [e.stream for _, _, e in chosen])
+        tokens = self._chain([e for _, _, e in chosen])
         for b, (i, k, _) in enumerate(chosen):
             drafts[i] = [draft_stand_in(b * width + j) for j in range(k)]
         return drafts, tokens
@@ -285,17 +282,18 @@ class Eagle3Proposer:
         drafts: list[list[int]] = [[] for _ in requests]
         for lo in range(0, len(chosen), self.chain_rows):
             part = chosen[lo : lo + self.chain_rows]
-            with on_stream(self.stream):
-                tokens = self._chain([e for _, _, e in part])
+            with on_stream(self.stream):  # the copy to the host after the chain, on its stream: the one wait here
+                tokens = self._chain([e for _, _, e in part]).tolist()
             for (i, k, _), row in zip(part, tokens):
                 drafts[i] = row[:k]
         return drafts
 
-    def _chain(self, lasts: list[_Last]) -> list[list[int]]:
-        """The chain from each request's last row: [rows][max_drafts] target token ids (the only wait for the
-        device here)."""
-        self._ready, self._prefetched = {}, None  # the prefetched chain's output is about to be overwritten
-        return self.steps.chain(self._chain_ints(lasts), len(lasts), [e.stream for e in lasts]).tolist()
+    def _chain(self, lasts: list[_Last]) -> torch.Tensor:
+        """Enqueues the chain from each request's last row: -> [rows, max_drafts] target token ids on the device
+        (the chain's static output, so a prefetched chain's drafts are gone)."""
+        self._ready, self._prefetched = {}, None
+        with on_stream(self.stream):
+            return self.steps.chain(self._chain_ints(lasts), len(lasts), [e.stream for e in lasts])
 
     def _chain_ints(self, lasts: list[_Last]) -> np.ndarray:
         """A chain's inputs in chain_layout order. Chain row b owns scratch blocks: its table names the request's
