@@ -64,6 +64,11 @@ def write_tiny_llama_gguf(path: str, types: dict[str, str], embedding: str = "F3
             full = f"blk.{i}.{name}.weight"
             _add(writer, full, types.get(full, types.get("*", "Q4_0")), rows, cols, rng)
     writer.add_tensor("output_norm.weight", np.ones(c["hidden"], np.float32))
+    finish_gguf(writer)
+
+
+def finish_gguf(writer) -> None:  # type: ignore[no-untyped-def]
+    """Writes a gguf.GGUFWriter's header, metadata and tensors, and closes the file."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -10,6 +10,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.models.loader import default_model_path, load_model_and_tokenizer, model_max_len
+from tests.models.gguf_files import finish_gguf
 from tests.models.paged_kv import PagedKV, Seq
 
 transformers = pytest.importorskip("transformers")
@@ -91,10 +92,7 @@ def test_header_metadata_equals_the_gguf_reader(tmp_path, endian):
     writer.add_array("a.nested", [[1, 2], [3]])
     writer.add_uint8("a.after_arrays", 7)
     writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     expected = _scalar_fields(path)
     assert expected["a.after_arrays"] == 7 and expected["general.architecture"] == "qwen2"
     assert gguf_metadata(path, [*expected, "a.strings", "missing"]) == pytest.approx(expected)

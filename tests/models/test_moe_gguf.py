@@ -13,6 +13,7 @@ from tandem.models.loader import load_model_and_tokenizer
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
+from tests.models.gguf_files import finish_gguf  # noqa: E402
 from tests.models.test_moe_parity import tiny_moe_config  # noqa: E402
 
 _TO_GGUF = {"mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
@@ -41,10 +42,7 @@ def test_older_per_expert_names_and_mixtral_metadata(tmp_path):
     writer.add_uint32("llama.expert_count", 8)
     writer.add_uint32("llama.expert_used_count", 2)
     writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     assert gguf_moe_config(path) == {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2}
 
 
@@ -83,10 +81,7 @@ def test_gguf_moe_file_loads_like_safetensors(tmp_path, family):
         if name.endswith("ffn_gate_inp_shexp.weight"):
             array = array.reshape(-1)  # llama.cpp keeps this [hidden] vector 1-D
         writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     model_cls = type(expected)
     with torch.device("cpu"):
         got = model_cls(mc)
