@@ -112,31 +112,24 @@ class Eagle3Proposer:
         steps, bs = self.steps, self.block_size
         if not 0 < n <= self.feed_rows or len(groups) > self.chain_rows:
             return False
-        lay = feed_layout(bucket(n, steps.feed_buckets), steps.feed_width)
-        ints = np.zeros(lay.size, dtype=np.int64)
-        tables = ints[lay.tables].reshape(lay.rows, lay.width)
         positions: list[int] = []
         slots: list[int] = []
         rows: list[int] = []
-        firsts: list[int] = []
+        feeds: list[tuple[Request, list[int], int, int]] = []  # (request, block table, first row, rows)
         base = np.zeros(len(groups), dtype=np.int64)
         chain_tables = np.zeros((len(groups), steps.chain_width), dtype=np.int64)
         for g, (s, step_rows_) in enumerate(groups):
             start, end, blocks = s.num_computed_tokens, s.num_computed_tokens + len(step_rows_), s.block_ids
-            firsts.append(len(rows))
-            tables[len(rows) : len(rows) + len(step_rows_), : len(blocks)] = blocks
+            feeds.append((s.request, blocks, len(rows), len(step_rows_)))
             chain_tables[g, : len(blocks)] = blocks
             base[g] = start + 1
             rows.extend(step_rows_)
             positions.extend(range(start, end))
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-        ints[lay.region(1)][:n] = positions
-        ints[lay.region(2)] = -1  # padding rows write nothing
-        ints[lay.region(2)][:n] = slots
-        ints[lay.region(3)][:n] = rows
+        ints = self._feed_ints(rows, positions, None, slots, feeds)
         kept = accepted[: len(groups)]
         with on_stream(self.stream):
-            last_rows = _ints(np.asarray(firsts), kept.device) + kept
+            last_rows = _ints(np.asarray([first for _, _, first, _ in feeds]), kept.device) + kept
             streams = steps.feed(ints, n, aux, sampled, last_rows)
             steps.chain_after_verify(base, chain_tables, kept, len(groups), streams)
         self._prefetched = (sched, streams)
@@ -201,10 +194,16 @@ class Eagle3Proposer:
     def _feed_flat(self, rows: list[int], positions: list[int], tokens: list[int], slots: list[int],
                    groups: list[tuple[Request, list[int], int, int]], aux: torch.Tensor) -> torch.Tensor:
         """A feed on the static buffers, one query row per position: -> each group's last output stream."""
+        return self.steps.feed(self._feed_ints(rows, positions, tokens, slots, groups), len(rows), aux)
+
+    def _feed_ints(self, rows: list[int], positions: list[int], tokens: list[int] | None, slots: list[int],
+                   groups: list[tuple[Request, list[int], int, int]]) -> np.ndarray:
+        """A feed's inputs in feed_layout order (tokens None: the feed takes them on the device, HeadSteps.feed)."""
         n, steps = len(rows), self.steps
         lay = feed_layout(bucket(n, steps.feed_buckets), steps.feed_width)
         ints = np.zeros(lay.size, dtype=np.int64)
-        ints[lay.region(0)][:n] = tokens
+        if tokens is not None:
+            ints[lay.region(0)][:n] = tokens
         ints[lay.region(1)][:n] = positions
         ints[lay.region(2)] = -1  # padding rows write nothing (and read block 0's first position)
         ints[lay.region(2)][:n] = slots
@@ -213,7 +212,7 @@ class Eagle3Proposer:
         tables = ints[lay.tables].reshape(lay.rows, lay.width)
         for _, blocks, first, count in groups:
             tables[first : first + count, : len(blocks)] = blocks
-        return steps.feed(ints, n, aux)
+        return ints
 
     def _feed_grouped(self, rows: list[int], positions: list[int], tokens: list[int], slots: list[int],
                       groups: list[tuple[Request, list[int], int, int]], aux: torch.Tensor) -> torch.Tensor:
