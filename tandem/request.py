@@ -72,6 +72,10 @@ class Request:
     # and the request's totals of proposed and accepted draft tokens.
     draft_token_ids: list[int] = field(default_factory=list)
     spec_k: int = 0
+    # Drafts of verify steps in flight (uncollected): their positions count in num_computed_tokens as if every draft
+    # were accepted, so the next step can be scheduled before the accepted counts are known (the device moves its
+    # positions back by the rejected ones: ModelExecutor.shift_rows).
+    num_drafts_in_flight: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     # Output tokens appended by the last step that produced any (more than one after a verify step).

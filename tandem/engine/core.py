@@ -185,6 +185,8 @@ class EngineCore:
         # holding its draft_stand_in ids); TANDEM_DEVICE_DRAFTS=0 brings them to the host instead.
         self._pending_drafts: tuple[torch.Tensor, list[Request]] | None = None
         self.device_drafts = os.environ.get("TANDEM_DEVICE_DRAFTS") != "0"
+        # Schedule a verify step behind the one in flight (_verify_ahead); TANDEM_VERIFY_AHEAD=0 collects it first.
+        self.ahead = os.environ.get("TANDEM_VERIFY_AHEAD") != "0"
         self._collected_prefill = False  # a step collected in this call computed prompt tokens (not timed)
         self._step_end = 0.0
         self.spec_accepted_per_position = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
@@ -403,12 +405,16 @@ class EngineCore:
         speculated, self._speculated = self._speculated, False
         self._collected_prefill = False
         inflight = self._inflight
-        if inflight is not None and inflight.sched.num_draft_tokens:
-            # How many of its drafts each request keeps decides where its next tokens go: collect it first.
-            self._inflight = None
-            outputs += self._collect(inflight)
-        if self.proposer is not None or self.forced_k:
-            outputs += self._propose()
+        ahead = self._verify_ahead(inflight) if inflight is not None else None
+        if ahead is not None:
+            self._propose_ahead(inflight, ahead)  # type: ignore[arg-type]
+        else:
+            if inflight is not None and inflight.sched.num_draft_tokens:
+                # How many of its drafts each request keeps decides where its next tokens go: collect it first.
+                self._inflight = None
+                outputs += self._collect(inflight)
+            if self.proposer is not None or self.forced_k:
+                outputs += self._propose()
         if self.timeline is not None:
             self.timeline.step = self.num_steps
         self.num_steps += 1
@@ -481,6 +487,45 @@ class EngineCore:
             request.draft_token_ids = drafts
         return outputs
 
+    def _verify_ahead(self, inflight: StepHandle) -> list[int] | None:
+        """How many drafts each request of the verify step in flight verifies in the next step, where that step can
+        be scheduled before this one is collected (None where not). The EAGLE-3 head is drafting them behind it
+        (Eagle3Proposer.prefetch), the next step is scheduled as if every draft in flight were accepted, and the
+        device moves its positions back by the rejected ones (ModelExecutor.shift_rows). So: overlap on, the head's
+        chain behind `inflight` the last one enqueued, speculation on, every running request in `inflight` and
+        none waiting (a new one would be a prompt step, which cannot shift), and each request with room for every
+        token in flight and two more (it cannot end by length in `inflight`: it ends only by a stop token there,
+        and its next step is then dropped)."""
+        spec, eagle3, running = self.spec, self.eagle3, self.scheduler.running
+        if (not self.overlap or spec is None or eagle3 is None or self.proposer is not eagle3 or not self.ahead
+                or not inflight.shiftable or not eagle3.prefetched(inflight.sched) or self.scheduler.waiting
+                or self._loading or self.grammar.compiling or len(running) > spec.disable_by_batch_size
+                or len(running) != len(inflight.sched.scheduled)
+                or (self.spec_controller is not None and not self.spec_controller.speculate())):
+            return None
+        ks: list[int] = []
+        for entry in inflight.sched.scheduled:
+            request = entry.request
+            room = request.max_output_tokens - len(request.output_token_ids) - (entry.num_draft + 1) - 1
+            if request.status is not RequestStatus.RUNNING or not entry.sample or room < 1:
+                return None
+            ks.append(min(request.spec_k, room))
+        return ks
+
+    def _propose_ahead(self, inflight: StepHandle, ks: list[int]) -> None:
+        """Gives each request of the verify step in flight the stand-ins of the drafts the head's chain behind it
+        makes (_verify_ahead); the scheduler places them behind the token that step samples."""
+        eagle3 = self.eagle3
+        assert eagle3 is not None
+        self._speculated = True
+        ahead = eagle3.drafts_ahead(inflight.sched, ks)
+        assert ahead is not None, "_verify_ahead checked that the chain is there"
+        proposals, tokens = ahead
+        requests = [entry.request for entry in inflight.sched.scheduled]
+        for request, drafts in zip(requests, proposals):
+            request.draft_token_ids = drafts
+        self._pending_drafts = (tokens, requests)
+
     def _drafts_on_device(self, requests: list[Request]) -> bool:
         """Whether a proposer that can (an EAGLE-3 head: propose_on_device) may leave its drafts on the device, so that
         the host schedules and prepares the verify step while the head drafts: on one rank, and for no request whose
@@ -536,8 +581,9 @@ class EngineCore:
             if self._may_prefetch(handle):
                 eagle3, buf = self.eagle3, self.runner.buffers[handle.slot]
                 assert eagle3 is not None
-                self._timed("prefetch", lambda: eagle3.prefetch(handle.sched, aux_states(self.runner, handle.slot),
-                                                                buf.out_tokens, buf.out_accepted))
+                shift = buf.row_shift if handle.shifted else None
+                handle.shiftable = self._timed("prefetch", lambda: eagle3.prefetch(
+                    handle.sched, aux_states(self.runner, handle.slot), buf.out_tokens, buf.out_accepted, shift))
             return handle, []
         except Exception as exc:  # a failure to build or launch the step fails its requests, not the engine
             logger.exception("engine step failed at launch")
@@ -602,6 +648,8 @@ class EngineCore:
                 request.add_prompt_logprobs(first_token, entries)
         outputs = self._timed("update", lambda: self._update(handle.sched, result.token_ids, result.logprobs,
                                                              result.verified, advance=not handed_over))
+        if result.verified is not None and self._inflight is not None and self._inflight.shifted:
+            _settle_shifted(handle.sched, result.verified, self._inflight.sched)
         eagle3 = self.eagle3
         if (eagle3 is not None and self.proposer is not None and self.spec is not None
                 and len(self.scheduler.running) <= self.spec.disable_by_batch_size):
@@ -655,6 +703,8 @@ class EngineCore:
         per_position = self.spec_accepted_per_position
         for row, (tokens, _) in verified.items():
             request = sched.scheduled[row].request
+            if request.status is RequestStatus.FINISHED:
+                continue  # ended by a stop token in the verify step before (this step was scheduled behind it)
             num_draft, accepted = sched.scheduled[row].num_draft, len(tokens) - 1
             if request.host_mask is not None or spec is None:  # a grammar's forced drafts
                 self.forced_draft_tokens += num_draft
@@ -820,6 +870,17 @@ class EngineCore:
             spec_accepted_per_position=tuple(self.spec_accepted_per_position),
             spec_verified_rows=self.spec_verified_rows,
         )
+
+
+def _settle_shifted(sched: SchedulerOutput, verified: dict[int, tuple[list[int], list[Logprobs] | None]],
+                    behind: SchedulerOutput) -> None:
+    """Once a verify step is collected, the step scheduled behind it (as if every draft were accepted) learns where
+    its requests' rows really start: each moves back by its request's rejected drafts, as the device moved them."""
+    rejected = {id(sched.scheduled[row].request): sched.scheduled[row].num_draft - (len(tokens) - 1)
+                for row, (tokens, _) in verified.items()}
+    for entry in behind.scheduled:
+        if entry.carry:
+            entry.num_computed_tokens -= rejected.get(id(entry.request), 0)
 
 
 def _draft_room(request: Request) -> int:

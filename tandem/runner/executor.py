@@ -104,6 +104,35 @@ class ModelExecutor:
             picked = flat.index_select(0, (-2 - ids).clamp(min=0, max=flat.numel() - 1).long())
             ids.copy_(torch.where(ids < -1, picked.to(ids.dtype), ids))
 
+    def shift_rows(self, slot: int, num_rows: int, block_size: int) -> None:
+        """Finishes a flat verify step that was written behind a verify step in flight (write_flat_verify's
+        shift_* regions) once that step's accepted counts are on the device: each of a request's rows moves back by
+        the drafts the previous step rejected (positions, context lengths, sampling positions, KV slots through its
+        block table), and its first row carries the token sampled after the accepted drafts (the first rejected
+        draft's row, or the sequence's own row when all were kept). The shifts stay in the slot's row_shift for the
+        EAGLE-3 head fed behind this step. Enqueued after the slot's H2D and before the forward; reads only the
+        previous slot's outputs, which no upload overwrites."""
+        buf, prev = self.buffers[slot], self.buffers[1 - slot]
+        ints, longs = buf.ints.dev, buf.longs.dev
+        seq = ints["shift_seq"][:num_rows].long()
+        behind = seq >= 0
+        accepted = prev.out_accepted.index_select(0, seq.clamp(min=0))
+        drafts = ints["shift_k"][:num_rows].long()
+        shift = torch.where(behind, drafts - accepted, 0)
+        buf.row_shift[:num_rows].copy_(shift)
+        positions = ints["positions"][:num_rows]
+        positions.sub_(shift.to(positions.dtype))
+        ints["seq_lens"][:num_rows].sub_(shift.to(torch.int32))
+        longs["sample_pos"][:num_rows].sub_(shift)
+        pos = positions.long()
+        tables = ints["block_tables"][:num_rows]
+        moved = tables.gather(1, (pos // block_size)[:, None])[:, 0].long() * block_size + pos % block_size
+        slot_mapping = longs["slot_mapping"][:num_rows]
+        slot_mapping.copy_(torch.where(behind, moved, slot_mapping))
+        carry = longs["carry_src"][:num_rows]
+        after = ints["shift_base"][:num_rows].long() + accepted
+        carry.copy_(torch.where(behind & (carry >= 0) & (accepted < drafts), after, carry))
+
     def verify(self, slot: int, num_rows: int) -> None:
         """Counts each sequence's accepted drafts into out_accepted: the drafts before the first whose row's sampled
         token differs from it. Sampling each verified position as a plain step would (same noise, same rules) and

@@ -83,6 +83,11 @@ class StepBuffers:
                 "row_rank": (max_rows,),
                 "row_draft": (max_rows,),
                 "num_drafts": (max_rows,),
+                # A flat verify step scheduled behind a verify step in flight (EngineCore._verify_ahead): per row,
+                # its request's sequence in that step (-1: none), that sequence's drafts and first draft row there,
+                # from which the device finds how far back the row's positions move (ModelExecutor.shift_rows).
+                **({"shift_seq": (max_rows,), "shift_k": (max_rows,), "shift_base": (max_rows,)} if max_drafts
+                   else {}),
                 # With LoRA adapters: each token's adapter slot in the device pool (-1: none), tandem.lora.
                 **({"lora_slots": (max_num_tokens,)} if lora else {}),
                 "block_tables": (max_rows, max_blocks_per_seq),
@@ -110,6 +115,8 @@ class StepBuffers:
         self.out_top_ids = torch.zeros(max_rows, max(max_logprobs, 1), dtype=torch.int64, device=device)
         self.out_top_lp = torch.zeros(max_rows, max(max_logprobs, 1), dtype=torch.float32, device=device)
         self.out_accepted = torch.zeros(max_rows, dtype=torch.int64, device=device)  # drafts accepted per seq
+        # Per row of a step shifted behind a verify step: how far its positions moved back (drafts rejected there).
+        self.row_shift = torch.zeros(max_rows, dtype=torch.int64, device=device)
         if cuda:
             self.host_tokens = torch.zeros_like(self.out_tokens, device="cpu").pin_memory()
             self.host_logprob = torch.zeros_like(self.out_logprob, device="cpu").pin_memory()
@@ -174,6 +181,7 @@ class StepShape:
     num_rows: int = 0  # logits rows: num_seqs, plus one per draft in a verify step
     # Verify steps: (row, first draft row, number of drafts) of each sequence with drafts.
     draft_rows: list[tuple[int, int, int]] | None = None
+    shifted: bool = False  # some row's positions wait for the accepted count of the verify step in flight
 
 
 def write_step(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, int], block_size: int,
@@ -394,7 +402,8 @@ def _write_sampling(buf: StepBuffers, requests: list[Request]) -> tuple[bool, bo
 
 
 def write_flat_verify(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[str, int], block_size: int,
-                      pad_to: int | None, rows: dict[str, int]) -> StepShape:
+                      pad_to: int | None, rows: dict[str, int],
+                      prev_drafts: dict[str, tuple[int, int]] | None = None) -> StepShape:
     """Writes a step in which every sequence decodes one token or verifies drafts as a decode step of one
     attention row per token, so that it runs as a decode graph: each token attends to its own context (the paged
     KV of its sequence up to its position; every layer writes the step's KV before its attention reads any).
@@ -402,6 +411,11 @@ def write_flat_verify(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[
     Row i (< num_seqs) is sequence i's last position, as in every step; rows num_seqs.. are its draft positions,
     one per draft (the position before the draft, whose sampled token the draft is checked against), with their
     sequence's sampling parameters written beside them. Logits rows are the attention rows.
+
+    A sequence whose first token is carried from a flat verify step in flight (`prev_drafts`: request id -> its
+    drafts and first draft row there) was scheduled as if that step kept every draft: its rows name that step's
+    sequence (shift_seq, shift_k, shift_base), and the device moves their positions back by the drafts it rejected
+    and carries the token it sampled after the accepted ones (ModelExecutor.shift_rows).
     """
     ints, longs = buf.ints.np, buf.longs.np
     bs = block_size
@@ -420,18 +434,32 @@ def write_flat_verify(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[
     drafts: list[int] = []
     counts = [0] * num_seqs
     draft_rows: list[tuple[int, int, int]] = []
+    extra_carry: list[int] = []
+    # Per row (own rows, then draft rows): (sequence, drafts, first draft row) in the verify step in flight.
+    shift: list[tuple[int, int, int]] = []
+    extra_shift: list[tuple[int, int, int]] = []
+    none = (-1, 0, 0)
     row = num_seqs
     for i, s in enumerate(scheduled):
         k, start, blocks = s.num_draft, s.num_computed_tokens, s.block_ids
+        rid = s.request.request_id
         ids.append(s.token_ids[-1])
         pos.append(start + k)
-        carry.append(prev_rows[s.request.request_id] if s.carry else -1)
+        src = prev_rows[rid] if s.carry else -1
+        # The carried token is the first input: the own row's without drafts, else the first draft row's.
+        carry.append(-1 if k else src)
+        behind = prev_drafts.get(rid) if (prev_drafts is not None and s.carry) else None
+        moved = none if behind is None else (src, *behind)
+        shift.append(moved)
         tables.append(blocks)
-        rows[s.request.request_id] = i
+        rows[rid] = i
         if k:
             extra_ids.extend(s.token_ids[:k])
             extra_pos.extend(range(start, start + k))
             extra_tables.extend([blocks] * k)
+            extra_carry.append(src)
+            extra_carry.extend([-1] * (k - 1))
+            extra_shift.extend([moved] * k)
             seqs.extend([i] * k)
             ranks.extend(range(k))
             drafts.extend(s.token_ids[1:])
@@ -445,7 +473,15 @@ def write_flat_verify(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[
     positions = ints["positions"][:num_rows].astype(np.int64)
     table_of = tables + extra_tables
     longs["slot_mapping"][:num_rows] = [t[p // bs] * bs + p % bs for t, p in zip(table_of, all_pos)]
-    longs["carry_src"][:num_rows] = carry + [-1] * (num_rows - num_seqs)
+    longs["carry_src"][:num_rows] = carry + extra_carry
+    shifted = False
+    if "shift_seq" in ints:
+        width = max(num_rows, pad_to or 0)
+        ints["shift_seq"][:width] = -1
+        all_shift = shift + extra_shift
+        shifted = any(seq >= 0 for seq, _, _ in all_shift)
+        if shifted:
+            ints["shift_seq"][:num_rows], ints["shift_k"][:num_rows], ints["shift_base"][:num_rows] = zip(*all_shift)
     block_tables, table_rows, table_lens = ints["block_tables"], buf.table_rows, buf.table_lens
     for r, (blocks, p) in enumerate(zip(table_of, all_pos)):
         num_used = p // bs + 1
@@ -466,7 +502,7 @@ def write_flat_verify(buf: StepBuffers, sched: SchedulerOutput, prev_rows: dict[
     seq_used = seq_lens[:num_rows]
     context = int(seq_lens[:num_seqs].sum(dtype=np.int64))
     return StepShape(all_greedy, any_filter, num_logprobs, 1, int(seq_used.max()), context, num_rows,
-                     any_logits_state, num_rows, draft_rows)
+                     any_logits_state, num_rows, draft_rows, shifted)
 
 
 def _write_padding(buf: StepBuffers, num_tokens: int, num_seqs: int, pad_to: int) -> None:

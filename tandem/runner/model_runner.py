@@ -127,6 +127,7 @@ class ModelRunner:
         self.events = [StepEvents(self.device, False) for _ in range(2)]
         self.step_index = 0
         self._prev_rows: dict[str, int] = {}  # request id -> row in the previous step's sampled tokens
+        self._prev_drafts: dict[str, tuple[int, int]] = {}  # request id -> (drafts, first draft row) there (flat)
         # The fused all-reduce's timeout flag (device, sticky) and its pinned host copy, read with each step's D2H.
         flag = self.tp.timed_out
         self._timeout_flag = None if flag is None else (flag, torch.zeros(1, dtype=torch.int32).pin_memory())
@@ -205,10 +206,18 @@ class ModelRunner:
                         else None)
         rows: dict[str, int] = {}
         if flat:
-            shape = write_flat_verify(self.buffers[slot], sched, self._prev_rows, self.block_size, graph_bs, rows)
+            shape = write_flat_verify(self.buffers[slot], sched, self._prev_rows, self.block_size, graph_bs, rows,
+                                      self._prev_drafts)
         else:
             shape = write_step(self.buffers[slot], sched, self._prev_rows, self.block_size, graph_bs, rows,
                                piece_tokens)
+        if not shape.shifted and any(s.carry and s.request.request_id in self._prev_drafts
+                                     for s in sched.scheduled):
+            raise RuntimeError("a step carries tokens from a verify step in flight but is not a flat verify step "
+                               "(only those finish their positions on the device)")
+        # Each verifying request's (drafts, first draft row) in this step, for a flat step written behind it.
+        self._prev_drafts = ({sched.scheduled[i].request.request_id: (k, first) for i, first, k in shape.draft_rows}
+                             if flat and shape.draft_rows else {})
         self.logits_state.prepare(slot, sched.scheduled, shape.any_logits_state, shape.draft_rows, shape.num_rows)
         if self.lora is not None:  # each token's adapter slot, and the adapters to page in before the step
             self.lora.write_slots(self.buffers[slot].ints.np["lora_slots"], sched.scheduled, num_tokens,
@@ -222,7 +231,7 @@ class ModelRunner:
         # Rows whose next token a grammar (or a multi-token bad word) decides on the CPU: their sampling waits for
         # launch_sampling, after the previous step's tokens have reached the matchers.
         mask_rows = _mask_rows(sched, shape.draft_rows) if constrained else []
-        return PreparedStep(sched, plan, shape.num_context_tokens, mask_rows, shape.draft_rows)
+        return PreparedStep(sched, plan, shape.num_context_tokens, mask_rows, shape.draft_rows, shape.shifted)
 
     @torch.inference_mode()
     def enqueue(self, prepared: PreparedStep, drafts: torch.Tensor | None = None) -> StepHandle:
@@ -234,7 +243,9 @@ class ModelRunner:
         if plan.step_index != self.step_index:
             raise RuntimeError(f"step {plan.step_index} was prepared, but the runner is at step {self.step_index}")
         handle = StepHandle(prepared.sched, plan, self.events[plan.slot], prepared.num_context_tokens,
-                            draft_rows=prepared.draft_rows)
+                            draft_rows=prepared.draft_rows, shifted=prepared.shifted)
+        if prepared.shifted and self.group is not None:
+            raise RuntimeError("a step behind a verify step in flight reaches no other rank: collect that step first")
         if self.group is not None:
             lora_message = None if self.lora is None else self.lora.take_staged_message()
             if lora_message is not None:  # adapters to page in: every rank reads its own shards
@@ -247,18 +258,20 @@ class ModelRunner:
             except Exception as exc:  # on gloo the model's collectives run here: a dead peer surfaces now
                 self.group.raise_failure(exc)
         elif prepared.mask_rows:
-            handle.logits = self.enqueue_plan(plan, download=True, defer_sampling=True, drafts=drafts)
+            handle.logits = self.enqueue_plan(plan, download=True, defer_sampling=True, drafts=drafts,
+                                              shifted=prepared.shifted)
             handle.mask_rows = prepared.mask_rows
         else:
-            self.enqueue_plan(plan, download=True, drafts=drafts)
+            self.enqueue_plan(plan, download=True, drafts=drafts, shifted=prepared.shifted)
         self.step_index += 1  # only once enqueued: a failed launch leaves the slot order unchanged
         return handle
 
     def enqueue_plan(self, plan: StepPlan, download: bool, defer_sampling: bool = False,
-                     drafts: torch.Tensor | None = None) -> torch.Tensor:
+                     drafts: torch.Tensor | None = None, shifted: bool = False) -> torch.Tensor:
         """H2D of the slot, forward, sampling and (rank 0) D2H, ordered by the slot's events; with defer_sampling
         only the H2D and the forward (`_enqueue_sampling` adds the rest); `drafts` fills the step's draft
-        stand-ins first (enqueue). Returns the step's logits rows."""
+        stand-ins first (enqueue), `shifted` finishes rows written behind a verify step in flight
+        (ModelExecutor.shift_rows). Returns the step's logits rows."""
         buf, events, streams = self.buffers[plan.slot], self.events[plan.slot], self.streams
         with streams.on("h2d"):
             buf.upload(plan.graph_bs or plan.attention_rows)
@@ -272,6 +285,8 @@ class ModelRunner:
             streams.record("compute", events.compute_start)
             if drafts is not None and drafts.numel():
                 self.executor.take_drafts(plan.slot, drafts, plan.num_tokens, plan.rows)
+            if shifted:
+                self.executor.shift_rows(plan.slot, plan.rows, self.block_size)
             score = None  # the prompt rows' log-probabilities, from the step's hidden rows
             if self.prompt_logprobs.plans[plan.slot] is not None:
                 score = partial(self.prompt_logprobs.compute, plan.slot, compute_logits=self.model.compute_logits)

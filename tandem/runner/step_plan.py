@@ -84,6 +84,7 @@ class PreparedStep:
     # (logits row of each position, request, drafts) of the requests a host mask constrains (model_runner._mask_rows)
     mask_rows: list[tuple[list[int], Any, list[int]]]
     draft_rows: list[tuple[int, int, int]] | None = None  # (row, first draft row, drafts) of verifying sequences
+    shifted: bool = False  # written behind a verify step in flight (ModelExecutor.shift_rows finishes it)
 
 
 @dataclass(slots=True)
@@ -98,6 +99,8 @@ class StepHandle:
     mask_rows: list[tuple[list[int], Any, list[int]]] | None = None
     logits: torch.Tensor | None = None
     draft_rows: list[tuple[int, int, int]] | None = None  # (row, first draft row, drafts) of verifying sequences
+    shifted: bool = False  # its rows moved back on the device by the previous verify step's rejected drafts
+    shiftable: bool = False  # an EAGLE-3 chain drafts behind it: a step may be scheduled before it is collected
 
     @property
     def slot(self) -> int:

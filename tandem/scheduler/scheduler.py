@@ -132,7 +132,8 @@ class Scheduler:
             pending = request.num_pending_tokens
             start = request.num_computed_tokens
             num_known = len(request.all_token_ids)
-            num_new = num_known + pending - start
+            # A verify step in flight holds its drafts' positions too (as if all were accepted).
+            num_new = num_known + pending + request.num_drafts_in_flight - start
             # Done once pending lands; a max_tokens=0 request (scoring) stops only once its prompt is computed.
             if ((len(request.output_token_ids) + pending >= request.max_output_tokens
                  and (request.max_output_tokens > 0 or start >= num_known))
@@ -141,9 +142,11 @@ class Scheduler:
             if num_new > budget:
                 num_new = budget
             # Speculative decoding: the known last token plus the drafts proposed for it, verified in one forward.
+            # With a verify step in flight (pending 1: drafts proposed ahead, EngineCore._verify_ahead), the first
+            # position is the token that step samples after its accepted drafts.
             num_draft = 0
             if request.draft_token_ids:
-                if num_new == 1 and pending == 0 and budget > 1:
+                if num_new == 1 and pending <= 1 and budget > 1:
                     num_draft = min(len(request.draft_token_ids), budget - 1)
                     num_new += num_draft
                 else:
@@ -169,12 +172,15 @@ class Scheduler:
                 request.num_pending_tokens = 2
                 scheduled.append(ScheduledRequest(request, start, 1, [PLACEHOLDER_TOKEN_ID], True, block_ids, True))
             elif num_draft:
-                token_ids = request.all_token_ids[start:num_known]
+                # The known last token (or, behind a step in flight, the placeholder for the token it samples),
+                # then the drafts.
+                token_ids = request.all_token_ids[start:num_known] if not pending else [PLACEHOLDER_TOKEN_ID]
                 token_ids += request.draft_token_ids[:num_draft]
                 request.draft_token_ids = []
                 request.num_computed_tokens = start + num_new
-                request.num_pending_tokens = 1
-                scheduled.append(ScheduledRequest(request, start, num_new, token_ids, False, block_ids, True,
+                request.num_pending_tokens = pending + 1
+                request.num_drafts_in_flight += num_draft
+                scheduled.append(ScheduledRequest(request, start, num_new, token_ids, pending > 0, block_ids, True,
                                                   num_draft))
                 num_drafts += num_draft
             else:
@@ -380,6 +386,7 @@ class Scheduler:
                 ended.append(request)
                 touched.append(request)
                 continue
+            request.num_drafts_in_flight -= entry.num_draft
             if entry.num_draft:
                 tokens, token_logprobs = verified[i]
                 num_accepted = len(tokens) - 1

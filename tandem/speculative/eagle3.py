@@ -78,10 +78,11 @@ class Eagle3Proposer:
         self.steps = HeadSteps(head, self.kv, block_size, max_blocks or num_blocks, chain_rows, max_drafts,
                                max(self.feed_rows, 1), self.scratch)
         self.last: dict[str, _Last] = {}
-        # A verify step fed and chained before the host learned its accepted counts (prefetch): its schedule and
-        # each group's output stream at its last kept row; then, once observe kept them, the chain row each
-        # request's drafts wait in (with the position it chained from).
-        self._prefetched: tuple[SchedulerOutput, torch.Tensor] | None = None
+        # Verify steps fed and chained before the host learned their accepted counts (prefetch), oldest first (two
+        # while a step is scheduled behind one in flight): each one's schedule and each group's output stream at
+        # its last kept row. The chain's output holds the last one's drafts. Once observe kept the last one: the
+        # chain row each request's drafts wait in (with the position it chained from).
+        self._prefetched: list[tuple[SchedulerOutput, torch.Tensor]] = []
         self._ready: dict[str, tuple[int, int]] = {}
 
     def capture(self) -> None:
@@ -98,15 +99,17 @@ class Eagle3Proposer:
         self.last = {}
 
     @torch.inference_mode()
-    def prefetch(self, sched: SchedulerOutput, aux: torch.Tensor, sampled: torch.Tensor, accepted: torch.Tensor
-                 ) -> bool:
+    def prefetch(self, sched: SchedulerOutput, aux: torch.Tensor, sampled: torch.Tensor, accepted: torch.Tensor,
+                 row_shift: torch.Tensor | None = None) -> bool:
         """Enqueued right behind a flat verify step (input_buffers.write_flat_verify), before the host waits for
         it: feeds the head every row of the step and chains from each request's last kept row, with the sampled
         tokens [rows] and accepted counts [sequences] the step leaves on the device, so the next step's drafts
         are drafted while the host collects this one. A row past a request's kept drafts is fed the token
         sampled there: its head KV lies past the positions the request keeps, and is written again before a
         chain reads it (a chain writes each position before attending to it). observe() then keeps what the
-        host learns was accepted. False, with nothing enqueued, where the step does not fit the static buffers."""
+        host learns was accepted. row_shift [rows]: for a step written behind a verify step in flight, how far
+        each row's positions moved back on the device (ModelExecutor.shift_rows); the host's positions here are
+        those before the move. False, with nothing enqueued, where the step does not fit the static buffers."""
         groups = list(step_rows(sched, flat=True))
         n = sum(len(r) for _, r in groups)
         steps, bs = self.steps, self.block_size
@@ -130,29 +133,50 @@ class Eagle3Proposer:
         kept = accepted[: len(groups)]
         with on_stream(self.stream):
             last_rows = _ints(np.asarray([first for _, _, first, _ in feeds]), kept.device) + kept
-            streams = steps.feed(ints, n, aux, sampled, last_rows)
-            steps.chain_after_verify(base, chain_tables, kept, len(groups), streams)
-        self._prefetched = (sched, streams)
+            streams = steps.feed(ints, n, aux, sampled, last_rows, row_shift)
+            shift = None if row_shift is None else row_shift[: len(groups)]  # own row g: group g's shift
+            steps.chain_after_verify(base, chain_tables, kept, len(groups), streams, shift)
+        self._prefetched = [*self._prefetched[-1:], (sched, streams)]
         self._ready = {}
         return True
 
+    def drafts_ahead(self, sched: SchedulerOutput, ks: list[int]) -> tuple[list[list[int]], torch.Tensor] | None:
+        """Stand-ins for the drafts the chain behind the verify step `sched` (still in flight) is making: for
+        its g-th request, the first ks[g] of chain row g, to verify in the step scheduled behind it
+        (EngineCore._verify_ahead). -> (stand-ins per request, the chain's output on the device); None where that
+        chain is not the last one enqueued."""
+        if not self._prefetched or self._prefetched[-1][0] is not sched:
+            return None
+        width = self.steps.max_drafts
+        drafts = [[draft_stand_in(g * width + j) for j in range(k)] for g, k in enumerate(ks)]
+        return drafts, self.steps.chain_tokens
+
+    def prefetched(self, sched: SchedulerOutput) -> bool:
+        """Whether the chain behind the verify step `sched` is the last one enqueued (drafts_ahead can use it)."""
+        return bool(self._prefetched) and self._prefetched[-1][0] is sched
+
     def _keep_prefetched(self, sched: SchedulerOutput) -> bool:
-        """observe() of a prefetched step: each running request's last kept row becomes its last fed row, and its
-        drafts wait in the prefetched chain's row. False where `sched` was not prefetched."""
-        prefetched, self._prefetched = self._prefetched, None
-        if prefetched is None or prefetched[0] is not sched:
+        """observe() of a prefetched step: each running request's last kept row becomes its last fed row, and, if
+        no chain ran after it, its drafts wait in the prefetched chain's row. False where `sched` was not
+        prefetched."""
+        found = next((i for i, (done, _) in enumerate(self._prefetched) if done is sched), None)
+        if found is None:
             return False
-        streams = prefetched[1]
+        streams = self._prefetched[found][1]
+        latest = found == len(self._prefetched) - 1
+        del self._prefetched[: found + 1]
         bs = self.block_size
         for g, s in enumerate(sched.scheduled):
             request = s.request
             if request.status is not RequestStatus.RUNNING:
                 continue
-            position = request.num_computed_tokens - 1  # the last kept position; its next token is the last known
+            # The last kept position (its next token is the last this step produced).
+            position = s.num_computed_tokens + request.num_new_tokens - 1
             if not s.num_computed_tokens <= position <= s.num_computed_tokens + s.num_draft:
                 continue
             self.last[request.request_id] = _Last(request, s.block_ids[: position // bs + 1], position, streams[g])
-            self._ready[request.request_id] = (g, position)
+            if latest:
+                self._ready[request.request_id] = (g, position)
         return True
 
     @torch.inference_mode()
@@ -290,7 +314,7 @@ class Eagle3Proposer:
     def _chain(self, lasts: list[_Last]) -> torch.Tensor:
         """Enqueues the chain from each request's last row: -> [rows, max_drafts] target token ids on the device
         (the chain's static output, so a prefetched chain's drafts are gone)."""
-        self._ready, self._prefetched = {}, None
+        self._ready, self._prefetched = {}, []
         with on_stream(self.stream):
             return self.steps.chain(self._chain_ints(lasts), len(lasts), [e.stream for e in lasts])
 

@@ -132,16 +132,25 @@ class HeadSteps:
     # ---------------------------------------------------------------- running them
 
     def feed(self, host_ints: np.ndarray, rows: int, aux: torch.Tensor, sampled: torch.Tensor | None = None,
-             kept: torch.Tensor | None = None) -> torch.Tensor:
+             kept: torch.Tensor | None = None, shift: torch.Tensor | None = None) -> torch.Tensor:
         """Runs a feed: host_ints in feed_layout(bucket, width) order; -> the kept rows' output streams (those of
         region 4, or the device indices `kept`). With `sampled`, the tokens are still on the device: row r's token
-        is sampled[aux row of r] (the target's token after that row's position), not region 0's."""
+        is sampled[aux row of r] (the target's token after that row's position), not region 0's. With `shift`
+        (per aux row, on the device), each row's position is that much before the host's, and its KV slot
+        follows from its table."""
         r = bucket(rows, self.feed_buckets)
         lay = feed_layout(r, self.feed_width)
         self.feed_ints[: lay.size].copy_(pinned(host_ints), non_blocking=True)
         aux_rows = self.feed_ints[lay.region(3)]
         if sampled is not None:
             self.feed_ints[lay.region(0)].copy_(sampled.index_select(0, aux_rows))
+        if shift is not None:
+            positions, slots, bs = self.feed_ints[lay.region(1)], self.feed_ints[lay.region(2)], self.block_size
+            live = slots >= 0  # padding rows write nothing and stay at position 0
+            positions.sub_(torch.where(live, shift.index_select(0, aux_rows), 0))
+            tables = self.feed_ints[lay.tables].view(r, self.feed_width)
+            moved = tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+            slots.copy_(torch.where(live, moved, slots))
         torch.index_select(aux, 0, aux_rows, out=self.feed_aux[:r])
         graph = self.feed_graphs.get(r)
         if graph is not None:
@@ -152,11 +161,12 @@ class HeadSteps:
         return out.index_select(0, self.feed_ints[lay.region(4)] if kept is None else kept)
 
     def chain_after_verify(self, base: np.ndarray, blocks: np.ndarray, accepted: torch.Tensor, rows: int,
-                           streams: torch.Tensor) -> torch.Tensor:
+                           streams: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
         """A chain whose first positions are only known on the device: row b starts at base[b] + accepted[b]
         (base: the position after its verified run's first position; accepted: its kept drafts, [rows] on the
-        device), blocks [rows, chain_width] its block table. The row's table and the block copied into its first
-        scratch block follow from that position as `chain`'s host inputs would (Eagle3Proposer._chain_ints).
+        device), less shift[b] where given (the verified run's own move back, ModelExecutor.shift_rows); blocks
+        [rows, chain_width] its block table. The row's table and the block copied into its first scratch block
+        follow from that position as `chain`'s host inputs would (Eagle3Proposer._chain_ints).
         -> the rows' drafts [rows, max_drafts] on the device."""
         b, bs, width = bucket(rows, self.chain_buckets), self.block_size, self.chain_width
         lay = chain_layout(b, width)
@@ -170,6 +180,8 @@ class HeadSteps:
         table = pinned(padded).to(device, non_blocking=True)
         pos = pinned(starts).to(device, non_blocking=True)
         pos[:rows] += accepted[:rows]
+        if shift is not None:
+            pos[:rows] -= shift[:rows]
         full = (pos // bs)[:, None]
         col = torch.arange(width, device=device)[None, :]
         chained = torch.where(col < full, table, own[:, None] + col - full)

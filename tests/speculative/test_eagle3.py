@@ -240,6 +240,40 @@ def test_greedy_with_eagle3_equals_greedy_without(target, likely_head, plain, ov
     assert proposer.kv.numel() == 0 and proposer.head.lm_head.numel() == 0 and proposer.head.embed is None
 
 
+@pytest.mark.parametrize("case", ["greedy", "seeded", "stop"])
+def test_verify_step_scheduled_behind_the_one_in_flight(target, likely_head, plain, case, monkeypatch):
+    """Overlap on, drafts on the device: the next verify step is scheduled before the one in flight is collected,
+    as if every draft in flight were accepted, and the device moves its rows back by the rejected ones
+    (ModelExecutor.shift_rows). Tokens equal those without speculation: greedy, seeded sampling (each row keeps
+    its position's noise, so a wrong sampling position shows) and stop tokens ending requests inside an accepted
+    run (the step behind it is dropped); TANDEM_VERIFY_AHEAD=0 collects every verify step first, as before."""
+    # The two tokens the greedy runs write most after their fifth (in the head's draft vocabulary): stop tokens
+    # that end requests inside accepted runs.
+    common = [t for t, _ in Counter(t for out in plain for t in out[5:]).most_common(2)]
+    stop = {"stop_token_ids": common} if case == "stop" else {}
+    params = SamplingParams(temperature=0.8 if case == "seeded" else 0.0, seed=11, max_tokens=24, ignore_eos=True,
+                            **stop)
+    llm = LLM(target, **ENGINE)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    llm.shutdown()
+    spec = {"method": "eagle3", "model": likely_head, "num_speculative_tokens": 3, "adaptive": False}
+    shifted = []
+    shift_rows = ModelExecutor.shift_rows
+    monkeypatch.setattr(ModelExecutor, "shift_rows", lambda self, *a: shifted.append(a[1]) or shift_rows(self, *a))
+    for ahead in (True, False):
+        shifted.clear()
+        llm = LLM(target, speculative_config=spec, **ENGINE)
+        llm.engine.ahead = ahead
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, ahead
+        assert (len(shifted) >= 3) == ahead, shifted
+        assert llm.engine.stats().spec_accepted_tokens > 0
+        if case == "stop":
+            assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= 2
+        assert llm.engine.scheduler.num_free_blocks() == ENGINE["num_kv_blocks"] - 1
+        llm.shutdown()
+
+
 def test_greedy_with_eagle3_under_preemption(target, likely_head, plain):
     """A KV pool too small for every request at once: preempted requests are computed again."""
     spec = {"method": "eagle3", "model": likely_head, "num_speculative_tokens": 4, "adaptive": False}
@@ -338,9 +372,25 @@ def test_engine_feeds_the_head_the_targets_hidden_states(target, likely_head):
         return stand_ins, tokens
 
     engine.eagle3.propose_on_device = drafts_on_device
+    drafts_ahead, ahead = engine.eagle3.drafts_ahead, []
+
+    def record_ahead(sched, ks):
+        """Drafts chained behind a verify step still in flight, for the step scheduled behind it: the whole chain
+        row of each request (all 3, however many it verifies), checked once that step's tokens reach the host."""
+        stand_ins, tokens = drafts_ahead(sched, ks)
+        assert all(ids == [-2 - 3 * g - j for j in range(k)] for g, (ids, k) in enumerate(zip(stand_ins, ks)))
+        ahead.extend((s.request, tokens[g].tolist()) for g, s in enumerate(sched.scheduled))
+        return stand_ins, tokens
+
+    engine.eagle3.drafts_ahead = record_ahead
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
+        for request, got in ahead:  # the step they were drafted behind is collected now
+            if request.status is RequestStatus.RUNNING:
+                assert got == reference_drafts(likely_head, model, request.all_token_ids, 3), steps
+                checked["ahead"] += 1
+        ahead.clear()
         if steps == 4:
             engine.add_request("b", PROMPTS[0] * 2, params)  # a 40-token prompt: chunks beside a's verify steps
         if steps % 3:
@@ -353,7 +403,7 @@ def test_engine_feeds_the_head_the_targets_hidden_states(target, likely_head):
                 stand_ins, on_device = propose_on_device([(request, 2)])
                 assert stand_ins == [[-2, -3]] and on_device[0, :2].tolist() == got[:2]
                 checked[rid] += 1
-    assert checked["a"] >= 2 and checked["b"] >= 2 and checked["prefetched"] >= 3, checked
+    assert checked["a"] >= 2 and checked["b"] >= 2 and checked["prefetched"] >= 3 and checked["ahead"] >= 3, checked
     llm.shutdown()
 
 
