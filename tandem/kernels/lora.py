@@ -20,24 +20,32 @@ SHRINK_GEMV_MAX_ROWS = 4
 # Tokens up to which a step's index is grouped by slot for the sorted decode kernels (triton_lora.ONE_BLOCK_MAX: the
 # one-block kernels' rows, which they replace).
 SORTED_MAX_ROWS = 128
+SORTED_CHUNK = 16  # a slot's grouped rows a sorted kernel program takes (a decode step's slots mostly have fewer)
+
+
+def sorted_max_chunks(num_slots: int) -> int:
+    """The most chunks a grouping of up to SORTED_MAX_ROWS tokens over num_slots slots makes (a part chunk a slot,
+    a whole one per SORTED_CHUNK tokens)."""
+    return num_slots + SORTED_MAX_ROWS // SORTED_CHUNK
 
 
 @dataclass(slots=True)
 class SlotGroups:
     """A step's tokens grouped by adapter slot, made with the token index once a step (index_token_slots) and read
-    by every projection's sorted shrink and expand: a program per slot in use gathers its rows from here."""
+    by every projection's sorted shrink and expand: a program per chunk of a slot's rows gathers them from here."""
 
+    num_slots: int  # the pool's slots (token slots outside 0..num_slots-1 count as none)
     rows: torch.Tensor  # [max_num_tokens] int32: token indices slot by slot (ascending), those without one last
-    # [max_loras, 3] int32: (slot, start, end) of the p-th slot in use, whose tokens are rows[start:end]; (0, 0, 0)
-    # past the slots in use
-    segments: torch.Tensor
+    # [sorted_max_chunks(num_slots), 3] int32: (slot, start, end) of the p-th chunk, its tokens rows[start:end]
+    # (up to SORTED_CHUNK of one slot; chunks in slot order); (0, 0, 0) past the step's chunks
+    chunks: torch.Tensor
     num_tokens: int = 0  # tokens of the last grouping (host side; 0: not grouped, the one-block kernels run)
 
 
 def slot_groups(max_loras: int, max_num_tokens: int, device: torch.device) -> SlotGroups:
     """Static grouping buffers for a pool of max_loras slots and a step of up to max_num_tokens tokens."""
-    return SlotGroups(torch.zeros(max_num_tokens, dtype=torch.int32, device=device),
-                      torch.zeros(max_loras, 3, dtype=torch.int32, device=device))
+    return SlotGroups(max_loras, torch.zeros(max_num_tokens, dtype=torch.int32, device=device),
+                      torch.zeros(sorted_max_chunks(max_loras), 3, dtype=torch.int32, device=device))
 
 
 def lora_sorted() -> bool:
@@ -52,12 +60,11 @@ def index_token_slots(step_slots: torch.Tensor, token_slots: torch.Tensor, group
     step (Triton, 1..SORTED_MAX_ROWS tokens, more than one slot, lora_sorted()), one kernel copies them and groups
     the tokens by slot into groups, which every projection of the step then reads."""
     n = step_slots.shape[0]
-    if (groups is not None and 0 < n <= min(SORTED_MAX_ROWS, groups.rows.shape[0]) and groups.segments.shape[0] > 1
+    if (groups is not None and 0 < n <= min(SORTED_MAX_ROWS, groups.rows.shape[0]) and groups.num_slots > 1
             and use_triton(step_slots) and lora_sorted()):
         from tandem.kernels.triton_lora_sorted import group_token_slots_triton  # lazy: CPU runs never import Triton
 
         group_token_slots_triton(step_slots, token_slots, groups)
-        groups.num_tokens = n
         return
     token_slots[:n].copy_(step_slots)
     if groups is not None:
@@ -142,9 +149,10 @@ def _lora_kernels(x2: torch.Tensor) -> bool:
 
 
 def lora_counters(num_slots: int, device: torch.device) -> torch.Tensor:
-    """The split counters the Triton kernels of a pool of num_slots slots share: zero, and zero again after every
-    call, so one buffer serves every linear of a model (their kernels run one after another on a stream)."""
-    return torch.zeros(num_slots * MAX_RANK_TILES, dtype=torch.int32, device=device)
+    """The split counters the Triton kernels of a pool of num_slots slots share (a slot's or a sorted chunk's rank
+    tiles): zero, and zero again after every call, so one buffer serves every linear of a model (their kernels run
+    one after another on a stream)."""
+    return torch.zeros(sorted_max_chunks(num_slots) * MAX_RANK_TILES, dtype=torch.int32, device=device)
 
 
 @dataclass(slots=True)

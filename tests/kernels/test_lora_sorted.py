@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels.lora import (SORTED_MAX_ROWS, index_token_slots, lora_add_ref, lora_counters, lora_shrink_ref,
-                                 slot_groups)
+from tandem.kernels.lora import (SORTED_CHUNK, SORTED_MAX_ROWS, index_token_slots, lora_add_ref, lora_counters,
+                                 lora_shrink_ref, slot_groups, sorted_max_chunks)
 from tandem.kernels.triton_lora import ONE_BLOCK_MAX
 from tandem.kernels.triton_lora_sorted import lora_expand_sorted_triton, lora_shrink_sorted_triton
 from tests.kernels.sm90 import compile_sm90
@@ -36,21 +36,21 @@ def grouped(slots: torch.Tensor):
     """The static index (stale entries past the step) and its grouping, as the pool makes them each step."""
     index = torch.full((slots.shape[0] + STALE,), 1, dtype=torch.int32, device=DEVICE)
     groups = slot_groups(NUM_SLOTS, index.shape[0], torch.device(DEVICE))
-    groups.segments.fill_(7)  # the grouping must overwrite every row
+    groups.chunks.fill_(7)  # the grouping must overwrite every row
     index_token_slots(slots, index, groups)
     return index, groups
 
 
 def expected_groups(slots: torch.Tensor) -> tuple[list[int], list[list[int]]]:
+    """Token indices by (slot, index), none last; each slot's span cut into SORTED_CHUNK-row chunks."""
     key = [s if 0 <= s < NUM_SLOTS else NUM_SLOTS for s in slots.tolist()]
     rows = sorted(range(len(key)), key=lambda t: (key[t], t))
-    segments, start = [], 0
+    chunks, start = [], 0
     for slot in range(NUM_SLOTS):
-        count = key.count(slot)
-        if count:
-            segments.append([slot, start, start + count])
-        start += count
-    return rows, segments + [[0, 0, 0]] * (NUM_SLOTS - len(segments))
+        end = start + key.count(slot)
+        chunks += [[slot, c, min(c + SORTED_CHUNK, end)] for c in range(start, end, SORTED_CHUNK)]
+        start = end
+    return rows, chunks + [[0, 0, 0]] * (sorted_max_chunks(NUM_SLOTS) - len(chunks))
 
 
 @pytest.fixture(autouse=True)
@@ -63,15 +63,16 @@ def _triton_on_cpu(monkeypatch):
 @pytest.mark.parametrize("n,mix", [(1, "mixed"), (5, "distinct"), (17, "mixed"), (64, "mixed"), (64, "one"),
                                    (128, "mixed")])
 def test_grouping_orders_tokens_by_slot(n, mix):
-    """One kernel copies the step's slots into the index (leaving the entries past them) and lists each slot in use
-    with its tokens, in token order, tokens without an adapter last."""
+    """One kernel copies the step's slots into the index (leaving the entries past them), orders the tokens by slot
+    (in token order within a slot, tokens without an adapter last) and lists the chunks of up to SORTED_CHUNK rows
+    each slot in use makes."""
     slots = step_slots(n, mix)
     index, groups = grouped(slots)
     assert torch.equal(index[:n], slots) and index[n:].eq(1).all()
-    rows, segments = expected_groups(slots)
+    rows, chunks = expected_groups(slots)
     assert groups.num_tokens == n
     assert groups.rows[:n].tolist() == rows
-    assert groups.segments.tolist() == segments
+    assert groups.chunks.tolist() == chunks
 
 
 def test_grouping_only_where_the_sorted_kernels_run(monkeypatch):
@@ -192,7 +193,8 @@ def build(fn, types, constexprs, warps):
                        options={"num_warps": warps})
     return {"local": "ld.local" in k.asm["ptx"], "shared": k.metadata.shared}
 
-out = {"group": build(_group_kernel, ["*i32"] * 4 + ["i32"] * 2, dict(BLOCK_T=128, SLOTS_P2=64), 4)}
+out = {"group": build(_group_kernel, ["*i32"] * 4 + ["i32"] * 3, dict(BLOCK_T=128, SLOTS_P2=64, CHUNKS_P2=128,
+                                                                        CHUNK=16), 4)}
 for splits, bk, warps in ((16, 128, 4), (1, 256, 4), (8, 256, 8)):
     out[f"shrink-{splits}-{bk}-{warps}"] = build(_sorted_shrink_kernel, ["*bf16", "*bf16", "*i32", "*i32", "*fp32",
         "*fp32", "*i32"] + ["i32"] * 9, dict(SPLITS=splits, BLOCK_M=16, BLOCK_R=64, BLOCK_K=bk, USE_PDL=2), warps)
