@@ -1,6 +1,6 @@
 """Decode LoRA shrink and expand kernels on CUDA: the one-block kernels against the sorted ones (grouped by slot).
 
-    python scripts/bench_lora_kernels.py --out out/lora_sorted.json [--rank 16] [--slots 16] [--budget-s 200]
+    python scripts/bench_lora_kernels.py --out out/lora_sorted.json [--rank 16] [--slots 16] [--budget-s 120]
 
 For the Llama-3-8B projections with rank-`rank` adapters in a pool of `slots` slots (qkv 4096 -> 6144 with three
 parts' rank columns, o 4096 -> 4096, gate_up 4096 -> 28672 with two, down 14336 -> 4096) and decode mixes (32 tokens
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--slots", type=int, default=16)
-    parser.add_argument("--budget-s", type=float, default=200.0, help="seconds for the tile grid (0: none)")
+    parser.add_argument("--budget-s", type=float, default=120.0, help="seconds for the tile grid (0: none)")
     args = parser.parse_args()
     device, props, copy_gbs = cuda_setup()
     started = time.monotonic()
