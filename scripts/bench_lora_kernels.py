@@ -8,7 +8,7 @@ over 8 adapters, 64 over 16, and as checks 64 on one adapter and 8 over 8), it t
 graph replays over enough copies of A and B (>= 4x the L2 in all) that each call reads its adapters from HBM as a
 decode step does layer after layer: the one-block shrink and expand (`triton_lora`, TANDEM_LORA_SORTED=0's path),
 the sorted shrink and expand with their default tiles (`triton_lora_sorted`), and the step's one grouping kernel.
-Then, while --budget-s lasts, a grid of the sorted kernels' tiles (expand: BLOCK_N x num_warps; shrink: K splits x
+Then, until --budget-s seconds from the start, a grid of the sorted kernels' tiles (expand: BLOCK_N x num_warps; shrink: K splits x
 BLOCK_K x num_warps), fastest first. `step_us_*` sums the four projections over the 32 layers (plus the grouping
 once, for the sorted kernels): the decode step's LoRA kernel time.
 """
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--slots", type=int, default=16)
-    parser.add_argument("--budget-s", type=float, default=120.0, help="seconds for the tile grid (0: none)")
+    parser.add_argument("--budget-s", type=float, default=120.0, help="seconds from the start past which no more grid tiles are timed")
     args = parser.parse_args()
     device, props, copy_gbs = cuda_setup()
     started = time.monotonic()
