@@ -9,10 +9,11 @@ tokens and adapters (a decode token on one adapter, 32 decode tokens over 8 adap
 prefill of 32 prompts over 8 adapters): without adapters (`base_us`: the GEMV, skinny GEMM or cuBLAS the rows
 take), with them and the delta in the decode kernels' epilogue where they run (`fused_us`: a shrink kernel, then
 base + expand), and with the separate shrink and expand kernels after the base output (`unfused_us`,
-TANDEM_LORA_FUSED=0). GPU time from a CUDA graph, as the engine replays it. The ratio base / lora is the
-projection's share of the `lora` workload's target. At one token it also times the two shrink kernels alone: the
-one-pass GEMV over the token's A rows that the fused path runs (`shrink_gemv_us`) and the token-block kernel with
-its K split and second pass (`shrink_block_us`).
+TANDEM_LORA_FUSED=0: at decode mixes the sorted kernels over the step's tokens grouped by slot, as the pool groups
+them; `one_block_us`: the one-block kernels they replace, TANDEM_LORA_SORTED=0). GPU time from a CUDA graph, as the
+engine replays it. The ratio base / lora is the projection's share of the `lora` workload's target. At one token it
+also times the two shrink kernels alone: the one-pass GEMV over the token's A rows that the fused path runs
+(`shrink_gemv_us`) and the token-block kernel with its K split and second pass (`shrink_block_us`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gemv import cuda_setup, graph_us, write_rows  # noqa: E402
 
-from tandem.kernels.lora import lora_counters  # noqa: E402
+from tandem.kernels.lora import index_token_slots, lora_counters, slot_groups  # noqa: E402
 from tandem.kernels.triton_gemv import lora_shrink_triton  # noqa: E402
 from tandem.kernels.triton_lora import lora_shrink_block_triton  # noqa: E402
 from tandem.layers.linear import Linear  # noqa: E402
@@ -41,7 +42,8 @@ MIXES = [("1 token, 1 adapter", 1, 1, 1), ("32 tokens, 8 adapters", 32, 8, 1), (
 
 
 def timed(linear: Linear, name: str, x: torch.Tensor, fused: bool) -> float:
-    """GPU us of one call as the decoder layer makes it; TANDEM_LORA_FUSED is read while the graph is captured."""
+    """GPU us of one call as the decoder layer makes it; TANDEM_LORA_FUSED is read while the graph is captured (the
+    step's grouping is made before it, by the caller)."""
     os.environ["TANDEM_LORA_FUSED"] = "1" if fused else "0"
     if name == "gate_up":
         return graph_us([lambda: linear.forward_silu_and_mul(x)])
@@ -57,6 +59,7 @@ def main() -> None:
     device, props, copy_gbs = cuda_setup()
     gen = torch.Generator(device=device).manual_seed(0)
     slots = torch.full((4096,), -1, dtype=torch.int32, device=device)  # the pool's static token index
+    groups = slot_groups(args.slots, 4096, device)  # and its grouping by slot
     counters = lora_counters(args.slots, device)
     rows = []
     for name, n_out, k, parts in SHAPES:
@@ -65,18 +68,24 @@ def main() -> None:
         linear.weight.data = torch.randn(n_out, k, generator=gen, device=device).mul_(k**-0.5).to(torch.bfloat16)
         a = torch.randn(args.slots, cols, k, generator=gen, device=device).mul_(k**-0.5).to(torch.bfloat16)
         b = torch.randn(args.slots, n_out, cols, generator=gen, device=device).mul_(0.01).to(torch.bfloat16)
-        delta = LoRADelta(a, b, slots, counters)
+        delta = LoRADelta(a, b, slots, counters, groups=groups)
         for mix, tokens, adapters, per_request in MIXES:
             x = torch.randn(tokens, k, generator=gen, device=device, dtype=torch.bfloat16)
             request = torch.arange(tokens, device=device) // per_request
-            slots[:tokens] = (request % adapters).to(torch.int32)
+            step = (request % adapters).to(torch.int32)
+            os.environ["TANDEM_LORA_SORTED"] = "0"
+            index_token_slots(step, slots, groups)  # as the pool's select writes it; not grouped
             linear.lora = None
             base = timed(linear, name, x, fused=True)
             linear.lora = delta
+            one_block = timed(linear, name, x, fused=False)
+            os.environ.pop("TANDEM_LORA_SORTED")
+            index_token_slots(step, slots, groups)  # grouped where the pool groups a step
             fused, unfused = timed(linear, name, x, fused=True), timed(linear, name, x, fused=False)
             row = {"proj": name, "N": n_out, "K": k, "rank_columns": cols, "mix": mix, "tokens": tokens,
                    "adapters": adapters, "base_us": base, "fused_us": fused, "unfused_us": unfused,
-                   "ratio_fused": base / fused, "ratio_unfused": base / unfused}
+                   "one_block_us": one_block, "grouped": groups.num_tokens > 0, "ratio_fused": base / fused,
+                   "ratio_unfused": base / unfused, "ratio_one_block": base / one_block}
             if tokens == 1:
                 row["shrink_gemv_us"] = graph_us([lambda: lora_shrink_triton(x, a, slots)])
                 row["shrink_block_us"] = graph_us([lambda: lora_shrink_block_triton(x, a, slots, counters)])
@@ -84,7 +93,8 @@ def main() -> None:
             shrinks = (f"  shrink gemv {row['shrink_gemv_us']:.1f} us, block {row['shrink_block_us']:.1f} us"
                        if tokens == 1 else "")
             print(f"{name:<8} {mix:<30} base {base:8.1f} us  lora fused {fused:8.1f} us ({row['ratio_fused']:.3f})  "
-                  f"separate {unfused:8.1f} us ({row['ratio_unfused']:.3f}){shrinks}", flush=True)
+                  f"separate {unfused:8.1f} us ({row['ratio_unfused']:.3f}) one-block {one_block:8.1f} us "
+                  f"({row['ratio_one_block']:.3f}){shrinks}", flush=True)
     os.environ.pop("TANDEM_LORA_FUSED")
     if args.out:
         write_rows(args.out, props, copy_gbs, rows, benchmark="lora_kernels", rank=args.rank, slots=args.slots)

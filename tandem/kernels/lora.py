@@ -1,6 +1,7 @@
 """The LoRA delta of a batch that mixes adapters: y += (x @ A[slot]^T) @ B[slot]^T per token, slot -1 adding
 nothing; the Triton shrink / expand kernels on CUDA, the plain-PyTorch reference below on the CPU. At decode sizes
-the expand may instead run in the epilogue of the base projection's kernel (LoRAShrunk: what that epilogue reads)."""
+the expand may instead run in the epilogue of the base projection's kernel (LoRAShrunk: what that epilogue reads), and
+the separate kernels find each adapter's rows through the step's tokens grouped by slot once (SlotGroups)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,63 @@ MAX_RANK_TILES = 64  # the Triton shrink's rank tiles a counter buffer serves pe
 # Rows up to which lora_shrink reads each row's adapter rows by itself (the decode GEMV's rows); past it, tokens that
 # share an adapter share its reads (the token-block kernel's tile products).
 SHRINK_GEMV_MAX_ROWS = 4
+# Tokens up to which a step's index is grouped by slot for the sorted decode kernels (triton_lora.ONE_BLOCK_MAX: the
+# one-block kernels' rows, which they replace).
+SORTED_MAX_ROWS = 128
+SORTED_CHUNK = 16  # a slot's grouped rows a sorted kernel program takes (a decode step's slots mostly have fewer)
+
+
+def sorted_max_chunks(num_slots: int) -> int:
+    """The most chunks a grouping of up to SORTED_MAX_ROWS tokens over num_slots slots makes (a part chunk a slot,
+    a whole one per SORTED_CHUNK tokens)."""
+    return num_slots + SORTED_MAX_ROWS // SORTED_CHUNK
+
+
+@dataclass(slots=True)
+class SlotGroups:
+    """A step's tokens grouped by adapter slot, made with the token index once a step (index_token_slots) and read
+    by every projection's sorted shrink and expand: a program per chunk of a slot's rows gathers them from here."""
+
+    num_slots: int  # the pool's slots (token slots outside 0..num_slots-1 count as none)
+    rows: torch.Tensor  # [max_num_tokens] int32: token indices slot by slot (ascending), those without one last
+    # [sorted_max_chunks(num_slots), 3] int32: (slot, start, end) of the p-th chunk, its tokens rows[start:end]
+    # (up to SORTED_CHUNK of one slot; chunks in slot order); (0, 0, 0) past the step's chunks
+    chunks: torch.Tensor
+    num_tokens: int = 0  # tokens of the last grouping (host side; 0: not grouped, the one-block kernels run)
+
+
+def slot_groups(max_loras: int, max_num_tokens: int, device: torch.device) -> SlotGroups:
+    """Static grouping buffers for a pool of max_loras slots and a step of up to max_num_tokens tokens."""
+    return SlotGroups(max_loras, torch.zeros(max_num_tokens, dtype=torch.int32, device=device),
+                      torch.zeros(sorted_max_chunks(max_loras), 3, dtype=torch.int32, device=device))
+
+
+def lora_sorted() -> bool:
+    """Whether decode steps (up to SORTED_MAX_ROWS tokens, a pool of more than one slot) group their tokens by slot
+    for the sorted shrink and expand; TANDEM_LORA_SORTED=0 keeps the one-block kernels. Read per step, when the
+    index is written: a CUDA graph keeps what its capture chose."""
+    return os.environ.get("TANDEM_LORA_SORTED") != "0"
+
+
+def index_token_slots(step_slots: torch.Tensor, token_slots: torch.Tensor, groups: SlotGroups | None) -> None:
+    """The step's per-token slots [n] into the static index token_slots[:n]; where the sorted kernels will take the
+    step (Triton, 1..SORTED_MAX_ROWS tokens, more than one slot, lora_sorted()), one kernel copies them and groups
+    the tokens by slot into groups, which every projection of the step then reads."""
+    n = step_slots.shape[0]
+    if (groups is not None and 0 < n <= min(SORTED_MAX_ROWS, groups.rows.shape[0]) and groups.num_slots > 1
+            and use_triton(step_slots) and lora_sorted()):
+        from tandem.kernels.triton_lora_sorted import group_token_slots_triton  # lazy: CPU runs never import Triton
+
+        group_token_slots_triton(step_slots, token_slots, groups)
+        return
+    token_slots[:n].copy_(step_slots)
+    if groups is not None:
+        groups.num_tokens = 0
+
+
+def _grouped(groups: SlotGroups | None, n: int) -> bool:
+    """Whether n rows run the sorted kernels: the step's tokens were grouped, over at least these rows."""
+    return groups is not None and 0 < n <= groups.num_tokens
 
 
 def lora_add_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -34,12 +92,18 @@ def lora_add_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             token_slots: torch.Tensor, counters: torch.Tensor | None = None) -> torch.Tensor:
+             token_slots: torch.Tensor, counters: torch.Tensor | None = None,
+             groups: SlotGroups | None = None) -> torch.Tensor:
     """y [..., out] += the per-token adapter delta of x [..., in] (see lora_add_ref); returns y. counters: the
-    kernels' split counters (triton_lora.lora_counters), shared by a pool's linears."""
+    kernels' split counters (triton_lora.lora_counters), shared by a pool's linears; groups: the step's tokens
+    grouped by slot (the sorted kernels run where they cover x's rows)."""
     y2, x2 = y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
     slots = token_slots[: x2.shape[0]]
-    if _lora_kernels(x2):
+    if _lora_kernels(x2) and _grouped(groups, x2.shape[0]):
+        from tandem.kernels.triton_lora_sorted import lora_expand_sorted_triton, lora_shrink_sorted_triton  # lazy
+
+        lora_expand_sorted_triton(y2, lora_shrink_sorted_triton(x2, a, groups, counters), b, groups)
+    elif _lora_kernels(x2):
         from tandem.kernels.triton_lora import lora_add_triton  # lazy: CPU runs never import Triton
 
         lora_add_triton(y2, x2, a, b, slots, counters)
@@ -50,25 +114,32 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
 
 def lora_add_beside(x: torch.Tensor, base: Callable[[], torch.Tensor], a: torch.Tensor, b: torch.Tensor,
                     token_slots: torch.Tensor, counters: torch.Tensor | None,
-                    side: torch.cuda.Stream | None) -> torch.Tensor:
+                    side: torch.cuda.Stream | None, groups: SlotGroups | None = None) -> torch.Tensor:
     """base() (x's base projection, [..., out]) plus the per-token delta. Where the Triton kernels run and a side
     stream is given, the shrink, which reads only x, runs on `side` while base() runs, and the expand after both
     (a captured graph keeps the fork and the join): the shrink's fixed cost, ~6-10 us a projection at 32 rows,
-    leaves the step's critical path. counters: the side stream's own (its shrinks may overlap the main stream's)."""
+    leaves the step's critical path. counters: the side stream's own (its shrinks may overlap the main stream's);
+    groups: as lora_add's."""
     x2 = x.reshape(-1, x.shape[-1])
     if side is None or not _lora_kernels(x2):
-        return lora_add(base(), x, a, b, token_slots, counters)
+        return lora_add(base(), x, a, b, token_slots, counters, groups)
     from tandem.kernels.triton_lora import lora_expand_triton, lora_shrink_block_triton  # lazy: no Triton on CPU
+    from tandem.kernels.triton_lora_sorted import lora_expand_sorted_triton, lora_shrink_sorted_triton
 
     slots = token_slots[: x2.shape[0]]
+    grouped = _grouped(groups, x2.shape[0])
     main = torch.cuda.current_stream(x2.device)
-    side.wait_stream(main)  # x is written
+    side.wait_stream(main)  # x (and the step's grouping) is written
     with torch.cuda.stream(side):
         # Its memory returns to the side stream's pool, whose next use waits on the main stream (above) again.
-        shrink = lora_shrink_block_triton(x2, a, slots, counters)
+        shrink = (lora_shrink_sorted_triton(x2, a, groups, counters) if grouped
+                  else lora_shrink_block_triton(x2, a, slots, counters))
     y = base()
     main.wait_stream(side)
-    lora_expand_triton(y.view(-1, y.shape[-1]), shrink, b, slots)
+    if grouped:
+        lora_expand_sorted_triton(y.view(-1, y.shape[-1]), shrink, b, groups)
+    else:
+        lora_expand_triton(y.view(-1, y.shape[-1]), shrink, b, slots)
     return y
 
 
@@ -78,9 +149,10 @@ def _lora_kernels(x2: torch.Tensor) -> bool:
 
 
 def lora_counters(num_slots: int, device: torch.device) -> torch.Tensor:
-    """The split counters the Triton kernels of a pool of num_slots slots share: zero, and zero again after every
-    call, so one buffer serves every linear of a model (their kernels run one after another on a stream)."""
-    return torch.zeros(num_slots * MAX_RANK_TILES, dtype=torch.int32, device=device)
+    """The split counters the Triton kernels of a pool of num_slots slots share (a slot's or a sorted chunk's rank
+    tiles): zero, and zero again after every call, so one buffer serves every linear of a model (their kernels run
+    one after another on a stream)."""
+    return torch.zeros(sorted_max_chunks(num_slots) * MAX_RANK_TILES, dtype=torch.int32, device=device)
 
 
 @dataclass(slots=True)
@@ -134,16 +206,21 @@ def lora_skinny_rows(x: torch.Tensor, in_features: int) -> bool:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor,
-                counters: torch.Tensor | None = None) -> torch.Tensor:
+                counters: torch.Tensor | None = None, groups: SlotGroups | None = None) -> torch.Tensor:
     """[n, rank] fp32 shrink of x [n, in] through each token's A (see lora_shrink_ref; rows with slot -1 may be left
     unwritten: LoRAShrunk). Where Triton runs: up to SHRINK_GEMV_MAX_ROWS rows a GEMV over each row's own A rows
-    (no K split, no second pass), more rows the token-block shrink of lora_add (counters: its split counters)."""
+    (no K split, no second pass), more rows lora_add's shrink (the sorted one where groups cover the rows;
+    counters: its split counters)."""
     if not use_triton(x):
         return lora_shrink_ref(x, a, token_slots)
     if x.shape[0] <= SHRINK_GEMV_MAX_ROWS:
         from tandem.kernels.triton_gemv import lora_shrink_triton  # lazy: CPU runs never import Triton
 
         return lora_shrink_triton(x, a, token_slots)
+    if _grouped(groups, x.shape[0]):
+        from tandem.kernels.triton_lora_sorted import lora_shrink_sorted_triton  # lazy: CPU runs never import Triton
+
+        return lora_shrink_sorted_triton(x, a, groups, counters)
     from tandem.kernels.triton_lora import lora_shrink_block_triton  # lazy: CPU runs never import Triton
 
     return lora_shrink_block_triton(x, a, token_slots, counters)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kernels.lora import LoRAShrunk, lora_add_beside, lora_counters, lora_shrink
+from tandem.kernels.lora import (LoRAShrunk, SlotGroups, index_token_slots, lora_add_beside, lora_counters,
+                                 lora_shrink, slot_groups)
 from tandem.layers.linear import Linear
 from tandem.lora.pack import PackedAdapter, num_parts
 
@@ -18,26 +19,29 @@ class LoRADelta:
     the delta onto its base output (`add_beside`; before a row-parallel layer's all-reduce: A's input columns are
     sharded like the base weight, so the ranks' partial deltas sum with the partial products)."""
 
-    __slots__ = ("a", "b", "token_slots", "counters", "side")
+    __slots__ = ("a", "b", "token_slots", "counters", "side", "groups")
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
-                 counters: torch.Tensor | None = None, side: SideStream | None = None) -> None:
+                 counters: torch.Tensor | None = None, side: SideStream | None = None,
+                 groups: SlotGroups | None = None) -> None:
         self.a = a  # [max_loras, parts * max_rank, in_local]
         self.b = b  # [max_loras, out_local, parts * max_rank], the adapter's scale folded in
         self.token_slots = token_slots  # [max_num_tokens] int32, -1: no adapter
         self.counters = counters  # the kernels' split counters, one buffer for the pool (None: off the GPU)
         self.side = side  # the stream the shrink runs on beside the base projection, with its counters (GPU)
+        self.groups = groups  # the step's tokens grouped by slot, shared by the pool (None: the one-block kernels)
 
     def add_beside(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
         """base() (the base projection of x) plus each token's delta, the shrink beside base() on the GPU."""
         side = self.side
         return lora_add_beside(x, base, self.a, self.b, self.token_slots, self.counters if side is None else
-                               side.counters, None if side is None else side.stream)
+                               side.counters, None if side is None else side.stream, self.groups)
 
     def shrink(self, x: torch.Tensor) -> LoRAShrunk:
         """x [n, in_local]'s rank columns through each token's A, with B and the slots: what the epilogue of a
         decode kernel (the GEMV, the skinny tile GEMM) reads to add the delta itself (Linear._fused_lora)."""
-        return LoRAShrunk(lora_shrink(x, self.a, self.token_slots, self.counters), self.b, self.token_slots)
+        return LoRAShrunk(lora_shrink(x, self.a, self.token_slots, self.counters, self.groups), self.b,
+                          self.token_slots)
 
 
 @dataclass(slots=True)
@@ -51,13 +55,15 @@ class SideStream:
 class LoRAPool:
     """max_loras slots of every target linear, zero until an adapter pages in; attaches a LoRADelta to each
     target. The token index is one static tensor: each step's forward first copies its slot buffers' per-token
-    slots into it (select), so captured graphs replay any mix of adapters without recapture."""
+    slots into it (select), so captured graphs replay any mix of adapters without recapture; a decode step also
+    groups its tokens by slot there, once, for every projection's kernels (groups)."""
 
     def __init__(self, targets: dict[str, Linear], max_loras: int, max_rank: int, max_num_tokens: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.max_loras = max_loras
         self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device)
         self.counters = lora_counters(max_loras, device)
+        self.groups = slot_groups(max_loras, max_num_tokens, device)
         side = (SideStream(torch.cuda.Stream(device), lora_counters(max_loras, device)) if device.type == "cuda"
                 else None)
         self.slots: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -66,7 +72,7 @@ class LoRAPool:
             a = torch.zeros(max_loras, cols, linear.in_features, dtype=dtype, device=device)
             b = torch.zeros(max_loras, linear.out_features, cols, dtype=dtype, device=device)
             self.slots[name] = (a, b)
-            linear.lora = LoRADelta(a, b, self.token_slots, self.counters, side)
+            linear.lora = LoRADelta(a, b, self.token_slots, self.counters, side, self.groups)
 
     @property
     def num_bytes(self) -> int:
@@ -85,5 +91,6 @@ class LoRAPool:
                 b[slot].copy_(pair[1], non_blocking=True)
 
     def select(self, step_slots: torch.Tensor) -> None:
-        """The step's per-token slots (a slot buffer's device region, [num_tokens]) into the static index."""
-        self.token_slots[: step_slots.shape[0]].copy_(step_slots)
+        """The step's per-token slots (a slot buffer's device region, [num_tokens]) into the static index, and at
+        decode sizes grouped by slot (index_token_slots)."""
+        index_token_slots(step_slots, self.token_slots, self.groups)

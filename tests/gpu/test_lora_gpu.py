@@ -77,6 +77,22 @@ def test_delta_in_the_decode_kernels_matches_the_separate_kernels(adapters, monk
 
 
 @pytest.mark.gpu
+def test_sorted_kernels_match_the_one_block_kernels(adapters, monkeypatch):
+    """The decode shrink and expand over the step's tokens grouped by slot (the default) give the greedy tokens of
+    the one-block kernels (TANDEM_LORA_SORTED=0), from CUDA graphs and eagerly, in bf16, the separate kernels at
+    every decode row (TANDEM_LORA_FUSED=0)."""
+    base, loras = adapters
+    monkeypatch.setenv("TANDEM_LORA_FUSED", "0")
+    runs = {}
+    for sorted_kernels in ("1", "0"):
+        monkeypatch.setenv("TANDEM_LORA_SORTED", sorted_kernels)
+        for graphs in (True, False):
+            runs[sorted_kernels, graphs] = _generate(base, loras, "bfloat16", max_loras=3, cuda_graph=graphs)
+    assert_same_greedy(runs["0", True], runs["1", True], "graphs: sorted vs one-block LoRA kernels")
+    assert_same_greedy(runs["1", False], runs["1", True], "sorted LoRA kernels: graphs vs eager")
+
+
+@pytest.mark.gpu
 def test_fp32_matches_peft(adapters):
     """fp32 on the GPU (the PyTorch path of the delta) against transformers + peft on the CPU."""
     base, loras = adapters
