@@ -18,11 +18,14 @@ greedy tokens a function of the last token alone, the same in every step shape.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import tempfile
 import time
 from typing import Any
+
+from tandem.scheduler.output import draft_stand_in
 
 PARAGRAPH = ("The committee met on Tuesday to review the budget for the next fiscal year. After a long discussion, "
              "the members agreed to increase funding for public libraries by ten percent, to delay the road "
@@ -54,6 +57,7 @@ class OracleProposer:
                  vocab_size: int, inner: Any = None, seed: int = 0) -> None:
         self.references, self.acceptance, self.vocab_size, self.seed = references, acceptance, vocab_size, seed
         self.inner = inner
+        self._offers: dict[tuple[int, ...], Any] = {}  # prompt key -> every offered token, on the device
 
     def propose_all(self, requests: list[tuple[Any, int]]) -> list[list[int]]:
         if self.inner is not None:
@@ -71,14 +75,56 @@ class OracleProposer:
         drafts = [self.propose(r.all_token_ids, len(d)) for (r, _), d in zip(requests, on_device[0])]
         return drafts, on_device[1][:0]
 
+    def drafts_ahead(self, sched: Any, ks: list[int], accepted: Any) -> tuple[list[list[int]], Any] | None:
+        """As the inner proposer's drafts_ahead (its chain enqueued behind the verify step `sched` in flight),
+        with the recorded tokens in its place: where a request's next drafts start depends on the accepted count
+        still on the device, so each request's whole offered sequence goes to the device and the drafts are
+        gathered there from that count."""
+        import torch
+
+        inner = getattr(self.inner, "drafts_ahead", None)
+        if inner is None or inner(sched, ks, accepted) is None:
+            return None
+        width, device = max(ks, default=0), accepted.device
+        rows, first = [], []
+        for s in sched.scheduled:
+            offered, done = self._offered(s.request.all_token_ids, device)
+            rows.append(offered)
+            first.append(done + 1)  # the output index after the step in flight's last token, none accepted
+        length = max(row.shape[0] for row in rows)
+        # On the stream the step in flight and the next step's forward run on (the inner proposer's: the target's
+        # compute stream), between the accepted counts and the forward that takes the drafts.
+        stream = getattr(self.inner, "stream", None)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            table = torch.stack([torch.nn.functional.pad(row, (0, length - row.shape[0])) for row in rows])
+            starts = torch.tensor(first, dtype=torch.int64)  # pinned: a pageable copy would wait for the step
+            starts = starts.pin_memory() if starts.device != device and torch.cuda.is_available() else starts
+            index = (starts.to(device, non_blocking=True)[:, None]
+                     + accepted[: len(rows), None] + torch.arange(width, device=device)[None, :])
+            tokens = table.gather(1, index.clamp(max=length - 1))
+        return [[draft_stand_in(g * width + j) for j in range(k)] for g, k in enumerate(ks)], tokens
+
+    def _offered(self, token_ids: list[int], device: Any) -> tuple[Any, int]:
+        """The request's offered token at every output index on the device (propose's, right or wrong as it
+        decides per index; made once a request), and how many outputs it has."""
+        import torch
+
+        key = tuple(token_ids[:16])
+        num_prompt, ref = self.references[key]
+        offered = self._offers.get(key)
+        if offered is None:
+            offered = torch.tensor([self._offer(ref, pos, num_prompt) for pos in range(len(ref))], device=device)
+            self._offers[key] = offered
+        return offered, len(token_ids) - num_prompt
+
+    def _offer(self, ref: list[int], pos: int, num_prompt: int) -> int:
+        right = random.Random(self.seed * 1_000_003 + pos * 7919 + num_prompt).random() < self.acceptance
+        return ref[pos] if right else (ref[pos] + 1) % self.vocab_size
+
     def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
         num_prompt, ref = self.references[tuple(token_ids[:16])]
         done = len(token_ids) - num_prompt
-        drafts = []
-        for pos in range(done, min(done + max_drafts, len(ref))):
-            right = random.Random(self.seed * 1_000_003 + pos * 7919 + num_prompt).random() < self.acceptance
-            drafts.append(ref[pos] if right else (ref[pos] + 1) % self.vocab_size)
-        return drafts
+        return [self._offer(ref, pos, num_prompt) for pos in range(done, min(done + max_drafts, len(ref)))]
 
 
 def _pass(llm: Any, prompts: list[Any], max_tokens: int, chat: bool) -> dict[str, Any]:

@@ -185,8 +185,10 @@ class EngineCore:
         # holding its draft_stand_in ids); TANDEM_DEVICE_DRAFTS=0 brings them to the host instead.
         self._pending_drafts: tuple[torch.Tensor, list[Request]] | None = None
         self.device_drafts = os.environ.get("TANDEM_DEVICE_DRAFTS") != "0"
-        # Schedule a verify step behind the one in flight (_verify_ahead); TANDEM_VERIFY_AHEAD=0 collects it first.
-        self.ahead = os.environ.get("TANDEM_VERIFY_AHEAD") != "0"
+        # TANDEM_VERIFY_AHEAD=1: schedule a verify step behind the one in flight (_verify_ahead) instead of collecting
+        # it first. Off by default: at batch 1 the EAGLE-3 head's work behind each verify step already covers the
+        # host's collect, and the later-adapting draft count cost more than it saved (docs/architecture.md).
+        self.ahead = os.environ.get("TANDEM_VERIFY_AHEAD") == "1"
         self._collected_prefill = False  # a step collected in this call computed prompt tokens (not timed)
         self._step_end = 0.0
         self.spec_accepted_per_position = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
@@ -497,7 +499,8 @@ class EngineCore:
         token in flight and two more (it cannot end by length in `inflight`: it ends only by a stop token there,
         and its next step is then dropped)."""
         spec, eagle3, running = self.spec, self.eagle3, self.scheduler.running
-        if (not self.overlap or spec is None or eagle3 is None or self.proposer is not eagle3 or not self.ahead
+        if (not self.overlap or spec is None or eagle3 is None or not self.ahead
+                or getattr(self.proposer, "drafts_ahead", None) is None
                 or not inflight.shiftable or not eagle3.prefetched(inflight.sched) or self.scheduler.waiting
                 or self._loading or self.grammar.compiling or len(running) > spec.disable_by_batch_size
                 or len(running) != len(inflight.sched.scheduled)
@@ -515,10 +518,9 @@ class EngineCore:
     def _propose_ahead(self, inflight: StepHandle, ks: list[int]) -> None:
         """Gives each request of the verify step in flight the stand-ins of the drafts the head's chain behind it
         makes (_verify_ahead); the scheduler places them behind the token that step samples."""
-        eagle3 = self.eagle3
-        assert eagle3 is not None
         self._speculated = True
-        ahead = eagle3.drafts_ahead(inflight.sched, ks)
+        accepted = self.runner.buffers[inflight.slot].out_accepted
+        ahead = self.proposer.drafts_ahead(inflight.sched, ks, accepted)  # type: ignore[union-attr]
         assert ahead is not None, "_verify_ahead checked that the chain is there"
         proposals, tokens = ahead
         requests = [entry.request for entry in inflight.sched.scheduled]

@@ -178,6 +178,30 @@ def use_skinny(x: torch.Tensor, in_features: int) -> bool:
     return use_triton(x)
 
 
+def dense_rows(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """x [n, in] @ weight [out, in]^T, no bias, through the kernels a model's linears run at n rows: the
+    weight-streaming GEMV up to its rows, the skinny tile GEMM past them, cuBLAS beyond (and on the CPU); gated:
+    silu(gate) * up of a merged gate / up weight (gate rows first), [n, out / 2]. For weights held outside a
+    Linear (an EAGLE-3 head's), which would otherwise read their few rows' weights through cuBLAS at a fraction of
+    the copy bandwidth."""
+    in_features = weight.shape[1]
+    if use_gemv(x, in_features):
+        from tandem.kernels.triton_gemv import gemv_triton  # lazy: CPU runs never import Triton
+
+        return gemv_triton(x, weight, gated=gated)
+    if use_skinny(x, in_features):
+        from tandem.kernels.triton_quant import skinny_matmul_triton  # lazy: CPU runs never import Triton
+
+        out = skinny_matmul_triton(x, weight, None, gated=gated)
+        assert isinstance(out, torch.Tensor)
+        return out
+    out = torch.nn.functional.linear(x, weight)
+    if gated:
+        gate, up = out.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    return out
+
+
 def reduce_partial_sums(parts: PartialSums) -> torch.Tensor:
     """A split-K GEMM's output from its PartialSums: the reduce kernel where Triton runs, else PyTorch (the same
     sum in split order)."""

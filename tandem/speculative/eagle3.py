@@ -140,11 +140,13 @@ class Eagle3Proposer:
         self._ready = {}
         return True
 
-    def drafts_ahead(self, sched: SchedulerOutput, ks: list[int]) -> tuple[list[list[int]], torch.Tensor] | None:
+    def drafts_ahead(self, sched: SchedulerOutput, ks: list[int], accepted: torch.Tensor | None = None
+                     ) -> tuple[list[list[int]], torch.Tensor] | None:
         """Stand-ins for the drafts the chain behind the verify step `sched` (still in flight) is making: for
         its g-th request, the first ks[g] of chain row g, to verify in the step scheduled behind it
         (EngineCore._verify_ahead). -> (stand-ins per request, the chain's output on the device); None where that
-        chain is not the last one enqueued."""
+        chain is not the last one enqueued. `accepted` (that step's accepted counts on the device) is not read:
+        the chain started from them already."""
         if not self._prefetched or self._prefetched[-1][0] is not sched:
             return None
         width = self.steps.max_drafts

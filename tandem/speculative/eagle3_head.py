@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tandem.config import ModelConfig
 from tandem.kernels.attention_metadata import AttentionMetadata
-from tandem.kernels.ops import paged_attention, write_kv
+from tandem.kernels.ops import dense_rows, paged_attention, write_kv
 from tandem.layers.rotary import RotaryEmbedding, apply_rotary
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -202,7 +202,7 @@ class Eagle3Head:
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[n, 3 x target hidden] -> [n, hidden]: the first draft step's hidden state input."""
-        return F.linear(aux, self.fc)
+        return dense_rows(aux, self.fc)
 
     def qkv_rows(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -213,7 +213,7 @@ class Eagle3Head:
         embeds = self._rms(self.embed[token_ids], self.input_norm)
         normed = self._rms(hidden, self.hidden_norm)
         residual = normed if c.norm_before_residual else hidden
-        qkv = F.linear(torch.cat([embeds, normed], dim=-1), self.qkv)
+        qkv = dense_rows(torch.cat([embeds, normed], dim=-1), self.qkv)
         n, q_size, kv_size = qkv.shape[0], c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q = qkv[:, :q_size].view(n, c.num_heads, c.head_dim)
         k = qkv[:, q_size : q_size + kv_size].view(n, c.num_kv_heads, c.head_dim)
@@ -224,9 +224,8 @@ class Eagle3Head:
     def finish_rows(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Attention output [n, heads x dim] -> the layer's output stream [n, hidden] (before the final norm):
         the next chain step's hidden state input."""
-        hidden = F.linear(attn, self.o_proj) + residual
-        gate, up = F.linear(self._rms(hidden, self.post_norm), self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down) + hidden
+        hidden = dense_rows(attn, self.o_proj) + residual
+        return dense_rows(dense_rows(self._rms(hidden, self.post_norm), self.gate_up, gated=True), self.down) + hidden
 
     def layer_rows(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                    kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -241,7 +240,7 @@ class Eagle3Head:
 
     def draft(self, stream: torch.Tensor) -> torch.Tensor:
         """[n, hidden] output streams -> [n] greedy target token ids (argmax over the draft vocabulary)."""
-        logits = F.linear(self._rms(stream, self.norm), self.lm_head)
+        logits = dense_rows(self._rms(stream, self.norm), self.lm_head)
         return self.draft_to_target[logits.argmax(dim=-1)]
 
 

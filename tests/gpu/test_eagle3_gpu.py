@@ -50,6 +50,8 @@ def test_fp32_greedy_with_eagle3_equals_without(folder, head, expected, overlap,
     spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 4, "adaptive": False}
     llm = LLM(folder, device="cuda", speculative_config=spec, overlap=overlap, piecewise_max_tokens=piecewise,
               **COMMON)
+    # With overlap and piecewise graphs, verify steps are also scheduled behind the one in flight (shift_rows).
+    llm.engine.ahead = overlap and piecewise is None
     try:
         got = _greedy(llm)
         stats = llm.engine.stats()

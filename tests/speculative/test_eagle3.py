@@ -246,7 +246,7 @@ def test_verify_step_scheduled_behind_the_one_in_flight(target, likely_head, pla
     as if every draft in flight were accepted, and the device moves its rows back by the rejected ones
     (ModelExecutor.shift_rows). Tokens equal those without speculation: greedy, seeded sampling (each row keeps
     its position's noise, so a wrong sampling position shows) and stop tokens ending requests inside an accepted
-    run (the step behind it is dropped); TANDEM_VERIFY_AHEAD=0 collects every verify step first, as before."""
+    run (the step behind it is dropped); without it (the default) every verify step is collected first."""
     # The two tokens the greedy runs write most after their fifth (in the head's draft vocabulary): stop tokens
     # that end requests inside accepted runs.
     common = [t for t, _ in Counter(t for out in plain for t in out[5:]).most_common(2)]
@@ -355,6 +355,7 @@ def test_engine_feeds_the_head_the_targets_hidden_states(target, likely_head):
     spec = {"method": "eagle3", "model": likely_head, "num_speculative_tokens": 3, "adaptive": False}
     llm = LLM(target, speculative_config=spec, **ENGINE)
     engine = llm.engine
+    engine.ahead = True  # verify steps scheduled behind the one in flight too (drafts_ahead)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     engine.add_request("a", PROMPTS[1], params)
     checked, steps = Counter(), 0
@@ -374,10 +375,10 @@ def test_engine_feeds_the_head_the_targets_hidden_states(target, likely_head):
     engine.eagle3.propose_on_device = drafts_on_device
     drafts_ahead, ahead = engine.eagle3.drafts_ahead, []
 
-    def record_ahead(sched, ks):
+    def record_ahead(sched, ks, accepted):
         """Drafts chained behind a verify step still in flight, for the step scheduled behind it: the whole chain
         row of each request (all 3, however many it verifies), checked once that step's tokens reach the host."""
-        stand_ins, tokens = drafts_ahead(sched, ks)
+        stand_ins, tokens = drafts_ahead(sched, ks, accepted)
         assert all(ids == [-2 - 3 * g - j for j in range(k)] for g, (ids, k) in enumerate(zip(stand_ins, ks)))
         ahead.extend((s.request, tokens[g].tolist()) for g, s in enumerate(sched.scheduled))
         return stand_ins, tokens

@@ -12,6 +12,7 @@ from tandem.bench.offline import bench_workload
 from tandem.bench.spec_workload import run_spec_workload
 from tandem.bench.workloads import Workload
 from tandem.models import loader
+from tandem.runner.executor import ModelExecutor
 
 TINY = dict(model_type="llama", vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
@@ -19,9 +20,16 @@ TINY = dict(model_type="llama", vocab_size=384, hidden_size=64, intermediate_siz
 
 
 def test_eagle3_acceptance_mode(monkeypatch):
+    """Also through verify steps scheduled behind the one in flight, whose offered drafts are gathered on the device
+    from that step's accepted count (OracleProposer.drafts_ahead): with acceptance 1 every one of them is right."""
     monkeypatch.setitem(loader.NAMED_SHAPES, "tiny-llama", TINY)
+    monkeypatch.setenv("TANDEM_VERIFY_AHEAD", "1")
+    shifted = []
+    shift_rows = ModelExecutor.shift_rows
+    monkeypatch.setattr(ModelExecutor, "shift_rows", lambda self, *a: shifted.append(a[1]) or shift_rows(self, *a))
     result = run_spec_workload("tiny-llama", k=3, acceptance=[1.0, 0.0], batch_sizes=[1], max_tokens=16,
                                eagle3_head="random")
+    assert len(shifted) >= 4
     always, never = result["rows"]
     assert always["same_tokens"] and never["same_tokens"]
     assert always["spec"]["output_tokens"] == never["spec"]["output_tokens"] == 16
