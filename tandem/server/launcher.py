@@ -25,6 +25,7 @@ import socket
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_any
 from multiprocessing.process import BaseProcess
@@ -92,9 +93,28 @@ class EngineEndpoints:
                    sorted(dead_replicas or ()), shared_load)
 
 
+def load_tokenizer_soon(config: EngineConfig) -> Future:
+    """Starts loading the API's tokenizer on a thread of its own, to run while the engine processes start (each
+    takes seconds; the engines are spawned, so the thread is never forked): -> its Future."""
+    from tandem.models.loader import load_tokenizer
+
+    result: Future = Future()
+
+    def load() -> None:
+        try:
+            result.set_result(load_tokenizer(config))
+        except BaseException as exc:  # handed to whoever waits for it
+            result.set_exception(exc)
+
+    threading.Thread(target=load, name="tandem-tokenizer", daemon=True).start()
+    return result
+
+
 def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
-                     client_index: int = 0, api_restarts: int = 0) -> tuple[Any, Any, list[str]]:
-    """(uvicorn.Server, app, death messages) of one API process."""
+                     client_index: int = 0, api_restarts: int = 0,
+                     tokenizer: Future | None = None) -> tuple[Any, Any, list[str]]:
+    """(uvicorn.Server, app, death messages) of one API process; `tokenizer`: its tokenizer being loaded
+    (load_tokenizer_soon), else it is loaded here."""
     import uvicorn
 
     from tandem.engine.client import AsyncEngine
@@ -121,7 +141,8 @@ def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
                               settings.engine_config.max_lora_rank)
     for name, path in settings.lora_modules.items():  # ValueError naming the adapter: the server does not start
         adapters.load(name, path)
-    app = build_app(async_engine, load_tokenizer(settings.engine_config), model_names=settings.model_names,
+    loaded = tokenizer.result() if tokenizer is not None else load_tokenizer(settings.engine_config)
+    app = build_app(async_engine, loaded, model_names=settings.model_names,
                     max_model_len=info.max_model_len, vocab_size=info.vocab_size, api_key=settings.api_key,
                     api_restarts=api_restarts, tool_call_parser=settings.tool_call_parser,
                     public_metrics=settings.public_metrics, allowed_origins=settings.allowed_origins,
@@ -185,6 +206,8 @@ def serve(settings: ApiSettings, num_api_servers: int = 1, data_parallel_size: i
     if num_api_servers > 1:
         metrics_dir = tempfile.mkdtemp(prefix="tandem-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # read by the API processes at import
+    # One API process here: its tokenizer loads while the engines start.
+    tokenizer = load_tokenizer_soon(settings.engine_config) if num_api_servers == 1 else None
     try:
         engines = start_engines(settings.engine_config, num_api_servers=num_api_servers,
                                 data_parallel_size=data_parallel_size, max_queue=settings.max_queue,
@@ -196,8 +219,8 @@ def serve(settings: ApiSettings, num_api_servers: int = 1, data_parallel_size: i
         logger.info("engine core ready (pid %d): max_model_len %d, %d KV blocks", replica.info.pid,
                     replica.info.max_model_len, replica.info.num_blocks)
     try:
-        if num_api_servers == 1:
-            return _serve_in_process(settings, engines)
+        if tokenizer is not None:
+            return _serve_in_process(settings, engines, tokenizer)
         return _serve_with_api_processes(settings, engines, num_api_servers)
     finally:
         code = engines.stop()
@@ -207,8 +230,8 @@ def serve(settings: ApiSettings, num_api_servers: int = 1, data_parallel_size: i
             os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
 
 
-def _serve_in_process(settings: ApiSettings, engines: Engines) -> int:
-    server, _, died = build_api_server(settings, EngineEndpoints.of(engines, 0))
+def _serve_in_process(settings: ApiSettings, engines: Engines, tokenizer: Future) -> int:
+    server, _, died = build_api_server(settings, EngineEndpoints.of(engines, 0), tokenizer=tokenizer)
     _run_quietly_on_signal(server)
     if died:
         logger.error("tandem serve: %s", died[0])

@@ -97,16 +97,17 @@ def start_server(api_key: str | None = None, max_queue: int = 128, api_settings:
     api_settings: more ApiSettings fields."""
     from tandem.config import EngineConfig
     from tandem.engine.launch import start_engines
-    from tandem.server.launcher import ApiSettings, EngineEndpoints, build_api_server
+    from tandem.server.launcher import ApiSettings, EngineEndpoints, build_api_server, load_tokenizer_soon
 
     fault_dir = tempfile.mkdtemp(prefix="tandem-faults-")
     os.environ[FAULT_DIR_ENV] = fault_dir  # inherited by the engine-core process
     config = EngineConfig(**{**ENGINE_KWARGS, **engine_kwargs})
+    tokenizer = load_tokenizer_soon(config)  # while the engine process starts, as `tandem serve` does
     engines = start_engines(config, max_queue=max_queue, log_level="warning",
                             core_class="tests.server.flaky_core:FlakyEngineCore")
     settings = ApiSettings(config, [MODEL_NAME], port=free_port(), api_key=api_key, max_queue=max_queue,
                            graceful_timeout=5, log_level="warning", **(api_settings or {}))
-    server, app, _ = build_api_server(settings, EngineEndpoints.of(engines, 0))
+    server, app, _ = build_api_server(settings, EngineEndpoints.of(engines, 0), tokenizer=tokenizer)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
