@@ -59,18 +59,29 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, out_ptr, count_ptr, M, K, 
                          mask=mine[:, None] & (k[None, :] < k_end), other=0.0)
             ak = tl.load(a_rows + k[None, :], mask=(r[:, None] < R) & (k[None, :] < k_end), other=0.0)
             acc += tl.dot(xk, tl.trans(ak.to(xk.dtype)))
-        rows = mine[:, None] & (r[None, :] < R)
-        if SPLITS == 1:
-            tl.store(out_ptr + m[:, None] * stride_om + r[None, :], acc, mask=rows)
-        else:
-            tl.store(part_ptr + split * stride_ps + m[:, None] * stride_om + r[None, :], acc, mask=rows)
-            counter = count_ptr + slot * (tl.num_programs(2) // SPLITS) + r_tile
+        counter = count_ptr + slot * (tl.num_programs(2) // SPLITS) + r_tile
+        store_rank_columns(acc, out_ptr, part_ptr, counter, m, r, mine[:, None] & (r[None, :] < R), split, True,
+                           stride_ps, stride_om, SPLITS, BLOCK_M, BLOCK_R)
+
+
+@triton.jit
+def store_rank_columns(acc, out_ptr, part_ptr, counter, m, r, cells, split, busy, stride_ps, stride_om,
+                       SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    # A shrink program's fp32 rank columns acc [BLOCK_M rows m, BLOCK_R columns r] (cells: those it owns): stored
+    # as they are, or with SPLITS > 1 as split `split`'s partial sums, the last of the tile's programs to arrive (an
+    # acq_rel counter, reset by it; only where busy) adding them in split order: the same bits on every run, and
+    # the expand reads finished columns.
+    if SPLITS == 1:
+        tl.store(out_ptr + m[:, None] * stride_om + r[None, :], acc, mask=cells)
+    else:
+        tl.store(part_ptr + split * stride_ps + m[:, None] * stride_om + r[None, :], acc, mask=cells)
+        if busy:
             if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:  # every split's partial sums are stored
                 total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
                 for j in range(0, SPLITS):
-                    total += tl.load(part_ptr + j * stride_ps + m[:, None] * stride_om + r[None, :], mask=rows,
+                    total += tl.load(part_ptr + j * stride_ps + m[:, None] * stride_om + r[None, :], mask=cells,
                                      other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + m[:, None] * stride_om + r[None, :], total, mask=rows)
+                tl.store(out_ptr + m[:, None] * stride_om + r[None, :], total, mask=cells)
                 tl.atomic_xchg(counter, 0)
 
 

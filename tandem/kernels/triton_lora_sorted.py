@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.lora import MAX_RANK_TILES, SORTED_CHUNK, SlotGroups
+from tandem.kernels.triton_lora import store_rank_columns
 from tandem.kernels.triton_launch import device_sms, pdl_wait, use_pdl
 
 
@@ -84,20 +85,9 @@ def _sorted_shrink_kernel(x_ptr, a_ptr, rows_ptr, chunk_ptr, part_ptr, out_ptr, 
                      mask=mine[:, None] & (k[None, :] < k_end), other=0.0)
         ak = tl.load(a_rows + k[None, :], mask=(r[:, None] < R) & (k[None, :] < k_end), other=0.0)
         acc += tl.dot(xk, tl.trans(ak.to(xk.dtype)))
-    cells = mine[:, None] & (r[None, :] < R)
-    if SPLITS == 1:
-        tl.store(out_ptr + m[:, None] * stride_om + r[None, :], acc, mask=cells)
-    else:
-        tl.store(part_ptr + split * stride_ps + m[:, None] * stride_om + r[None, :], acc, mask=cells)
-        if busy:
-            counter = count_ptr + tl.program_id(0) * (tl.num_programs(1) // SPLITS) + r_tile
-            if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:  # every split's partial sums are stored
-                total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for j in range(0, SPLITS):
-                    total += tl.load(part_ptr + j * stride_ps + m[:, None] * stride_om + r[None, :], mask=cells,
-                                     other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + m[:, None] * stride_om + r[None, :], total, mask=cells)
-                tl.atomic_xchg(counter, 0)
+    counter = count_ptr + tl.program_id(0) * (tl.num_programs(1) // SPLITS) + r_tile
+    store_rank_columns(acc, out_ptr, part_ptr, counter, m, r, mine[:, None] & (r[None, :] < R), split, busy,
+                       stride_ps, stride_om, SPLITS, BLOCK_M, BLOCK_R)
 
 
 @triton.jit
