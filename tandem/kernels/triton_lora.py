@@ -52,16 +52,26 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, out_ptr, count_ptr, M, K, 
         slot = _nth_slot(used, running, nth, SLOTS_P2)
         mine = slots == slot
         a_rows = a_ptr + slot.to(tl.int64) * stride_as + r[:, None] * stride_ar
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(split * K_PER_SPLIT, k_end, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :],
-                         mask=mine[:, None] & (k[None, :] < k_end), other=0.0)
-            ak = tl.load(a_rows + k[None, :], mask=(r[:, None] < R) & (k[None, :] < k_end), other=0.0)
-            acc += tl.dot(xk, tl.trans(ak.to(xk.dtype)))
+        acc = rank_columns(x_ptr, a_rows, m, mine, r, R, split * K_PER_SPLIT, k_end, stride_xm, BLOCK_M, BLOCK_R,
+                           BLOCK_K)
         counter = count_ptr + slot * (tl.num_programs(2) // SPLITS) + r_tile
         store_rank_columns(acc, out_ptr, part_ptr, counter, m, r, mine[:, None] & (r[None, :] < R), split, True,
                            stride_ps, stride_om, SPLITS, BLOCK_M, BLOCK_R)
+
+
+@triton.jit
+def rank_columns(x_ptr, a_rows, m, mine, r, R, k_start, k_end, stride_xm, BLOCK_M: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    # fp32 [BLOCK_M, BLOCK_R]: rows m of x (those `mine`) times the adapter's A rows r (a_rows: their pointers) over
+    # input columns k_start .. k_end, one tile product per K tile.
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :],
+                     mask=mine[:, None] & (k[None, :] < k_end), other=0.0)
+        ak = tl.load(a_rows + k[None, :], mask=(r[:, None] < R) & (k[None, :] < k_end), other=0.0)
+        acc += tl.dot(xk, tl.trans(ak.to(xk.dtype)))
+    return acc
 
 
 @triton.jit
