@@ -52,46 +52,25 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, out_ptr, count_ptr, M, K, 
         slot = _nth_slot(used, running, nth, SLOTS_P2)
         mine = slots == slot
         a_rows = a_ptr + slot.to(tl.int64) * stride_as + r[:, None] * stride_ar
-        acc = rank_columns(x_ptr, a_rows, m, mine, r, R, split * K_PER_SPLIT, k_end, stride_xm, BLOCK_M, BLOCK_R,
-                           BLOCK_K)
-        counter = count_ptr + slot * (tl.num_programs(2) // SPLITS) + r_tile
-        store_rank_columns(acc, out_ptr, part_ptr, counter, m, r, mine[:, None] & (r[None, :] < R), split, True,
-                           stride_ps, stride_om, SPLITS, BLOCK_M, BLOCK_R)
-
-
-@triton.jit
-def rank_columns(x_ptr, a_rows, m, mine, r, R, k_start, k_end, stride_xm, BLOCK_M: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    # fp32 [BLOCK_M, BLOCK_R]: rows m of x (those `mine`) times the adapter's A rows r (a_rows: their pointers) over
-    # input columns k_start .. k_end, one tile product per K tile.
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xk = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :],
-                     mask=mine[:, None] & (k[None, :] < k_end), other=0.0)
-        ak = tl.load(a_rows + k[None, :], mask=(r[:, None] < R) & (k[None, :] < k_end), other=0.0)
-        acc += tl.dot(xk, tl.trans(ak.to(xk.dtype)))
-    return acc
-
-
-@triton.jit
-def store_rank_columns(acc, out_ptr, part_ptr, counter, m, r, cells, split, busy, stride_ps, stride_om,
-                       SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    # A shrink program's fp32 rank columns acc [BLOCK_M rows m, BLOCK_R columns r] (cells: those it owns): stored
-    # as they are, or with SPLITS > 1 as split `split`'s partial sums, the last of the tile's programs to arrive (an
-    # acq_rel counter, reset by it; only where busy) adding them in split order: the same bits on every run, and
-    # the expand reads finished columns.
-    if SPLITS == 1:
-        tl.store(out_ptr + m[:, None] * stride_om + r[None, :], acc, mask=cells)
-    else:
-        tl.store(part_ptr + split * stride_ps + m[:, None] * stride_om + r[None, :], acc, mask=cells)
-        if busy:
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(split * K_PER_SPLIT, k_end, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :],
+                         mask=mine[:, None] & (k[None, :] < k_end), other=0.0)
+            ak = tl.load(a_rows + k[None, :], mask=(r[:, None] < R) & (k[None, :] < k_end), other=0.0)
+            acc += tl.dot(xk, tl.trans(ak.to(xk.dtype)))
+        rows = mine[:, None] & (r[None, :] < R)
+        if SPLITS == 1:
+            tl.store(out_ptr + m[:, None] * stride_om + r[None, :], acc, mask=rows)
+        else:
+            tl.store(part_ptr + split * stride_ps + m[:, None] * stride_om + r[None, :], acc, mask=rows)
+            counter = count_ptr + slot * (tl.num_programs(2) // SPLITS) + r_tile
             if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:  # every split's partial sums are stored
                 total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
                 for j in range(0, SPLITS):
-                    total += tl.load(part_ptr + j * stride_ps + m[:, None] * stride_om + r[None, :], mask=cells,
+                    total += tl.load(part_ptr + j * stride_ps + m[:, None] * stride_om + r[None, :], mask=rows,
                                      other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + m[:, None] * stride_om + r[None, :], total, mask=cells)
+                tl.store(out_ptr + m[:, None] * stride_om + r[None, :], total, mask=rows)
                 tl.atomic_xchg(counter, 0)
 
 

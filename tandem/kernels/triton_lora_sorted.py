@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.lora import MAX_RANK_TILES, SORTED_CHUNK, SlotGroups
-from tandem.kernels.triton_lora import rank_columns, store_rank_columns
 from tandem.kernels.triton_launch import device_sms, pdl_wait, use_pdl
 
 
@@ -78,11 +77,27 @@ def _sorted_shrink_kernel(x_ptr, a_ptr, rows_ptr, chunk_ptr, part_ptr, out_ptr, 
     r = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
     k_end = tl.where(busy, tl.minimum(K, (split + 1) * K_PER_SPLIT), 0)
     a_rows = a_ptr + slot.to(tl.int64) * stride_as + r[:, None] * stride_ar
-    acc = rank_columns(x_ptr, a_rows, m, mine, r, R, split * K_PER_SPLIT, k_end, stride_xm, BLOCK_M, BLOCK_R,
-                       BLOCK_K)
-    counter = count_ptr + tl.program_id(0) * (tl.num_programs(1) // SPLITS) + r_tile
-    store_rank_columns(acc, out_ptr, part_ptr, counter, m, r, mine[:, None] & (r[None, :] < R), split, busy,
-                       stride_ps, stride_om, SPLITS, BLOCK_M, BLOCK_R)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(split * K_PER_SPLIT, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_xm + k[None, :],
+                     mask=mine[:, None] & (k[None, :] < k_end), other=0.0)
+        ak = tl.load(a_rows + k[None, :], mask=(r[:, None] < R) & (k[None, :] < k_end), other=0.0)
+        acc += tl.dot(xk, tl.trans(ak.to(xk.dtype)))
+    cells = mine[:, None] & (r[None, :] < R)
+    if SPLITS == 1:
+        tl.store(out_ptr + m[:, None] * stride_om + r[None, :], acc, mask=cells)
+    else:
+        tl.store(part_ptr + split * stride_ps + m[:, None] * stride_om + r[None, :], acc, mask=cells)
+        if busy:
+            counter = count_ptr + tl.program_id(0) * (tl.num_programs(1) // SPLITS) + r_tile
+            if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:  # every split's partial sums are stored
+                total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                for j in range(0, SPLITS):
+                    total += tl.load(part_ptr + j * stride_ps + m[:, None] * stride_om + r[None, :], mask=cells,
+                                     other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + m[:, None] * stride_om + r[None, :], total, mask=cells)
+                tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
