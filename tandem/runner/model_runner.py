@@ -211,8 +211,8 @@ class ModelRunner:
         else:
             shape = write_step(self.buffers[slot], sched, self._prev_rows, self.block_size, graph_bs, rows,
                                piece_tokens)
-        if not shape.shifted and any(s.carry and s.request.request_id in self._prev_drafts
-                                     for s in sched.scheduled):
+        if self._prev_drafts and not shape.shifted and any(s.carry and s.request.request_id in self._prev_drafts
+                                                           for s in sched.scheduled):
             raise RuntimeError("a step carries tokens from a verify step in flight but is not a flat verify step "
                                "(only those finish their positions on the device)")
         # Each verifying request's (drafts, first draft row) in this step, for a flat step written behind it.
