@@ -25,7 +25,7 @@ import tempfile
 import time
 from typing import Any
 
-from tandem.scheduler.output import draft_stand_in
+from tandem.scheduler.output import row_stand_ins
 
 PARAGRAPH = ("The committee met on Tuesday to review the budget for the next fiscal year. After a long discussion, "
              "the members agreed to increase funding for public libraries by ten percent, to delay the road "
@@ -102,7 +102,7 @@ class OracleProposer:
             index = (starts.to(device, non_blocking=True)[:, None]
                      + accepted[: len(rows), None] + torch.arange(width, device=device)[None, :])
             tokens = table.gather(1, index.clamp(max=length - 1))
-        return [[draft_stand_in(g * width + j) for j in range(k)] for g, k in enumerate(ks)], tokens
+        return [row_stand_ins(g, k, width) for g, k in enumerate(ks)], tokens
 
     def _offered(self, token_ids: list[int], device: Any) -> tuple[Any, int]:
         """The request's offered token at every output index on the device (propose's, right or wrong as it

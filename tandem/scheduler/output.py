@@ -17,6 +17,11 @@ def draft_stand_in(index: int) -> int:
     return -2 - index
 
 
+def row_stand_ins(row: int, k: int, width: int) -> list[int]:
+    """The stand-ins of the first k drafts in row `row` of a device proposer's [rows, width] output."""
+    return [draft_stand_in(row * width + j) for j in range(k)]
+
+
 class ScheduledRequest(msgspec.Struct, gc=False):
     """One request's share of a step. A msgspec struct for its C constructor: the scheduler builds one per
     running request per step (a slotted dataclass's __init__ cost ~8x more). Not GC-tracked: it refers to its

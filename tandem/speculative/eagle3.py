@@ -11,7 +11,7 @@ import torch
 
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.request import Request, RequestStatus
-from tandem.scheduler.output import SchedulerOutput, ScheduledRequest, draft_stand_in
+from tandem.scheduler.output import SchedulerOutput, ScheduledRequest, row_stand_ins
 from tandem.speculative.eagle3_head import Eagle3Head
 from tandem.speculative.eagle3_rows import (
     HeadSteps,
@@ -147,11 +147,10 @@ class Eagle3Proposer:
         (EngineCore._verify_ahead). -> (stand-ins per request, the chain's output on the device); None where that
         chain is not the last one enqueued. `accepted` (that step's accepted counts on the device) is not read:
         the chain started from them already."""
-        if not self._prefetched or self._prefetched[-1][0] is not sched:
+        if not self.prefetched(sched):
             return None
         width = self.steps.max_drafts
-        drafts = [[draft_stand_in(g * width + j) for j in range(k)] for g, k in enumerate(ks)]
-        return drafts, self.steps.chain_tokens
+        return [row_stand_ins(g, k, width) for g, k in enumerate(ks)], self.steps.chain_tokens
 
     def prefetched(self, sched: SchedulerOutput) -> bool:
         """Whether the chain behind the verify step `sched` is the last one enqueued (drafts_ahead can use it)."""
@@ -291,12 +290,12 @@ class Eagle3Proposer:
             # Drafted by the prefetched chain, behind the verify step the host just collected.
             for (i, k, _), r in zip(chosen, ready):
                 assert r is not None
-                drafts[i] = [draft_stand_in(r[0] * width + j) for j in range(k)]
+                drafts[i] = row_stand_ins(r[0], k, width)
             self._ready = {}
             return drafts, self.steps.chain_tokens
         tokens = self._chain([e for _, _, e in chosen])
         for b, (i, k, _) in enumerate(chosen):
-            drafts[i] = [draft_stand_in(b * width + j) for j in range(k)]
+            drafts[i] = row_stand_ins(b, k, width)
         return drafts, tokens
 
     @torch.inference_mode()
