@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kernels.ops import GEMV_ROWS_LIMIT, use_triton
+from tandem.kernels.fp8 import PartialSums
+from tandem.kernels.ops import GEMV_ROWS_LIMIT, silu_and_mul, use_triton
 
 MAX_RANK_TILES = 64  # the Triton shrink's rank tiles a counter buffer serves per slot
 # Rows up to which lora_shrink reads each row's adapter rows by itself (the decode GEMV's rows); past it, tokens that
@@ -24,9 +25,9 @@ SORTED_CHUNK = 16  # a slot's grouped rows a sorted kernel program takes (a deco
 
 
 def sorted_max_chunks(num_slots: int) -> int:
-    """The most chunks a grouping of up to SORTED_MAX_ROWS tokens over num_slots slots makes (a part chunk a slot,
-    a whole one per SORTED_CHUNK tokens)."""
-    return num_slots + SORTED_MAX_ROWS // SORTED_CHUNK
+    """The most chunks a grouping of up to SORTED_MAX_ROWS tokens over num_slots slots makes (a part chunk a slot
+    and one for the tokens without an adapter, a whole one per SORTED_CHUNK tokens)."""
+    return num_slots + 1 + SORTED_MAX_ROWS // SORTED_CHUNK
 
 
 @dataclass(slots=True)
@@ -37,7 +38,8 @@ class SlotGroups:
     num_slots: int  # the pool's slots (token slots outside 0..num_slots-1 count as none)
     rows: torch.Tensor  # [max_num_tokens] int32: token indices slot by slot (ascending), those without one last
     # [sorted_max_chunks(num_slots), 3] int32: (slot, start, end) of the p-th chunk, its tokens rows[start:end]
-    # (up to SORTED_CHUNK of one slot; chunks in slot order); (0, 0, 0) past the step's chunks
+    # (up to SORTED_CHUNK of one slot; chunks in slot order, those of the tokens without an adapter last, with
+    # slot -1: only the gated expand, which writes every row, reads them); (0, 0, 0) past the step's chunks
     chunks: torch.Tensor
     num_tokens: int = 0  # tokens of the last grouping (host side; 0: not grouped, the one-block kernels run)
 
@@ -91,40 +93,71 @@ def lora_add_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
     return y
 
 
-def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+Output = torch.Tensor | PartialSums
+
+
+def _rows(y: Output) -> torch.Tensor:
+    """Where a delta adds onto a base output: its rows [n, out], or a split-K GEMM's first partial sums (fp32; the
+    add + RMSNorm after it adds the splits, so the delta needs no reduce kernel first)."""
+    if isinstance(y, PartialSums):
+        if y.scale is not None:  # the channel scale would multiply the delta too
+            raise ValueError("a LoRA delta cannot go into the partial sums of a scaled (FP8) GEMM")
+        return y.ws[0]
+    return y.view(-1, y.shape[-1])
+
+
+def _gated(y: Output, gated: int) -> Output:
+    """silu(gate) * up of a gate/up projection's output with its delta (gated), else the output itself."""
+    return silu_and_mul(y) if gated else y  # type: ignore[arg-type]
+
+
+def lora_add(y: Output, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              token_slots: torch.Tensor, counters: torch.Tensor | None = None,
-             groups: SlotGroups | None = None) -> torch.Tensor:
-    """y [..., out] += the per-token adapter delta of x [..., in] (see lora_add_ref); returns y. counters: the
-    kernels' split counters (triton_lora.lora_counters), shared by a pool's linears; groups: the step's tokens
-    grouped by slot (the sorted kernels run where they cover x's rows)."""
-    y2, x2 = y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
+             groups: SlotGroups | None = None, gated: int = 0) -> Output:
+    """y [..., out] (or a split-K GEMM's PartialSums, scale None) += the per-token adapter delta of x [..., in]
+    (see lora_add_ref); returns y, or with gated (a gate/up projection: gate rows, then up; the parts of its B,
+    lora_expand_gated_sorted_triton's) silu(gate) * up of it. counters: the kernels' split counters (triton_lora.lora_counters), shared by a pool's linears; groups:
+    the step's tokens grouped by slot (the sorted kernels run where they cover x's rows)."""
+    y2, x2 = _rows(y), x.reshape(-1, x.shape[-1])
     slots = token_slots[: x2.shape[0]]
     if _lora_kernels(x2) and _grouped(groups, x2.shape[0]):
-        from tandem.kernels.triton_lora_sorted import lora_expand_sorted_triton, lora_shrink_sorted_triton  # lazy
+        from tandem.kernels.triton_lora_sorted import lora_shrink_sorted_triton  # lazy: no Triton on CPU
 
-        lora_expand_sorted_triton(y2, lora_shrink_sorted_triton(x2, a, groups, counters), b, groups)
-    elif _lora_kernels(x2):
+        return _expand_sorted(y, lora_shrink_sorted_triton(x2, a, groups, counters), b, groups, gated)  # type: ignore[arg-type]
+    if _lora_kernels(x2):
         from tandem.kernels.triton_lora import lora_add_triton  # lazy: CPU runs never import Triton
 
         lora_add_triton(y2, x2, a, b, slots, counters)
     else:
         lora_add_ref(y2, x2, a, b, slots)
+    return _gated(y, gated)
+
+
+def _expand_sorted(y: Output, shrink: torch.Tensor, b: torch.Tensor, groups: SlotGroups, gated: int) -> Output:
+    """The sorted expand of a grouped step onto y; gated (B's parts): one kernel adds the delta and applies
+    silu(gate) * up."""
+    from tandem.kernels.triton_lora_sorted import lora_expand_gated_sorted_triton, lora_expand_sorted_triton  # lazy
+
+    if gated:
+        y2 = _rows(y)
+        return lora_expand_gated_sorted_triton(y2, shrink, b, groups, gated).view(*y.shape[:-1], y.shape[-1] // 2)
+    lora_expand_sorted_triton(_rows(y), shrink, b, groups)
     return y
 
 
-def lora_add_beside(x: torch.Tensor, base: Callable[[], torch.Tensor], a: torch.Tensor, b: torch.Tensor,
+def lora_add_beside(x: torch.Tensor, base: Callable[[], Output], a: torch.Tensor, b: torch.Tensor,
                     token_slots: torch.Tensor, counters: torch.Tensor | None,
-                    side: torch.cuda.Stream | None, groups: SlotGroups | None = None) -> torch.Tensor:
-    """base() (x's base projection, [..., out]) plus the per-token delta. Where the Triton kernels run and a side
-    stream is given, the shrink, which reads only x, runs on `side` while base() runs, and the expand after both
-    (a captured graph keeps the fork and the join): the shrink's fixed cost, ~6-10 us a projection at 32 rows,
-    leaves the step's critical path. counters: the side stream's own (its shrinks may overlap the main stream's);
-    groups: as lora_add's."""
+                    side: torch.cuda.Stream | None, groups: SlotGroups | None = None, gated: int = 0) -> Output:
+    """base() (x's base projection, [..., out], or its split-K PartialSums) plus the per-token delta (gated: then
+    silu(gate) * up, as lora_add's). Where the Triton kernels run and a side stream is given, the shrink, which
+    reads only x, runs on `side` while base() runs, and the expand after both (a captured graph keeps the fork and
+    the join): the shrink's fixed cost, ~6-10 us a projection at 32 rows, leaves the step's critical path.
+    counters: the side stream's own (its shrinks may overlap the main stream's); groups: as lora_add's."""
     x2 = x.reshape(-1, x.shape[-1])
     if side is None or not _lora_kernels(x2):
-        return lora_add(base(), x, a, b, token_slots, counters, groups)
+        return lora_add(base(), x, a, b, token_slots, counters, groups, gated)
     from tandem.kernels.triton_lora import lora_expand_triton, lora_shrink_block_triton  # lazy: no Triton on CPU
-    from tandem.kernels.triton_lora_sorted import lora_expand_sorted_triton, lora_shrink_sorted_triton
+    from tandem.kernels.triton_lora_sorted import lora_shrink_sorted_triton
 
     slots = token_slots[: x2.shape[0]]
     grouped = _grouped(groups, x2.shape[0])
@@ -137,10 +170,9 @@ def lora_add_beside(x: torch.Tensor, base: Callable[[], torch.Tensor], a: torch.
     y = base()
     main.wait_stream(side)
     if grouped:
-        lora_expand_sorted_triton(y.view(-1, y.shape[-1]), shrink, b, groups)
-    else:
-        lora_expand_triton(y.view(-1, y.shape[-1]), shrink, b, slots)
-    return y
+        return _expand_sorted(y, shrink, b, groups, gated)  # type: ignore[arg-type]
+    lora_expand_triton(_rows(y), shrink, b, slots)
+    return _gated(y, gated)
 
 
 def _lora_kernels(x2: torch.Tensor) -> bool:

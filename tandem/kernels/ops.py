@@ -6,6 +6,7 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.fp8 import (
@@ -210,6 +211,16 @@ def reduce_partial_sums(parts: PartialSums) -> torch.Tensor:
 
         return reduce_partial_sums_triton(parts)
     return parts.reduce()
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2 * d] holding gate then up; returns silu(gate) * up, [..., d]."""
+    if use_triton(x):
+        from tandem.kernels.triton_fused import silu_and_mul_triton  # lazy: no Triton on CPU
+
+        return silu_and_mul_triton(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def use_triton(x: torch.Tensor) -> bool:

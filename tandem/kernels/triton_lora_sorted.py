@@ -1,9 +1,11 @@
 """Batched LoRA for a decode step's tokens grouped by adapter slot: one kernel a step groups the token index
 (`group_token_slots_triton`: a stable counting sort, each slot's rows cut into chunks of up to SORTED_CHUNK), then
 every projection's shrink and expand give a program one chunk, gathering only its rows, where the one-block kernels
-of triton_lora masked a whole step's tile down to each slot's rows in every program. Graph-safe: static shapes, no
-host sync; the grid holds the most chunks the step's tokens can make, and programs past the step's chunks find an
-empty one and read and write nothing."""
+of triton_lora masked a whole step's tile down to each slot's rows in every program. The gate/up projection's expand
+also applies silu(gate) * up (`lora_expand_gated_sorted_triton`): its programs take the chunks of the tokens without
+an adapter too, so one kernel replaces the expand and the silu_and_mul after it. Graph-safe: static shapes, no host
+sync; the grid holds the most chunks the step's tokens can make, and programs past the step's chunks find an empty
+one and read and write nothing."""
 
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ def _group_kernel(src_ptr, slots_ptr, rows_ptr, chunk_ptr, N, NUM_SLOTS, MAX_CHU
                   SLOTS_P2: tl.constexpr, CHUNKS_P2: tl.constexpr, CHUNK: tl.constexpr):
     # One program. Copies the step's N slots (src) into the static index, then sorts the tokens by key (the slot;
     # NUM_SLOTS for none or out of range), stably: a token's place is the count of tokens before it in that
-    # order, from a [BLOCK_T, BLOCK_T] comparison, so rows is a permutation of 0..N-1. Each slot in use's rows are
+    # order, from a [BLOCK_T, BLOCK_T] comparison, so rows is a permutation of 0..N-1. Each key in use's rows are
     # cut into chunks of up to CHUNK; chunk [MAX_CHUNKS, 3] gets (slot, start, end) of the p-th chunk (slots
-    # ascending) at row p, (0, 0, 0) on the rows past the last.
+    # ascending, then those without an adapter as slot -1) at row p, (0, 0, 0) on the rows past the last.
     t = tl.arange(0, BLOCK_T)
     valid = t < N
     s = tl.load(src_ptr + t, mask=valid, other=-1)
@@ -34,7 +36,7 @@ def _group_kernel(src_ptr, slots_ptr, rows_ptr, chunk_ptr, N, NUM_SLOTS, MAX_CHU
     ids = tl.arange(0, SLOTS_P2)
     start = tl.sum((key[None, :] < ids[:, None]).to(tl.int32), axis=1)  # [SLOTS_P2]: tokens of smaller slots
     count = tl.sum((key[None, :] == ids[:, None]).to(tl.int32), axis=1)
-    count = tl.where(ids < NUM_SLOTS, count, 0)
+    count = tl.where(ids <= NUM_SLOTS, count, 0)
     chunks = (count + CHUNK - 1) // CHUNK
     first = tl.cumsum(chunks, axis=0) - chunks  # a slot's first chunk
     p = tl.arange(0, CHUNKS_P2)
@@ -45,20 +47,29 @@ def _group_kernel(src_ptr, slots_ptr, rows_ptr, chunk_ptr, N, NUM_SLOTS, MAX_CHU
     c_start = seg_start + (p - tl.sum(tl.where(match, first[None, :], 0), axis=1)) * CHUNK
     c_end = tl.minimum(seg_end, c_start + CHUNK)
     row = p < MAX_CHUNKS
-    tl.store(chunk_ptr + p * 3, tl.sum(tl.where(match, ids[None, :], 0), axis=1), mask=row)
+    slot = tl.sum(tl.where(match, ids[None, :], 0), axis=1)
+    tl.store(chunk_ptr + p * 3, tl.where(slot == NUM_SLOTS, -1, slot), mask=row)
     tl.store(chunk_ptr + p * 3 + 1, tl.where(has, c_start, 0), mask=row)
     tl.store(chunk_ptr + p * 3 + 2, tl.where(has, c_end, 0), mask=row)
 
 
 @triton.jit
-def _chunk_rows(chunk_ptr, rows_ptr, M, BLOCK_M: tl.constexpr):
-    # The program's chunk: its slot, its rows' token indices, which are real (in the chunk, below M: a grouping
-    # made over more tokens than this projection's M rows leaves the rest out) and whether it has any.
+def _chunk_all_rows(chunk_ptr, rows_ptr, M, BLOCK_M: tl.constexpr):
+    # The program's chunk: its slot (-1: tokens without an adapter), its rows' token indices, which are real (in
+    # the chunk, below M: a grouping made over more tokens than this projection's M rows leaves the rest out) and
+    # whether it has any.
     p = tl.program_id(0)
     slot, start, end = tl.load(chunk_ptr + p * 3), tl.load(chunk_ptr + p * 3 + 1), tl.load(chunk_ptr + p * 3 + 2)
     idx = start + tl.arange(0, BLOCK_M)
     m = tl.load(rows_ptr + idx, mask=idx < end, other=M)
     return slot, m, m < M, start < end
+
+
+@triton.jit
+def _chunk_rows(chunk_ptr, rows_ptr, M, BLOCK_M: tl.constexpr):
+    # As _chunk_all_rows, for the kernels that touch only rows with an adapter: a chunk without one has none.
+    slot, m, real, busy = _chunk_all_rows(chunk_ptr, rows_ptr, M, BLOCK_M)
+    return slot, m, real & (slot >= 0), busy & (slot >= 0)
 
 
 @triton.jit
@@ -122,6 +133,45 @@ def _sorted_expand_kernel(s_ptr, b_ptr, rows_ptr, chunk_ptr, y_ptr, M, N, R, str
     tl.store(y_ptrs, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _sorted_expand_gated_kernel(s_ptr, b_ptr, rows_ptr, chunk_ptr, y_ptr, out_ptr, M, INTER, R, UP_COL,
+                                stride_sm, stride_bs, stride_bn, stride_ym, stride_om, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
+    # grid (chunk programs, output tiles of INTER): y [M, 2 * INTER] holds the base gate then up rows, s the shrink,
+    # B [slots, 2 * INTER, rank columns]: gate rows read columns [0, R), up rows [UP_COL, UP_COL + R) (the pool's
+    # two-part layout: R a part's columns, UP_COL = R, the rest zero; one part: R all, UP_COL 0).
+    # out[t, n] = silu(g) * u with g = y[t, n] + delta, u = y[t, INTER + n] + delta, each rounded where the
+    # expand stores y and silu_and_mul rounds: the bits of the two kernels. Chunks without an adapter (slot -1)
+    # add no delta.
+    pdl_wait(USE_PDL)
+    slot, m, real, busy = _chunk_all_rows(chunk_ptr, rows_ptr, M, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = n < INTER
+    b_gate = b_ptr + slot.to(tl.int64) * stride_bs + n[:, None].to(tl.int64) * stride_bn
+    b_up = b_gate + INTER * stride_bn + UP_COL
+    s_rows = s_ptr + m[:, None] * stride_sm
+    d_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    d_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, tl.where(busy & (slot >= 0), R, 0), BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        s_mask = real[:, None] & (r[None, :] < R)
+        b_mask = cols[:, None] & (r[None, :] < R)
+        bg = tl.load(b_gate + r[None, :], mask=b_mask, other=0.0)
+        bu = tl.load(b_up + r[None, :], mask=b_mask, other=0.0)
+        sg = tl.load(s_rows + r[None, :], mask=s_mask, other=0.0)
+        su = tl.load(s_rows + UP_COL + r[None, :], mask=s_mask, other=0.0)
+        d_gate += tl.dot(sg.to(bg.dtype), tl.trans(bg))
+        d_up += tl.dot(su.to(bu.dtype), tl.trans(bu))
+    cells = real[:, None] & cols[None, :]
+    y_rows = y_ptr + m[:, None].to(tl.int64) * stride_ym + n[None, :]
+    gate = tl.load(y_rows, mask=cells, other=0.0)
+    up = tl.load(y_rows + INTER, mask=cells, other=0.0)
+    g = (gate.to(tl.float32) + d_gate).to(gate.dtype).to(tl.float32)
+    u = (up.to(tl.float32) + d_up).to(up.dtype).to(tl.float32)
+    silu = (g * tl.sigmoid(g)).to(gate.dtype).to(tl.float32)  # F.silu rounds before the multiply
+    tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :], (silu * u).to(gate.dtype), mask=cells)
+
+
 def group_token_slots_triton(step_slots: torch.Tensor, token_slots: torch.Tensor, groups: SlotGroups) -> None:
     """step_slots [n] into token_slots[:n], and the n tokens grouped by slot into groups (one kernel); sets
     groups.num_tokens."""
@@ -131,15 +181,15 @@ def group_token_slots_triton(step_slots: torch.Tensor, token_slots: torch.Tensor
         raise ValueError(f"group token slots: {n} tokens for index {tuple(token_slots.shape)}, rows "
                          f"{tuple(groups.rows.shape)}, {max_chunks} chunks")
     _group_kernel[(1,)](step_slots, token_slots, groups.rows, groups.chunks, n, groups.num_slots, max_chunks,
-                        BLOCK_T=max(16, triton.next_power_of_2(n)), SLOTS_P2=triton.next_power_of_2(groups.num_slots),
+                        BLOCK_T=max(16, triton.next_power_of_2(n)), SLOTS_P2=triton.next_power_of_2(groups.num_slots + 1),
                         CHUNKS_P2=triton.next_power_of_2(max_chunks), CHUNK=SORTED_CHUNK, num_warps=4)
     groups.num_tokens = n
 
 
 def chunk_programs(num_tokens: int, num_slots: int) -> int:
-    """The most chunks num_tokens grouped tokens make: a part chunk for each slot in use, a whole one per
-    SORTED_CHUNK tokens."""
-    return min(num_tokens, num_slots) + num_tokens // SORTED_CHUNK
+    """The most chunks num_tokens grouped tokens make: a part chunk for each slot in use and for the tokens
+    without an adapter, a whole one per SORTED_CHUNK tokens."""
+    return min(num_tokens, num_slots + 1) + num_tokens // SORTED_CHUNK
 
 
 def _programs(groups: SlotGroups, n: int, num_slots: int) -> int:
@@ -159,7 +209,9 @@ def lora_shrink_sorted_triton(x: torch.Tensor, a: torch.Tensor, groups: SlotGrou
                               num_warps: int = 4) -> torch.Tensor:
     """[n, rank] fp32: x [n, in] @ A[slot]^T per token through the step's grouping (rows without an adapter left
     unwritten, as lora_shrink_block_triton's); counters: lora_counters(slots) (None: made here); splits: K splits
-    (None: about two programs an SM over the slots the rows could use)."""
+    (None: about two programs an SM over the slots the rows could use). block_k: alone on an H200 Llama-3-8B's
+    down shrink ran 7.7 us at 512 against 8.0 at 128 (32 rows over 8 adapters), but beside the base GEMM the
+    lora bench fell from 0.833x to 0.813x with it."""
     n, k = x.shape
     num_slots, rank = a.shape[0], a.shape[1]
     if a.shape[2] != k or a.stride(-1) != 1:
@@ -210,3 +262,32 @@ def lora_expand_sorted_triton(y: torch.Tensor, shrink: torch.Tensor, b: torch.Te
         y.stride(0), BLOCK_M=SORTED_CHUNK, BLOCK_N=block_n, BLOCK_R=_block_r(rank), USE_PDL=pdl,
         launch_pdl=bool(pdl), num_warps=num_warps)
     return y
+
+
+def lora_expand_gated_sorted_triton(y: torch.Tensor, shrink: torch.Tensor, b: torch.Tensor, groups: SlotGroups,
+                                    parts: int, block_n: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """silu(gate) * up [n, I] of a gate/up projection's base output y [n, 2 * I] (gate then up) plus each token's
+    delta, shrink [n, cols] fp32 through each token's B [slots, 2 * I, cols], through the step's grouping: bitwise
+    lora_expand_sorted_triton then silu_and_mul. parts 2: B in the pool's layout of a merged gate/up projection
+    (gate rows on the first half of the columns, up rows on the second, zero elsewhere: each reads its half);
+    1: every row reads every column. block_n: as the expand's."""
+    n, cols = shrink.shape
+    num_slots, out = b.shape[0], b.shape[1]
+    if (b.shape[2] != cols or parts not in (1, 2) or cols % parts or out % 2 or y.shape != (n, out)
+            or y.stride(-1) != 1 or b.stride(-1) != 1):
+        raise ValueError(f"lora gated expand: shrink {tuple(shrink.shape)}, b {tuple(b.shape)}, y {tuple(y.shape)}, "
+                         f"{parts} parts")
+    inter, rank = out // 2, cols // parts
+    programs = _programs(groups, n, num_slots)
+    if block_n is None:  # two B tiles and two y tiles a program: half the expand's widest tile
+        wide = triton.next_power_of_2(triton.cdiv(min(n, num_slots) * inter, 4 * device_sms(y.device)))
+        block_n = min(128, max(64, wide))
+    block_n = max(16, min(block_n, triton.next_power_of_2(inter)))
+    result = torch.empty(n, inter, dtype=y.dtype, device=y.device)
+    pdl = use_pdl(y.device)
+    _sorted_expand_gated_kernel[(programs, triton.cdiv(inter, block_n))](
+        shrink, b, groups.rows, groups.chunks, y, result, n, inter, rank, rank if parts == 2 else 0,
+        shrink.stride(0), b.stride(0),
+        b.stride(1), y.stride(0), result.stride(0), BLOCK_M=SORTED_CHUNK, BLOCK_N=block_n, BLOCK_R=_block_r(rank),
+        USE_PDL=pdl, launch_pdl=bool(pdl), num_warps=num_warps)
+    return result

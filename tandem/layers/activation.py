@@ -5,17 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.ops import use_triton
+from tandem.kernels.ops import silu_and_mul
 
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [..., 2 * d] holding gate then up; returns silu(gate) * up, [..., d]."""
-    if use_triton(x):
-        from tandem.kernels.triton_fused import silu_and_mul_triton  # lazy: no Triton on CPU
-
-        return silu_and_mul_triton(x)
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+__all__ = ["activation_fn", "gelu_new", "silu_and_mul"]
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:

@@ -42,8 +42,10 @@ class Linear(nn.Module):
                 return self._gemv(x, gated=False, with_lora=True)  # type: ignore[arg-type]
             if fused == "skinny":
                 return self._skinny(x, gated=False, defer=defer_reduce and x.dim() == 2, with_lora=True)  # type: ignore[arg-type]
-            # The base output whole (never deferred), then the delta; the shrink runs beside it on the GPU.
-            return self.lora.add_beside(x, lambda: self.base_forward(x))
+            # The base output, then the delta (into the first partial sums where a split-K GEMM defers its reduce
+            # to the norm: not past an FP8 channel scale); the shrink runs beside it on the GPU.
+            defer = defer_reduce and self.weight_scale is None
+            return self.lora.add_beside(x, lambda: self.base_forward(x, defer))
         return self.base_forward(x, defer_reduce)
 
     def _fused_lora(self, x: torch.Tensor | QuantizedRows) -> str | None:
@@ -93,7 +95,7 @@ class Linear(nn.Module):
                 return self._gemv(x, gated=True, with_lora=True)  # type: ignore[arg-type]
             if fused == "skinny":
                 return self._skinny(x, gated=True, with_lora=True)  # type: ignore[arg-type]
-            return silu_and_mul(self(x))
+            return self.lora.add_beside(x, lambda: self.base_forward(x), gated=True)  # type: ignore[return-value]
         if self.int_bits:  # one kernel at one bf16 row on a GPU, as the GEMV below
             return self._int_forward(x, gated=True)  # type: ignore[return-value]
         if isinstance(x, QuantizedRows):

@@ -140,4 +140,9 @@ def test_paging_through_two_slots_matches_every_adapter_resident(adapters, tmp_p
         outs = llm.generate(prompts, params, use_tqdm=False, lora_request=order)
         runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
         llm.shutdown()
-    assert_same_greedy(runs[0], runs[1], "two slots vs six")
+    # The two runs batch the requests differently (and when, depends on the loader thread's timing), so a token
+    # goes through other kernels (the one-row GEMV, the tile GEMM) in each: with these adapters' large random
+    # deltas in bf16, log-probs on identical prefixes then differ by 0.22-0.32 (H200, 2026-11-29, runs of the
+    # same code). Another adapter's delta, or none, moves them by 1.5 or more at every position (fp32 on the CPU,
+    # this model and adapters of this kind), so a slot read while it is overwritten, or the wrong slot, still fails.
+    assert_same_greedy(runs[0], runs[1], "two slots vs six", max_lp_gap=0.6)

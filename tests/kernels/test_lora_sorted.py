@@ -42,13 +42,15 @@ def grouped(slots: torch.Tensor):
 
 
 def expected_groups(slots: torch.Tensor) -> tuple[list[int], list[list[int]]]:
-    """Token indices by (slot, index), none last; each slot's span cut into SORTED_CHUNK-row chunks."""
+    """Token indices by (slot, index), none last; each slot's span cut into SORTED_CHUNK-row chunks, then the
+    span of the tokens without an adapter (slot -1)."""
     key = [s if 0 <= s < NUM_SLOTS else NUM_SLOTS for s in slots.tolist()]
     rows = sorted(range(len(key)), key=lambda t: (key[t], t))
     chunks, start = [], 0
-    for slot in range(NUM_SLOTS):
+    for slot in range(NUM_SLOTS + 1):
         end = start + key.count(slot)
-        chunks += [[slot, c, min(c + SORTED_CHUNK, end)] for c in range(start, end, SORTED_CHUNK)]
+        name = -1 if slot == NUM_SLOTS else slot
+        chunks += [[name, c, min(c + SORTED_CHUNK, end)] for c in range(start, end, SORTED_CHUNK)]
         start = end
     return rows, chunks + [[0, 0, 0]] * (sorted_max_chunks(NUM_SLOTS) - len(chunks))
 
@@ -65,7 +67,7 @@ def _triton_on_cpu(monkeypatch):
 def test_grouping_orders_tokens_by_slot(n, mix):
     """One kernel copies the step's slots into the index (leaving the entries past them), orders the tokens by slot
     (in token order within a slot, tokens without an adapter last) and lists the chunks of up to SORTED_CHUNK rows
-    each slot in use makes."""
+    each slot in use makes, then those of the tokens without one."""
     slots = step_slots(n, mix)
     index, groups = grouped(slots)
     assert torch.equal(index[:n], slots) and index[n:].eq(1).all()
@@ -139,6 +141,57 @@ def test_sorted_kernels_match_reference(n, mix, rank, parts, dtype):
     assert torch.equal(got[~adapted], y[~adapted])
 
 
+@pytest.mark.parametrize("n,mix,parts,dtype", [(17, "mixed", 2, torch.float32), (5, "distinct", 1, torch.float16),
+                                               (40, "one", 2, torch.float16), (64, "mixed", 1, torch.float32)])
+def test_gated_expand_is_expand_then_silu_and_mul(n, mix, parts, dtype):
+    """The gate/up projection's one kernel (delta, then silu(gate) * up) gives what the expand and silu_and_mul
+    give, on every row, those without an adapter included: B in the pool's two-part layout (each half of the
+    rows on its own rank columns) or one part."""
+    from tandem.kernels.ops import silu_and_mul
+    from tandem.kernels.triton_lora_sorted import lora_expand_gated_sorted_triton
+
+    k, inter, rank = 48, 40, 8
+    cols = rank * parts
+    x, a, b, y = operands(n, k, 2 * inter, cols, dtype, seed=n + parts)
+    if parts == 2:  # gate rows on columns [0, rank), up rows on [rank, 2 rank), as pack_adapter lays them out
+        b[:, :inter, rank:] = 0
+        b[:, inter:, :rank] = 0
+    slots = step_slots(n, mix)
+    index, groups = grouped(slots)
+    shrink = lora_shrink_sorted_triton(x, a, groups, splits=2)
+    shrink[slots < 0] = float("nan")  # unwritten there: the gated expand must not read them
+    expected = silu_and_mul(lora_expand_sorted_triton(y.clone(), shrink, b, groups))
+    got = lora_expand_gated_sorted_triton(y, shrink, b, groups, parts, block_n=16)
+    assert got.shape == (n, inter)
+    if CUDA:
+        assert torch.equal(got, expected)
+    else:  # the interpreter's products may add the zero columns in another order
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    none = slots < 0
+    assert torch.equal(got[none], silu_and_mul(y[none]))
+
+
+def test_delta_goes_into_deferred_partial_sums():
+    """A split-K GEMM's PartialSums (handed on to the add + RMSNorm): the delta goes into the first split, so the
+    splits' sum is the base output plus the delta; a scaled (FP8) GEMM's partial sums are refused."""
+    from tandem.kernels.fp8 import PartialSums
+    from tandem.kernels.lora import lora_add
+
+    n, k, out, cols = 12, 40, 24, 8
+    x, a, b, _ = operands(n, k, out, cols, torch.float32, seed=6)
+    slots = step_slots(n, "mixed")
+    index, groups = grouped(slots)
+    ws = torch.randn(3, n, out, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    base = PartialSums(ws.clone(), None, None, torch.float32).reduce()
+    got = lora_add(PartialSums(ws.clone(), None, None, torch.float32), x, a, b, index, groups=groups)
+    assert isinstance(got, PartialSums)
+    expected = lora_add_ref(base.double(), x.double(), a.double(), b.double(), index[:n])
+    torch.testing.assert_close(got.reduce().double(), expected, **tolerance(torch.float32))
+    scaled = PartialSums(ws.clone(), torch.ones(out, 1, device=DEVICE), None, torch.float32)
+    with pytest.raises(ValueError, match="FP8"):
+        lora_add(scaled, x, a, b, index, groups=groups)
+
+
 def test_sorted_kernels_leave_out_rows_past_the_projection():
     """A grouping made over more tokens than a projection's rows: the rows past them are neither read nor written
     (the one-block kernels read the index's first rows the same way)."""
@@ -180,12 +233,38 @@ def test_pool_linear_runs_the_sorted_kernels(monkeypatch):
     torch.testing.assert_close(linear(x).double(), expected, **close)
 
 
+def test_pool_linear_defers_its_reduce_with_the_delta(monkeypatch):
+    """A target Linear whose output goes only into the add + RMSNorm (defer_reduce) at decode sizes: the skinny
+    GEMM's partial sums come back with the delta in them, no reduce kernel run, and sum to base + delta."""
+    from tandem.kernels.fp8 import PartialSums
+    from tandem.layers.linear import Linear
+    from tandem.lora.pool import LoRAPool
+
+    monkeypatch.setenv("TANDEM_LORA_FUSED", "0")
+    n, k, out, cols = 12, 1024, 32, 16
+    x, a, b, _ = operands(n, k, out, cols, torch.float16, seed=8)
+    linear = Linear(k, out).to(DEVICE, torch.float16)
+    linear.weight.data = (torch.randn(out, k, generator=torch.Generator().manual_seed(9)) * k**-0.5).to(
+        DEVICE, torch.float16)
+    pool = LoRAPool({"proj": linear}, NUM_SLOTS, cols, 32, torch.float16, torch.device(DEVICE))
+    pool.slots["proj"][0].copy_(a)
+    pool.slots["proj"][1].copy_(b)
+    slots = step_slots(n, "mixed")
+    pool.select(slots)
+    got = linear(x, defer_reduce=True)
+    assert isinstance(got, PartialSums) and got.ws.shape[0] > 1
+    expected = lora_add_ref(x.double() @ linear.weight.double().t(), x.double(), a.double(), b.double(), slots)
+    torch.testing.assert_close(got.reduce().double(), expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.reduce(), linear(x), atol=2e-3, rtol=2e-3)
+
+
 _COMPILE_SM90 = r"""
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tandem.kernels.triton_lora_sorted import _group_kernel, _sorted_shrink_kernel, _sorted_expand_kernel
+from tandem.kernels.triton_lora_sorted import (_group_kernel, _sorted_shrink_kernel, _sorted_expand_kernel,
+                                               _sorted_expand_gated_kernel)
 
 def build(fn, types, constexprs, warps):
     sig = dict(zip(fn.arg_names, types + ["constexpr"] * len(constexprs)))
@@ -201,12 +280,16 @@ for splits, bk, warps in ((16, 128, 4), (1, 256, 4), (8, 256, 8)):
 for bn, warps in ((64, 4), (256, 4), (512, 8)):
     out[f"expand-{bn}-{warps}"] = build(_sorted_expand_kernel, ["*fp32", "*bf16", "*i32", "*i32", "*bf16"]
         + ["i32"] * 7, dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_R=64, USE_PDL=2), warps)
+for bn, warps in ((64, 4), (256, 4)):
+    out[f"gated-{bn}-{warps}"] = build(_sorted_expand_gated_kernel, ["*fp32", "*bf16", "*i32", "*i32", "*bf16",
+        "*bf16"] + ["i32"] * 9, dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_R=16, USE_PDL=2), warps)
 json.dump(out, sys.stdout)
 """
 
 
 def test_sorted_kernels_compile_for_sm90():
-    """The grouping, the shrink (split K or not) and the expand (the tiles the benchmark sweeps) compile for Hopper
+    """The grouping, the shrink (split K or not), the expand (the tiles the benchmark sweeps) and the gated expand
+    compile for Hopper
     without a GPU: no local memory (spills), shared memory within the 227 KiB a block may have."""
     for name, info in compile_sm90(_COMPILE_SM90).items():
         assert not info["local"] and info["shared"] <= 227 * 1024, (name, info)
