@@ -18,9 +18,9 @@ from torch import nn
 from tandem.config import ModelConfig
 from tandem.distributed.group import TPGroup, Unreduced
 from tandem.kernels.fp8 import DEFER_REDUCE, FP8_DTYPE, PartialSums
-from tandem.kernels.int_weight import IntWeight
+from tandem.kernels.int_weight import IntWeight, repack_int_weight
 from tandem.kernels.ops import count_routed_experts, fused_moe, moe_route
-from tandem.layers.int_quant import quantize_rtn_experts
+from tandem.layers.int_quant import check_int_layout, quantize_rtn_experts
 from tandem.layers.linear import Linear
 from tandem.layers.parallel import LazyTensor, materialize, take
 from tandem.layers.quantization import quantize_weight_fp8
@@ -60,6 +60,9 @@ class FusedMoE(nn.Module):
         self.register_buffer("w2_scale", None)  # [local experts, hidden] fp32
         self.int_bits = 0  # 4 / 8 once quantize_int_() has replaced w13 and w2 by integer stacks
         self.int_group_sizes = (0, 0)  # (w13's, w2's) input columns per group
+        # A checkpoint whose experts are quantized (use_int_experts_): each expert matrix's tandem int-N tensors
+        # gathered until its three (qweight, scales, zeros) have come, by (expert, gate | up | down).
+        self._int_parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         # TANDEM_MOE_ROUTE_STATS=1 (set by `tandem bench` before the engine captures its graphs): a device counter of
         # the distinct experts each forward routes to, summed over forwards, for the roofline's expert bytes.
         stats = os.environ.get("TANDEM_MOE_ROUTE_STATS") == "1"
@@ -131,6 +134,74 @@ class FusedMoE(nn.Module):
             else:
                 copied += self.load_expert(e, proj, full[e])[1]
         return ("w2" if proj == "down" else "w13"), copied
+
+    def use_int_experts_(self, bits: int, group_size: int, name: str = "experts") -> None:
+        """Replaces the (unloaded) expert stacks by empty integer stacks in the kernels' layout, for a checkpoint
+        whose experts are quantized already (load_int_expert fills them); group_size -1: one group per row of a
+        stack's (local) input columns. ValueError naming the layer where this shard's columns do not hold whole
+        groups."""
+        if self.int_bits:
+            return
+        hidden, n = self.w2.shape[1], self.local_inter
+        dtype, device = self.w13.dtype, self.w13.device
+        groups = []
+        for proj, rows, cols in (("w13", 2 * n, hidden), ("w2", hidden, n)):
+            group = check_int_layout(f"{name}.{proj}", bits, group_size, rows, cols)
+            if cols * bits % 32 or group * bits % 32:
+                raise ValueError(f"{name}.{proj}: {bits}-bit experts need input columns and groups of whole 32-bit "
+                                 f"words, got {cols} columns in groups of {group}")
+            delattr(self, proj)
+            shapes = {"words": ((rows, cols * bits // 32), torch.int32), "scales": ((rows, cols // group), dtype),
+                      "mins": ((rows, cols // group), dtype if bits == 4 else torch.float32)}
+            for part, (shape, part_dtype) in shapes.items():
+                setattr(self, f"{proj}_{part}", nn.Parameter(
+                    torch.empty(self.num_local_experts, *shape, dtype=part_dtype, device=device), requires_grad=False))
+            groups.append(group)
+        self.int_bits, self.int_group_sizes = bits, (groups[0], groups[1])
+
+    def load_int_expert(self, expert: int, proj: str, part: str, tensor: torch.Tensor | LazyTensor,
+                        source: str) -> list[tuple[str, int]]:
+        """One tensor (qweight, scales or zeros, tandem int-N layout, the whole matrix: Hugging Face [out, in]) of
+        a quantized checkpoint expert matrix (proj: gate, up or down). Once the matrix's three have come, this
+        rank's share (its rows of gate / up, its input columns of down, whole groups) is repacked into the
+        stack; returns the (parameter name, elements copied) that filled: none before, or where another rank
+        holds the expert. ValueError naming the tensor (`source`) when a shape does not fit."""
+        parts = self._int_parts.setdefault((expert, proj), {})
+        parts[part] = materialize(tensor)
+        if len(parts) < 3:
+            return []
+        del self._int_parts[(expert, proj)]
+        local = self.local_expert(expert)
+        if local is None:
+            return []
+        stack = "w2" if proj == "down" else "w13"
+        bits, group = self.int_bits, self.int_group_sizes[stack == "w2"]
+        n = self.local_inter
+        hidden = self.w2_words.shape[1]
+        start = 0 if self.expert_parallel else self.tp.rank * n
+        full = (hidden, n * (1 if self.expert_parallel else self.tp.size)) if proj == "down" else \
+            (n * (1 if self.expert_parallel else self.tp.size), hidden)
+        q, scales, zeros = parts["qweight"], parts["scales"], parts["zeros"]
+        if q.shape != (full[0], full[1] * bits // 8) or scales.shape != zeros.shape or scales.shape[0] != full[0]:
+            raise ValueError(f"expert weight {source!r}: qweight {tuple(q.shape)}, scales {tuple(scales.shape)}, "
+                             f"zeros {tuple(zeros.shape)} do not fit a {bits}-bit [{full[0]}, {full[1]}] expert")
+        if proj == "down":  # this rank's input columns: whole groups (one group a row: the same scales)
+            q = q[:, start * bits // 8:(start + n) * bits // 8]
+            if scales.shape[1] > 1:
+                scales, zeros = (t[:, start // group:(start + n) // group] for t in (scales, zeros))
+        else:
+            q, scales, zeros = (t[start:start + n] for t in (q, scales, zeros))
+        target = getattr(self, f"{stack}_words")
+        dtype = getattr(self, f"{stack}_scales").dtype
+        weight = repack_int_weight(q.to(target.device).contiguous(), scales.to(target.device, dtype).contiguous(),
+                                   zeros.to(target.device, dtype).contiguous(), bits, group)
+        rows = slice(None) if proj == "down" else slice(0, n) if proj == "gate" else slice(n, 2 * n)
+        copied = []
+        for name in ("words", "scales", "mins"):
+            value = getattr(weight, name)
+            getattr(self, f"{stack}_{name}").data[local, rows].copy_(value)
+            copied.append((f"{stack}_{name}", value.numel()))
+        return copied
 
     def quantize_fp8_(self) -> bool:
         """Expert weights to FP8 with a scale per expert output channel (the router stays in the model dtype)."""

@@ -3,6 +3,7 @@ arrive, its tensors repacked into the tandem int-N layout as they stream, and ro
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tandem.layers.linear import Linear
-from tandem.layers.moe import FusedMoE
+from tandem.layers.moe import FusedMoE, RouterLinear
 from tandem.layers.parallel import RowParallelLinear, materialize
 from tandem.models.int_checkpoints import UNPACKERS, IntCheckpointConfig
 from tandem.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
@@ -36,24 +37,35 @@ def module_name(prefix: str) -> tuple[str, str | None]:
     return f"{head}.{fused[0]}" if head else fused[0], last
 
 
+# A checkpoint's expert matrix: model.layers.{i}.{mlp | block_sparse_moe}.experts.{e}.{gate_proj | w1 | ...}.
+_EXPERT_LAYER = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
+_EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
 def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpointConfig) -> None:
-    """Gives every Linear that a quantized checkpoint layer feeds empty integer parameters for the loader to
-    fill. ValueError, before any tensor is read, for a layer tandem cannot hold in 4 / 8 bits (the lm_head,
-    MoE experts, a fused projection quantized in part, an act-order row-parallel shard), naming it."""
+    """Gives every Linear that a quantized checkpoint layer feeds, and every MoE block whose experts are
+    quantized, empty integer parameters for the loader to fill. ValueError, before any tensor is read, for a
+    layer tandem cannot hold in 4 / 8 bits (the lm_head, a router, a fused projection or a block's experts
+    quantized in part, act-order experts, an act-order row-parallel shard), naming it."""
     if not isinstance(model, LlamaForCausalLM):
         raise ValueError(f"{type(model).__name__}: 4- / 8-bit checkpoints load into Llama-family models only (the "
                          "others run quantization int4 / int8 from a full-precision checkpoint)")
     modules = dict(model.named_modules())
     sources: dict[str, set[str]] = {}
+    experts: dict[str, set[tuple[int, str]]] = {}
     for prefix in prefixes:
+        expert = _EXPERT_LAYER.match(prefix)
+        if expert is not None:
+            _expert_source(prefix, expert, modules, cfg, experts)
+            continue
         target, part = module_name(prefix)
         module = modules.get(target)
         if prefix.split(".")[-1] == "lm_head" or target.endswith("lm_head"):
             raise ValueError(f"checkpoint layer {prefix!r}: a quantized lm_head is not supported (it stays in the "
                              "model dtype)")
-        if (module is None and ".experts." in prefix) or isinstance(module, FusedMoE):
-            raise ValueError(f"checkpoint layer {prefix!r}: checkpoints with MoE experts quantized already are not "
-                             "supported yet (load the full-precision checkpoint with quantization int4 / int8)")
+        if isinstance(module, (FusedMoE, RouterLinear)) or target.endswith(".mlp.gate"):
+            raise ValueError(f"checkpoint layer {prefix!r}: a quantized MoE router is not supported (it stays in the "
+                             "model dtype)")
         if not isinstance(module, Linear):
             raise ValueError(f"checkpoint layer {prefix!r} holds quantized weights but {type(model).__name__} has "
                              f"no linear {target!r} to take them")
@@ -68,6 +80,29 @@ def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpoin
             raise ValueError(f"{target}: act-order (desc_act / actorder) weights cannot be split along their input "
                              f"columns over tensor_parallel_size={module.tp.size} yet")
         module.use_int_weight_(cfg.bits, cfg.group_size, cfg.act_order, name=target)
+    for target, have in experts.items():
+        block = modules[target]
+        missing = [f"experts.{e}.{p}" for e in range(block.num_experts) for p in ("gate", "up", "down")
+                   if (e, p) not in have]
+        if missing:
+            raise ValueError(f"{target}: the checkpoint quantizes {len(have)} of its {3 * block.num_experts} expert "
+                             f"matrices (not {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); "
+                             "all or none must be quantized")
+        block.use_int_experts_(cfg.bits, cfg.group_size, name=f"{target}.experts")
+
+
+def _expert_source(prefix: str, match: re.Match[str], modules: dict[str, nn.Module], cfg: IntCheckpointConfig,
+                   experts: dict[str, set[tuple[int, str]]]) -> None:
+    """Records a quantized checkpoint expert matrix under its MoE block (experts[block] gets (expert, proj));
+    ValueError naming the layer where the model has no such block or expert, or the experts use act order."""
+    target = f"{match.group(1)}.mlp"
+    block, proj, expert = modules.get(target), _EXPERT_PROJ.get(match.group(3)), int(match.group(2))
+    if not isinstance(block, FusedMoE) or proj is None or expert >= block.num_experts:
+        raise ValueError(f"checkpoint layer {prefix!r} holds quantized weights but {target!r} has no such expert")
+    if cfg.act_order:
+        raise ValueError(f"checkpoint layer {prefix!r}: act-order (desc_act / actorder) MoE experts are not "
+                         "supported (their stacks share one input-column order)")
+    experts.setdefault(target, set()).add((expert, proj))
 
 
 def repack_int_checkpoint(weights: Iterable[tuple[str, object]], cfg: IntCheckpointConfig,

@@ -20,6 +20,10 @@ from tandem.models.weights import WeightLoader
 # model.layers.{i}.mlp.experts.{gate_up_proj | down_proj} (transformers 5's in-memory layout, GGUF's ffn_*_exps).
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 _STACKED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj)(?:\.weight)?$")
+# A checkpoint expert matrix's tensors in the tandem int-N layout, from a checkpoint whose experts are quantized
+# (int_loading.repack_int_checkpoint turns GPTQ / AWQ / compressed-tensors tensors into these).
+_INT_EXPERT = re.compile(
+    r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(qweight|scales|zeros)$")
 _PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down",
          "gate_up_proj": "gate_up"}
 
@@ -56,6 +60,16 @@ class MoEForCausalLM(LlamaForCausalLM):
         name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
         if name.endswith(".mlp.gate.weight"):  # Mixtral's router lives under block_sparse_moe
             loader.copy(name, materialize(tensor))
+            return True
+        quantized = _INT_EXPERT.match(name)
+        if quantized is not None:
+            layer = quantized.group(1)
+            block, proj = modules.get(f"{layer}.mlp"), _PROJ.get(quantized.group(3))
+            if not isinstance(block, FusedMoE) or not block.int_bits or proj not in ("gate", "up", "down"):
+                raise ValueError(f"unexpected quantized expert weight {name!r}")
+            for param, copied in block.load_int_expert(int(quantized.group(2)), proj, quantized.group(4), tensor,
+                                                       name):
+                loader.count(f"{layer}.mlp.{param}", copied)
             return True
         match = _EXPERT.match(name)
         stacked = None if match else _STACKED.match(name)

@@ -105,3 +105,126 @@ def test_shards_quantize_whole_groups(expert_parallel, tmp_path):
                 expected2 = w2.chunk(2, dim=2)[rank]
             assert torch.equal(getattr(block, f"w13_{part}"), expected13)
             assert torch.equal(getattr(block, f"w2_{part}"), expected2)
+
+
+def save_quantized_moe(case, family: str, folder, **overrides) -> torch.nn.Module:  # type: ignore[no-untyped-def]
+    """A tiny MoE checkpoint in `case`'s format as quantizers write one: every linear but the lm_head and the
+    routers (and Qwen2-MoE's shared-expert gate) quantized, each expert's gate / up / down as its own layer (Mixtral's block_sparse_moe.experts.{e}.w1 /
+    w3 / w2, Qwen's mlp.experts.{e}.gate_proj / up_proj / down_proj). Returns the transformers model holding the
+    dequantized weights (fp32, eval)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    hf_config = tiny_moe_config(family)
+    for key, value in overrides.items():  # e.g. a wider intermediate size, for shards of whole groups
+        setattr(hf_config, key, value)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config).float().eval()
+    block, projs = ("block_sparse_moe", ("w1", "w3", "w2")) if family == "mixtral" else \
+        ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    quantized: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head" and not name.endswith(
+                    ("mlp.gate", "shared_expert_gate")):
+                packed, w = case.pack(module.weight, 1)
+                quantized.update({f"{name}.{k}": v.contiguous() for k, v in packed.items()})
+                module.weight.copy_(w)
+            if name.endswith("mlp.experts"):
+                layer = name.removesuffix(".mlp.experts")
+                inter = module.down_proj.shape[2]
+                for e in range(module.gate_up_proj.shape[0]):
+                    for proj, weight in ((projs[0], module.gate_up_proj[e, :inter]),
+                                         (projs[1], module.gate_up_proj[e, inter:]), (projs[2], module.down_proj[e])):
+                        packed, w = case.pack(weight, 2)
+                        quantized.update({f"{layer}.{block}.experts.{e}.{proj}.{k}": v.contiguous()
+                                          for k, v in packed.items()})
+                        weight.copy_(w)
+    tensors = {name: t.contiguous() for name, t in hf.state_dict().items()
+               if not name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+               and name.removesuffix(".weight") not in {n.rsplit(".", 1)[0] for n in quantized}}
+    hf.config.save_pretrained(folder)
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"] = case.quantization_config()
+    path.write_text(json.dumps(config))
+    save_file({**tensors, **quantized}, str(folder / "model.safetensors"))
+    return hf
+
+
+# (family, format): GPTQ asymmetric 4-bit, AWQ, and compressed-tensors 8-bit per channel, at groups the tiny
+# experts' 64 hidden and 32 / 96 intermediate columns hold.
+QUANTIZED_EXPERTS = [("qwen3_moe", ("gptq", 4, 32, False)), ("mixtral", ("awq", 4, 32, False)),
+                     ("qwen2_moe", ("compressed-tensors", 8, -1, True))]
+
+
+@pytest.mark.parametrize("family,case", QUANTIZED_EXPERTS, ids=[f"{f}-{c[0]}" for f, c in QUANTIZED_EXPERTS])
+def test_checkpoint_experts_quantized_already_match_dequantized_transformers(family, case, tmp_path):
+    """A GPTQ / AWQ / compressed-tensors checkpoint whose experts are quantized loads them into the integer stacks
+    (no full-precision copy: the model is built on the meta device) and gives in tandem (fp32, CPU) the logits
+    and greedy tokens transformers gives on the dequantized weights."""
+    from tests.models.quantized_llama import Case
+
+    case = Case(*case)
+    hf = save_quantized_moe(case, family, tmp_path)
+    config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32")
+    model, model_config, _ = load_model_and_tokenizer(config, CPU, torch.float32)
+    blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert blocks and all(b.int_bits == case.bits and not hasattr(b, "w13") for b in blocks)
+    inter = blocks[0].w2_words.shape[2] * 32 // case.bits
+    assert blocks[0].int_group_sizes == ((64, inter) if case.group == -1 else (case.group, case.group))
+    assert blocks[0].gate.int_bits == 0
+    run_and_compare(f"{family}-{case.id}", hf, model, model_config, "cpu", atol=1e-4)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_quantized_checkpoint_experts_shard_like_their_stacks(expert_parallel, tmp_path):
+    """At TP=2 a rank holds its experts (EP) or every expert's half of the intermediate dimension (TP): the
+    unsharded model's integer stacks, sliced, whole groups of w2's columns on each rank."""
+    from tandem.config import ParallelConfig
+    from tests.models.quantized_llama import Case
+
+    save_quantized_moe(Case("gptq", 4, 32, False), "qwen3_moe", tmp_path, moe_intermediate_size=64,
+                       intermediate_size=128)
+    config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32")
+    full = load_model_and_tokenizer(config, CPU, torch.float32)[0].model.layers[1].mlp
+    for rank in range(2):
+        block = load_model_and_tokenizer(config, CPU, torch.float32, ParallelConfig(rank, 2, expert_parallel))[0]
+        block = block.model.layers[1].mlp
+        for part in ("words", "scales", "mins"):
+            w13, w2 = getattr(full, f"w13_{part}"), getattr(full, f"w2_{part}")
+            if expert_parallel:
+                expected13, expected2 = w13[rank::2], w2[rank::2]
+            else:
+                gate, up = w13.chunk(2, dim=1)
+                expected13 = torch.cat([gate.chunk(2, dim=1)[rank], up.chunk(2, dim=1)[rank]], dim=1)
+                expected2 = w2.chunk(2, dim=2)[rank]
+            assert torch.equal(getattr(block, f"w13_{part}"), expected13), (rank, part)
+            assert torch.equal(getattr(block, f"w2_{part}"), expected2), (rank, part)
+
+
+def test_quantized_experts_in_part_or_in_act_order_are_refused(tmp_path):
+    """A block whose experts are quantized in part, or experts in act order, is refused before any tensor is
+    read, naming the layer."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.models.quantized_llama import Case
+
+    save_quantized_moe(Case("gptq", 4, 32, False), "qwen3_moe", tmp_path)
+    path = str(tmp_path / "model.safetensors")
+    tensors = load_file(path)
+    prefix = "model.layers.1.mlp.experts.5.up_proj"
+    for suffix in ("qweight", "qzeros", "scales", "g_idx"):
+        tensors.pop(f"{prefix}.{suffix}", None)
+    tensors[f"{prefix}.weight"] = torch.zeros(32, 64)
+    save_file(tensors, path)
+    config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp: the checkpoint quantizes 23 of its 24"):
+        load_model_and_tokenizer(config, CPU, torch.float32)
+    act = tmp_path / "act"
+    act.mkdir()
+    save_quantized_moe(Case("gptq", 4, 32, False, act_order=True), "qwen3_moe", act)
+    config = EngineConfig(model=str(act), device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match="act-order .* MoE experts are not supported"):
+        load_model_and_tokenizer(config, CPU, torch.float32)
