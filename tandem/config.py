@@ -280,8 +280,6 @@ class EngineConfig:
             raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")
         if not self.enable_lora:
             return
-        if self.quantization == "fp8":
-            raise ValueError("enable_lora does not run with quantization fp8 yet (bf16, int4 and int8 weights do)")
         if self.data_parallel_size > 1:
             raise ValueError("enable_lora runs with data_parallel_size 1 for now")
 

@@ -35,6 +35,13 @@ class Linear(nn.Module):
         # the base output base() in place and whose shrink(x) gives the decode GEMV's epilogue operands; None without.
         self.lora = None
 
+    @property
+    def takes_fp8_rows(self) -> bool:
+        """Whether the kernel producing this linear's input should hand it quantized per token (QuantizedRows): FP8
+        weights, and no LoRA adapters (whose shrink reads the rows in the model dtype; the FP8 product then takes
+        them unquantized too, as the weight-only kernels do)."""
+        return self.weight_scale is not None and self.lora is None
+
     def forward(self, x: torch.Tensor | QuantizedRows, defer_reduce: bool = False) -> torch.Tensor | PartialSums:
         if self.lora is not None:  # base output + each token's adapter delta
             fused = self._fused_lora(x)

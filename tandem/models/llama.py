@@ -104,7 +104,7 @@ class LlamaAttention(nn.Module):
         # decode attention kernel itself in decode steps, a kernel before attention otherwise.
         out = self.attn.rotary_attend(q, k, v, rotary, k_cache, v_cache, meta,
                                       self.q_norm if self.qk_norm else None, self.k_norm if self.qk_norm else None,
-                                      fp8_out=self.o_proj.weight_scale is not None)
+                                      fp8_out=self.o_proj.takes_fp8_rows)
         return self.o_proj(out, defer_reduce=True)  # into post_attention_layernorm: PartialSums are fine
 
 
@@ -119,7 +119,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        fp8_out = self.down_proj.weight_scale is not None  # down_proj in FP8: silu(gate) * up comes quantized
+        fp8_out = self.down_proj.takes_fp8_rows  # down_proj in FP8: silu(gate) * up comes quantized
         # Into the next add + RMSNorm (the next layer's or the final one): PartialSums are fine.
         return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x, fp8_out), defer_reduce=True)
 
@@ -143,7 +143,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Norm outputs that feed FP8 projections only come quantized per token where those would quantize
         # them (RMSNorm's fp8_out): no separate quantization kernel.
-        fp8_qkv = self.self_attn.qkv_proj.weight_scale is not None
+        fp8_qkv = self.self_attn.qkv_proj.takes_fp8_rows
         if residual is None:
             residual = hidden
             normed = self.input_layernorm(hidden, fp8_out=fp8_qkv)
@@ -151,7 +151,7 @@ class LlamaDecoderLayer(nn.Module):
             normed, residual = self.input_layernorm(hidden, residual, fp8_out=fp8_qkv)
         hidden = self.self_attn(rotary, normed, k_cache, v_cache, meta)
         # A MoE block takes the normed rows as a tensor (its router reads them too).
-        fp8_mlp = isinstance(self.mlp, LlamaMLP) and self.mlp.gate_up_proj.weight_scale is not None
+        fp8_mlp = isinstance(self.mlp, LlamaMLP) and self.mlp.gate_up_proj.takes_fp8_rows
         normed, residual = self.post_attention_layernorm(hidden, residual, fp8_out=fp8_mlp)
         return self.mlp(normed), residual
 

@@ -258,6 +258,36 @@ def test_pool_linear_defers_its_reduce_with_the_delta(monkeypatch):
     torch.testing.assert_close(got.reduce(), linear(x), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("n", [1, 12])
+def test_fp8_linear_with_adapters_takes_rows_in_the_model_dtype(monkeypatch, n):
+    """An FP8 target Linear with a LoRAPool: producers no longer hand it quantized rows (takes_fp8_rows), and its
+    output is the FP8 product plus each token's delta, plain and gated: one row through the FP8 GEMV's epilogue,
+    more through the FP8 product and the sorted kernels."""
+    from tandem.layers.activation import silu_and_mul
+    from tandem.layers.linear import Linear
+    from tandem.lora.pool import LoRAPool
+
+    k, out, cols = 64, 48, 16
+    x, a, b, _ = operands(n, k, out, cols, torch.float16, seed=11)
+    linear = Linear(k, out).to(DEVICE, torch.float16)
+    linear.weight.data = (torch.randn(out, k, generator=torch.Generator().manual_seed(12)) * k**-0.5).to(
+        DEVICE, torch.float16)
+    assert linear.quantize_fp8_() and linear.takes_fp8_rows
+    base, gated_base = linear(x), linear.forward_silu_and_mul(x)
+    pool = LoRAPool({"proj": linear}, NUM_SLOTS, cols, 32, torch.float16, torch.device(DEVICE))
+    assert not linear.takes_fp8_rows
+    pool.slots["proj"][0].copy_(a)
+    pool.slots["proj"][1].copy_(b)
+    slots = step_slots(n, "mixed")
+    pool.select(slots)
+    expected = lora_add_ref(base.double(), x.double(), a.double(), b.double(), slots)
+    close = dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(linear(x).double(), expected, **close)
+    torch.testing.assert_close(linear.forward_silu_and_mul(x).double(), silu_and_mul(expected.half()).double(),
+                               **close)
+    assert not torch.allclose(gated_base.double(), silu_and_mul(expected.half()).double(), **close)
+
+
 _COMPILE_SM90 = r"""
 import json, sys
 import triton
