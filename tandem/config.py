@@ -217,9 +217,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         self._check_lora()
-        if self.enable_lora and self.speculative_config is not None:
-            raise ValueError("speculative_config with enable_lora is not supported yet: a verify step's rows would "
-                             "need each token's adapter in its own order")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):

@@ -161,11 +161,18 @@ class LoRAManager:
         self._staged_wait = False
 
     @staticmethod
-    def write_slots(region: np.ndarray, scheduled: list, num_tokens: int, padded_tokens: int) -> None:
+    def write_slots(region: np.ndarray, scheduled: list, num_tokens: int, padded_tokens: int,
+                    draft_rows: list[tuple[int, int, int]] | None = None) -> None:
         """A step's per-token adapter slots into its pinned region ([max_num_tokens] int32): each row's slot for
-        each of its scheduled tokens, -1 on padding rows."""
+        each of its scheduled tokens, -1 on padding rows. draft_rows (a flat verify step, whose rows are every
+        sequence's own row and then each one's drafts: (sequence, first draft row, drafts)): the draft rows take
+        their sequence's slot."""
         slots = [s.request.lora_slot for s in scheduled]
-        if num_tokens == len(scheduled):
+        if draft_rows is not None:
+            region[:len(scheduled)] = slots
+            for i, first, k in draft_rows:
+                region[first:first + k] = slots[i]
+        elif num_tokens == len(scheduled):
             region[:num_tokens] = slots
         else:
             region[:num_tokens] = np.repeat(slots, [s.num_scheduled_tokens for s in scheduled])

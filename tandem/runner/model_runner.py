@@ -221,7 +221,8 @@ class ModelRunner:
         self.logits_state.prepare(slot, sched.scheduled, shape.any_logits_state, shape.draft_rows, shape.num_rows)
         if self.lora is not None:  # each token's adapter slot, and the adapters to page in before the step
             self.lora.write_slots(self.buffers[slot].ints.np["lora_slots"], sched.scheduled, num_tokens,
-                                  max(num_tokens, graph_bs or 0, piece_tokens or 0))
+                                  max(num_tokens, graph_bs or 0, piece_tokens or 0),
+                                  shape.draft_rows if flat else None)
             self.lora.stage(sched.lora_loads, sched.lora_loads_wait)
         self._prev_rows = rows
         plan = StepPlan(slot, num_seqs, num_tokens, graph_bs, shape.all_greedy, shape.any_top_k_top_p,

@@ -54,6 +54,21 @@ def test_mixed_batch_matches_peft(setup, overlap):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_speculation_with_adapters_matches_peft(setup, overlap):
+    """Drafts verified under each request's adapter (the base model as its own draft model, so every step past
+    the prompts verifies drafts; verify steps whose rows are each sequence's own row and then its drafts take
+    each row's adapter from its sequence) give peft's greedy tokens, drafts accepted and rejected."""
+    base, _, loras, expected = setup
+    spec = {"method": "draft_model", "model": base, "num_speculative_tokens": 3}
+    llm = _llm(base, max_loras=3, overlap=overlap, speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    engine = llm.engine
+    assert engine.spec_draft_tokens > engine.spec_accepted_tokens > 0
+
+
 def test_adapters_page_through_fewer_slots(setup):
     """Three adapters, one device slot and one host copy: requests wait for the slot and adapters are read again;
     the prefix cache never serves one adapter's KV to another (the same prompt under every adapter)."""

@@ -215,7 +215,3 @@ def test_idle_time_between_runs_is_not_timed_as_a_step(folder):
     llm.generate([[40, 41, 42, 43] * 7], params, use_tqdm=False)
     assert len(timed) >= 8 and max(timed) < 0.5, timed
 
-
-def test_speculation_with_adapters_is_refused_naming_both():
-    with pytest.raises(ValueError, match="speculative_config with enable_lora"):
-        EngineConfig(speculative_config={"method": "ngram"}, enable_lora=True)
