@@ -428,3 +428,34 @@ def test_bench_random_head_fits_the_named_shape(tmp_path):
     config = Eagle3Config.from_folder(random_eagle3_folder("llama-3-8b", str(tmp_path)))
     assert config.check_target(load_model_config(EngineConfig(model="llama-3-8b", load_format="dummy"))) == (2, 16, 29)
     assert (config.hidden_size, config.draft_vocab_size, config.num_kv_heads) == (4096, 32000, 8)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_eagle3_under_adapters_equals_adapters_without_drafts(target, likely_head, plain, tmp_path, ahead,
+                                                              monkeypatch):
+    """Requests with and without a LoRA adapter in one batch: drafts verified under each row's adapter (also with
+    the next verify step scheduled behind the one in flight) give the tokens of the adapters without drafts."""
+    pytest.importorskip("peft")
+    from tandem import LoRARequest
+    from tests.lora.adapters import save_adapter
+
+    adapter = LoRARequest("all", 1, save_adapter(target, str(tmp_path / "all"), ["q_proj", "v_proj", "down_proj"],
+                                                 r=4, seed=3, scale=0.1))
+    order = [adapter if i % 2 == 0 else None for i in range(len(PROMPTS))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    lora = dict(enable_lora=True, max_loras=1, max_lora_rank=8)
+    llm = LLM(target, **lora, **ENGINE)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False, lora_request=order)]
+    llm.shutdown()
+    assert any(w != p for w, p, r in zip(want, plain, order) if r is not None)  # the adapter changes them
+    spec = {"method": "eagle3", "model": likely_head, "num_speculative_tokens": 3, "adaptive": False}
+    shifted = []
+    shift_rows = ModelExecutor.shift_rows
+    monkeypatch.setattr(ModelExecutor, "shift_rows", lambda self, *a: shifted.append(a[1]) or shift_rows(self, *a))
+    llm = LLM(target, speculative_config=spec, **lora, **ENGINE)
+    llm.engine.ahead = ahead
+    outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=order)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.engine.stats().spec_accepted_tokens > 0 and (len(shifted) >= 3) == ahead
+    assert llm.engine.scheduler.num_free_blocks() == ENGINE["num_kv_blocks"] - 1
+    llm.shutdown()
