@@ -157,6 +157,60 @@ def quantize_linears_int(model: nn.Module, bits: int) -> None:
             module.quantize_int_(bits, name=name)
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def decoder_layer(name: str, outside: int | None = None) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to (model.layers.{i}.*), `outside` for the others."""
+    match = _LAYER.match(name)
+    return int(match.group(1)) if match is not None else outside
+
+
+def streams_int_quantization(model_cls: type) -> bool:
+    """Whether quantization int4 / int8 of a full-precision checkpoint quantizes each decoder layer as it loads
+    (quantize_as_loaded: the Llama family, whose layers are model.layers.{i}); others load whole, then quantize."""
+    return issubclass(model_cls, LlamaForCausalLM)
+
+
+def quantize_as_loaded(model: nn.Module, weights: Iterable[tuple[str, object]], bits: int,
+                       device: torch.device) -> Iterator[tuple[str, object]]:
+    """A full-precision checkpoint's (name, tensor) stream, ordered by decoder layer (model.layers.{i}, the rest
+    first), for a model built on the meta device (quantization int4 / int8): what lies outside the decoder layers
+    gets its storage first; each layer gets it at its first tensor, and its linears and MoE experts are quantized
+    (round to nearest, as quantize_linears_int) once its last tensor has been copied: at the next layer's first,
+    or at the end. So one decoder layer at most is held in full precision, not the model. ValueError for a tensor
+    of a layer already quantized (a stream out of order)."""
+    layers = model.model.layers
+    for name, module in model.named_modules():
+        if not name.startswith("model.layers."):
+            for param_name, param in list(module.named_parameters(recurse=False)):
+                if param.is_meta:
+                    setattr(module, param_name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype,
+                                                                         device=device), requires_grad=False))
+    current: int | None = None
+    done: set[int] = set()
+    for name, tensor in weights:
+        index = decoder_layer(name)
+        if index is not None and index != current:
+            if index in done:
+                raise ValueError(f"weight {name!r} comes after its layer was quantized (tensors out of layer order)")
+            if current is not None:
+                _quantize_layer(layers[current], current, bits)
+                done.add(current)
+            if index < len(layers):
+                materialize_meta(layers[index], device)
+            current = index
+        yield name, tensor
+    if current is not None:
+        _quantize_layer(layers[current], current, bits)
+
+
+def _quantize_layer(layer: nn.Module, index: int, bits: int) -> None:
+    for name, module in layer.named_modules():
+        if isinstance(module, (Linear, FusedMoE)):
+            module.quantize_int_(bits, name=f"model.layers.{index}.{name}")
+
+
 def repack_int_linears(model: nn.Module) -> None:
     """Every integer Linear's weight in the GPU kernels' layout only (Linear.repack_int_): run once the model is
     loaded (shards cut, every tensor in place) on a GPU whose 16-bit activations run the kernels."""

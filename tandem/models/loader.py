@@ -26,12 +26,15 @@ from tandem.models.int_checkpoints import IntCheckpointConfig, checkpoint_int_co
 from tandem.models.int_loading import (
     RTN_METHODS,
     EmptyOnMeta,
+    decoder_layer,
     materialize_meta,
     prepare_int_linears,
+    quantize_as_loaded,
     quantize_linears_int,
     quantized_prefixes,
     repack_int_checkpoint,
     repack_int_linears,
+    streams_int_quantization,
 )
 from tandem.models.registry import MODEL_REGISTRY, model_config_from_hf
 
@@ -152,7 +155,10 @@ def load_model_and_tokenizer(
     if gguf_blocks is None:  # where the int-weight kernels run: a GPU in a 16-bit dtype (fp32 there runs the
         gguf_blocks = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)  # reference anyway)
     gguf_blocks = gguf_blocks and source.format == "gguf" and config.quantization is None
-    deferred = int_config is not None or (int_bits and source.format == "dummy") or gguf_blocks
+    # A full-precision checkpoint quantized at load streams layer by layer (quantize_as_loaded).
+    streamed = bool(int_bits) and source.format == "safetensors" and int_config is None and \
+        streams_int_quantization(model_cls)
+    deferred = int_config is not None or (int_bits and source.format == "dummy") or gguf_blocks or streamed
     with torch.device(device), _default_dtype(dtype), EmptyOnMeta() if deferred else contextlib.nullcontext():
         model = model_cls(model_config, tp)
     if source.format == "dummy":
@@ -160,7 +166,7 @@ def load_model_and_tokenizer(
     elif source.format == "gguf":
         _load_gguf(model, source.path, model_config, device, gguf_blocks)
     else:
-        _load_safetensors(model, source.path, config, tp, int_config, device)
+        _load_safetensors(model, source.path, config, tp, int_config, device, int_bits if streamed else 0)
     if config.quantization == "fp8":
         quantize_linears_fp8(model)
     elif config.quantization in RTN_METHODS:
@@ -174,9 +180,11 @@ def load_model_and_tokenizer(
 
 
 def _load_safetensors(model: nn.Module, folder: str, config: EngineConfig, tp: ParallelConfig,
-                      int_config: IntCheckpointConfig | None, device: torch.device) -> None:
+                      int_config: IntCheckpointConfig | None, device: torch.device, stream_bits: int = 0) -> None:
     """Fills the model from a Hugging Face folder: full-precision, FP8 (dequantized whole first) or 4- / 8-bit
-    integer (its quantized layers made integer Linears first, then each layer repacked as it streams)."""
+    integer (its quantized layers made integer Linears first, then each layer repacked as it streams).
+    stream_bits (quantization int4 / int8 of a model built on the meta device): the tensors are read layer by
+    layer and each layer is quantized once loaded (quantize_as_loaded)."""
     if int_config is not None:
         if config.quantization is not None:
             raise ValueError(f"quantization {config.quantization!r} cannot be applied to a {int_config.method} "
@@ -191,9 +199,11 @@ def _load_safetensors(model: nn.Module, folder: str, config: EngineConfig, tp: P
         return
     fp8_config = checkpoint_fp8_config(_read_config_json(folder))
     # Lazy slices let a rank read only its shard; FP8 checkpoints are dequantized whole first.
-    weights = _iter_safetensors(folder, lazy=tp.size > 1 and fp8_config is None)
+    weights = _iter_safetensors(folder, lazy=tp.size > 1 and fp8_config is None, by_layer=bool(stream_bits))
     if fp8_config is not None:
         weights = dequantize_fp8_checkpoint(weights, fp8_config)
+    if stream_bits:
+        weights = quantize_as_loaded(model, weights, stream_bits, device)
     model.load_weights(weights)
 
 
@@ -425,8 +435,9 @@ class _SafetensorsSlice:
         return self._slice[:]
 
 
-def _iter_safetensors(folder: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
-    """(name, tensor) for every checkpoint tensor; with lazy, (name, _SafetensorsSlice) instead."""
+def _iter_safetensors(folder: str, lazy: bool = False, by_layer: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every checkpoint tensor; with lazy, (name, _SafetensorsSlice) instead. by_layer: the
+    tensors outside the decoder layers first, then model.layers.{i}'s in order of i, whatever file holds them."""
     from safetensors import safe_open
 
     index = os.path.join(folder, "model.safetensors.index.json")
@@ -437,10 +448,20 @@ def _iter_safetensors(folder: str, lazy: bool = False) -> Iterator[tuple[str, An
         files = ["model.safetensors"]
     else:
         files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+    if by_layer:
+        with contextlib.ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(os.path.join(folder, file), framework="pt", device="cpu"))
+                       for file in files]
+            names = sorted((decoder_layer(name, -1), i, name) for i, f in enumerate(handles) for name in f.keys())
+            for _, i, name in names:
+                f = handles[i]
+                yield name, (_SafetensorsSlice(f, name) if lazy else f.get_tensor(name))
+        return
     for file in files:
         with safe_open(os.path.join(folder, file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, (_SafetensorsSlice(f, name) if lazy else f.get_tensor(name))
+
 
 
 def _safetensors_names(folder: str) -> list[str]:

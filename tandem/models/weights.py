@@ -10,15 +10,21 @@ class WeightLoader:
     """Copies Hugging Face tensors into a module's parameters, counting elements so gaps are caught."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.params: dict[str, nn.Parameter] = dict(module.named_parameters())
+        self.module = module
+        # param name -> elements it holds: the parameters are looked up at each copy, since a module may be given
+        # storage (a parameter built on the meta device) or quantized (its weight replaced) while loading.
+        self.numels: dict[str, int] = {name: p.numel() for name, p in module.named_parameters()}
         self.loaded: dict[str, int] = {}  # param name -> elements copied so far
+
+    def _param(self, param_name: str, source: str) -> nn.Parameter:
+        if param_name not in self.numels:
+            raise ValueError(f"unexpected weight {source!r} (no parameter {param_name!r})")
+        return self.module.get_parameter(param_name)
 
     def copy(self, param_name: str, tensor: torch.Tensor, offset: int = 0, source: str | None = None) -> None:
         """Copies tensor into rows [offset, offset + len) of the parameter (the whole of it when offset is 0)."""
         source = source or param_name
-        param = self.params.get(param_name)
-        if param is None:
-            raise ValueError(f"unexpected weight {source!r} (no parameter {param_name!r})")
+        param = self._param(param_name, source)
         whole = offset == 0 and tensor.shape == param.shape
         target = param.data if whole else param.data.narrow(0, offset, min(tensor.shape[0], param.shape[0] - offset))
         if target.shape != tensor.shape:
@@ -32,9 +38,7 @@ class WeightLoader:
         """A parameter every part of a fused projection provides whole (an act-order input permutation): the
         first copy fills it, later ones must equal it (one input order serves the fused weight)."""
         source = source or param_name
-        param = self.params.get(param_name)
-        if param is None:
-            raise ValueError(f"unexpected weight {source!r} (no parameter {param_name!r})")
+        param = self._param(param_name, source)
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(f"weight {source!r}: shape {tuple(tensor.shape)} does not fit {param_name} "
                              f"{tuple(param.shape)}")
@@ -47,13 +51,13 @@ class WeightLoader:
 
     def count(self, param_name: str, num_elements: int) -> None:
         """Records elements a module copied itself (a MoE expert's slice of a stacked parameter)."""
-        if param_name not in self.params:
+        if param_name not in self.numels:
             raise ValueError(f"unexpected weight for {param_name!r}")
         self.loaded[param_name] = self.loaded.get(param_name, 0) + num_elements
 
     def finish(self) -> None:
         """Raises ValueError naming the parameters the checkpoint did not (fully) provide."""
-        missing = [name for name, p in self.params.items() if self.loaded.get(name, 0) != p.numel()]
+        missing = [name for name, numel in self.numels.items() if self.loaded.get(name, 0) != numel]
         if missing:
             more = " ..." if len(missing) > 8 else ""
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}{more}")

@@ -74,6 +74,54 @@ def test_round_to_nearest_at_load_matches_dequantized_transformers(quantization,
     run_and_compare(quantization, hf, model, model_config, "cpu", atol=1e-4)
 
 
+def test_round_to_nearest_at_load_holds_one_layer_in_full_precision(tmp_path, monkeypatch):
+    """quantization int4 of a full-precision checkpoint split over two files, its layers out of file order: the
+    model is built without storage for its linears, each layer gets it as its tensors come (in layer order) and
+    is quantized before the next one gets it, so at most one decoder layer is ever in full precision; the model is
+    the one quantized after a whole load."""
+    from safetensors.torch import save_file
+
+    import tandem.models.int_loading as int_loading
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CONFIG, "num_hidden_layers": 3})).float().eval()
+    hf.config.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    files = {"a.safetensors": lambda k: ".layers.2." in k or "embed" in k, "b.safetensors": lambda k: True}
+    weight_map: dict[str, str] = {}
+    for file, takes in files.items():
+        part = {k: v for k, v in state.items() if k not in weight_map and takes(k)}
+        weight_map.update({k: file for k in part})
+        save_file(part, str(tmp_path / file))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    held = []
+    materialize = int_loading.materialize_meta
+
+    def counting(layer, device):  # a decoder layer about to get its storage: the layers' full-precision linears
+        held.append(sum(1 for m in loaded.model.layers.modules() if isinstance(m, Linear) and not m.int_bits
+                        and not m.weight.is_meta))
+        return materialize(layer, device)
+
+    loaded = None
+    build = int_loading.quantize_as_loaded
+
+    def remembering(model, weights, bits, device):
+        nonlocal loaded
+        loaded = model
+        return build(model, weights, bits, device)
+
+    monkeypatch.setattr(int_loading, "materialize_meta", counting)
+    monkeypatch.setattr("tandem.models.loader.quantize_as_loaded", remembering)
+    model, model_config = load(tmp_path, quantization="int4")
+    assert held == [0, 0, 0]  # three layers, each materialized with no other layer in full precision
+    monkeypatch.undo()
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.weight.copy_(quantize_rtn(module.weight, 4, 128).dequantize())
+    run_and_compare("int4-streamed", hf, model, model_config, "cpu", atol=1e-4)
+
+
 def test_tensor_parallel_shards_hold_the_full_weight(tmp_path):
     """At TP=2 each rank's integer shards (row-parallel: whole groups of input columns; column-parallel:
     output rows of each fused part) put together give the unsharded layer."""
