@@ -171,9 +171,11 @@ def test_gated_expand_is_expand_then_silu_and_mul(n, mix, parts, dtype):
     assert torch.equal(got[none], silu_and_mul(y[none]))
 
 
-def test_delta_goes_into_deferred_partial_sums():
+@pytest.mark.parametrize("sorted_kernels", [True, False])
+def test_delta_goes_into_deferred_partial_sums(sorted_kernels):
     """A split-K GEMM's PartialSums (handed on to the add + RMSNorm): the delta goes into the first split, so the
-    splits' sum is the base output plus the delta; a scaled (FP8) GEMM's partial sums are refused."""
+    splits' sum is the base output plus the delta (the sorted kernels, or the one-block ones of a step not
+    grouped); a scaled (FP8) GEMM's partial sums are refused."""
     from tandem.kernels.fp8 import PartialSums
     from tandem.kernels.lora import lora_add
 
@@ -181,6 +183,8 @@ def test_delta_goes_into_deferred_partial_sums():
     x, a, b, _ = operands(n, k, out, cols, torch.float32, seed=6)
     slots = step_slots(n, "mixed")
     index, groups = grouped(slots)
+    if not sorted_kernels:
+        groups = None
     ws = torch.randn(3, n, out, generator=torch.Generator().manual_seed(7)).to(DEVICE)
     base = PartialSums(ws.clone(), None, None, torch.float32).reduce()
     got = lora_add(PartialSums(ws.clone(), None, None, torch.float32), x, a, b, index, groups=groups)
