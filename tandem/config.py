@@ -277,8 +277,6 @@ class EngineConfig:
             raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")
         if not self.enable_lora:
             return
-        if self.data_parallel_size > 1:
-            raise ValueError("enable_lora runs with data_parallel_size 1 for now")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

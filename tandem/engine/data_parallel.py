@@ -24,8 +24,10 @@ import zmq
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.core import check_new_request
-from tandem.engine.messages import AbortRequest, AddRequest, ClientCommand, EngineBatch, WireStats, merge_reported
+from tandem.engine.messages import (AbortRequest, AddRequest, ClientCommand, EngineBatch, UnloadLoRA, WireStats,
+                                   merge_reported)
 from tandem.engine.router import ReplicaRouter, work
+from tandem.lora_request import LoRARequest
 from tandem.outputs import EngineOutput
 from tandem.request import FinishReason
 from tandem.sampling_params import SamplingParams
@@ -100,24 +102,52 @@ class DataParallelEngine:
         self._work_of: dict[str, int] = {}  # unfinished request id -> its tokens in the router's load
         self.routed_tokens = [0] * config.data_parallel_size  # work sent to each replica so far (the bench's balance)
         self._replica_stats: list[WireStats | None] = [None] * config.data_parallel_size
+        self._checked_loras: dict[int, LoRARequest] = {}  # adapters _check_lora has read, by lora_int_id
         atexit.register(self.shutdown)  # before multiprocessing's own exit hook joins the replicas
 
     # ---------------------------------------------------------------- requests
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Checks everything a replica would refuse (EngineCore.add_request's rules), so a bad prompt is a
-        ValueError here and now, as with one engine; then queues the request on its replica."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Checks everything a replica would refuse (EngineCore.add_request's rules; an adapter's config and shapes
+        against the replicas' projections), so a bad prompt is a ValueError here and now, as with one engine;
+        then queues the request on its replica, which makes the adapter's copy and pages it in itself."""
         self._check_open()
         # max_model_len is already capped by every replica's KV pool, so the scheduler's pool check holds too.
         check_new_request(request_id, prompt_token_ids, params, self._replica_of, self.vocab_size,
                           self.max_model_len)
+        if lora_request is not None:
+            self._check_lora(lora_request)
         # Routed by tokens in flight; with no max_tokens a request may run to the context limit.
         max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_token_ids)
         replica = self.router.pick(prompt_token_ids, max_new)
         self._replica_of[request_id] = replica
         self._work_of[request_id] = work(prompt_token_ids, max_new)
         self.routed_tokens[replica] += self._work_of[request_id]
-        self._outboxes[replica].append(AddRequest(request_id, list(prompt_token_ids), params, 0))
+        self._outboxes[replica].append(AddRequest(request_id, list(prompt_token_ids), params, 0, lora_request))
+
+    def _check_lora(self, lora_request: LoRARequest) -> None:
+        """ValueError naming the adapter where a replica would refuse it (not a LoRARequest, LoRA off, a rank above
+        max_lora_rank, modules or shapes the model lacks); each adapter is read once here."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if not self.config.enable_lora:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} given, but the engine was started without "
+                             "enable_lora")
+        if self._checked_loras.get(lora_request.lora_int_id) == lora_request:
+            return
+        from tandem.lora.peft import check_modules, load_adapter
+
+        check_modules(load_adapter(lora_request, self.config.max_lora_rank), self.engines.info.lora_modules)
+        self._checked_loras[lora_request.lora_int_id] = lora_request
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Unloads an adapter on every replica: requests already queued or running with it finish with it."""
+        self._check_open()
+        self._checked_loras.pop(lora_int_id, None)
+        for replica in self.live_replicas:
+            self._outboxes[replica].append(UnloadLoRA(lora_int_id))
+        self._flush()
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
                       stop_reason: int | str | None = None) -> None:

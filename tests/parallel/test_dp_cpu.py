@@ -169,3 +169,30 @@ def test_bench_runs_dp2_beside_its_dp1_peer(tiny_llama, capsys):
     _print_table([r])
     printed = capsys.readouterr().out
     assert "tandem DP=1" in printed and "DP efficiency" in printed
+
+
+def test_dp2_with_adapters_gives_one_engines_tokens(tiny_llama, tmp_path):
+    """Requests over two adapters and the base model spread over two replicas: each replica pages in the adapters
+    its requests name and the tokens are one engine's; a bad adapter is a ValueError at add time, naming it; an
+    adapter removed from every replica is read again when named."""
+    pytest.importorskip("peft")
+    from tandem import LoRARequest
+    from tests.lora.adapters import save_adapter
+
+    loras = [LoRARequest(f"a{i}", i + 1, save_adapter(tiny_llama, str(tmp_path / f"a{i}"), ["q_proj", "down_proj"],
+                                                      r=4, seed=i)) for i in range(2)]
+    order = [loras[i % 3] if i % 3 < 2 else None for i in range(len(PROMPTS))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    lora = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+    with LLM(tiny_llama, **lora, **ENGINE) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, greedy, use_tqdm=False, lora_request=order)]
+    with LLM(tiny_llama, data_parallel_size=2, **lora, **ENGINE) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False, lora_request=order)]
+        assert got == expected
+        assert all(t > 0 for t in llm.engine.routed_tokens)  # both replicas served adapters
+        wide = LoRARequest("wide", 9, save_adapter(tiny_llama, str(tmp_path / "wide"), ["q_proj"], r=16, seed=5))
+        with pytest.raises(ValueError, match="'wide'.*rank"):
+            llm.generate(PROMPTS[:1], greedy, use_tqdm=False, lora_request=wide)
+        llm.engine.remove_lora(loras[0].lora_int_id)
+        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False, lora_request=order)]
+        assert again == expected
