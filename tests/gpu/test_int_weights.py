@@ -113,3 +113,27 @@ def test_int4_llama3_8b_shape_loads_without_its_bf16_copy():
     assert torch.cuda.memory_allocated() - base <= held + buffers + 64 * 2**20
     del model
     torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,case", [("qwen3_moe", Case("gptq", 4, 32, sym=False)),
+                                         ("mixtral", Case("awq", 4, 32, sym=False))], ids=["qwen3-gptq", "mixtral-awq"])
+def test_checkpoint_experts_on_cuda_give_the_dequantized_models_tokens(family, case, tmp_path):
+    """A MoE checkpoint whose experts are quantized, in bf16 on the GPU (the integer MoE kernels reading the
+    stacks the checkpoint's experts were repacked into), against the same model with every weight dequantized
+    and stored in full precision: the same greedy tokens, a near-tie aside."""
+    from tests.gpu.test_gpu_engine import assert_same_greedy
+    from tests.models.test_int_moe import save_quantized_moe
+
+    quantized, dense = tmp_path / "quantized", tmp_path / "dense"
+    quantized.mkdir()
+    save_quantized_moe(case, family, quantized).save_pretrained(dense)
+    prompts = [[5, 9, 17, 33], [40, 41, 42], [8, 100, 3, 60, 12], [7, 7, 21]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+    runs = []
+    for folder in (dense, quantized):
+        llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=128, num_kv_blocks=64)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                     for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.shutdown()
+    assert_same_greedy(runs[0], runs[1], f"{family} {case.id}: checkpoint experts vs dequantized weights")
