@@ -116,14 +116,16 @@ def lora_add(y: Output, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              groups: SlotGroups | None = None, gated: int = 0) -> Output:
     """y [..., out] (or a split-K GEMM's PartialSums, scale None) += the per-token adapter delta of x [..., in]
     (see lora_add_ref); returns y, or with gated (a gate/up projection: gate rows, then up; the parts of its B,
-    lora_expand_gated_sorted_triton's) silu(gate) * up of it. counters: the kernels' split counters (triton_lora.lora_counters), shared by a pool's linears; groups:
-    the step's tokens grouped by slot (the sorted kernels run where they cover x's rows)."""
+    lora_expand_gated_sorted_triton's) silu(gate) * up of it. counters: the kernels' split counters
+    (triton_lora.lora_counters), shared by a pool's linears; groups: the step's tokens grouped by slot (the sorted
+    kernels run where they cover x's rows)."""
     y2, x2 = _rows(y), x.reshape(-1, x.shape[-1])
     slots = token_slots[: x2.shape[0]]
     if _lora_kernels(x2) and _grouped(groups, x2.shape[0]):
         from tandem.kernels.triton_lora_sorted import lora_shrink_sorted_triton  # lazy: no Triton on CPU
 
-        return _expand_sorted(y, lora_shrink_sorted_triton(x2, a, groups, counters), b, groups, gated)  # type: ignore[arg-type]
+        shrink = lora_shrink_sorted_triton(x2, a, groups, counters)
+        return _expand_sorted(y, shrink, b, groups, gated)  # type: ignore[arg-type]
     if _lora_kernels(x2):
         from tandem.kernels.triton_lora import lora_add_triton  # lazy: CPU runs never import Triton
 

@@ -181,7 +181,8 @@ def group_token_slots_triton(step_slots: torch.Tensor, token_slots: torch.Tensor
         raise ValueError(f"group token slots: {n} tokens for index {tuple(token_slots.shape)}, rows "
                          f"{tuple(groups.rows.shape)}, {max_chunks} chunks")
     _group_kernel[(1,)](step_slots, token_slots, groups.rows, groups.chunks, n, groups.num_slots, max_chunks,
-                        BLOCK_T=max(16, triton.next_power_of_2(n)), SLOTS_P2=triton.next_power_of_2(groups.num_slots + 1),
+                        BLOCK_T=max(16, triton.next_power_of_2(n)),
+                        SLOTS_P2=triton.next_power_of_2(groups.num_slots + 1),
                         CHUNKS_P2=triton.next_power_of_2(max_chunks), CHUNK=SORTED_CHUNK, num_warps=4)
     groups.num_tokens = n
 

@@ -109,9 +109,9 @@ def test_shards_quantize_whole_groups(expert_parallel, tmp_path):
 
 def save_quantized_moe(case, family: str, folder, **overrides) -> torch.nn.Module:  # type: ignore[no-untyped-def]
     """A tiny MoE checkpoint in `case`'s format as quantizers write one: every linear but the lm_head and the
-    routers (and Qwen2-MoE's shared-expert gate) quantized, each expert's gate / up / down as its own layer (Mixtral's block_sparse_moe.experts.{e}.w1 /
-    w3 / w2, Qwen's mlp.experts.{e}.gate_proj / up_proj / down_proj). Returns the transformers model holding the
-    dequantized weights (fp32, eval)."""
+    routers (and Qwen2-MoE's shared-expert gate) quantized, each expert's gate / up / down as its own layer
+    (Mixtral's block_sparse_moe.experts.{e}.w1 / w3 / w2, Qwen's mlp.experts.{e}.gate_proj / up_proj / down_proj).
+    Returns the transformers model holding the dequantized weights (fp32, eval)."""
     import json
 
     from safetensors.torch import save_file
