@@ -157,6 +157,8 @@ def test_fp8_base_weights_with_adapters(adapters):
     base, loras = adapters
     llm = LLM(base, device="cuda", dtype="bfloat16", enable_lora=True, max_loras=3, max_lora_rank=16,
               max_model_len=128, num_kv_blocks=64, max_num_seqs=8, quantization="fp8")
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight_scale is not None and qkv.lora is not None and not qkv.takes_fp8_rows
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     order = [loras[0], None, loras[1], loras[2], loras[0], None]
     batch = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
