@@ -67,6 +67,16 @@ def all_plain_ints(ids: list[object]) -> bool:
     return set(map(type, ids)) == {int}
 
 
+def check_lora_request(lora_request: object, enable_lora: bool) -> None:
+    """ValueError, naming the adapter, for a lora_request no engine could take (the rules of add_lora before the
+    adapter is read): not a LoRARequest, or given to an engine started without enable_lora."""
+    if not isinstance(lora_request, LoRARequest):
+        raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+    if not enable_lora:
+        raise ValueError(f"LoRA adapter {lora_request.lora_name!r} given, but the engine was started without "
+                         "enable_lora")
+
+
 def check_new_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       in_use: Container[str], vocab_size: int, max_model_len: int) -> None:
     """ValueError, naming what is wrong, for a request no engine could take (the rules of add_request)."""
@@ -259,12 +269,8 @@ class EngineCore:
         """Checks an adapter (its config and tensor shapes, at once, so that a bad one fails here) and starts making
         its host copy on the loader thread; it pages into a device slot when a request that uses it is admitted.
         ValueError naming the adapter when it cannot serve."""
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        if self.runner.lora is None:
-            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} given, but the engine was started without "
-                             "enable_lora")
-        self.runner.lora.add(lora_request)
+        check_lora_request(lora_request, self.runner.lora is not None)
+        self.runner.lora.add(lora_request)  # type: ignore[union-attr]
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Unloads an adapter: requests already queued or running with it finish with it; new ones must load it

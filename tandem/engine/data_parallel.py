@@ -23,7 +23,7 @@ import msgspec
 import zmq
 
 from tandem.config import EngineConfig, ModelConfig
-from tandem.engine.core import check_new_request
+from tandem.engine.core import check_lora_request, check_new_request
 from tandem.engine.messages import (AbortRequest, AddRequest, ClientCommand, EngineBatch, UnloadLoRA, WireStats,
                                    merge_reported)
 from tandem.engine.router import ReplicaRouter, work
@@ -129,11 +129,7 @@ class DataParallelEngine:
     def _check_lora(self, lora_request: LoRARequest) -> None:
         """ValueError naming the adapter where a replica would refuse it (not a LoRARequest, LoRA off, a rank above
         max_lora_rank, modules or shapes the model lacks); each adapter is read once here."""
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        if not self.config.enable_lora:
-            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} given, but the engine was started without "
-                             "enable_lora")
+        check_lora_request(lora_request, self.config.enable_lora)
         if self._checked_loras.get(lora_request.lora_int_id) == lora_request:
             return
         from tandem.lora.peft import check_modules, load_adapter
