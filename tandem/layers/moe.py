@@ -179,8 +179,8 @@ class FusedMoE(nn.Module):
         n = self.local_inter
         hidden = self.w2_words.shape[1]
         start = 0 if self.expert_parallel else self.tp.rank * n
-        full = (hidden, n * (1 if self.expert_parallel else self.tp.size)) if proj == "down" else \
-            (n * (1 if self.expert_parallel else self.tp.size), hidden)
+        inter = n if self.expert_parallel else n * self.tp.size  # the checkpoint's whole intermediate size
+        full = (hidden, inter) if proj == "down" else (inter, hidden)
         q, scales, zeros = parts["qweight"], parts["scales"], parts["zeros"]
         if q.shape != (full[0], full[1] * bits // 8) or scales.shape != zeros.shape or scales.shape[0] != full[0]:
             raise ValueError(f"expert weight {source!r}: qweight {tuple(q.shape)}, scales {tuple(scales.shape)}, "

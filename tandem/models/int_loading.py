@@ -15,6 +15,7 @@ from tandem.layers.moe import FusedMoE, RouterLinear
 from tandem.layers.parallel import RowParallelLinear, materialize
 from tandem.models.int_checkpoints import UNPACKERS, IntCheckpointConfig
 from tandem.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
+from tandem.models.moe import EXPERT_MATRIX, EXPERT_PROJ
 
 # quantization= values that quantize every linear at load, round to nearest: their bit widths.
 RTN_METHODS = {"int4": 4, "int8": 8}
@@ -37,11 +38,6 @@ def module_name(prefix: str) -> tuple[str, str | None]:
     return f"{head}.{fused[0]}" if head else fused[0], last
 
 
-# A checkpoint's expert matrix: model.layers.{i}.{mlp | block_sparse_moe}.experts.{e}.{gate_proj | w1 | ...}.
-_EXPERT_LAYER = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
-_EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
-
-
 def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpointConfig) -> None:
     """Gives every Linear that a quantized checkpoint layer feeds, and every MoE block whose experts are
     quantized, empty integer parameters for the loader to fill. ValueError, before any tensor is read, for a
@@ -54,7 +50,7 @@ def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpoin
     sources: dict[str, set[str]] = {}
     experts: dict[str, set[tuple[int, str]]] = {}
     for prefix in prefixes:
-        expert = _EXPERT_LAYER.match(prefix)
+        expert = EXPERT_MATRIX.match(prefix)
         if expert is not None:
             _expert_source(prefix, expert, modules, cfg, experts)
             continue
@@ -96,7 +92,7 @@ def _expert_source(prefix: str, match: re.Match[str], modules: dict[str, nn.Modu
     """Records a quantized checkpoint expert matrix under its MoE block (experts[block] gets (expert, proj));
     ValueError naming the layer where the model has no such block or expert, or the experts use act order."""
     target = f"{match.group(1)}.mlp"
-    block, proj, expert = modules.get(target), _EXPERT_PROJ.get(match.group(3)), int(match.group(2))
+    block, proj, expert = modules.get(target), EXPERT_PROJ.get(match.group(3)), int(match.group(2))
     if not isinstance(block, FusedMoE) or proj is None or expert >= block.num_experts:
         raise ValueError(f"checkpoint layer {prefix!r} holds quantized weights but {target!r} has no such expert")
     if cfg.act_order:
@@ -183,10 +179,7 @@ def quantize_as_loaded(model: nn.Module, weights: Iterable[tuple[str, object]], 
     layers = model.model.layers
     for name, module in model.named_modules():
         if not name.startswith("model.layers."):
-            for param_name, param in list(module.named_parameters(recurse=False)):
-                if param.is_meta:
-                    setattr(module, param_name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype,
-                                                                         device=device), requires_grad=False))
+            _materialize_own(module, device)
     current: int | None = None
     done: set[int] = set()
     for name, tensor in weights:
@@ -235,7 +228,12 @@ class EmptyOnMeta(TorchFunctionMode):
 def materialize_meta(module: nn.Module, device: torch.device) -> None:
     """Gives every parameter still on the meta device uninitialized storage on `device` (same shape, dtype)."""
     for sub in module.modules():
-        for name, param in list(sub.named_parameters(recurse=False)):
-            if param.is_meta:
-                setattr(sub, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
-                                                requires_grad=False))
+        _materialize_own(sub, device)
+
+
+def _materialize_own(module: nn.Module, device: torch.device) -> None:
+    """materialize_meta for the module's own parameters (not its children's)."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        if param.is_meta:
+            setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                               requires_grad=False))

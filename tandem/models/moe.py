@@ -18,14 +18,14 @@ from tandem.models.weights import WeightLoader
 
 # model.layers.{i}.{mlp | block_sparse_moe}.experts.{e}.{proj}.weight (per-expert checkpoints), or the stacked
 # model.layers.{i}.mlp.experts.{gate_up_proj | down_proj} (transformers 5's in-memory layout, GGUF's ffn_*_exps).
-_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
-_STACKED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj)(?:\.weight)?$")
-# A checkpoint expert matrix's tensors in the tandem int-N layout, from a checkpoint whose experts are quantized
+# One expert's matrix of a per-expert checkpoint (groups: layer, expert, projection); its tensors are .weight, or,
+# where the checkpoint's experts are quantized, .qweight / .scales / .zeros in the tandem int-N layout
 # (int_loading.repack_int_checkpoint turns GPTQ / AWQ / compressed-tensors tensors into these).
-_INT_EXPERT = re.compile(
-    r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(qweight|scales|zeros)$")
-_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down",
-         "gate_up_proj": "gate_up"}
+EXPERT_MATRIX = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
+EXPERT_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_INT_PARTS = ("qweight", "scales", "zeros")
+_STACKED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj)(?:\.weight)?$")
+_PROJ = {**EXPERT_PROJ, "gate_up_proj": "gate_up"}
 
 
 class Qwen2MoeSparseBlock(FusedMoE):
@@ -61,17 +61,16 @@ class MoEForCausalLM(LlamaForCausalLM):
         if name.endswith(".mlp.gate.weight"):  # Mixtral's router lives under block_sparse_moe
             loader.copy(name, materialize(tensor))
             return True
-        quantized = _INT_EXPERT.match(name)
-        if quantized is not None:
-            layer = quantized.group(1)
-            block, proj = modules.get(f"{layer}.mlp"), _PROJ.get(quantized.group(3))
-            if not isinstance(block, FusedMoE) or not block.int_bits or proj not in ("gate", "up", "down"):
+        prefix, _, suffix = name.rpartition(".")
+        match = EXPERT_MATRIX.match(prefix) if suffix == "weight" or suffix in _INT_PARTS else None
+        if match is not None and suffix in _INT_PARTS:
+            layer = match.group(1)
+            block, proj = modules.get(f"{layer}.mlp"), EXPERT_PROJ.get(match.group(3))
+            if not isinstance(block, FusedMoE) or not block.int_bits or proj is None:
                 raise ValueError(f"unexpected quantized expert weight {name!r}")
-            for param, copied in block.load_int_expert(int(quantized.group(2)), proj, quantized.group(4), tensor,
-                                                       name):
+            for param, copied in block.load_int_expert(int(match.group(2)), proj, suffix, tensor, name):
                 loader.count(f"{layer}.mlp.{param}", copied)
             return True
-        match = _EXPERT.match(name)
         stacked = None if match else _STACKED.match(name)
         if match is None and stacked is None:
             return False
