@@ -196,11 +196,8 @@ def dense_rows(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> to
         out = skinny_matmul_triton(x, weight, None, gated=gated)
         assert isinstance(out, torch.Tensor)
         return out
-    out = torch.nn.functional.linear(x, weight)
-    if gated:
-        gate, up = out.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
-    return out
+    out = F.linear(x, weight)
+    return silu_and_mul(out) if gated else out
 
 
 def reduce_partial_sums(parts: PartialSums) -> torch.Tensor:
