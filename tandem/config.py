@@ -200,9 +200,10 @@ class EngineConfig:
     strict_json_schema: bool = True
     # Structured output: where a request's grammar admits exactly one continuation (a JSON key, punctuation, a
     # closing bracket), up to max_forced_drafts of those tokens are verified as drafts in the request's next step
-    # (one forward yields them all; each row sampled under its own mask, so outputs are unchanged). Off under LoRA
-    # adapters and tensor parallelism (no verify rows there). Off by default: at 64 constrained requests on an H200
-    # the draft rows' masks cost more host time than the forwards they save (docs/serving.md).
+    # (one forward yields them all; each row sampled under its own mask, so outputs are unchanged; a draft row takes
+    # its request's LoRA adapter). Off under tensor parallelism (no verify rows there). Off by default: at 64
+    # constrained requests on an H200 the draft rows' masks cost more host time than the forwards they save
+    # (docs/serving.md).
     structured_forced_drafts: bool = False
     max_forced_drafts: int = 8
     # Speculative decoding: None (off), a SpeculativeConfig or vLLM's dict form ({"method": "ngram", ...}).
@@ -275,8 +276,6 @@ class EngineConfig:
         cpu = self.max_cpu_loras
         if cpu is not None and (not isinstance(cpu, int) or isinstance(cpu, bool) or cpu < self.max_loras):
             raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")
-        if not self.enable_lora:
-            return
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -288,8 +287,8 @@ class EngineConfig:
     @property
     def forced_drafts(self) -> int:
         """Grammar-forced drafts per request and step: max_forced_drafts, or 0 where they are off (switched off, or
-        LoRA adapters or tensor parallelism, whose steps have no verify rows for them)."""
-        if not self.structured_forced_drafts or self.enable_lora or self.tensor_parallel_size > 1:
+        tensor parallelism, whose steps have no verify rows for them)."""
+        if not self.structured_forced_drafts or self.tensor_parallel_size > 1:
             return 0
         return self.max_forced_drafts
 

@@ -154,3 +154,36 @@ def test_moe_attention_adapter_matches_peft(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = _llm(base, max_loras=1).generate(prompts, params, use_tqdm=False, lora_request=loras)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_integer_base_weights_with_adapters_match_peft_on_the_dequantized_base(bits, tmp_path):
+    """quantization int4 / int8 (round to nearest at load) under adapters: each request's tokens are those of
+    transformers + peft on the same base weights dequantized to fp32 (the adapters' deltas stay in fp32 beside the
+    integer product)."""
+    import torch
+    import transformers
+
+    from tandem.layers.int_quant import quantize_rtn, rtn_group_size
+
+    base = save_base("llama", str(tmp_path / "base"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                group = rtn_group_size(module.in_features)
+                module.weight.copy_(quantize_rtn(module.weight, bits, group).dequantize())
+    dequantized = str(tmp_path / "dequantized")
+    hf.save_pretrained(dequantized)
+    paths = [save_adapter(base, str(tmp_path / "all"), ALL, r=8, seed=1),
+             save_adapter(base, str(tmp_path / "mlp"), ["gate_proj", "up_proj", "down_proj"], r=4, seed=2)]
+    loras = [LoRARequest("all", 1, paths[0]), None, LoRARequest("mlp", 2, paths[1])]
+    prompts = PROMPTS[:3]
+    expected = [peft_greedy(dequantized, None if r is None else r.lora_path, p, MAX_TOKENS)
+                for r, p in zip(loras, prompts)]
+    assert expected[0] != peft_greedy(dequantized, None, prompts[0], MAX_TOKENS)
+    llm = _llm(base, max_loras=2, quantization=f"int{bits}")
+    assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.int_bits == bits
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in outs] == expected

@@ -173,10 +173,65 @@ def test_forced_drafts_flags():
     assert EngineConfig().forced_drafts == 0  # off by default
     assert EngineConfig(structured_forced_drafts=True).forced_drafts == 8
     assert EngineConfig(structured_forced_drafts=True, max_forced_drafts=3).forced_drafts == 3
-    # a verify step's rows have no adapter order yet
-    assert EngineConfig(structured_forced_drafts=True, enable_lora=True).forced_drafts == 0
+    assert EngineConfig(structured_forced_drafts=True, enable_lora=True).forced_drafts == 8
+    assert EngineConfig(structured_forced_drafts=True, tensor_parallel_size=2).forced_drafts == 0
     for bad in (0, 17, 2.5, True):
         with pytest.raises(ValueError, match="max_forced_drafts"):
             EngineConfig(max_forced_drafts=bad)
     with pytest.raises(ValueError, match="structured_forced_drafts"):
         EngineConfig(structured_forced_drafts="yes")
+
+
+def _tiny_byte_level_llama(folder: str) -> str:
+    """A tiny random Llama with a byte-level tokenizer (one id per byte, no merges; a grammar backend reads it)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from tests.parallel.tiny_models import tiny_config
+
+    config = tiny_config("llama")
+    config.vocab_size = 260
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).float().eval().save_pretrained(folder)
+    vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(folder)
+    return folder
+
+
+def test_forced_drafts_under_adapters_keep_each_adapters_tokens(tmp_path):
+    """Forced runs of requests under two LoRA adapters and the base model in one batch: each draft row is verified
+    under its request's adapter (the row after a forced run samples the next free character from it), so the tokens
+    are those with forced drafts off."""
+    pytest.importorskip("peft")
+    from tandem import LoRARequest
+    from tests.lora.adapters import save_adapter
+    base = _tiny_byte_level_llama(str(tmp_path / "base"))
+    targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
+    loras = [LoRARequest(f"a{i}", i + 1, save_adapter(base, str(tmp_path / f"a{i}"), targets, r=4, seed=i, scale=0.5))
+             for i in range(2)]
+    spec = StructuredOutputParams(regex=r"[a-z]{3}-forced-text-[a-z]{4}")
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_output=spec)
+    order = [loras[0], None, loras[1], loras[0]]
+    prompts = ["Code:", "Code:", "Code:", "Name:"]
+    llm = LLM(base, device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=64, seed=0,
+              grammar_backend="llguidance", structured_forced_drafts=True, enable_lora=True, max_loras=2,
+              max_lora_rank=8)
+    engine = llm.engine
+    runs = {}
+    for forced in (False, True):
+        engine.use_forced_drafts(forced)
+        drafted = engine.forced_draft_tokens
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=order)
+        runs[forced] = [o.outputs[0].text for o in outs]
+        assert (engine.forced_draft_tokens > drafted) == forced
+    assert runs[True] == runs[False]
+    assert all(text[3:16] == "-forced-text-" for text in runs[True])
+    assert len({runs[True][0][16:], runs[True][1][16:], runs[True][2][16:]}) > 1  # the adapters move the free part
+    assert engine.scheduler.num_free_blocks() == 63
+    llm.shutdown()
