@@ -1,9 +1,17 @@
-"""The LoRA adapters one API process serves by name: `--lora-modules` and /v1/load_lora_adapter add them, a request's
-`model` picks one, /v1/unload_lora_adapter removes it."""
+"""The LoRA adapters the API serves by name: `--lora-modules` and /v1/load_lora_adapter add them, a request's `model`
+picks one, /v1/unload_lora_adapter removes it. With several API processes they share one AdapterTable, so a run-time
+load or unload reaches every one of them."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
+import multiprocessing as mp
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from tandem.lora.peft import check_modules, load_adapter
 from tandem.lora_request import LoRARequest
@@ -17,25 +25,99 @@ def adapter_id(name: str, path: str) -> int:
     return int.from_bytes(digest, "big") >> 2 | 1
 
 
+class AdapterTable:
+    """Adapter name -> PEFT folder, shared by a server's API processes (the launcher creates it in `folder` with the
+    `--lora-modules` adapters; the API processes inherit it at spawn). A load or unload rewrites the JSON file whole
+    under an exclusive lock, then bumps a version counter in shared memory; a process reads the file again only
+    when the counter has moved since its last read (one integer compared per lookup)."""
+
+    def __init__(self, folder: str, initial: dict[str, str]) -> None:
+        self.path = os.path.join(folder, "adapters.json")
+        self._version = mp.get_context("spawn").RawValue("q", 0)
+        with self._locked():
+            self._write(dict(initial))
+
+    @property
+    def version(self) -> int:
+        return self._version.value
+
+    def read(self) -> tuple[int, dict[str, str]]:
+        """(version, names): the file is replaced before the version moves, so it is at least that new."""
+        version = self._version.value
+        with open(self.path) as f:
+            return version, json.load(f)
+
+    def update(self, change: Callable[[dict[str, str]], None]) -> None:
+        """Applies change to the current names and writes them; an exception from change writes nothing."""
+        with self._locked():
+            with open(self.path) as f:
+                names = json.load(f)
+            change(names)
+            self._write(names)
+            self._version.value += 1
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with open(self.path + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _write(self, names: dict[str, str]) -> None:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(names, f)
+        os.replace(tmp, self.path)  # readers see the old file or the new one, never a part
+
+
 class ServedAdapters:
     """Adapter name -> LoRARequest. Each is read and checked against the base model's projections
-    (`modules`: Hugging Face module name -> [in, out]) before a request may name it."""
+    (`modules`: Hugging Face module name -> [in, out]) before a request may name it. `table`: the names every API
+    process of the server serves (several API processes); None: this process's own."""
 
-    def __init__(self, enabled: bool, base_names: list[str], modules: dict[str, list[int]], max_rank: int) -> None:
+    def __init__(self, enabled: bool, base_names: list[str], modules: dict[str, list[int]], max_rank: int,
+                 table: AdapterTable | None = None) -> None:
         self.enabled = enabled
         self.base_names = base_names
         self.modules = modules
         self.max_rank = max_rank
-        self.by_name: dict[str, LoRARequest] = {}
+        self.table = table
+        self._by_name: dict[str, LoRARequest] = {}
+        self._seen = -1  # the table's version _by_name was read at
+
+    @property
+    def by_name(self) -> dict[str, LoRARequest]:
+        """Every adapter served now (read from the table again when another API process changed it)."""
+        if self.table is not None and self.table.version != self._seen:
+            self._seen, names = self.table.read()
+            old = self._by_name
+            self._by_name = {name: old[name] if name in old and old[name].lora_path == path
+                             else LoRARequest(name, adapter_id(name, path), path) for name, path in names.items()}
+        return self._by_name
+
+    def serve_from_start(self, modules: dict[str, str]) -> None:
+        """The `--lora-modules` adapters, each read and checked (ValueError naming it: the server does not start).
+        With a table the launcher has written them there already; those unloaded since are not served again."""
+        if self.table is None:
+            for name, path in modules.items():
+                self.load(name, path)
+            return
+        for name, path in modules.items():
+            lora = self.by_name.get(name)
+            if lora is not None and lora.lora_path == path:
+                self._check(lora)
 
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 for a name this server does not serve."""
         if model is None or model in self.base_names:
             return None
-        lora = self.by_name.get(model)
+        served = self.by_name
+        lora = served.get(model)
         if lora is None:
             raise ApiError(404, f"model {model!r} does not exist; this server serves {self.base_names[0]!r}"
-                                + (f" and the adapters {sorted(self.by_name)}" if self.by_name else ""),
+                                + (f" and the adapters {sorted(served)}" if served else ""),
                            type="not_found_error", param="model", code="model_not_found")
         return lora
 
@@ -50,13 +132,36 @@ class ServedAdapters:
         if name in self.by_name:
             raise ValueError(f"an adapter named {name!r} is already loaded")
         request = LoRARequest(name, adapter_id(name, path), path)
-        check_modules(load_adapter(request, self.max_rank), self.modules)
-        self.by_name[name] = request
+        self._check(request)
+        if self.table is None:
+            self._by_name[name] = request
+            return request
+
+        def add(names: dict[str, str]) -> None:
+            if name in names:  # another API process loaded one under this name meanwhile
+                raise ValueError(f"an adapter named {name!r} is already loaded")
+            names[name] = path
+
+        self.table.update(add)
         return request
 
     def unload(self, name: str) -> LoRARequest:
-        lora = self.by_name.pop(name, None)
+        lora = self.by_name.get(name)
+        if lora is not None and self.table is not None:
+            def drop(names: dict[str, str]) -> None:
+                if names.pop(name, None) is None:  # another API process unloaded it meanwhile
+                    raise KeyError(name)
+
+            try:
+                self.table.update(drop)
+            except KeyError:
+                lora = None
+        elif lora is not None:
+            del self._by_name[name]
         if lora is None:
             raise ApiError(404, f"no adapter named {name!r} is loaded", type="not_found_error", param="lora_name",
                            code="model_not_found")
         return lora
+
+    def _check(self, request: LoRARequest) -> None:
+        check_modules(load_adapter(request, self.max_rank), self.modules)

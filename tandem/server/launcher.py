@@ -39,6 +39,7 @@ from tandem.engine.process import DEFAULT_CORE, HEARTBEAT_S
 from tandem.engine.router import SharedLoad
 from tandem.engine_args import add_engine_args, engine_kwargs
 from tandem.process_utils import freeze_gc, set_process_name
+from tandem.server.adapters import AdapterTable, ServedAdapters
 from tandem.server.limits import HttpLimits, add_limit_args, limits_from_args
 from tandem.server.security import add_security_args
 
@@ -112,14 +113,15 @@ def load_tokenizer_soon(config: EngineConfig) -> Future:
 
 def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
                      client_index: int = 0, api_restarts: int = 0,
-                     tokenizer: Future | None = None) -> tuple[Any, Any, list[str]]:
+                     tokenizer: Future | None = None,
+                     adapter_table: AdapterTable | None = None) -> tuple[Any, Any, list[str]]:
     """(uvicorn.Server, app, death messages) of one API process; `tokenizer`: its tokenizer being loaded
-    (load_tokenizer_soon), else it is loaded here."""
+    (load_tokenizer_soon), else it is loaded here; `adapter_table`: the adapters every API process serves (several
+    API processes with LoRA on)."""
     import uvicorn
 
     from tandem.engine.client import AsyncEngine
     from tandem.models.loader import load_tokenizer
-    from tandem.server.adapters import ServedAdapters
     from tandem.server.app import build_app
     from tandem.server.limits import bounded_uvicorn_config
 
@@ -138,9 +140,8 @@ def build_api_server(settings: ApiSettings, endpoints: EngineEndpoints,
                                engine_timeout=settings.engine_timeout, step_timeout=settings.engine_step_timeout,
                                dead_replicas=endpoints.dead_replicas, shared_load=endpoints.shared_load)
     adapters = ServedAdapters(settings.engine_config.enable_lora, settings.model_names, info.lora_modules,
-                              settings.engine_config.max_lora_rank)
-    for name, path in settings.lora_modules.items():  # ValueError naming the adapter: the server does not start
-        adapters.load(name, path)
+                              settings.engine_config.max_lora_rank, adapter_table)
+    adapters.serve_from_start(settings.lora_modules)  # ValueError naming an adapter: the server does not start
     loaded = tokenizer.result() if tokenizer is not None else load_tokenizer(settings.engine_config)
     app = build_app(async_engine, loaded, model_names=settings.model_names,
                     max_model_len=info.max_model_len, vocab_size=info.vocab_size, api_key=settings.api_key,
@@ -176,12 +177,13 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 
 
 def _api_process_main(settings: ApiSettings, endpoints: EngineEndpoints, client_index: int,
-                      sock: socket.socket, api_restarts: int = 0) -> None:
+                      sock: socket.socket, api_restarts: int = 0, adapter_table: AdapterTable | None = None) -> None:
     """Body of API process i of N (N > 1), serving on its own SO_REUSEPORT socket (bound by the launcher)."""
     set_process_name(f"tandem-api-{client_index}")
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s api-{client_index}: %(message)s")
-    server, _, died = build_api_server(settings, endpoints, client_index, api_restarts)
+    server, _, died = build_api_server(settings, endpoints, client_index, api_restarts,
+                                       adapter_table=adapter_table)
     _run_quietly_on_signal(server, sockets=[sock])
     raise SystemExit(1 if died or not server.started else 0)
 
@@ -278,11 +280,14 @@ def _serve_with_api_processes(settings: ApiSettings, engines: Engines, count: in
     num_restarts = 0
     # With several replicas each API process routes by every API process's load, not only its own.
     shared_load = SharedLoad(count, len(engines.replicas)) if len(engines.replicas) > 1 else None
+    # With adapters every API process serves the same ones: a run-time load or unload reaches them all.
+    adapter_folder = tempfile.mkdtemp(prefix="tandem-adapters-") if settings.engine_config.enable_lora else None
+    table = AdapterTable(adapter_folder, settings.lora_modules) if adapter_folder is not None else None
 
     def start_api(i: int) -> BaseProcess:
         endpoints = EngineEndpoints.of(engines, i, dead_engines, shared_load)
         proc = ctx.Process(target=_api_process_main, name=f"tandem-api-{i}",
-                           args=(settings, endpoints, i, socks[i], num_restarts))
+                           args=(settings, endpoints, i, socks[i], num_restarts, table))
         proc.start()  # the child gets its own descriptor of socks[i] at spawn
         return proc
 
@@ -336,6 +341,8 @@ def _serve_with_api_processes(settings: ApiSettings, engines: Engines, count: in
         for sock in socks:  # new connections are refused from here on, once the API processes close theirs
             sock.close()
         _stop_api_processes(procs, settings.graceful_timeout)
+        if adapter_folder is not None:
+            shutil.rmtree(adapter_folder, ignore_errors=True)
     return 1 if failed or any(p.exitcode not in (0, None) for p in procs) else 0
 
 

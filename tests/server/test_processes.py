@@ -121,6 +121,32 @@ def test_two_api_processes_serve_and_count_across_processes_then_shut_down_clean
     assert not leftover, server.read_log()
 
 
+def test_adapters_loaded_at_run_time_reach_every_api_process(serve_factory, tiny_model, tmp_path):
+    """Two API processes with LoRA on: an adapter loaded through one is served by both (each request on a new
+    connection, which the kernel spreads over the two sockets), listed by both, and once unloaded through either,
+    refused by both."""
+    pytest.importorskip("peft")
+    from tests.lora.adapters import save_adapter
+
+    path = save_adapter(tiny_model, str(tmp_path / "sql"), ["q_proj", "down_proj"], r=4, seed=1)
+    server = serve_factory("--model", tiny_model, "--api-server-count", "2", "--enable-lora", "--max-lora-rank", "8")
+    server.wait_healthy()
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": path}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = {"model": "sql", "prompt": "Item 1:", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    answers = [httpx.post(f"{server.url}/v1/completions", json=body, timeout=120) for _ in range(12)]
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200]
+    assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
+    for _ in range(6):
+        assert "sql" in [m["id"] for m in httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]]
+    r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "sql"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code
+            for _ in range(12)] == [404] * 12
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=90) == 0, server.read_log()
+
+
 def test_bad_model_path_exits_nonzero_with_the_reason(serve_factory):
     server = serve_factory("--model", "/no/such/model")
     assert server.proc.wait(timeout=120) != 0
