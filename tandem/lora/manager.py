@@ -57,8 +57,10 @@ class LoRAManager:
             elif kind == "gate_up_proj":
                 inter = linear.out_features * tp // 2
                 shapes.update({f"{prefix}.gate_proj": (hidden, inter), f"{prefix}.up_proj": (hidden, inter)})
-            else:
-                shapes[f"{prefix}.down_proj"] = (linear.in_features * tp, hidden)
+            elif kind in ("c_attn", "c_fc"):  # GPT-2's column-parallel projections, each one to an adapter
+                shapes[name] = (hidden, linear.out_features * tp)
+            else:  # down_proj, GPT-2's c_proj: row-parallel
+                shapes[name] = (linear.in_features * tp, hidden)
         return shapes
 
     def add(self, request: LoRARequest) -> None:

@@ -13,11 +13,14 @@ from tandem.layers.linear import Linear
 from tandem.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from tandem.lora.peft import AdapterHeader, LoRAAdapter
 
-# Hugging Face projection -> (tandem's linear that holds it, its part in that linear's fused output rows).
-FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-         "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0)}
-TARGETS = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
+# Hugging Face projection -> (tandem's linear that holds it, its part in that linear's fused output rows; None: the
+# whole linear, as GPT-2's fused c_attn is one projection to Hugging Face and to an adapter).
+FUSED: dict[str, tuple[str, int | None]] = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "o_proj": ("o_proj", 0),
+    "down_proj": ("down_proj", 0), "c_attn": ("c_attn", None), "c_fc": ("c_fc", None), "c_proj": ("c_proj", None)}
+# tandem's linears an adapter may touch -> the adapter parts each holds (every part on max_rank columns of its own).
+TARGETS = {"qkv_proj": 3, "gate_up_proj": 2, "o_proj": 1, "down_proj": 1, "c_attn": 1, "c_fc": 1, "c_proj": 1}
 
 
 @dataclass(slots=True)
@@ -32,26 +35,34 @@ class PackedAdapter:
 
 
 def lora_targets(model: nn.Module) -> dict[str, Linear]:
-    """The linears an adapter may touch, by module name: the dense decoders' fused qkv, o, fused gate_up, down."""
+    """The linears an adapter may touch, by module name: the dense decoders' fused qkv, o, fused gate_up, down
+    (GPT-2: c_attn, both c_proj, c_fc)."""
     return {name: m for name, m in model.named_modules()
             if name.rsplit(".", 1)[-1] in TARGETS and isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
 
 
-def num_parts(linear: Linear) -> int:
-    return len(linear.parts) if isinstance(linear, ColumnParallelLinear) else 1
+def num_parts(name: str) -> int:
+    """The adapter parts target linear `name` holds (q, k, v in a fused qkv; one for a projection taken whole, or
+    for a linear of another name)."""
+    return TARGETS.get(name.rsplit(".", 1)[-1], 1)
 
 
 def _target(where: str, module: str, a_shape: Sequence[int], b_shape: Sequence[int], targets: dict[str, Linear],
-            tp_size: int) -> tuple[str, Linear, int]:
-    """(tandem's linear name, the linear, the part) that holds HF `module`; ValueError naming the adapter (`where`)
-    when the model lacks it or A [r, in] / B [out, r] do not match its base projection."""
+            tp_size: int) -> tuple[str, Linear, int | None]:
+    """(tandem's linear name, the linear, the part; None: the whole linear) that holds HF `module`; ValueError naming
+    the adapter (`where`) when the model lacks it or A [r, in] / B [out, r] do not match its base projection."""
     prefix, _, proj = module.rpartition(".")
     target_name, part = FUSED[proj]
     name = f"{prefix}.{target_name}"
     linear = targets.get(name)
     if linear is None:
         raise ValueError(f"{where}: target module {module!r} is not a projection this model has")
-    if isinstance(linear, ColumnParallelLinear):
+    if isinstance(linear, ColumnParallelLinear) and part is None:
+        full_out = linear.out_features * tp_size
+        if a_shape[1] != linear.in_features or b_shape[0] != full_out:
+            raise ValueError(f"{where}: {module} has A {tuple(a_shape)} / B {tuple(b_shape)}, but the base "
+                             f"projection maps {linear.in_features} -> {full_out} features")
+    elif isinstance(linear, ColumnParallelLinear):
         start, rows = linear.parts[part]
         # Split rows: the whole projection has rows * tp_size; replicated KV heads: fewer, never more.
         if a_shape[1] != linear.in_features or not start + rows <= b_shape[0] <= rows * tp_size:
@@ -82,17 +93,18 @@ def pack_adapter(adapter: LoRAAdapter, targets: dict[str, Linear], max_rank: int
     r, num_bytes = adapter.rank, 0
     for module, (a, b) in adapter.weights.items():
         name, linear, part = _target(where, module, a.shape, b.shape, targets, tp_size)
-        parts = num_parts(linear)
+        parts = num_parts(name)
         if name not in packed:
             packed[name] = (torch.zeros(parts * max_rank, linear.in_features),
                             torch.zeros(linear.out_features, parts * max_rank))
         big_a, big_b = packed[name]
-        cols = slice(part * max_rank, part * max_rank + r)
+        cols = slice((part or 0) * max_rank, (part or 0) * max_rank + r)
         if isinstance(linear, ColumnParallelLinear):
-            rows = linear.parts[part][1]
-            local_b, offset = linear.shard_for_load(b, part)
             big_a[cols] = a
-            big_b[offset : offset + rows, cols] = local_b * adapter.scaling
+            # Each of the linear's parts this module covers: this rank's rows of it (all of them: taken whole).
+            for p in range(len(linear.parts)) if part is None else (part,):
+                local_b, offset = linear.shard_for_load(b, p)
+                big_b[offset : offset + linear.parts[p][1], cols] = local_b * adapter.scaling
         else:
             big_a[cols] = linear.shard_for_load(a, is_bias=False)
             big_b[:, cols] = b * adapter.scaling

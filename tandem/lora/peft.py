@@ -12,8 +12,9 @@ import torch
 
 from tandem.lora_request import LoRARequest
 
-# The projections an adapter may target, by their Hugging Face names.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections an adapter may target, by their Hugging Face names (GPT-2: its Conv1D c_attn, c_proj, c_fc, whose
+# A [r, in] and B [out, r] PEFT applies as a Linear's: fan_in_fan_out only changes how it would merge them).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "c_attn", "c_proj", "c_fc")
 _PREFIX = "base_model.model."
 _TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[\w-]+)?\.weight$")
 
@@ -56,8 +57,7 @@ def read_config(request: LoRARequest, max_rank: int) -> tuple[int, float]:
     if config.get("modules_to_save"):
         raise _fail(request, f"modules_to_save ({config['modules_to_save']}) is not supported: the adapter "
                              "replaces whole modules, which a shared base model cannot serve per request")
-    for key, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) layouts"),
-                      ("rank_pattern", "per-module ranks (rank_pattern)"),
+    for key, what in (("use_dora", "DoRA"), ("rank_pattern", "per-module ranks (rank_pattern)"),
                       ("alpha_pattern", "per-module alphas (alpha_pattern)"),
                       ("layers_to_transform", "layers_to_transform")):
         if config.get(key):

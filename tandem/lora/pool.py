@@ -76,7 +76,7 @@ class LoRAPool:
                 if device.type == "cuda" and os.environ.get("TANDEM_LORA_SIDE_STREAM") != "0" else None)
         self.slots: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, linear in targets.items():
-            parts = num_parts(linear)
+            parts = num_parts(name)
             cols = parts * max_rank
             a = torch.zeros(max_loras, cols, linear.in_features, dtype=dtype, device=device)
             b = torch.zeros(max_loras, linear.out_features, cols, dtype=dtype, device=device)

@@ -149,16 +149,19 @@ def test_paging_through_two_slots_matches_every_adapter_resident(adapters, tmp_p
 
 
 @pytest.mark.gpu
-def test_fp8_base_weights_with_adapters(adapters):
-    """FP8 base weights (quantization fp8) under adapters: the rows reach the adapted projections in bf16 (their
-    norms and the attention do not quantize them for an adapted layer), and each request of the mixed batch gets
-    the tokens it gets alone (batch rows on the W8A16 product and the separate LoRA kernels; a lone row on the FP8
-    GEMV with the delta in its epilogue; a near-tie may differ), its adapter changing them."""
+@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+def test_quantized_base_weights_with_adapters(adapters, quantization):
+    """FP8 or int4 base weights under adapters: each request of the mixed batch gets the tokens it gets alone
+    (a near-tie may differ), its adapter changing them. FP8: the rows reach the adapted projections in bf16 (their
+    norms and the attention do not quantize them for an adapted layer); batch rows run the W8A16 product and the
+    separate LoRA kernels, a lone row the FP8 GEMV with the delta in its epilogue. int4: the integer kernels, then
+    the LoRA kernels beside them."""
     base, loras = adapters
     llm = LLM(base, device="cuda", dtype="bfloat16", enable_lora=True, max_loras=3, max_lora_rank=16,
-              max_model_len=128, num_kv_blocks=64, max_num_seqs=8, quantization="fp8")
+              max_model_len=128, num_kv_blocks=64, max_num_seqs=8, quantization=quantization)
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight_scale is not None and qkv.lora is not None and not qkv.takes_fp8_rows
+    assert qkv.lora is not None and not qkv.takes_fp8_rows
+    assert (qkv.weight_scale is not None) if quantization == "fp8" else qkv.int_bits == 4
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
     order = [loras[0], None, loras[1], loras[2], loras[0], None]
     batch = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
@@ -167,5 +170,5 @@ def test_fp8_base_weights_with_adapters(adapters):
              for p, r in zip(PROMPTS, order) for o in llm.generate([p], params, use_tqdm=False, lora_request=r)]
     plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     llm.shutdown()
-    assert_same_greedy(alone, batch, "fp8: mixed batch vs each request alone")
+    assert_same_greedy(alone, batch, f"{quantization}: mixed batch vs each request alone")
     assert all(batch[i][0] != plain[i] for i in (0, 2, 3, 4))

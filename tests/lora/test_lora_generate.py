@@ -187,3 +187,20 @@ def test_integer_base_weights_with_adapters_match_peft_on_the_dequantized_base(b
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_gpt2_conv1d_adapters_match_peft(tmp_path):
+    """GPT-2's Conv1D projections (PEFT stores them fan_in_fan_out; A and B apply as for a Linear): an adapter on
+    the fused c_attn, both c_proj and c_fc, and an attention-only one, in one batch with the base model."""
+    base = save_base("gpt2", str(tmp_path / "base"))
+    paths = [save_adapter(base, str(tmp_path / "all"), ["c_attn", "c_proj", "c_fc"], r=8, seed=1),
+             save_adapter(base, str(tmp_path / "attn"), ["c_attn"], r=4, use_rslora=True, seed=2, scale=0.5)]
+    with open(os.path.join(paths[0], "adapter_config.json")) as f:
+        assert json.load(f)["fan_in_fan_out"] is True
+    loras = [LoRARequest("all", 1, paths[0]), None, LoRARequest("attn", 2, paths[1])]
+    prompts = PROMPTS[:3]
+    expected = [peft_greedy(base, None if r is None else r.lora_path, p, MAX_TOKENS) for r, p in zip(loras, prompts)]
+    assert all(expected[i] != peft_greedy(base, None, prompts[i], MAX_TOKENS) for i in (0, 2))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = _llm(base, max_loras=2).generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in outs] == expected

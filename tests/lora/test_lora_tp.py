@@ -1,6 +1,6 @@
 """LoRA under tensor parallelism on the CPU (gloo, two processes): A and B sharded like their base layers (B's rows
-in the column-parallel qkv / gate_up, A's columns in the row-parallel o / down), adapters paged in on every rank
-through one slot, give TP=1's greedy tokens, which are transformers + peft's."""
+in the column-parallel qkv / gate_up / c_attn / c_fc, A's columns in the row-parallel o / down / c_proj), adapters
+paged in on every rank through one slot, give TP=1's greedy tokens, which are transformers + peft's."""
 
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ ENGINE = dict(device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=32,
               max_lora_rank=8)
 
 
-@pytest.mark.parametrize("family", ["qwen3"])  # one KV head, replicated on both ranks; q split
-def test_tp2_lora_equals_tp1_and_peft(tmp_path, family):
+# qwen3: one KV head, replicated on both ranks, q split; gpt2: the fused c_attn's thirds each split over the ranks.
+@pytest.mark.parametrize("family, targets", [("qwen3", ALL), ("gpt2", ["c_attn", "c_proj", "c_fc"])])
+def test_tp2_lora_equals_tp1_and_peft(tmp_path, family, targets):
     base = save_base(family, str(tmp_path / "base"))
-    loras = [LoRARequest("all", 1, save_adapter(base, str(tmp_path / "all"), ALL, r=8, seed=1)),
+    attention = [t for t in targets if t in ("q_proj", "k_proj", "v_proj", "o_proj", "c_attn")]
+    loras = [LoRARequest("all", 1, save_adapter(base, str(tmp_path / "all"), targets, r=8, seed=1)),
              None,
-             LoRARequest("attn", 2, save_adapter(base, str(tmp_path / "attn"), ALL[:4], r=4, use_rslora=True,
+             LoRARequest("attn", 2, save_adapter(base, str(tmp_path / "attn"), attention, r=4, use_rslora=True,
                                                  seed=2, scale=0.5))]
     loras.append(loras[0])
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
