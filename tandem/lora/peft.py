@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.lora_request import LoRARequest
+from tandem.models.loader import hub_snapshot, is_hub_id
 
 # The projections an adapter may target, by their Hugging Face names (GPT-2: its Conv1D c_attn, c_proj, c_fc, whose
 # A [r, in] and B [out, r] PEFT applies as a Linear's: fan_in_fan_out only changes how it would merge them).
@@ -38,11 +39,32 @@ def _fail(request: LoRARequest, reason: str) -> ValueError:
     return ValueError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}): {reason}")
 
 
+# Hub ids already resolved to their cached snapshot folders (an online lookup costs a request to the Hub).
+_HUB_FOLDERS: dict[str, str] = {}
+
+
+def adapter_folder(request: LoRARequest) -> str:
+    """The adapter's local folder: lora_path itself, or where lora_path is a Hugging Face Hub id (`org/name`) and no
+    local folder, its snapshot in the Hugging Face cache (downloaded once; offline, HF_HUB_OFFLINE=1, the cached
+    one). ValueError naming the adapter when neither exists."""
+    path = os.path.expanduser(request.lora_path)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path) or not is_hub_id(request.lora_path):
+        raise _fail(request, "the path is not a folder")
+    folder = _HUB_FOLDERS.get(request.lora_path)
+    if folder is None:
+        try:
+            folder = hub_snapshot(request.lora_path, require_config=False, what="LoRA adapter")
+        except ValueError as exc:
+            raise _fail(request, str(exc)) from None
+        _HUB_FOLDERS[request.lora_path] = folder
+    return folder
+
+
 def read_config(request: LoRARequest, max_rank: int) -> tuple[int, float]:
     """(rank, scaling) from adapter_config.json; ValueError naming the adapter for anything tandem cannot serve."""
-    path = os.path.join(request.lora_path, "adapter_config.json")
-    if not os.path.isdir(request.lora_path):
-        raise _fail(request, "the path is not a folder")
+    path = os.path.join(adapter_folder(request), "adapter_config.json")
     if not os.path.isfile(path):
         raise _fail(request, "adapter_config.json is missing")
     try:
@@ -106,7 +128,7 @@ def read_header(request: LoRARequest, max_rank: int) -> AdapterHeader:
     from safetensors import safe_open  # the loader's dependency; imported where adapters are read
 
     rank, scaling = read_config(request, max_rank)
-    path = os.path.join(request.lora_path, "adapter_model.safetensors")
+    path = os.path.join(adapter_folder(request), "adapter_model.safetensors")
     if not os.path.isfile(path):
         raise _fail(request, "adapter_model.safetensors is missing (only safetensors adapters load)")
     halves: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
@@ -145,7 +167,7 @@ def load_adapter(request: LoRARequest, max_rank: int, header: AdapterHeader | No
 
     if header is None:
         header = read_header(request, max_rank)
-    path = os.path.join(request.lora_path, "adapter_model.safetensors")
+    path = os.path.join(adapter_folder(request), "adapter_model.safetensors")
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     try:
         with safe_open(path, framework="pt") as f:

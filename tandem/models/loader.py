@@ -312,7 +312,7 @@ def _local_path(model: str, revision: str | None = None, require_config: bool = 
         if revision is not None:
             raise ValueError(f"revision {revision!r} applies to a Hugging Face Hub id; {model!r} is a local path")
         return path
-    if not _HUB_ID.match(model) or model.endswith(".gguf"):
+    if not is_hub_id(model):
         raise ValueError(f"model {model!r} not found: no such file or folder")
     return hub_snapshot(model, revision, require_config)
 
@@ -323,17 +323,23 @@ HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "merges.txt"
 HUB_IGNORE_PATTERNS = ["*/*", "consolidated*"]
 
 
-def hub_snapshot(repo_id: str, revision: str | None = None, require_config: bool = True) -> str:
+def is_hub_id(name: str) -> bool:
+    """Whether name reads as a Hugging Face Hub repo id (`org/name` or `name`), not as a path."""
+    return bool(_HUB_ID.match(name)) and not name.endswith(".gguf")
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None, require_config: bool = True, what: str = "model") -> str:
     """Downloads repo_id (once) into the Hugging Face cache and returns its snapshot folder.
 
     Offline (HF_HUB_OFFLINE=1, or the Hub unreachable) a cached snapshot is used; a miss is a ValueError
-    that names the repo, the cache folder and what to do. HF_TOKEN (or a stored login) authenticates.
+    that names the repo (as `what`: a model, a LoRA adapter), the cache folder and what to do. HF_TOKEN (or a
+    stored login) authenticates.
     """
     try:
         from huggingface_hub import constants, snapshot_download
         from huggingface_hub import errors as hub_errors
     except ImportError:
-        raise ValueError(f"model {repo_id!r} not found: no such file or folder (and huggingface_hub, "
+        raise ValueError(f"{what} {repo_id!r} not found: no such file or folder (and huggingface_hub, "
                          "needed to download Hub ids, is not installed)") from None
     # Read at call time (huggingface_hub reads these once, at import).
     offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
@@ -344,29 +350,29 @@ def hub_snapshot(repo_id: str, revision: str | None = None, require_config: bool
                                    token=os.environ.get("HF_TOKEN") or None,
                                    allow_patterns=HUB_ALLOW_PATTERNS, ignore_patterns=HUB_IGNORE_PATTERNS)
     except hub_errors.RevisionNotFoundError:
-        raise ValueError(f"model {repo_id!r}: revision {revision!r} does not exist on the Hugging Face Hub") from None
+        raise ValueError(f"{what} {repo_id!r}: revision {revision!r} does not exist on the Hugging Face Hub") from None
     except hub_errors.GatedRepoError:
-        raise ValueError(f"model {repo_id!r} is gated on the Hugging Face Hub: accept its terms on its page, then "
+        raise ValueError(f"{what} {repo_id!r} is gated on the Hugging Face Hub: accept its terms on its page, then "
                          "set HF_TOKEN to a token of that account") from None
     except hub_errors.RepositoryNotFoundError:
-        raise ValueError(f"model {repo_id!r} not found: no such local path, and no such repository on the Hugging "
+        raise ValueError(f"{what} {repo_id!r} not found: no such local path, and no such repository on the Hugging "
                          "Face Hub (if it is private, set HF_TOKEN to a token that can read it)") from None
     except hub_errors.LocalEntryNotFoundError as exc:
         if offline:
             raise ValueError(
-                f"model {repo_id!r}{at} is not a local path and not in the Hugging Face cache ({cache_dir}), and "
+                f"{what} {repo_id!r}{at} is not a local path and not in the Hugging Face cache ({cache_dir}), and "
                 f"downloads are off (HF_HUB_OFFLINE=1). Download it once on a machine that is online (run with "
-                f"--model {repo_id} there, HF_HUB_OFFLINE unset, and the same cache), or pass a local folder."
+                f"{repo_id} there, HF_HUB_OFFLINE unset, and the same cache), or pass a local folder."
             ) from None
         raise ValueError(
-            f"model {repo_id!r}{at} is not a local path and not in the Hugging Face cache ({cache_dir}), and the "
+            f"{what} {repo_id!r}{at} is not a local path and not in the Hugging Face cache ({cache_dir}), and the "
             f"Hub could not be reached ({type(exc.__cause__ or exc).__name__}). Connect to the internet (or set "
             "HF_ENDPOINT to a mirror) and run again, or pass a local folder."
         ) from None
     except Exception as exc:  # an incomplete cached snapshot, an HTTP error: the hub's own message says which
-        raise ValueError(f"model {repo_id!r}{at}: the Hugging Face Hub download failed: {exc}") from None
+        raise ValueError(f"{what} {repo_id!r}{at}: the Hugging Face Hub download failed: {exc}") from None
     if require_config and not os.path.isfile(os.path.join(folder, "config.json")):
-        raise ValueError(f"model {repo_id!r}{at} has no config.json in its Hub repo (snapshot {folder}); tandem "
+        raise ValueError(f"{what} {repo_id!r}{at} has no config.json in its Hub repo (snapshot {folder}); tandem "
                          "loads Hugging Face folders with safetensors weights, or a local .gguf file")
     return folder
 

@@ -156,3 +156,38 @@ def test_a_failed_copy_is_raised_to_its_requests_and_tried_again_later():
     assert not host.ready(a)  # made again for the next request that asks
     _wait(host, a)
     host.shutdown()
+
+
+def test_adapter_from_the_hugging_face_cache(tmp_path, monkeypatch):
+    """lora_path as a Hub id (`org/name`, no such local folder) reads the adapter's snapshot from the Hugging Face
+    cache (offline here: no network), giving the tokens of the same folder given as a path; an id the cache lacks
+    is refused offline naming the adapter, the cache and what to do."""
+    pytest.importorskip("huggingface_hub")
+    from huggingface_hub import constants
+
+    from tandem.lora import peft as peft_module
+
+    base = save_base("llama", str(tmp_path / "base"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--tiny-org--sql-lora"
+    save_adapter(base, str(repo / "snapshots" / commit), ["q_proj", "down_proj"], r=4, seed=3)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(peft_module, "_HUB_FOLDERS", {})
+    monkeypatch.chdir(tmp_path)  # no local folder named tiny-org/sql-lora
+    llm = LLM(base, device="cpu", dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=32,
+              max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompt = [[5, 9, 17, 33, 2, 71]]
+    hub = llm.generate(prompt, params, use_tqdm=False, lora_request=LoRARequest("sql", 1, "tiny-org/sql-lora"))
+    local = llm.generate(prompt, params, use_tqdm=False,
+                         lora_request=LoRARequest("sql-local", 2, str(repo / "snapshots" / commit)))
+    plain = llm.generate(prompt, params, use_tqdm=False)
+    assert hub[0].outputs[0].token_ids == local[0].outputs[0].token_ids != plain[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"'missing'.*not in the Hugging Face cache.*HF_HUB_OFFLINE"):
+        llm.generate(prompt, params, use_tqdm=False, lora_request=LoRARequest("missing", 3, "tiny-org/nope"))
+    with pytest.raises(ValueError, match="'gone'.*the path is not a folder"):
+        llm.generate(prompt, params, use_tqdm=False, lora_request=LoRARequest("gone", 4, "./no/such/folder"))
