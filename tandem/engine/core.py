@@ -13,7 +13,7 @@ import os
 import random
 import time
 from collections.abc import Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -58,6 +58,10 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_accepted_per_position: tuple[int, ...] = ()  # entry j: verify rows whose draft j was accepted
     spec_verified_rows: int = 0  # sequences' draft runs verified (mean accepted length: 1 + accepted / this)
+    lora_running: dict[str, int] = field(default_factory=dict)  # LoRA: running requests per adapter name
+    lora_waiting: dict[str, int] = field(default_factory=dict)  # ... and waiting ones (a slot, their host copy)
+    lora_page_ins: int = 0  # adapters copied into a device slot so far
+    lora_host_copies: int = 0  # adapters read from their folder into host memory so far
 
 
 def all_plain_ints(ids: list[object]) -> bool:
@@ -862,6 +866,11 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        lora = self.runner.lora
+        running, waiting = s.adapter_requests() if lora is not None else ({}, {})
+        for request in self._loading.values():  # waiting for their adapter's host copy
+            name = request.lora_request.lora_name  # type: ignore[union-attr]
+            waiting[name] = waiting.get(name, 0) + 1
         return EngineStats(
             num_running=s.num_running(),
             num_waiting=s.num_waiting(),
@@ -877,6 +886,10 @@ class EngineCore:
             spec_accepted_tokens=self.spec_accepted_tokens,
             spec_accepted_per_position=tuple(self.spec_accepted_per_position),
             spec_verified_rows=self.spec_verified_rows,
+            lora_running=running,
+            lora_waiting=waiting,
+            lora_page_ins=lora.num_page_ins if lora is not None else 0,
+            lora_host_copies=lora.num_host_copies if lora is not None else 0,
         )
 
 

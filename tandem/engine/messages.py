@@ -70,6 +70,10 @@ class WireStats(msgspec.Struct, array_like=True):
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
     spec_verified_rows: int = 0
+    lora_running: dict[str, int] = {}
+    lora_waiting: dict[str, int] = {}
+    lora_page_ins: int = 0
+    lora_host_copies: int = 0
 
 
 class EngineBatch(msgspec.Struct, tag="batch", array_like=True):
@@ -116,10 +120,19 @@ def merge_reported(parts: list[WireStats | None]) -> WireStats | None:
     return parts[0] if len(parts) == 1 else merge_stats(parts)  # type: ignore[arg-type]
 
 
+_NOT_SUMMED = ("spec_accepted_per_position", "lora_running", "lora_waiting")
+
+
 def merge_stats(parts: list[WireStats]) -> WireStats:
     """One view of several replicas: counts add up; KV usage is over all blocks; the hit rate is the mean."""
     total = {name: sum(getattr(p, name) for p in parts) for name in WireStats.__struct_fields__
-             if name != "spec_accepted_per_position"}
+             if name not in _NOT_SUMMED}
+    for name in ("lora_running", "lora_waiting"):  # requests per adapter, over the replicas
+        merged: dict[str, int] = {}
+        for p in parts:
+            for adapter, n in getattr(p, name).items():
+                merged[adapter] = merged.get(adapter, 0) + n
+        total[name] = merged
     total["spec_accepted_per_position"] = tuple(
         sum(p.spec_accepted_per_position[j] for p in parts if j < len(p.spec_accepted_per_position))
         for j in range(max(len(p.spec_accepted_per_position) for p in parts)))

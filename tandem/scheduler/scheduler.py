@@ -455,6 +455,17 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def adapter_requests(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(running, waiting) requests per LoRA adapter name; requests of the base model are not counted."""
+        def count(requests: Sequence[Request]) -> dict[str, int]:
+            out: dict[str, int] = {}
+            for r in requests:
+                if r.lora_request is not None:
+                    out[r.lora_request.lora_name] = out.get(r.lora_request.lora_name, 0) + 1
+            return out
+
+        return count(self.running), count(self.waiting)
+
     def num_free_blocks(self) -> int:
         return self.kv_cache_manager.num_free_blocks()
 

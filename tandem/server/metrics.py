@@ -30,6 +30,9 @@ STATS_GAUGES = {
                              "Speculative decoding: draft tokens accepted since the engine started."),
     "spec_verified_rows": ("tandem_spec_decode_num_drafts",
                            "Speculative decoding: runs of drafts verified (one per request per verify step)."),
+    "lora_page_ins": ("tandem_lora_page_ins", "LoRA: adapters copied into a device slot since the engine started."),
+    "lora_host_copies": ("tandem_lora_host_copies",
+                         "LoRA: adapters read from their folder into host memory since the engine started."),
 }
 
 
@@ -46,6 +49,10 @@ class ServerMetrics:
         self.spec_accepted_per_position = Gauge(
             "tandem_spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: verified runs whose draft at "
             "this position (0 = first) was accepted.", ["position"], registry=r, multiprocess_mode="mostrecent")
+        self.lora_requests = {
+            state: Gauge(f"tandem_lora_requests_{state}", f"LoRA: requests {state} per adapter (0 once it has none).",
+                         ["adapter"], registry=r, multiprocess_mode="mostrecent") for state in ("running", "waiting")}
+        self._adapters_seen: set[str] = set()
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
         self.generation_tokens = Counter("tandem_generation_tokens", "Output tokens streamed to clients.", registry=r)
         self.request_success = Counter(
@@ -79,6 +86,14 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(finished_reason=reason)
 
+    def _set_adapter_requests(self, stats: Any) -> None:
+        """Running and waiting requests per adapter; an adapter seen before and without requests now reads 0."""
+        per_state = {state: getattr(stats, f"lora_{state}", None) or {} for state in self.lora_requests}
+        self._adapters_seen.update(*per_state.values())
+        for state, gauge in self.lora_requests.items():
+            for adapter in self._adapters_seen:
+                gauge.labels(adapter=adapter).set(per_state[state].get(adapter, 0))
+
     def count_rejected(self, status: int) -> None:
         self.requests_rejected.labels(status=str(status)).inc()
 
@@ -104,6 +119,7 @@ class ServerMetrics:
             gauge.set(float(value) if value is not None else 0.0)
         for position, count in enumerate(getattr(stats, "spec_accepted_per_position", ()) or ()):
             self.spec_accepted_per_position.labels(position=str(position)).set(count)
+        self._set_adapter_requests(stats)
         if stats is not None:  # exact for one replica (block 0 is reserved); within a block per replica over several
             self.kv_blocks_in_use.set(round(stats.kv_cache_usage * max(stats.num_blocks - 1, 0)))
         self.requests_in_server.set(num_requests_in_server)

@@ -204,3 +204,36 @@ def test_gpt2_conv1d_adapters_match_peft(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = _llm(base, max_loras=2).generate(prompts, params, use_tqdm=False, lora_request=loras)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_stats_count_requests_per_adapter_and_page_ins(setup):
+    """EngineCore.stats(): running and waiting requests per adapter name (one slot: the second adapter's request
+    waits for it), the page-ins and host copies so far; /metrics shows them per adapter, 0 once none is left."""
+    from tandem.engine.messages import merge_stats, stats_to_wire
+    from tandem.server.metrics import ServerMetrics
+
+    base, lora, _, _ = setup
+    engine = _llm(base, max_loras=1, max_cpu_loras=2).engine
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", PROMPTS[0], params, lora["all"])
+    engine.add_request("b", PROMPTS[1], params, lora["mlp"])
+    engine.add_request("c", PROMPTS[2], params)
+    seen = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        seen.append(engine.stats())
+    # Whichever host copy is made first runs first; the other waits for the one slot, then runs alone.
+    both = [s for s in seen if len(s.lora_running) == 1 and s.lora_waiting]
+    assert both and all(set(s.lora_running.values()) == set(s.lora_waiting.values()) == {1} for s in both)
+    first, second = next(iter(both[0].lora_running)), next(iter(both[0].lora_waiting))
+    assert {first, second} == {"all", "mlp"}
+    assert any(s.lora_running == {second: 1} and not s.lora_waiting for s in seen)
+    assert (seen[-1].lora_running, seen[-1].lora_page_ins, seen[-1].lora_host_copies) == ({}, 2, 2)
+    wire = merge_stats([stats_to_wire(both[0]), stats_to_wire(both[0])])  # two replicas' views add up
+    assert (wire.lora_running, wire.lora_waiting) == ({first: 2}, {second: 2})
+    metrics = ServerMetrics()
+    text = metrics.render(stats_to_wire(both[0]), 0).decode()
+    assert f'tandem_lora_requests_running{{adapter="{first}"}} 1.0' in text
+    assert f'tandem_lora_requests_waiting{{adapter="{second}"}} 1.0' in text
+    text = metrics.render(stats_to_wire(seen[-1]), 0).decode()
+    assert f'tandem_lora_requests_running{{adapter="{first}"}} 0.0' in text and "tandem_lora_page_ins 2.0" in text
