@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -395,8 +396,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "steps compile kernels) before the replica's open requests fail and it is taken out")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                   help="LoRA adapters (PEFT folders) served from the start, each under its name as `model` "
-                        "(needs --enable-lora)")
+                   help="LoRA adapters (PEFT folders or Hugging Face Hub ids) served from the start, each under its "
+                        "name as `model` (needs --enable-lora); an entry may also be vLLM's JSON "
+                        '\'{"name": NAME, "path": PATH, "base_model_name": MODEL}\'')
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="the model's tool-call format (default: chosen from its chat template)")
     add_limit_args(g)
@@ -415,19 +417,41 @@ def model_names_from_args(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def lora_modules_from_args(items: list[str], enabled: bool) -> dict[str, str]:
-    """`--lora-modules name=path ...` as {name: path}; ValueError for a malformed or repeated entry."""
+def lora_modules_from_args(items: list[str], enabled: bool, model_names: list[str] | None = None) -> dict[str, str]:
+    """`--lora-modules` entries as {name: path}: `name=path`, or vLLM's JSON form `{"name": ..., "path": ...,
+    "base_model_name": ...}` (base_model_name, where given, must be a name the base model is served under);
+    ValueError for a malformed or repeated entry."""
     if items and not enabled:
         raise ValueError("--lora-modules needs --enable-lora")
     modules: dict[str, str] = {}
     for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules takes NAME=PATH entries, got {item!r}")
+        name, path = _lora_module(item, model_names)
         if name in modules:
             raise ValueError(f"--lora-modules names {name!r} twice")
         modules[name] = path
     return modules
+
+
+def _lora_module(item: str, model_names: list[str] | None) -> tuple[str, str]:
+    usage = f'--lora-modules takes NAME=PATH or {{"name": NAME, "path": PATH}} entries, got {item!r}'
+    if not item.lstrip().startswith("{"):
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(usage)
+        return name, path
+    try:
+        spec = json.loads(item)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{usage}: not JSON ({exc.msg})") from None
+    name, path = spec.get("name"), spec.get("path")
+    if (not isinstance(name, str) or not name or not isinstance(path, str) or not path
+            or set(spec) - {"name", "path", "base_model_name"}):
+        raise ValueError(usage)
+    base = spec.get("base_model_name")
+    if base is not None and model_names is not None and base not in model_names:
+        raise ValueError(f"--lora-modules {name!r}: base_model_name {base!r} is not a name of the served model "
+                         f"({', '.join(map(repr, model_names))})")
+    return name, path
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -443,7 +467,8 @@ def serve_main(args: argparse.Namespace) -> int:
                                engine_timeout=args.engine_timeout, engine_step_timeout=args.engine_step_timeout,
                                tool_call_parser=args.tool_call_parser, limits=limits_from_args(args),
                                public_metrics=args.public_metrics, allowed_origins=args.allowed_origin or [],
-                               lora_modules=lora_modules_from_args(args.lora_modules, args.enable_lora))
+                               lora_modules=lora_modules_from_args(args.lora_modules, args.enable_lora,
+                                                                   model_names_from_args(args)))
         # The front end grows with the replicas: two replicas behind one API process's event loop stream
         # at that loop's pace, not at the GPUs'.
         num_api_servers = args.api_server_count if args.api_server_count is not None else args.data_parallel_size

@@ -88,7 +88,13 @@ def test_lora_modules_flag_parsing():
     from tandem.server.launcher import lora_modules_from_args
 
     assert lora_modules_from_args(["a=/x", "b=/y=z"], True) == {"a": "/x", "b": "/y=z"}
+    # vLLM's JSON form, its base_model_name one of the served model's names
+    assert lora_modules_from_args(['{"name": "c", "path": "/c", "base_model_name": "m"}', "d=/d"], True,
+                                  ["m", "/models/m"]) == {"c": "/c", "d": "/d"}
     for items, enabled, reason in ((["a=/x"], False, "needs --enable-lora"), (["a"], True, "NAME=PATH"),
-                                   (["a=/x", "a=/y"], True, "twice")):
+                                   (["a=/x", "a=/y"], True, "twice"), (['{"name": "a"'], True, "not JSON"),
+                                   (['{"name": "a", "path": "/x", "rank": 8}'], True, "NAME=PATH"),
+                                   (['{"name": "a", "path": "/x", "base_model_name": "other"}'], True,
+                                    "base_model_name 'other' is not a name of the served model")):
         with pytest.raises(ValueError, match=reason):
-            lora_modules_from_args(items, enabled)
+            lora_modules_from_args(items, enabled, ["m"])
