@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -60,16 +61,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
         allowed_token_ids=args.allowed_token_ids, bad_words=args.bad_words,
         structured_output=structured_output_arg(args),
     )
-    llm = LLM(**engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    lora = None
+    if args.lora is not None:  # every prompt under this adapter (LoRA switched on for it)
+        from tandem import LoRARequest
+
+        kwargs["enable_lora"] = True
+        lora = LoRARequest(os.path.basename(os.path.normpath(args.lora)) or args.lora, 1, args.lora)
+    llm = LLM(**kwargs)
     prompts = args.prompt or DEFAULT_PROMPTS
     # The built-in prompts are questions: wrap them in the chat template when the model has one.
     chat = args.chat if args.chat is not None else (
         not args.prompt and bool(getattr(llm.tokenizer, "chat_template", None)))
     start = time.perf_counter()
     if chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, lora_request=lora)
     else:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params, lora_request=lora)
     seconds = time.perf_counter() - start
     num_generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     for prompt, out in zip(prompts, outputs):
@@ -93,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few built-in prompts")
     gen.add_argument("--data-parallel-size", type=int, default=1,
                      help="engine replicas (processes), each on its own GPU(s) (x --tensor-parallel-size)")
+    gen.add_argument("--lora", default=None, metavar="PATH",
+                     help="run every prompt under this LoRA adapter (a PEFT folder or Hugging Face Hub id; turns on "
+                          "--enable-lora)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="wrap each prompt in the chat template (default: for the built-in prompts only)")
     gen.set_defaults(func=cmd_generate)

@@ -237,3 +237,25 @@ def test_stats_count_requests_per_adapter_and_page_ins(setup):
     assert f'tandem_lora_requests_waiting{{adapter="{second}"}} 1.0' in text
     text = metrics.render(stats_to_wire(seen[-1]), 0).decode()
     assert f'tandem_lora_requests_running{{adapter="{first}"}} 0.0' in text and "tandem_lora_page_ins 2.0" in text
+
+
+def test_cli_generate_under_an_adapter(tmp_path, capsys):
+    """`tandem generate --lora PATH`: every prompt under the adapter (LoRA switched on for it), the text the
+    adapter gives offline; a rank above --max-lora-rank is an error naming the adapter (exit 2)."""
+    from tandem.cli import main
+    from tests.parallel.tiny_models import save_tiny_tokenizer
+
+    base = save_tiny_tokenizer(save_base("llama", str(tmp_path / "base")))
+    path = save_adapter(base, str(tmp_path / "sql"), ALL, r=8, seed=1)
+    argv = ["generate", "--model", base, "--device", "cpu", "--dtype", "float32", "--max-tokens", "6",
+            "--ignore-eos", "--prompt", "Hello there", "--num-kv-blocks", "32"]
+    assert main(argv + ["--lora", path]) == 0
+    adapted = capsys.readouterr().out
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    llm = LLM(base, device="cpu", dtype="float32", enable_lora=True, num_kv_blocks=32)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    text = llm.generate(["Hello there"], params, use_tqdm=False, lora_request=LoRARequest("sql", 1, path))[0]
+    assert repr(text.outputs[0].text) in adapted and adapted.split("[")[0] != plain.split("[")[0]
+    assert main(argv + ["--lora", path, "--max-lora-rank", "4"]) == 2
+    assert "'sql'" in capsys.readouterr().err
