@@ -259,3 +259,27 @@ def test_cli_generate_under_an_adapter(tmp_path, capsys):
     assert repr(text.outputs[0].text) in adapted and adapted.split("[")[0] != plain.split("[")[0]
     assert main(argv + ["--lora", path, "--max-lora-rank", "4"]) == 2
     assert "'sql'" in capsys.readouterr().err
+
+
+def test_prompt_logprobs_under_adapters_match_peft(setup):
+    """Scoring under adapters (max_tokens 0, prompt_logprobs): each prompt's log-probs are those of transformers +
+    peft with its adapter, the base model's for a request without one, in one batch."""
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    base, lora, _, _ = setup
+    order = [lora["all"], None, lora["attn-rslora"]]
+    prompts = [PROMPTS[2], PROMPTS[2], PROMPTS[0]]
+    outs = _llm(base, max_loras=2).generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=0),
+                                            use_tqdm=False, lora_request=order)
+    for out, request, ids in zip(outs, order, prompts):
+        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        if request is not None:
+            model = PeftModel.from_pretrained(model, request.lora_path).eval()
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        got = [entry[ids[j + 1]] for j, entry in enumerate(out.prompt_logprobs[1:])]
+        want = [float(ref[j, ids[j + 1]]) for j in range(len(ids) - 1)]
+        assert max(abs(g - w) for g, w in zip(got, want)) < 1e-4, (request, got, want)
+    assert outs[0].prompt_logprobs != outs[1].prompt_logprobs  # the adapter moves them
