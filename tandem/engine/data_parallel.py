@@ -137,6 +137,16 @@ class DataParallelEngine:
         check_modules(load_adapter(lora_request, self.config.max_lora_rank), self.engines.info.lora_modules)
         self._checked_loras[lora_request.lora_int_id] = lora_request
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Checks an adapter as a replica would (ValueError naming it); each replica makes its own host copy when a
+        request routed to it first names the adapter."""
+        self._check_open()
+        self._check_lora(lora_request)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters added or named by a request since they were last removed."""
+        return list(self._checked_loras.values())
+
     def remove_lora(self, lora_int_id: int) -> None:
         """Unloads an adapter on every replica: requests already queued or running with it finish with it."""
         self._check_open()

@@ -193,6 +193,11 @@ def test_dp2_with_adapters_gives_one_engines_tokens(tiny_llama, tmp_path):
         wide = LoRARequest("wide", 9, save_adapter(tiny_llama, str(tmp_path / "wide"), ["q_proj"], r=16, seed=5))
         with pytest.raises(ValueError, match="'wide'.*rank"):
             llm.generate(PROMPTS[:1], greedy, use_tqdm=False, lora_request=wide)
+        assert sorted(r.lora_name for r in llm.engine.list_loras()) == ["a0", "a1"]
         llm.engine.remove_lora(loras[0].lora_int_id)
+        assert [r.lora_name for r in llm.engine.list_loras()] == ["a1"]
+        llm.engine.add_lora(loras[0])  # vLLM's llm_engine.add_lora: checked here, read by a replica when named
+        with pytest.raises(ValueError, match="'wide'.*rank"):
+            llm.engine.add_lora(wide)
         again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False, lora_request=order)]
         assert again == expected
