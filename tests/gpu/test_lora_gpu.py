@@ -103,6 +103,28 @@ def test_fp32_matches_peft(adapters):
 
 
 @pytest.mark.gpu
+def test_gpt2_adapters_fp32_match_peft_and_bf16_graphs_match_eager(tmp_path):
+    """GPT-2's c_attn / c_proj / c_fc adapters on the GPU: fp32 (the PyTorch path of the delta) equals transformers
+    + peft on the CPU; bf16 from CUDA graphs (the Triton kernels, c_attn's fused B taken whole) equals eager."""
+    base = save_base("gpt2", str(tmp_path / "base"))
+    loras = [LoRARequest("all", 1, save_adapter(base, str(tmp_path / "all"), ["c_attn", "c_proj", "c_fc"], r=8,
+                                                seed=1)),
+             LoRARequest("attn", 2, save_adapter(base, str(tmp_path / "attn"), ["c_attn"], r=4, seed=2, scale=0.5))]
+    order = [loras[0], None, loras[1], loras[0], None, loras[1]]
+    expected = [peft_greedy(base, None if r is None else r.lora_path, p, MAX_TOKENS) for r, p in zip(order, PROMPTS)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    runs = {}
+    for dtype, graphs in (("float32", True), ("bfloat16", True), ("bfloat16", False)):
+        llm = LLM(base, device="cuda", dtype=dtype, enable_lora=True, max_loras=2, max_lora_rank=16,
+                  max_model_len=128, num_kv_blocks=64, max_num_seqs=8, cuda_graph=graphs)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=order)
+        runs[dtype, graphs] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        llm.shutdown()
+    assert [tokens for tokens, _ in runs["float32", True]] == expected
+    assert_same_greedy(runs["bfloat16", False], runs["bfloat16", True], "gpt2 adapters: graphs vs eager")
+
+
+@pytest.mark.gpu
 def test_load_unload_load_gives_the_same_tokens(adapters):
     base, loras = adapters
     llm = LLM(base, device="cuda", dtype="bfloat16", enable_lora=True, max_loras=1, max_lora_rank=16,
