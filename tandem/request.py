@@ -63,6 +63,9 @@ class Request:
     # The LoRA adapter it runs with (None: the base model) and, while admitted, the device slot holding it.
     lora_request: LoRARequest | None = None
     lora_slot: int = -1
+    # Times its adapter's id was removed before this request came (EngineCore.remove_lora): part of its prefix-cache
+    # key, so blocks computed before an unload are never served to the id loaded again (its folder may have changed).
+    lora_epoch: int = 0
     # Steps in which it waited for an adapter slot while a later request was admitted onto one (the scheduler's
     # starvation bound, SchedulerConfig.max_lora_skips).
     num_lora_skips: int = 0

@@ -185,6 +185,7 @@ class EngineCore:
         self._rng = random.Random(config.seed)
         self._requests: dict[str, Request] = {}  # unfinished requests
         self._loading: dict[str, Request] = {}  # waiting for their adapter's host copy, in arrival order
+        self._lora_epochs: dict[int, int] = {}  # lora_int_id -> times it was removed (Request.lora_epoch)
         self._inflight: StepHandle | None = None  # step N while step N+1 is being scheduled (overlap)
         self.timeline: Timeline | None = None
         self.step_log: list[tuple[int, int, int]] | None = None  # (seqs, tokens, context tokens) per step
@@ -241,6 +242,8 @@ class EngineCore:
             bad_word_ids=bad_seqs,
             lora_request=lora_request,
         )
+        if lora_request is not None:
+            request.lora_epoch = self._lora_epochs.get(lora_request.lora_int_id, 0)
         if self.spec is not None:
             request.spec_k = self.spec.num_speculative_tokens
         if lora_request is not None:
@@ -281,6 +284,7 @@ class EngineCore:
         again. Unknown ids are ignored."""
         if self.runner.lora is not None:
             self.runner.lora.remove(lora_int_id)
+            self._lora_epochs[lora_int_id] = self._lora_epochs.get(lora_int_id, 0) + 1  # its cached blocks: stale
             if self.scheduler.lora_slots is not None:
                 self.scheduler.lora_slots.forget(lora_int_id)
 

@@ -24,10 +24,13 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
 
 
 def adapter_root(request: Request) -> BlockHash | None:
-    """The parent of a request's first block: None for the base model, a digest of the adapter's identity under a
-    LoRA adapter, so KV computed under one adapter is never reused under another or without it."""
+    """The parent of a request's first block: None for the base model, a digest of the adapter's identity (and of
+    how often its id was unloaded before) under a LoRA adapter, so KV computed under one adapter is never reused
+    under another, without it, or after it was unloaded and loaded again."""
     lora = request.lora_request
-    return None if lora is None else hashlib.blake2b(lora.cache_key(), digest_size=16).digest()
+    if lora is None:
+        return None
+    return hashlib.blake2b(lora.cache_key() + b"\0%d" % request.lora_epoch, digest_size=16).digest()
 
 
 HASH_MEMO_BLOCKS = 1 << 14  # (parent, tokens) keys remembered, least recently used out first (~5 MB)

@@ -18,42 +18,46 @@ from tandem.lora_request import LoRARequest
 from tandem.server.protocol import ApiError
 
 
-def adapter_id(name: str, path: str) -> int:
-    """A positive id from the adapter's name and folder: every API process of a server gives the same adapter the
-    same id (the engine keys its copies and the prefix cache by it)."""
-    digest = hashlib.blake2b(f"{name}\0{path}".encode(), digest_size=8).digest()
+def adapter_id(name: str, path: str, load: int = 0) -> int:
+    """A positive id from the adapter's name, folder and load (the server's count of run-time loads when it was
+    loaded; 0 for `--lora-modules`): the engine keys its host copies, device slots and the prefix cache by it, so an
+    adapter loaded again, whose folder may hold new weights by then, is never served from what the old one left."""
+    digest = hashlib.blake2b(f"{name}\0{path}\0{load}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 2 | 1
 
 
 class AdapterTable:
-    """Adapter name -> PEFT folder, shared by a server's API processes (the launcher creates it in `folder` with the
-    `--lora-modules` adapters; the API processes inherit it at spawn). A load or unload rewrites the JSON file whole
-    under an exclusive lock, then bumps a version counter in shared memory; a process reads the file again only
-    when the counter has moved since its last read (one integer compared per lookup)."""
+    """The adapters a server's API processes serve, name -> (PEFT folder, id), shared by them all (the launcher creates
+    it in `folder` with the `--lora-modules` adapters; the API processes inherit it at spawn). A load or unload
+    rewrites the JSON file whole under an exclusive lock, then bumps a version counter in shared memory; a process
+    reads the file again only when the counter has moved since its last read (one integer compared per lookup)."""
 
     def __init__(self, folder: str, initial: dict[str, str]) -> None:
         self.path = os.path.join(folder, "adapters.json")
         self._version = mp.get_context("spawn").RawValue("q", 0)
         with self._locked():
-            self._write(dict(initial))
+            self._write({"loads": 0, "adapters": {name: [path, adapter_id(name, path)]
+                                                  for name, path in initial.items()}})
 
     @property
     def version(self) -> int:
         return self._version.value
 
-    def read(self) -> tuple[int, dict[str, str]]:
-        """(version, names): the file is replaced before the version moves, so it is at least that new."""
+    def read(self) -> tuple[int, dict[str, tuple[str, int]]]:
+        """(version, name -> (folder, id)): the file is replaced before the version moves, so it is at least that new."""
         version = self._version.value
         with open(self.path) as f:
-            return version, json.load(f)
+            return version, {name: (path, lora_id) for name, (path, lora_id) in json.load(f)["adapters"].items()}
 
-    def update(self, change: Callable[[dict[str, str]], None]) -> None:
-        """Applies change to the current names and writes them; an exception from change writes nothing."""
+    def update(self, change: Callable[[dict[str, tuple[str, int]], int], None]) -> None:
+        """change(names, load) edits name -> (folder, id) in place, `load` the count of loads before this one (for a
+        new id); an exception from change writes nothing."""
         with self._locked():
             with open(self.path) as f:
-                names = json.load(f)
-            change(names)
-            self._write(names)
+                table = json.load(f)
+            names = {name: (path, lora_id) for name, (path, lora_id) in table["adapters"].items()}
+            change(names, table["loads"])
+            self._write({"loads": table["loads"] + 1, "adapters": {n: list(v) for n, v in names.items()}})
             self._version.value += 1
 
     @contextmanager
@@ -65,10 +69,10 @@ class AdapterTable:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def _write(self, names: dict[str, str]) -> None:
+    def _write(self, table: dict) -> None:
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump(names, f)
+            json.dump(table, f)
         os.replace(tmp, self.path)  # readers see the old file or the new one, never a part
 
 
@@ -86,6 +90,7 @@ class ServedAdapters:
         self.table = table
         self._by_name: dict[str, LoRARequest] = {}
         self._seen = -1  # the table's version _by_name was read at
+        self._loads = 0  # run-time loads so far, without a table
 
     @property
     def by_name(self) -> dict[str, LoRARequest]:
@@ -93,20 +98,24 @@ class ServedAdapters:
         if self.table is not None and self.table.version != self._seen:
             self._seen, names = self.table.read()
             old = self._by_name
-            self._by_name = {name: old[name] if name in old and old[name].lora_path == path
-                             else LoRARequest(name, adapter_id(name, path), path) for name, path in names.items()}
+            self._by_name = {name: old[name] if name in old and old[name].lora_int_id == lora_id
+                             else LoRARequest(name, lora_id, path) for name, (path, lora_id) in names.items()}
         return self._by_name
 
     def serve_from_start(self, modules: dict[str, str]) -> None:
         """The `--lora-modules` adapters, each read and checked (ValueError naming it: the server does not start).
-        With a table the launcher has written them there already; those unloaded since are not served again."""
+        With a table the launcher has written them there already; those unloaded or replaced since are not served
+        again."""
         if self.table is None:
             for name, path in modules.items():
-                self.load(name, path)
+                self._check(request := LoRARequest(name, adapter_id(name, path), path))
+                if name in self._by_name:
+                    raise ValueError(f"an adapter named {name!r} is already loaded")
+                self._by_name[name] = request
             return
         for name, path in modules.items():
             lora = self.by_name.get(name)
-            if lora is not None and lora.lora_path == path:
+            if lora is not None and lora.lora_int_id == adapter_id(name, path):
                 self._check(lora)
 
     def resolve(self, model: str | None) -> LoRARequest | None:
@@ -121,34 +130,43 @@ class ServedAdapters:
                            type="not_found_error", param="model", code="model_not_found")
         return lora
 
-    def load(self, name: str, path: str) -> LoRARequest:
-        """Reads and checks an adapter and serves it as `name`; ValueError with the reason when it cannot serve."""
+    def load(self, name: str, path: str, inplace: bool = False) -> tuple[LoRARequest, LoRARequest | None]:
+        """Reads and checks an adapter and serves it as `name`: (it, the adapter it replaces under that name, with
+        inplace; else None). Each load gets an id of its own, so the folder is read again even where its path is
+        the same. ValueError with the reason when it cannot serve (nothing then changes)."""
         if not self.enabled:
             raise ValueError("LoRA adapters are off: start the server with --enable-lora")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise ValueError("lora_name and lora_path must be non-empty strings")
         if name in self.base_names:
             raise ValueError(f"{name!r} is the base model's name")
-        if name in self.by_name:
-            raise ValueError(f"an adapter named {name!r} is already loaded")
-        request = LoRARequest(name, adapter_id(name, path), path)
-        self._check(request)
+        if name in self.by_name and not inplace:
+            raise ValueError(f"an adapter named {name!r} is already loaded (load_inplace replaces it)")
         if self.table is None:
+            self._loads += 1
+            request = LoRARequest(name, adapter_id(name, path, self._loads), path)
+            self._check(request)
+            replaced = self._by_name.get(name)
             self._by_name[name] = request
-            return request
+            return request, replaced
+        made: list[LoRARequest | None] = []
 
-        def add(names: dict[str, str]) -> None:
-            if name in names:  # another API process loaded one under this name meanwhile
-                raise ValueError(f"an adapter named {name!r} is already loaded")
-            names[name] = path
+        def add(names: dict[str, tuple[str, int]], loads: int) -> None:
+            old = names.get(name)
+            if old is not None and not inplace:  # another API process loaded one under this name meanwhile
+                raise ValueError(f"an adapter named {name!r} is already loaded (load_inplace replaces it)")
+            request = LoRARequest(name, adapter_id(name, path, loads + 1), path)
+            self._check(request)  # under the lock: a bad adapter changes nothing
+            names[name] = (path, request.lora_int_id)
+            made[:] = [request, None if old is None else LoRARequest(name, old[1], old[0])]
 
         self.table.update(add)
-        return request
+        return made[0], made[1]  # type: ignore[return-value]
 
     def unload(self, name: str) -> LoRARequest:
         lora = self.by_name.get(name)
         if lora is not None and self.table is not None:
-            def drop(names: dict[str, str]) -> None:
+            def drop(names: dict[str, tuple[str, int]], loads: int) -> None:
                 if names.pop(name, None) is None:  # another API process unloaded it meanwhile
                     raise KeyError(name)
 

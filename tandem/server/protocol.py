@@ -367,6 +367,7 @@ class ModelCard(BaseModel):
 class LoadLoRAAdapterRequest(BaseModel):
     lora_name: str
     lora_path: str
+    load_inplace: bool = False  # replace the adapter served under lora_name (vLLM's field)
 
 
 class UnloadLoRAAdapterRequest(BaseModel):

@@ -121,11 +121,15 @@ class OpenAIServing:
         return p.ModelList(data=cards)
 
     def load_lora_adapter(self, raw: bytes) -> Response:
+        """load_inplace: the adapter replaces the one served under lora_name (requests running with that one finish
+        with it; new ones get this one, read from its folder again even where the path is the same)."""
         body = parse_body(p.LoadLoRAAdapterRequest, raw)
         try:
-            self.adapters.load(body.lora_name, body.lora_path)
+            _, replaced = self.adapters.load(body.lora_name, body.lora_path, inplace=body.load_inplace)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="lora_path") from exc
+        if replaced is not None:
+            self.engine.unload_lora(replaced.lora_int_id)
         return json_response(p.ModelCard(id=body.lora_name, max_model_len=self.max_model_len, root=body.lora_path,
                                          parent=self.model_names[0]))
 

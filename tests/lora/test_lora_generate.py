@@ -283,3 +283,20 @@ def test_prompt_logprobs_under_adapters_match_peft(setup):
         want = [float(ref[j, ids[j + 1]]) for j in range(len(ids) - 1)]
         assert max(abs(g - w) for g, w in zip(got, want)) < 1e-4, (request, got, want)
     assert outs[0].prompt_logprobs != outs[1].prompt_logprobs  # the adapter moves them
+
+
+def test_an_adapter_id_removed_then_added_again_reads_its_folder_anew(setup, tmp_path):
+    """Offline: remove_lora, new weights in the same folder, the same LoRARequest again: the new weights answer,
+    also for a prompt whose blocks the prefix cache kept from before the removal."""
+    base, _, _, _ = setup
+    folder = save_adapter(base, str(tmp_path / "rl"), ALL, r=8, seed=21)
+    request = LoRARequest("rl", 7, folder)
+    prompt = PROMPTS[2] * 4  # 36 tokens: two full KV blocks the prefix cache keeps
+    llm = _llm(base, max_loras=1)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    before = llm.generate([prompt], params, use_tqdm=False, lora_request=request)[0].outputs[0].token_ids
+    assert before == peft_greedy(base, folder, prompt, MAX_TOKENS)
+    llm.engine.remove_lora(request.lora_int_id)
+    save_adapter(base, folder, ALL, r=8, seed=22)
+    after = llm.generate([prompt], params, use_tqdm=False, lora_request=request)[0]
+    assert after.outputs[0].token_ids == peft_greedy(base, folder, prompt, MAX_TOKENS) != before

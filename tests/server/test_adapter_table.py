@@ -1,6 +1,7 @@
 """The adapters a server's API processes share (AdapterTable): a run-time load or unload in one process is what
 every other serves from its next lookup; a name loaded twice at once is refused once; an adapter unloaded at run
-time is not served again by a replaced process; a process reads the table only when it moved."""
+time is not served again by a replaced process; a load in place gives a new id (the folder is read again); a process
+reads the table only when it moved."""
 
 from __future__ import annotations
 
@@ -51,13 +52,40 @@ def test_a_load_or_unload_in_one_process_reaches_the_others(folders, tmp_path):
     replaced = _process(table, folders)
     replaced.serve_from_start({"sql": folders["sql"]})
     assert set(replaced.by_name) == {"chat"}
-    # A name loaded by two processes at once: while one reads its folder, the other loads it; the table has the
-    # other's and this one is refused.
+    # A name loaded by two processes at once: the other's load lands between this one's lookup and its write;
+    # the table has the other's and this one is refused.
     third = _process(table, folders)
-    third._check = lambda request: first.load("math", folders["math"])
+    update = table.update
+
+    def racing(change):
+        table.update = update
+        first.load("math", folders["math"])
+        update(change)
+
+    table.update = racing
     with pytest.raises(ValueError, match="'math' is already loaded"):
         third.load("math", folders["sql"])
     assert replaced.resolve("math").lora_path == folders["math"] == third.resolve("math").lora_path
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["table", "one-process"])
+def test_a_load_in_place_replaces_the_adapter_under_a_new_id(folders, tmp_path, shared):
+    table = AdapterTable(str(tmp_path), {"sql": folders["sql"]}) if shared else None
+    first, other = _process(table, folders), _process(table, folders)
+    first.serve_from_start({"sql": folders["sql"]})
+    start = first.resolve("sql")
+    assert start.lora_int_id == adapter_id("sql", folders["sql"])
+    new, old = first.load("sql", folders["chat"], inplace=True)
+    assert old == start and new.lora_path == folders["chat"] and first.resolve("sql") == new
+    again, old = first.load("sql", folders["chat"], inplace=True)  # the same folder: read again, under a new id
+    assert old == new and again.lora_int_id not in (new.lora_int_id, start.lora_int_id)
+    if shared:
+        assert other.resolve("sql") == again
+    with pytest.raises(ValueError, match="already loaded"):
+        first.load("sql", folders["math"])
+    with pytest.raises(ValueError, match="not a folder"):  # a bad replacement leaves the adapter served
+        first.load("sql", str(tmp_path / "nowhere"), inplace=True)
+    assert first.resolve("sql") == again
 
 
 def test_lookups_read_the_table_only_when_it_moved(folders, tmp_path, monkeypatch):

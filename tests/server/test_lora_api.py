@@ -30,8 +30,8 @@ def lora_server(tmp_path_factory):
     stop_server(live)
 
 
-def _tokens(client, model: str, max_tokens: int = 6) -> list[int]:
-    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+def _tokens(client, model: str, max_tokens: int = 6, prompt: list[int] = PROMPT) -> list[int]:
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                   extra_body={"ignore_eos": True})
     return r.choices[0].model_extra["token_ids"]
 
@@ -82,6 +82,26 @@ def test_load_and_unload_at_run_time(lora_server):
     # Loaded again: the same tokens.
     assert live.post("/v1/load_lora_adapter", json={"lora_name": "attn", "lora_path": paths["attn"]}).status_code == 200
     assert _tokens(client, "attn") == peft_greedy(base, paths["attn"], PROMPT, 6)
+
+
+def test_load_in_place_serves_new_weights_from_the_same_folder(lora_server, tmp_path):
+    """A training loop's update: new weights written into the adapter's folder, then loaded in place under the same
+    name: the new weights answer (not the old host copy, slot or prefix-cache blocks of a prompt seen before)."""
+    live, base, _, _ = lora_server
+    client = live.openai()
+    folder = save_adapter(base, str(tmp_path / "rl"), ALL, r=8, seed=11)
+    prompt = PROMPT * 7  # 42 tokens: two full KV blocks the prefix cache keeps
+    assert live.post("/v1/load_lora_adapter", json={"lora_name": "rl", "lora_path": folder}).status_code == 200
+    before = _tokens(client, "rl", prompt=prompt)
+    assert before == peft_greedy(base, folder, prompt, 6)
+    save_adapter(base, folder, ALL, r=8, seed=12)
+    again = live.post("/v1/load_lora_adapter", json={"lora_name": "rl", "lora_path": folder})
+    assert again.status_code == 400 and "load_inplace" in again.json()["error"]["message"]
+    r = live.post("/v1/load_lora_adapter", json={"lora_name": "rl", "lora_path": folder, "load_inplace": True})
+    assert r.status_code == 200, r.text
+    after = _tokens(client, "rl", prompt=prompt)
+    assert after == peft_greedy(base, folder, prompt, 6) != before
+    assert live.post("/v1/unload_lora_adapter", json={"lora_name": "rl"}).status_code == 200
 
 
 def test_lora_modules_flag_parsing():
