@@ -109,8 +109,6 @@ class ServedAdapters:
         if self.table is None:
             for name, path in modules.items():
                 self._check(request := LoRARequest(name, adapter_id(name, path), path))
-                if name in self._by_name:
-                    raise ValueError(f"an adapter named {name!r} is already loaded")
                 self._by_name[name] = request
             return
         for name, path in modules.items():
