@@ -106,6 +106,9 @@ class ServedAdapters:
         """The `--lora-modules` adapters, each read and checked (ValueError naming it: the server does not start).
         With a table the launcher has written them there already; those unloaded or replaced since are not served
         again."""
+        for name in modules:
+            if name in self.base_names:
+                raise ValueError(f"--lora-modules: {name!r} is the base model's name")
         if self.table is None:
             for name, path in modules.items():
                 self._check(request := LoRARequest(name, adapter_id(name, path), path))

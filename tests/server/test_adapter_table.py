@@ -108,3 +108,6 @@ def test_a_bad_start_up_adapter_fails_the_process_start(folders, tmp_path):
     table = AdapterTable(str(tmp_path), {"bad": str(tmp_path / "nowhere")})
     with pytest.raises(ValueError, match="'bad'"):
         _process(table, folders).serve_from_start({"bad": str(tmp_path / "nowhere")})
+    for shared in (table, None):
+        with pytest.raises(ValueError, match="'base' is the base model's name"):
+            _process(shared, folders).serve_from_start({"base": folders["sql"]})
