@@ -4,6 +4,7 @@ load or unload reaches every one of them."""
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import json
@@ -27,14 +28,17 @@ def adapter_id(name: str, path: str, load: int = 0) -> int:
 
 
 class AdapterTable:
-    """The adapters a server's API processes serve, name -> (PEFT folder, id), shared by them all (the launcher creates
-    it in `folder` with the `--lora-modules` adapters; the API processes inherit it at spawn). A load or unload
-    rewrites the JSON file whole under an exclusive lock, then bumps a version counter in shared memory; a process
-    reads the file again only when the counter has moved since its last read (one integer compared per lookup)."""
+    """The adapters served, name -> (PEFT folder, id), and the count of loads so far (for new ids). With a `folder`,
+    shared by a server's API processes (the launcher creates it with the `--lora-modules` adapters; the API processes
+    inherit it at spawn): a load or unload rewrites the JSON file whole under an exclusive lock, then bumps a version
+    counter in shared memory; a process reads the file again only when the counter has moved since its last read
+    (one integer compared per lookup). Without one, held in this process's memory."""
 
-    def __init__(self, folder: str, initial: dict[str, str]) -> None:
-        self.path = os.path.join(folder, "adapters.json")
-        self._version = mp.get_context("spawn").RawValue("q", 0)
+    def __init__(self, folder: str | None, initial: dict[str, str]) -> None:
+        self.path = None if folder is None else os.path.join(folder, "adapters.json")
+        self.shared = folder is not None
+        self._version = mp.get_context("spawn").RawValue("q", 0) if self.shared else ctypes.c_int64(0)
+        self._memory: dict = {}
         with self._locked():
             self._write({"loads": 0, "adapters": {name: [path, adapter_id(name, path)]
                                                   for name, path in initial.items()}})
@@ -46,15 +50,13 @@ class AdapterTable:
     def read(self) -> tuple[int, dict[str, tuple[str, int]]]:
         """(version, name -> (folder, id)): the file is replaced before the version moves, so it is at least that new."""
         version = self._version.value
-        with open(self.path) as f:
-            return version, {name: (path, lora_id) for name, (path, lora_id) in json.load(f)["adapters"].items()}
+        return version, {name: (path, lora_id) for name, (path, lora_id) in self._read()["adapters"].items()}
 
     def update(self, change: Callable[[dict[str, tuple[str, int]], int], None]) -> None:
         """change(names, load) edits name -> (folder, id) in place, `load` the count of loads before this one (for a
         new id); an exception from change writes nothing."""
         with self._locked():
-            with open(self.path) as f:
-                table = json.load(f)
+            table = self._read()
             names = {name: (path, lora_id) for name, (path, lora_id) in table["adapters"].items()}
             change(names, table["loads"])
             self._write({"loads": table["loads"] + 1, "adapters": {n: list(v) for n, v in names.items()}})
@@ -62,6 +64,9 @@ class AdapterTable:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
+        if self.path is None:
+            yield
+            return
         with open(self.path + ".lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
@@ -69,7 +74,16 @@ class AdapterTable:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
+    def _read(self) -> dict:
+        if self.path is None:
+            return self._memory
+        with open(self.path) as f:
+            return json.load(f)
+
     def _write(self, table: dict) -> None:
+        if self.path is None:
+            self._memory = table
+            return
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(table, f)
@@ -87,15 +101,14 @@ class ServedAdapters:
         self.base_names = base_names
         self.modules = modules
         self.max_rank = max_rank
-        self.table = table
+        self.table = table if table is not None else AdapterTable(None, {})
         self._by_name: dict[str, LoRARequest] = {}
         self._seen = -1  # the table's version _by_name was read at
-        self._loads = 0  # run-time loads so far, without a table
 
     @property
     def by_name(self) -> dict[str, LoRARequest]:
-        """Every adapter served now (read from the table again when another API process changed it)."""
-        if self.table is not None and self.table.version != self._seen:
+        """Every adapter served now (read from the table again when it changed: here, or in another API process)."""
+        if self.table.version != self._seen:
             self._seen, names = self.table.read()
             old = self._by_name
             self._by_name = {name: old[name] if name in old and old[name].lora_int_id == lora_id
@@ -104,16 +117,14 @@ class ServedAdapters:
 
     def serve_from_start(self, modules: dict[str, str]) -> None:
         """The `--lora-modules` adapters, each read and checked (ValueError naming it: the server does not start).
-        With a table the launcher has written them there already; those unloaded or replaced since are not served
-        again."""
+        A shared table has them from the launcher already, less those unloaded or replaced since; this process's
+        own table takes them now."""
         for name in modules:
             if name in self.base_names:
                 raise ValueError(f"--lora-modules: {name!r} is the base model's name")
-        if self.table is None:
-            for name, path in modules.items():
-                self._check(request := LoRARequest(name, adapter_id(name, path), path))
-                self._by_name[name] = request
-            return
+        if not self.table.shared:
+            self.table.update(lambda names, _: names.update(
+                {name: (path, adapter_id(name, path)) for name, path in modules.items()}))
         for name, path in modules.items():
             lora = self.by_name.get(name)
             if lora is not None and lora.lora_int_id == adapter_id(name, path):
@@ -141,23 +152,14 @@ class ServedAdapters:
             raise ValueError("lora_name and lora_path must be non-empty strings")
         if name in self.base_names:
             raise ValueError(f"{name!r} is the base model's name")
-        if name in self.by_name and not inplace:
-            raise ValueError(f"an adapter named {name!r} is already loaded (load_inplace replaces it)")
-        if self.table is None:
-            self._loads += 1
-            request = LoRARequest(name, adapter_id(name, path, self._loads), path)
-            self._check(request)
-            replaced = self._by_name.get(name)
-            self._by_name[name] = request
-            return request, replaced
         made: list[LoRARequest | None] = []
 
         def add(names: dict[str, tuple[str, int]], loads: int) -> None:
             old = names.get(name)
-            if old is not None and not inplace:  # another API process loaded one under this name meanwhile
+            if old is not None and not inplace:  # (with a shared table, maybe loaded by another API process)
                 raise ValueError(f"an adapter named {name!r} is already loaded (load_inplace replaces it)")
             request = LoRARequest(name, adapter_id(name, path, loads + 1), path)
-            self._check(request)  # under the lock: a bad adapter changes nothing
+            self._check(request)  # under a shared table's lock: a bad adapter changes nothing
             names[name] = (path, request.lora_int_id)
             made[:] = [request, None if old is None else LoRARequest(name, old[1], old[0])]
 
@@ -166,17 +168,16 @@ class ServedAdapters:
 
     def unload(self, name: str) -> LoRARequest:
         lora = self.by_name.get(name)
-        if lora is not None and self.table is not None:
-            def drop(names: dict[str, tuple[str, int]], loads: int) -> None:
-                if names.pop(name, None) is None:  # another API process unloaded it meanwhile
-                    raise KeyError(name)
 
+        def drop(names: dict[str, tuple[str, int]], loads: int) -> None:
+            if names.pop(name, None) is None:  # (with a shared table, unloaded by another API process meanwhile)
+                raise KeyError(name)
+
+        if lora is not None:
             try:
                 self.table.update(drop)
             except KeyError:
                 lora = None
-        elif lora is not None:
-            del self._by_name[name]
         if lora is None:
             raise ApiError(404, f"no adapter named {name!r} is loaded", type="not_found_error", param="lora_name",
                            code="model_not_found")
