@@ -11,15 +11,10 @@ from torch import nn
 
 from tandem.layers.linear import Linear
 from tandem.layers.parallel import ColumnParallelLinear, RowParallelLinear
-from tandem.lora.peft import AdapterHeader, LoRAAdapter
+from tandem.lora.peft import PROJECTIONS, AdapterHeader, LoRAAdapter
 
-# Hugging Face projection -> (tandem's linear that holds it, its part in that linear's fused output rows; None: the
-# whole linear, as GPT-2's fused c_attn is one projection to Hugging Face and to an adapter).
-FUSED: dict[str, tuple[str, int | None]] = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "o_proj": ("o_proj", 0),
-    "down_proj": ("down_proj", 0), "c_attn": ("c_attn", None), "c_fc": ("c_fc", None), "c_proj": ("c_proj", None)}
-# tandem's linears an adapter may touch -> the adapter parts each holds (every part on max_rank columns of its own).
+# tandem's linears an adapter may touch (those peft.PROJECTIONS name) -> the adapter parts each holds (every part
+# on max_rank columns of its own).
 TARGETS = {"qkv_proj": 3, "gate_up_proj": 2, "o_proj": 1, "down_proj": 1, "c_attn": 1, "c_fc": 1, "c_proj": 1}
 
 
@@ -52,7 +47,7 @@ def _target(where: str, module: str, a_shape: Sequence[int], b_shape: Sequence[i
     """(tandem's linear name, the linear, the part; None: the whole linear) that holds HF `module`; ValueError naming
     the adapter (`where`) when the model lacks it or A [r, in] / B [out, r] do not match its base projection."""
     prefix, _, proj = module.rpartition(".")
-    target_name, part = FUSED[proj]
+    target_name, part = PROJECTIONS[proj]
     name = f"{prefix}.{target_name}"
     linear = targets.get(name)
     if linear is None:

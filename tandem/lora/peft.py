@@ -13,9 +13,14 @@ import torch
 from tandem.lora_request import LoRARequest
 from tandem.models.loader import hub_snapshot, is_hub_id
 
-# The projections an adapter may target, by their Hugging Face names (GPT-2: its Conv1D c_attn, c_proj, c_fc, whose
-# A [r, in] and B [out, r] PEFT applies as a Linear's: fan_in_fan_out only changes how it would merge them).
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "c_attn", "c_proj", "c_fc")
+# The projections an adapter may target, by their Hugging Face names -> (tandem's linear that holds it, its part in
+# that linear's fused output rows; None: the whole linear, as GPT-2's fused c_attn is one projection to Hugging Face
+# and to an adapter). GPT-2's are Conv1D layers, whose A [r, in] and B [out, r] PEFT applies as a Linear's:
+# fan_in_fan_out only changes how it would merge them.
+PROJECTIONS: dict[str, tuple[str, int | None]] = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "o_proj": ("o_proj", 0),
+    "down_proj": ("down_proj", 0), "c_attn": ("c_attn", None), "c_fc": ("c_fc", None), "c_proj": ("c_proj", None)}
 _PREFIX = "base_model.model."
 _TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[\w-]+)?\.weight$")
 
