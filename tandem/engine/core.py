@@ -242,11 +242,10 @@ class EngineCore:
             bad_word_ids=bad_seqs,
             lora_request=lora_request,
         )
-        if lora_request is not None:
-            request.lora_epoch = self._lora_epochs.get(lora_request.lora_int_id, 0)
         if self.spec is not None:
             request.spec_k = self.spec.num_speculative_tokens
         if lora_request is not None:
+            request.lora_epoch = self._lora_epochs.get(lora_request.lora_int_id, 0)
             self.runner.lora.pin(lora_request)  # its host copy is made (on the loader thread) and kept till it ends
         try:
             if spec is not None:

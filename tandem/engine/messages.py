@@ -120,14 +120,15 @@ def merge_reported(parts: list[WireStats | None]) -> WireStats | None:
     return parts[0] if len(parts) == 1 else merge_stats(parts)  # type: ignore[arg-type]
 
 
-_NOT_SUMMED = ("spec_accepted_per_position", "lora_running", "lora_waiting")
+_PER_ADAPTER = ("lora_running", "lora_waiting")  # adapter name -> requests
+_NOT_SUMMED = ("spec_accepted_per_position", *_PER_ADAPTER)
 
 
 def merge_stats(parts: list[WireStats]) -> WireStats:
     """One view of several replicas: counts add up; KV usage is over all blocks; the hit rate is the mean."""
     total = {name: sum(getattr(p, name) for p in parts) for name in WireStats.__struct_fields__
              if name not in _NOT_SUMMED}
-    for name in ("lora_running", "lora_waiting"):  # requests per adapter, over the replicas
+    for name in _PER_ADAPTER:  # requests per adapter, over the replicas
         merged: dict[str, int] = {}
         for p in parts:
             for adapter, n in getattr(p, name).items():
