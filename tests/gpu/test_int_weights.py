@@ -136,4 +136,8 @@ def test_checkpoint_experts_on_cuda_give_the_dequantized_models_tokens(family, c
         runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
                      for o in llm.generate(prompts, params, use_tqdm=False)])
         llm.shutdown()
-    assert_same_greedy(runs[0], runs[1], f"{family} {case.id}: checkpoint experts vs dequantized weights")
+    # The tiny random MoE's top log-probs lie within ~0.1 of each other, so most requests reach a near-tie within
+    # 16 tokens (on an H200, 2026-11-29: 3 of 4 for Qwen3-MoE GPTQ, each on a near-tie): the test holds the
+    # log-probs of the identical prefixes close and every divergence to a near-tie, not their number.
+    assert_same_greedy(runs[0], runs[1], f"{family} {case.id}: checkpoint experts vs dequantized weights",
+                       max_diverging=len(prompts))

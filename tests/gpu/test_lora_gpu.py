@@ -192,5 +192,9 @@ def test_quantized_base_weights_with_adapters(adapters, quantization):
              for p, r in zip(PROMPTS, order) for o in llm.generate([p], params, use_tqdm=False, lora_request=r)]
     plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     llm.shutdown()
-    assert_same_greedy(alone, batch, f"{quantization}: mixed batch vs each request alone")
+    # A lone row takes other kernels than the batch rows (FP8: the GEMV with the delta in its epilogue; int4: the
+    # tensor-core GEMV), so bf16 rounds differently along the way: on an H200 (2026-11-29) identical prefixes
+    # differed by up to 0.105 in log-prob in both cases (this tiny random model's distributions are flat); a wrong
+    # adapter on a row moves them by whole units.
+    assert_same_greedy(alone, batch, f"{quantization}: mixed batch vs each request alone", max_lp_gap=0.3)
     assert all(batch[i][0] != plain[i] for i in (0, 2, 3, 4))
