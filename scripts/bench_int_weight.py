@@ -115,12 +115,12 @@ def sweep(x, weights, gemv: bool, grid: list[dict], frac, mma: bool = False) -> 
     return sorted(table, key=lambda e: e["us"])
 
 
-def mma_variants(name: str, n: int, k: int, bits: int, sms: int) -> dict[str, dict]:
+def mma_variants(name: str, n: int, k: int, bits: int, sms: int, group: int) -> dict[str, dict]:
     """The one-row tensor-core GEMV as the decode step runs each projection, beside the kernels it saves: o and down
     hand a K split to the add + RMSNorm (deferred: the GEMV alone), qkv adds its split in its last program (the
     default) where the reduce kernel did (TANDEM_INT_MMA_FOLD_REDUCE=0) or does not split (split1), and gate_up
     writes silu(gate) * up itself (gated) where the GEMV and silu_and_mul ran (gated_unfused)."""
-    split = mma_gemv_config(n, k, bits, sms)["SPLIT_K"] > 1
+    split = mma_gemv_config(n, k, bits, sms, group_size=group)["SPLIT_K"] > 1
     out: dict[str, dict] = {}
     if split:
         out.update(deferred=dict(defer=True), reduce_kernel=dict(env={"TANDEM_INT_MMA_FOLD_REDUCE": "0"}),
@@ -183,7 +183,8 @@ def main() -> None:
                 mma = gemv and use_mma_gemv(x, weights[0])
                 make = int_gemv_config if gemv else int_gemm_config
                 path = "gemv" if gemv else "dequant+cublas" if m >= dequant_min_rows() else "gemm"
-                config = mma_gemv_config(n, k, bits, sms) if mma else make(m, n, k, bits, args.group, sms)
+                config = (mma_gemv_config(n, k, bits, sms, group_size=args.group) if mma
+                          else make(m, n, k, bits, args.group, sms))
                 row = {"proj": name, "N": n, "K": k, "bits": bits, "group": args.group, "M": m,
                        "path": "gemv_mma" if mma else path, "config": config, "us": us,
                        "copy_fraction": frac(us), "tflops": flops / (us * 1e-6) / 1e12, "bf16_us": bf16,
@@ -194,7 +195,7 @@ def main() -> None:
                 variants = {}
                 if mma:  # the fp32 CUDA-core GEMV the tensor-core one replaces (a config selects it)
                     variants["gemv_fp32"] = dict(config=int_gemv_config(m, n, k, bits, args.group, sms))
-                    variants.update(mma_variants(name, n, k, bits, sms))
+                    variants.update(mma_variants(name, n, k, bits, sms, args.group))
                 if m <= 4:
                     variants["gemm" if gemv else "gemv"] = dict(gemv=not gemv)
                 if m <= 16:

@@ -82,7 +82,7 @@ def mma_case(n: int, k: int, bits: int, group: int, override: dict, gated: bool 
     gate then up; a K split then adds its partial sums in the kernel, as it does wherever nothing defers them)."""
     if not mma.mma_gemv_fits(1, k, bits, group):
         raise SystemExit(f"the tensor-core GEMV does not take {bits} bits, group {group}, K {k}")
-    cfg = {**mma.mma_gemv_config(n, k, bits, 132, gated), **override}
+    cfg = {**mma.mma_gemv_config(n, k, bits, 132, gated, group), **override}
     constexprs = mma.mma_gemv_constexprs(n, k, bits, group, cfg, has_bias=False, use_pdl=2, gated=gated,
                                          reduce=cfg["SPLIT_K"] > 1 and (gated or mma.fold_reduce()))
     names = NAMES[:7] + ["cnt_ptr", "N", "K", "K_SPLIT"]

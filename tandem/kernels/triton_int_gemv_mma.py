@@ -38,37 +38,43 @@ _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, d1, $1, d3}, {
         "{$0, d1, $1, d3};")
 
 
-def _part_asm(bits: int) -> str:
-    # One part of rows g and g + 8 of a block: words $2-$5 and $6-$9 (4t .. 4t + 3 of the part), then B's
-    # registers; out: F of row g ($0) and g + 8 ($1) over the part, chained from zero over 8 MMAs.
+def _part_asm(bits: int, cols: int = 1) -> str:
+    # One part of rows g and g + 8 of a block: words 4t .. 4t + 3 of the part of row g, then of row g + 8, then
+    # B's registers (operands numbered after the outputs); out: F of row g and g + 8 over the part, chained from
+    # zero over 8 MMAs, of column 2t (cols 1: $0, $1), and with cols 2 of column 2t + 1 too ($2, $3), where B's
+    # columns hold x of different groups (small groups, _int_mma_gemv_kernel).
     # 4 bits: pair p of a word (its elements 2p and 2p + 1, bits 4p and 4p + 16: int_weight.NIBBLE_ORDER) is
     #   (word >> 4p - 3) & 0x00780078 | 0x3F803F80 = 1 + q / 16; MMA j takes pairs 2 (j % 2) and 2 (j % 2) + 1
-    #   as a0 and a2 and x's pairs 2j and 2j + 1 ($10 + 2j, $11 + 2j): F = sum x (1 + q / 16).
+    #   as a0 and a2 and x's pairs 2j and 2j + 1: F = sum x (1 + q / 16).
     # 8 bits: byte i of a word is element i; (word >> 8o - 3) & 0x00780078 | 0x3F803F80 holds the low nibbles of
     #   elements o and o + 2 (1 + lo / 16), (word >> 8o + 1) & 0x00780078 | 0x41804180 their high nibbles
     #   (16 + hi); MMA j takes o = j % 2, the low nibbles as a0, the high as a2, and B = (x_o, x_o+2) of the word
-    #   in both ($10 + j): F = sum x (17 + q / 16).
+    #   in both: F = sum x (17 + q / 16).
+    outs = 2 * cols
+    d1, d3 = ("$2", "$3") if cols == 2 else ("d1", "d3")
     lines = ["{", ".reg .b32 m, lo, hi, s, a0, a1, a2, a3;", ".reg .f32 d1, d3;", "mov.b32 m, 0x00780078;",
-             "mov.b32 lo, 0x3F803F80;", f"mov.b32 hi, {'0x3F803F80' if bits == 4 else '0x41804180'};",
-             "mov.f32 $0, 0f00000000;", "mov.f32 $1, 0f00000000;", "mov.f32 d1, 0f00000000;",
-             "mov.f32 d3, 0f00000000;"]
+             "mov.b32 lo, 0x3F803F80;", f"mov.b32 hi, {'0x3F803F80' if bits == 4 else '0x41804180'};"]
+    lines += [f"mov.f32 {r}, 0f00000000;" for r in ("$0", "$1", d1, d3)]
     for j in range(8):
-        row_g, row_h, shift = f"${2 + j // 2}", f"${6 + j // 2}", 8 * (j % 2)
+        row_g, row_h, shift = f"${outs + j // 2}", f"${outs + 4 + j // 2}", 8 * (j % 2)
         for reg, word, sh, magic in (("a0", row_g, shift - 3, "lo"), ("a2", row_g, shift + 1, "hi"),
                                      ("a1", row_h, shift - 3, "lo"), ("a3", row_h, shift + 1, "hi")):
             move = f"shr.u32 s, {word}, {sh};" if sh > 0 else f"shl.b32 s, {word}, {-sh};"
             lines += [move, f"lop3.b32 {reg}, s, m, {magic}, 0xea;"]
-        b0, b1 = (10 + 2 * j, 11 + 2 * j) if bits == 4 else (10 + j, 10 + j)
-        lines.append(_MMA.replace("B0", f"${b0}").replace("B1", f"${b1}"))
+        b0, b1 = (outs + 8 + 2 * j, outs + 9 + 2 * j) if bits == 4 else (outs + 8 + j, outs + 8 + j)
+        mma = _MMA.replace("d1", d1).replace("d3", d3)
+        lines.append(mma.replace("B0", f"${b0}").replace("B1", f"${b1}"))
     return "\n".join(lines + ["}"])
 
 
-def _sum_asm(bits: int) -> str:
+def _sum_asm(bits: int, cols: int = 1) -> str:
     # X = sum_k x_k over the part by MMAs with A all ones (bf16 1.0 pairs), two chains for the latency; the
-    # part's contribution to row r is 16 s (F - OFFSET X) + mn X. In: x's registers (16 at 4 bits, $1-$16; 8 at 8
-    # bits, $9-$16); out: X ($0) and, at 8 bits, B's registers of the words ($1-$8: (x_o, x_o+2) of each).
+    # part's contribution to row r is 16 s (F - OFFSET X) + mn X. In: x's registers (16 at 4 bits, 8 at 8 bits,
+    # after the outputs); out: X of column 2t ($0), with cols 2 of column 2t + 1 too ($1), and, at 8 bits, B's
+    # registers of the words (8: (x_o, x_o+2) of each).
     regs = 16 if bits == 4 else 8
-    first = 1 if bits == 4 else 9
+    sums = cols
+    first = sums + (0 if bits == 4 else 8)
     lines = ["{", ".reg .b32 one;", ".reg .f32 e<8>;", "mov.b32 one, 0x3F803F80;"]
     lines += [f"mov.f32 e{i}, 0f00000000;" for i in range(8)]
     for j in range(regs // 2):
@@ -78,8 +84,12 @@ def _sum_asm(bits: int) -> str:
     if bits == 8:  # x pairs (x0, x1), (x2, x3) of a word -> (x0, x2) and (x1, x3)
         for w in range(4):
             a, b = f"${first + 2 * w}", f"${first + 2 * w + 1}"
-            lines += [f"prmt.b32 ${1 + 2 * w}, {a}, {b}, 0x5410;", f"prmt.b32 ${2 + 2 * w}, {a}, {b}, 0x7632;"]
-    return "\n".join(lines + ["add.f32 $0, e0, e4;", "}"])
+            lines += [f"prmt.b32 ${sums + 2 * w}, {a}, {b}, 0x5410;",
+                      f"prmt.b32 ${sums + 1 + 2 * w}, {a}, {b}, 0x7632;"]
+    lines.append("add.f32 $0, e0, e4;")
+    if cols == 2:
+        lines.append("add.f32 $1, e1, e5;")
+    return "\n".join(lines + ["}"])
 
 
 PART_ASM_4 = tl.constexpr(_part_asm(4))
@@ -90,6 +100,15 @@ PART_CONSTRAINTS_4 = tl.constexpr("=f,=f," + ",".join(["r"] * 24))
 PART_CONSTRAINTS_8 = tl.constexpr("=f,=f," + ",".join(["r"] * 16))
 SUM_CONSTRAINTS_4 = tl.constexpr("=f," + ",".join(["r"] * 16))
 SUM_CONSTRAINTS_8 = tl.constexpr("=f," + ",".join(["=r"] * 8) + "," + ",".join(["r"] * 8))
+# Groups under a part: two columns of sums
+PART2_ASM_4 = tl.constexpr(_part_asm(4, 2))
+PART2_ASM_8 = tl.constexpr(_part_asm(8, 2))
+SUM2_ASM_4 = tl.constexpr(_sum_asm(4, 2))
+SUM2_ASM_8 = tl.constexpr(_sum_asm(8, 2))
+PART2_CONSTRAINTS_4 = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 24))
+PART2_CONSTRAINTS_8 = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 16))
+SUM2_CONSTRAINTS_4 = tl.constexpr("=f,=f," + ",".join(["r"] * 16))
+SUM2_CONSTRAINTS_8 = tl.constexpr("=f,=f," + ",".join(["=r"] * 8) + "," + ",".join(["r"] * 8))
 
 
 @triton.jit
@@ -137,14 +156,21 @@ def _int_mma_gemv_kernel(
     # through shared memory): lane (g, t) of a warp holds words 4t .. 4t + 3 of each part of rows g and g + 8
     # of every block and x at their elements. The MMAs leave a row's F in all four lanes of its g, so lane t
     # scales and stores only block t % ROW_BLOCKS's rows (one load of each scale and min a part, not
-    # ROW_BLOCKS). A part never straddles a group (GROUP is a multiple of PART). EVEN: K_SPLIT divides K and the
-    # output channels fill whole programs.
+    # ROW_BLOCKS). EVEN: K_SPLIT divides K and the output channels fill whole programs.
+    # Groups: GROUP a multiple of PART (a part never straddles a group), or PART / GROUP = GPP, 2 or 4 groups a
+    # part (4 bits: groups of 64 or 32, GGUF's Q4_0 / Q4_K; 8 bits: 32 or 16, Q8_0 / Q5_K / Q6_K). Lane t's 32
+    # (16) elements then lie in one group, t GPP / 4, and B's column c holds x only in the lanes of group
+    # cg(c) = (c % 2 + 2 (c // 4 % 2)) % GPP, zero elsewhere: column c sums that group alone, in both F and X. Lane
+    # t holds columns 2t and 2t + 1, groups cg(2t) and cg(2t + 1): at GPP 2 both groups of its rows, at GPP 4 two of
+    # the four, the other two in lane t ^ 2; the sums of lanes t and t ^ 2 are added at the end, so a block is
+    # scaled by lanes t and t ^ 2 and ROW_BLOCKS is 1 or 2.
     # GATED (N = 2 UP weight rows, gate then up): blocks b < ROW_BLOCKS / 2 hold gate rows, the others the up rows
     # UP below them, and the program writes silu(gate) * up of its 16 ROW_BLOCKS / 2 channels. SPLIT_K > 1: the
     # splits' fp32 sums go to ws [SPLIT_K, N] by weight row; REDUCE: the last program of a row block to arrive
     # (counted at cnt_ptr) adds them in split order and writes the output, as the reduce kernel would have.
     PART: tl.constexpr = 512 // BITS
     PER_WORD: tl.constexpr = 32 // BITS
+    GPP: tl.constexpr = PART // GROUP if GROUP < PART else 1  # groups a part
     OFFSET: tl.constexpr = 1.0 if BITS == 4 else 17.0  # F = sum_k x_k (OFFSET + q_k / 16)
     T: tl.constexpr = 32 * WARPS
     tid = tl.arange(0, T)
@@ -176,6 +202,11 @@ def _int_mma_gemv_kernel(
         s_hi = (tl.minimum(chan_e + 8, n_out - 1) + half_e * UP).to(tl.int64) * stride_sn
     acc_lo = tl.zeros([T], dtype=tl.float32)
     acc_hi = tl.zeros([T], dtype=tl.float32)
+    # Small groups (GPP > 1): whether the lane's x goes to B (its column g sums the lane's group), and the groups
+    # of the part that its columns 2t and 2t + 1 sum
+    own = ((g % 2 + 2 * (g // 4 % 2)) % GPP) == (t * GPP // 4)
+    col_a = (2 * (t // 2)) % GPP
+    col_b = (1 + 2 * (t // 2)) % GPP
     if USE_PDL and PREFETCH_PARTS > 0:  # before the wait: each warp's first parts of every row to L2
         _prefetch_parts(w_ptr, block0, first // PER_WORD, lane, k_end, n_out, stride_wn, ROW_BLOCKS, OUT_BLOCKS, UP,
                         WARPS, PREFETCH_PARTS, PART)
@@ -183,12 +214,26 @@ def _int_mma_gemv_kernel(
     for k0 in range(k_begin, k_end, WARPS * PART):
         start = k0 + warp * PART
         live = start < k_end
-        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _x_regs(x_ptrs, live, EVEN, BITS)
+        if GPP > 1:  # x only in B's columns of the lane's group: the other lanes read zeros
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _x_regs(
+                x_ptrs, live & own, False, BITS)
+        else:
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _x_regs(x_ptrs, live, EVEN, BITS)
         if not EVEN:  # a dead part (past k_end) has zero x and reads the words of the split's first part
             start = tl.where(live, start, k_begin)
             word = tl.multiple_of(start // PER_WORD + 4 * t, 4)[:, None] + quad
         group = start // GROUP
-        if BITS == 4:
+        if GPP > 1:
+            if BITS == 4:
+                xs, xs_b = tl.inline_asm_elementwise(
+                    asm=SUM2_ASM_4, constraints=SUM2_CONSTRAINTS_4,
+                    args=[x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15],
+                    dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+            else:
+                xs, xs_b, x0, x1, x2, x3, x4, x5, x6, x7 = tl.inline_asm_elementwise(
+                    asm=SUM2_ASM_8, constraints=SUM2_CONSTRAINTS_8, args=[x0, x1, x2, x3, x4, x5, x6, x7],
+                    dtype=(tl.float32, tl.float32) + (tl.int32,) * 8, is_pure=True, pack=1)
+        elif BITS == 4:
             xs = tl.inline_asm_elementwise(
                 asm=SUM_ASM_4, constraints=SUM_CONSTRAINTS_4,
                 args=[x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15],
@@ -199,6 +244,8 @@ def _int_mma_gemv_kernel(
                 dtype=(tl.float32,) + (tl.int32,) * 8, is_pure=True, pack=1)
         f_lo = xs
         f_hi = xs
+        fb_lo = xs
+        fb_hi = xs
         for b in tl.static_range(ROW_BLOCKS):
             if EVEN:  # block b's rows: its 16 channels' offset, and UP further down for an up block
                 step = (16 * (b % OUT_BLOCKS) + (b // OUT_BLOCKS) * UP) * stride_wn
@@ -213,7 +260,19 @@ def _int_mma_gemv_kernel(
                              + word)
             l0, l1, l2, l3 = _quad(lo)
             h0, h1, h2, h3 = _quad(hi)
-            if BITS == 4:
+            bb_lo = xs
+            bb_hi = xs
+            if GPP > 1 and BITS == 4:
+                b_lo, b_hi, bb_lo, bb_hi = tl.inline_asm_elementwise(
+                    asm=PART2_ASM_4, constraints=PART2_CONSTRAINTS_4,
+                    args=[l0, l1, l2, l3, h0, h1, h2, h3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12,
+                          x13, x14, x15], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+            elif GPP > 1:
+                b_lo, b_hi, bb_lo, bb_hi = tl.inline_asm_elementwise(
+                    asm=PART2_ASM_8, constraints=PART2_CONSTRAINTS_8,
+                    args=[l0, l1, l2, l3, h0, h1, h2, h3, x0, x1, x2, x3, x4, x5, x6, x7],
+                    dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+            elif BITS == 4:
                 b_lo, b_hi = tl.inline_asm_elementwise(
                     asm=PART_ASM_4, constraints=PART_CONSTRAINTS_4,
                     args=[l0, l1, l2, l3, h0, h1, h2, h3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12,
@@ -226,19 +285,30 @@ def _int_mma_gemv_kernel(
             if ROW_BLOCKS == 1:
                 f_lo = b_lo
                 f_hi = b_hi
+                fb_lo = bb_lo
+                fb_hi = bb_hi
             else:
                 f_lo = tl.where(mine == b, b_lo, f_lo)
                 f_hi = tl.where(mine == b, b_hi, f_hi)
+                fb_lo = tl.where(mine == b, bb_lo, fb_lo)
+                fb_hi = tl.where(mine == b, bb_hi, fb_hi)
         # 16 s (F - OFFSET X) + mn X: the part's sum of x (q s + mn) for each row
-        acc_lo = acc_lo + (tl.load(s_ptr + s_lo + group).to(tl.float32) * 16.0) * (f_lo - OFFSET * xs)
-        acc_lo = acc_lo + tl.load(mn_ptr + s_lo + group).to(tl.float32) * xs
-        acc_hi = acc_hi + (tl.load(s_ptr + s_hi + group).to(tl.float32) * 16.0) * (f_hi - OFFSET * xs)
-        acc_hi = acc_hi + tl.load(mn_ptr + s_hi + group).to(tl.float32) * xs
+        group_a = group + col_a  # the group of column 2t (col_a 0 unless GPP > 1)
+        acc_lo = acc_lo + (tl.load(s_ptr + s_lo + group_a).to(tl.float32) * 16.0) * (f_lo - OFFSET * xs)
+        acc_lo = acc_lo + tl.load(mn_ptr + s_lo + group_a).to(tl.float32) * xs
+        acc_hi = acc_hi + (tl.load(s_ptr + s_hi + group_a).to(tl.float32) * 16.0) * (f_hi - OFFSET * xs)
+        acc_hi = acc_hi + tl.load(mn_ptr + s_hi + group_a).to(tl.float32) * xs
+        if GPP > 1:  # and column 2t + 1's group
+            group_b = group + col_b
+            acc_lo = acc_lo + (tl.load(s_ptr + s_lo + group_b).to(tl.float32) * 16.0) * (fb_lo - OFFSET * xs_b)
+            acc_lo = acc_lo + tl.load(mn_ptr + s_lo + group_b).to(tl.float32) * xs_b
+            acc_hi = acc_hi + (tl.load(s_ptr + s_hi + group_b).to(tl.float32) * 16.0) * (fb_hi - OFFSET * xs_b)
+            acc_hi = acc_hi + tl.load(mn_ptr + s_hi + group_b).to(tl.float32) * xs_b
         x_ptrs += WARPS * PART // 2
         w_lo += WARPS * PART // PER_WORD
     # Lanes t < ROW_BLOCKS hold their rows' sums over their warp's parts: added over the warps, stored once.
     _store_rows(acc_lo, acc_hi, chan_e, half_e, t < ROW_BLOCKS, n_out, b_ptr, out_ptr, ws_ptr, cnt_ptr, pid_k, N, UP,
-                HAS_BIAS, SPLIT_K, WARPS, GATED, OUT_BLOCKS, REDUCE)
+                HAS_BIAS, SPLIT_K, WARPS, GATED, OUT_BLOCKS, REDUCE, GPP == 4)
 
 
 @triton.jit
@@ -262,13 +332,17 @@ def _prefetch_parts(w_ptr, block0, first_word, lane, k_end, n_out, stride_wn: tl
 @triton.jit
 def _store_rows(acc_lo, acc_hi, chan_e, half_e, keep_e, n_out, b_ptr, out_ptr, ws_ptr, cnt_ptr, pid_k, N, UP,
                 HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, WARPS: tl.constexpr, GATED: tl.constexpr,
-                OUT_BLOCKS: tl.constexpr, REDUCE: tl.constexpr):
+                OUT_BLOCKS: tl.constexpr, REDUCE: tl.constexpr, PAIRS: tl.constexpr = False):
     # acc_lo, acc_hi, chan_e, half_e and keep_e [T] (thread = warp * 32 + lane; all but the sums the same in every
     # warp) -> the sums of acc_lo and acc_hi over the warps, [32, 2] (lane, row g or g + 8): the output where K is
     # not split, else the split's partial sums into ws at their weight rows and, with REDUCE, the output from the
-    # last split of the row block to arrive.
+    # last split of the row block to arrive. PAIRS: lanes t and t ^ 2 each hold two of a row's four groups; both
+    # get the whole sum.
     both = tl.reshape(tl.join(acc_lo, acc_hi), [WARPS, 32, 2])
     y = tl.sum(both, axis=0)  # [32, 2]
+    if PAIRS:
+        pair = tl.sum(tl.reshape(y, [8, 2, 2, 2]), axis=1)  # (g, t % 2, row): lanes t and t ^ 2 added
+        y = tl.reshape(tl.permute(tl.join(pair, pair), (0, 3, 1, 2)), [32, 2])
     chan = tl.max(tl.reshape(chan_e, [WARPS, 32]), axis=0)[:, None] + 8 * tl.arange(0, 2)[None, :]
     rows = chan + tl.max(tl.reshape(half_e, [WARPS, 32]), axis=0)[:, None] * UP  # weight rows
     keep = tl.max(tl.reshape(keep_e.to(tl.int32), [WARPS, 32]), axis=0)[:, None] > 0
@@ -321,12 +395,23 @@ def _gate_up(v, OUT_BLOCKS: tl.constexpr):
     return tl.split(v4)
 
 
+def groups_a_part(bits: int, group_size: int) -> int:
+    """Groups in a part (K elements a warp multiplies at a time): 1 where a group holds whole parts, else 2 or 4
+    (4 bits: groups of 64 or 32; 8 bits: 32 or 16); 0 where the GEMV takes no such groups."""
+    part = part_elements(bits)
+    if group_size % part == 0:
+        return 1
+    return part // group_size if group_size in (part // 2, part // 4) else 0
+
+
 def mma_gemv_fits(m: int, k: int, bits: int, group_size: int) -> bool:
-    """Whether the tensor-core GEMV takes this product: one row, 4 or 8 bits, K and the groups whole parts."""
-    return m == 1 and bits in (4, 8) and k % part_elements(bits) == 0 and group_size % part_elements(bits) == 0
+    """Whether the tensor-core GEMV takes this product: one row, 4 or 8 bits, K whole parts, and groups of whole
+    parts or a half or a quarter of one."""
+    return m == 1 and bits in (4, 8) and k % part_elements(bits) == 0 and groups_a_part(bits, group_size) > 0
 
 
-def mma_gemv_config(n: int, k: int, bits: int, sms: int, gated: bool = False) -> dict[str, int]:
+def mma_gemv_config(n: int, k: int, bits: int, sms: int, gated: bool = False, group_size: int = 128
+                    ) -> dict[str, int]:
     """Tile from the shape alone (graph-safe), 4 warps splitting K in a program: the fewest 16-row blocks a program
     that keep the grid within 8 programs an SM, then K split over programs (fp32 partial sums, reduced after or by
     the RMSNorm that follows) while that stays within 8 an SM, each split at least two parts a warp. On an H200
@@ -334,9 +419,12 @@ def mma_gemv_config(n: int, k: int, bits: int, sms: int, gated: bool = False) ->
     warps an SM: fewer leave too few loads in flight, more cost more partial sums; 8 warps a program were slower
     at every shape. (sm_90 ptxas, K 4096, the K loop per 4-bit weight: 1.94 instructions at 1 block, 1.59 at 2,
     1.37 at 4; 54, 66 and 72 registers, no spills; scripts/sass_int_gemv.py.) gated (n gate then up rows): at
-    least 2 blocks, a gate block and its up block (the Llama-3-8B gate/up projection's tile either way)."""
+    least 2 blocks, a gate block and its up block (the Llama-3-8B gate/up projection's tile either way). Four
+    groups a part (group_size a quarter of one) take at most 2 blocks."""
     warps, parts, most = 4, k // part_elements(bits), PROGRAMS_PER_SM * sms
     blocks = next((b for b in ((2,) if gated else (1, 2)) if triton.cdiv(n, 16 * b) <= most), 4)
+    if groups_a_part(bits, group_size) == 4:
+        blocks = min(blocks, 2)
     programs, split_k = triton.cdiv(n, 16 * blocks), 1
     while 2 * programs * split_k <= most and split_k < 8 and parts >= 4 * split_k * warps:
         split_k *= 2
@@ -351,6 +439,8 @@ def mma_gemv_constexprs(n: int, k: int, bits: int, group_size: int, cfg: dict[st
     warps, blocks = cfg["num_warps"], cfg["ROW_BLOCKS"]
     if gated and (blocks not in (2, 4) or n % 2):
         raise ValueError(f"the gated GEMV takes 2 or 4 row blocks and an even number of rows, got {blocks} and {n}")
+    if groups_a_part(bits, group_size) == 4 and blocks > 2:
+        raise ValueError(f"groups of {group_size} at {bits} bits take 1 or 2 row blocks a program, got {blocks}")
     k_split = mma_k_split(k, bits, cfg["SPLIT_K"], warps)
     channels = 16 * (blocks // 2 if gated else blocks)  # output channels a program
     return dict(GROUP=group_size, stride_wn=k * bits // WORD_BITS, stride_sn=k // group_size, BITS=bits,
@@ -385,6 +475,8 @@ def use_mma_gemv(x: torch.Tensor, weight: IntWeight) -> bool:
     groups = weight.scales.shape[1]
     return (x.is_cuda and x.dtype == torch.bfloat16 and weight.scales.dtype == torch.bfloat16
             and mma_gemv_fits(x.shape[0], weight.shape[1], weight.bits, weight.group_size)
+            and (groups_a_part(weight.bits, weight.group_size) == 1
+                 or os.environ.get("TANDEM_INT_MMA_SMALL_GROUPS", "1") != "0")
             and x.stride(1) == 1 and x.data_ptr() % 16 == 0
             and weight.words.stride(0) == weight.words.shape[1] and weight.scales.stride(0) == groups
             and weight.mins.stride(0) == groups and os.environ.get("TANDEM_INT_GEMV_MMA", "1") != "0"
@@ -418,7 +510,7 @@ def int_mma_gemv(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None =
     if gated and n % 2:
         raise ValueError(f"the gated GEMV needs an even number of weight rows (gate then up), got {n}")
     out = torch.empty(1, n // 2 if gated else n, dtype=x.dtype, device=x.device)
-    cfg = {**mma_gemv_config(n, k, bits, device_sms(x.device), gated), **(config or {})}
+    cfg = {**mma_gemv_config(n, k, bits, device_sms(x.device), gated, weight.group_size), **(config or {})}
     pdl = use_pdl(x.device)
     k_split = mma_k_split(k, bits, cfg["SPLIT_K"], cfg["num_warps"])
     split_k = triton.cdiv(k, k_split)  # whole rounds a split can leave fewer splits than asked for

@@ -111,6 +111,44 @@ def test_tiny_q4_k_m_logits_from_blocks_match_the_dequantized_bf16_run(tmp_path)
     assert error < 5e-2
 
 
+def test_tiny_q4_k_m_one_row_on_the_tensor_cores_matches_the_cuda_core_gemv(tmp_path, monkeypatch):
+    """One row of a Q4_K_M-like file (4-bit groups of 32, 8-bit groups of 16 and 32) takes the tensor-core GEMV,
+    whose B columns split a part into its groups, and gives the logits of the fp32 CUDA-core GEMV
+    (TANDEM_INT_MMA_SMALL_GROUPS=0) on the same codes, scales and mins: both sum exact products in fp32, so only
+    the order of the sums and each linear's bf16 output rounding (2**-9) differ, ~1e-3 of the logits' norm after
+    two layers; 1e-2 bounds it, where a group's x in another group's column or a lane pair not added moves them
+    by O(1)."""
+    from tandem.kernels import triton_int_weight
+    from tests.models.gguf_files import write_tiny_llama_gguf
+    from tests.models.test_gguf_blocks import K_MIX
+
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_llama_gguf(path, K_MIX)
+    model, mc, _ = _load(torch.bfloat16, blocks=True, model=path)
+    calls = []
+    real = triton_int_weight.int_mma_gemv
+    monkeypatch.setattr(triton_int_weight, "int_mma_gemv", lambda x, w, *a, **k: calls.append(w.group_size)
+                        or real(x, w, *a, **k))
+    runs = []
+    for small_groups in ("1", "0"):
+        monkeypatch.setenv("TANDEM_INT_MMA_SMALL_GROUPS", small_groups)
+        logits = []
+        for token in (4, 17, 60, 99):
+            kv = PagedKV(mc, num_blocks=4, block_size=16, dtype=torch.bfloat16, device=CUDA)
+            step = kv.step([Seq([token])])  # one row: the GEMV
+            with torch.inference_mode():
+                logits.append(model.compute_logits(model(step.input_ids, step.positions, kv.kv_cache,
+                                                         step.meta)).float())
+        runs.append(torch.cat(logits))
+        if small_groups == "1":
+            assert {16, 32} <= set(calls), calls  # Q6_K's and Q4_K's groups on the tensor cores
+            calls.clear()
+    assert not calls  # off: the CUDA-core GEMV throughout
+    error = (runs[0] - runs[1]).norm() / runs[1].norm()
+    print(f"tiny Q4_K_M one-row logits, tensor-core vs CUDA-core GEMV: relative error {error:.2e}")
+    assert error < 1e-2
+
+
 def test_q4_1_blocks_in_cuda_graphs_equal_eager(tmp_path):
     from tandem import LLM, SamplingParams
     from tests.models.gguf_files import write_tiny_llama_gguf

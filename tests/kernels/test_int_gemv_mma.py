@@ -121,9 +121,18 @@ def test_part_assembly_sums_x_times_the_codes(bits):
 
 def test_shapes_it_takes():
     assert mma.mma_gemv_fits(1, 4096, 4, 128) and mma.mma_gemv_fits(1, 14336, 4, 14336)
-    assert mma.mma_gemv_fits(1, 4096, 8, 64) and not mma.mma_gemv_fits(1, 4096, 8, 32)
-    assert not mma.mma_gemv_fits(2, 4096, 4, 128)  # one row only
-    assert not mma.mma_gemv_fits(1, 4096, 4, 64) and not mma.mma_gemv_fits(1, 4128, 8, 64)
+    assert mma.mma_gemv_fits(1, 4096, 8, 64) and not mma.mma_gemv_fits(2, 4096, 4, 128)  # one row only
+    assert not mma.mma_gemv_fits(1, 4128, 8, 64)  # K whole parts
+    # Groups of half or a quarter of a part: GGUF's 32 (Q4_0, Q4_K, Q8_0, Q5_K) and 16 (Q6_K); not 8 or 96.
+    assert [mma.groups_a_part(4, g) for g in (256, 128, 64, 32, 16, 96)] == [1, 1, 2, 4, 0, 0]
+    assert [mma.groups_a_part(8, g) for g in (128, 64, 32, 16, 8)] == [1, 1, 2, 4, 0]
+    assert mma.mma_gemv_fits(1, 4096, 4, 32) and mma.mma_gemv_fits(1, 4096, 8, 16)
+    assert not mma.mma_gemv_fits(1, 4096, 4, 16) and not mma.mma_gemv_fits(1, 4096, 4, 96)
+    # Four groups a part: at most 2 blocks a program (lanes t and t ^ 2 hold one block's sums)
+    assert mma.mma_gemv_config(57344, 8192, 4, 132, gated=True, group_size=32)["ROW_BLOCKS"] == 2
+    assert mma.mma_gemv_config(57344, 8192, 4, 132, gated=True, group_size=64)["ROW_BLOCKS"] == 4
+    with pytest.raises(ValueError, match="row blocks"):
+        mma.mma_gemv_constexprs(4096, 4096, 4, 32, {"ROW_BLOCKS": 4, "SPLIT_K": 1, "num_warps": 4}, False, 0)
     assert mma.mma_k_split(4096, 4, 1, 8) == 4096 and mma.mma_k_split(4096, 4, 4, 8) == 1024
     assert mma.mma_k_split(14336, 4, 2, 8) == 7168 and mma.mma_k_split(4096, 8, 4, 8) == 1024
     # The H200 sweep's best tiles for the 8B shape at 4 bits (6-8 programs of 4 warps an SM).
@@ -156,17 +165,21 @@ from tandem.kernels.triton_int_gemv_mma import _int_mma_gemv_kernel, mma_gemv_co
 
 names = ["x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "N", "K", "K_SPLIT"]
 out = {}
-for name, n, k, bits, rows, gated, reduce in [
-        ("even", 4096, 4096, 4, 4, False, False), ("ragged", 4100, 4096 + 128, 4, 4, False, False),
-        ("one-block", 6144, 4096, 4, 1, False, False), ("two-blocks", 4096, 4096, 4, 2, False, False),
-        ("int8", 4096, 4096, 8, 4, False, False), ("int8-ragged", 4100, 4096 + 64, 8, 2, False, False),
-        ("folded", 6144, 4096, 4, 1, False, True), ("gated", 28672, 4096, 4, 2, True, False),
-        ("gated-four", 57344, 8192, 4, 4, True, False), ("gated-ragged-folded", 2 * 4100, 4096, 8, 2, True, True)]:
+for name, n, k, bits, rows, gated, reduce, group in [
+        ("even", 4096, 4096, 4, 4, False, False, 128), ("ragged", 4100, 4096 + 128, 4, 4, False, False, 128),
+        ("one-block", 6144, 4096, 4, 1, False, False, 128), ("two-blocks", 4096, 4096, 4, 2, False, False, 128),
+        ("int8", 4096, 4096, 8, 4, False, False, 128), ("int8-ragged", 4100, 4096 + 64, 8, 2, False, False, 64),
+        ("folded", 6144, 4096, 4, 1, False, True, 128), ("gated", 28672, 4096, 4, 2, True, False, 128),
+        ("gated-four", 57344, 8192, 4, 4, True, False, 128),
+        ("gated-ragged-folded", 2 * 4100, 4096, 8, 2, True, True, 128),
+        ("group32", 6144, 4096, 4, 1, False, True, 32), ("group32-gated", 28672, 4096, 4, 2, True, False, 32),
+        ("group64", 4096, 4096, 4, 4, False, False, 64), ("int8-group16", 4096, 4096, 8, 2, False, False, 16),
+        ("int8-group32-ragged", 4100, 4096 + 64, 8, 2, False, False, 32)]:
     mins = "*bf16" if bits == 4 else "*fp32"
     types = ["*bf16", "*i32", "*bf16", mins, "*bf16", "*bf16", "*fp32", "*i32", "i32", "i32", "i32"]
     cfg = {**mma_gemv_config(n, k, bits, 132, gated), "ROW_BLOCKS": rows}
     cfg["SPLIT_K"] = max(cfg["SPLIT_K"], 2) if reduce else cfg["SPLIT_K"]
-    flags = mma_gemv_constexprs(n, k, bits, 128, cfg, True, 2, gated, reduce)
+    flags = mma_gemv_constexprs(n, k, bits, group, cfg, True, 2, gated, reduce)
     signature = dict(zip(names, types))
     signature.update({key: "constexpr" for key in flags if key not in signature})
     src = ASTSource(fn=_int_mma_gemv_kernel, signature=signature, constexprs=flags,
@@ -213,6 +226,10 @@ def test_kernel_compiles_for_sm90():
     (4, 1024, 2048, 256, 2, True),  # bias added by the program that adds the splits
     (8, 1536, 4096, 128, None, False),
     (8, 4100, 4096 + 64, 64, None, True),
+    (4, 1536, 4096, 32, None, False),  # groups under a part: four (GGUF Q4_0 / Q4_K)
+    (4, 4100, 4096 + 128, 64, 2, True),  # two
+    (8, 1536, 4096, 16, None, False),  # Q6_K's
+    (8, 4100, 4096 + 64, 32, 2, True),  # Q8_0's
 ])
 def test_gpu_matches_reference_and_the_fp32_gemv(bits, n, k, group, split, bias, monkeypatch):
     """bf16 on the GPU: close to the fp32 product of the reference dequantization within assert_close_to's bound
@@ -268,6 +285,12 @@ def emulate_inline_asm(self, asm, constraints, values, types, is_pure, pack):
     (4, 40, 1152, 1152, 1, 4, 2),  # ragged: N past whole blocks, K past whole rounds (dead parts), per channel
     (8, 64, 1024, 64, 4, 8, 1),
     (8, 40, 576, 192, 2, 4, 2),
+    # groups under a part: B's columns split by group, and at four a part lanes t and t ^ 2 added
+    (4, 32, 1024, 32, 2, 4, 2),  # GGUF Q4_K / Q4_0's 32: four groups a part, 2 blocks, K split
+    (4, 40, 1152, 32, 1, 4, 2),  # ragged, one block
+    (4, 64, 1024, 64, 4, 4, 1),  # two groups a part: 4 blocks still
+    (8, 32, 512, 16, 2, 4, 1),  # Q6_K's 16 at 8 bits: four a part
+    (8, 40, 576, 32, 4, 4, 2),  # Q8_0's 32 at 8 bits: two a part, ragged
 ])
 def test_kernel_in_the_interpreter(bits, n, k, group, blocks, warps, split, monkeypatch):
     """The whole kernel (lanes' words, x, scales, the block each lane scales, the warps' and splits' sums) in the
@@ -330,6 +353,8 @@ def random_int_weight(n, k, bits, group, seed):
     (4, 40, 1152, 1152, 2, 2, False),  # ragged: 20 channels (past whole blocks), K past whole rounds
     (4, 128, 512, 128, 4, 1, True),  # 4 blocks: two gate blocks and their up blocks, no split
     (8, 72, 576, 192, 4, 2, True),  # ragged at 8 bits
+    (4, 64, 1024, 32, 2, 2, True),  # four groups a part: the gate lanes t and t ^ 2 added, then the up lanes
+    (8, 40, 576, 16, 2, 1, False),  # at 8 bits, ragged
 ])
 def test_gated_and_folded_kernel_in_the_interpreter(bits, n, k, group, blocks, split, bias, monkeypatch):
     """The kernel that adds its own K splits (REDUCE) writes what the split-K reduce of its partial sums writes,
