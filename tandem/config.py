@@ -157,6 +157,7 @@ class ParallelConfig:
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     tokenizer: str | None = None  # None: from the model folder / GGUF
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts must be token ids, outputs carry no text
     revision: str | None = None  # branch, tag or commit of a Hugging Face Hub model id; None: main
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda if available, else cpu

@@ -13,6 +13,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="HF folder, .gguf file, Hugging Face Hub id (org/name) or named shape (default: embedded SmolLM2-135M)")
     g.add_argument("--revision", default=None, help="branch, tag or commit of a Hub model id (default: main)")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer: prompts must be token ids and outputs carry no text")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto")
@@ -82,7 +84,8 @@ def _json_object(text: str) -> dict[str, Any]:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments from parsed engine flags."""
     return dict(
-        model=args.model, revision=args.revision, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        model=args.model, revision=args.revision, skip_tokenizer_init=args.skip_tokenizer_init,
+        load_format=args.load_format, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -203,8 +203,8 @@ def bench_workload(w: Workload, peers: list[str], scale: float, out_dir: str | N
         llm_kwargs["speculative_config"] = _bench_speculative_config(speculative_config, w)
     # The workload's own weights, for the bf16 peer (a checkpoint replaces them for tandem's runs only).
     own_weights = {k: llm_kwargs[k] for k in ("model", "load_format") if k in llm_kwargs}
-    if checkpoint is not None:
-        llm_kwargs.update(model=checkpoint, load_format="auto")
+    if checkpoint is not None:  # its tokenizer is not needed (the prompts are token ids) and can take minutes to build
+        llm_kwargs.update(model=checkpoint, load_format="auto", skip_tokenizer_init=True)
     max_len = max(w.prompt_len) + max(w.output_len) + w.shared_prefix_len
     llm_kwargs["max_model_len"] = max(int(max_len * scale) + 16, 64)
     if data_parallel_size > 1:

@@ -478,6 +478,8 @@ def _safetensors_names(folder: str) -> list[str]:
 def _load_tokenizer(config: EngineConfig, source: ModelSource):
     from transformers import AutoTokenizer
 
+    if config.skip_tokenizer_init:
+        return None
     if config.tokenizer is not None:
         return AutoTokenizer.from_pretrained(_local_path(config.tokenizer, require_config=False))
     if source.path is None:
