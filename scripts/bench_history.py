@@ -69,9 +69,11 @@ def gpu_kind(device: str, gpus: int = 1) -> str:
     return model if gpus == 1 else f"{gpus}x{model}"
 
 
-def workload_key(result: dict[str, Any]) -> str:
-    """File name of a result: the workload, then what changes its meaning (FP8, FP8 lm_head, FP8 KV cache,
-    TP/DP size; a serve run: its model), e.g. 'seed-async-fp8-lm-head', 'bs1-tp2', 'serve-gpt2'."""
+def workload_key(result: dict[str, Any], tag: str | None = None) -> str:
+    """File name of a result: the workload, then what changes its meaning (FP8, FP8 lm_head, FP8 KV cache, a
+    checkpoint in place of the workload's weights, TP/DP size; a serve run: its model), then `tag` (a variant the
+    result does not record, e.g. an environment override), e.g. 'seed-async-fp8-lm-head', 'bs1-tp2',
+    'serve-gpt2', 'bs1-8b-ckpt-q4km' (the checkpoint's file name, or its folder's for a model.gguf)."""
     name = str(result["workload"])
     if name == "serve":
         return f"serve-{result.get('model', 'unknown')}"
@@ -87,15 +89,18 @@ def workload_key(result: dict[str, Any]) -> str:
         return name
     if result.get("quantization"):
         name += f"-{result['quantization']}"
+    if result.get("checkpoint"):
+        path = Path(str(result["checkpoint"]))
+        name += "-ckpt-" + (path.parent.name if path.stem == "model" else path.stem)
     if result.get("quantize_lm_head"):
         name += "-lm-head"
     kv = result.get("kv_cache_dtype") or "auto"
     if kv != "auto":
         name += "-kv-" + ("fp8" if kv.startswith("fp8") else kv)
-    for key, tag in (("tensor_parallel_size", "tp"), ("data_parallel_size", "dp")):
+    for key, short in (("tensor_parallel_size", "tp"), ("data_parallel_size", "dp")):
         if int(result.get(key) or 1) > 1:
-            name += f"-{tag}{result[key]}"
-    return name
+            name += f"-{short}{result[key]}"
+    return f"{name}-{tag}" if tag else name
 
 
 def clean_command(command: str) -> str:
@@ -245,7 +250,7 @@ def add_bench(data: dict[str, Any], args: argparse.Namespace) -> list[Path]:
         date = args.date or str(result.get("date") or "")[:10]
         if not date:
             raise ValueError(f"{args.file}: {result['workload']} has no date; give --date YYYY-MM-DD")
-        key = workload_key(result)
+        key = workload_key(result, args.tag)
         path = args.results_dir / gpu / f"{key}.json"
         record = make_record(date=date, commit=commit, gpu=gpu, device=device, workload=key,
                              command=args.command or workload_command(data, result), run_with=args.run_with,
@@ -365,6 +370,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add.add_argument("--source", help="where the original file lives, e.g. REV:PATH (history.csv's source; "
                                       "default: the file written)")
     add.add_argument("--name", help="copy a JSON that is not a bench result under this name, no history row")
+    add.add_argument("--tag", help="appended to a bench result's file name: a variant the result does not record "
+                                   "(e.g. an environment override; say which in --note)")
     add.add_argument("--no-history", action="store_true", help="write the per-GPU files only")
     plot = sub.add_parser("plot", help="draw history.png from history.csv")
     plot.add_argument("--out", type=Path, default=HISTORY_PNG)

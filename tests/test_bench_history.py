@@ -105,6 +105,17 @@ def test_add_names_multi_gpu_and_serve_runs(bench_history: ModuleType, tmp_path:
     assert serve_row["dp1_ratio"] == "1.833"  # the two-replica server over the one-replica one
 
 
+def test_add_names_checkpoint_runs_and_tagged_variants(bench_history: ModuleType, tmp_path: Path) -> None:
+    """A run from a checkpoint is named by it (a GGUF's file name, or its folder's for model.gguf), not filed as the
+    workload's own weights; --tag adds a variant the result does not record."""
+    gguf = _result("bs1-8b", 296.4, checkpoint="/tmp/q4km/model.gguf")
+    gptq = _result("bs1-8b", 400.0, checkpoint="/tmp/llama3-8b-gptq")
+    _add(bench_history, tmp_path, _bench_json(tmp_path / "b.json", [gguf, gptq]))
+    _add(bench_history, tmp_path, _bench_json(tmp_path / "c.json", [gguf]), "--tag", "cudacore")
+    names = sorted(p.name for p in (tmp_path / "results" / "h200").iterdir())
+    assert names == ["bs1-8b-ckpt-llama3-8b-gptq.json", "bs1-8b-ckpt-q4km-cudacore.json", "bs1-8b-ckpt-q4km.json"]
+
+
 def test_add_rejects_bad_input(bench_history: ModuleType, tmp_path: Path) -> None:
     smoke = _bench_json(tmp_path / "smoke.json", [_result("bs1", 10.0, scale=0.1)])
     with pytest.raises(SystemExit, match="smoke run"):
