@@ -117,3 +117,24 @@ def test_the_embedded_gguf_header(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="architecture 'bert' is not supported"):
         gguf_has_tokenizer(other)
+
+
+def test_skip_tokenizer_init_runs_token_ids_without_a_tokenizer():
+    """skip_tokenizer_init: no tokenizer is built (a GGUF's large vocabulary can take minutes to convert), token-id
+    prompts give the tokens they give with one, the outputs carry no text, and a text prompt is refused."""
+    from tandem import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    runs = []
+    for skip in (True, False):
+        llm = LLM(skip_tokenizer_init=skip, max_model_len=64, device="cpu", dtype="float32")
+        try:
+            out = llm.generate([[1, 504, 3158, 314]], greedy, use_tqdm=False)[0].outputs[0]
+            runs.append(out.token_ids)
+            assert (out.text == "") == skip
+            if skip:
+                with pytest.raises(ValueError, match="token-id"):
+                    llm.generate(["hello"], greedy, use_tqdm=False)
+        finally:
+            llm.shutdown()
+    assert runs[0] == runs[1]
