@@ -75,7 +75,7 @@ def adapters(llm: LLM, folder: str) -> list:
     from tandem.bench.lora_workload import write_adapter
 
     engine = llm.engine
-    shapes = {k: list(v) for k, v in engine.runner.lora.module_shapes(engine.model_config).items()}
+    shapes = {k: list(v) for k, v in engine.runner.lora.module_shapes().items()}
     return [LoRARequest(f"a{i}", i + 1, write_adapter(f"{folder}/a{i}", shapes, LORA_RANK, i))
             for i in range(LORA_ADAPTERS)]
 

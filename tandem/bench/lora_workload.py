@@ -100,7 +100,7 @@ def run_lora_workload(model: str, scale: float = 1.0, prompt_len: int = 128, out
     base.shutdown()
     del base
     llm = LLM(**kwargs, enable_lora=True, max_loras=max_loras, max_lora_rank=RANK, max_cpu_loras=64)
-    shapes = {k: list(v) for k, v in llm.engine.runner.lora.module_shapes(llm.engine.model_config).items()}
+    shapes = {k: list(v) for k, v in llm.engine.runner.lora.module_shapes().items()}
     with tempfile.TemporaryDirectory(prefix="tandem-lora-bench-") as tmp:
         adapters = [LoRARequest(f"a{i}", i + 1, write_adapter(os.path.join(tmp, f"a{i}"), shapes, RANK, i))
                     for i in range(64)]

@@ -303,7 +303,7 @@ def lora_modules_of(core: Any) -> dict[str, list[int]]:
     lora = getattr(getattr(core, "runner", None), "lora", None)
     if lora is None:
         return {}
-    return {name: list(dims) for name, dims in lora.module_shapes(core.model_config).items()}
+    return {name: list(dims) for name, dims in lora.module_shapes().items()}
 
 
 def _failed(request_id: str, message: str) -> EngineOutput:

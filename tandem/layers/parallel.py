@@ -110,11 +110,16 @@ def transpose(t: torch.Tensor | LazyTensor) -> torch.Tensor | LazyTensor:
 class ColumnParallelLinear(Linear):
     """Output rows split over ranks. `parts` lists the fused sub-projections (q, k, v or gate, up) as
     (first row of this rank in the checkpoint tensor that shard_for_load gets for the part, rows this
-    rank keeps); the local weight is their concatenation."""
+    rank keeps); the local weight is their concatenation. `full_sizes`: each part's rows in the whole (unsharded)
+    projection (a replicated KV head counted once), which LoRA's shape checks read."""
 
-    def __init__(self, in_features: int, parts: list[tuple[int, int]], bias: bool = False) -> None:
+    def __init__(self, in_features: int, parts: list[tuple[int, int]], full_sizes: list[int],
+                 bias: bool = False) -> None:
         super().__init__(in_features, sum(n for _, n in parts), bias=bias)
+        if len(full_sizes) != len(parts):
+            raise ValueError(f"{len(parts)} parts but {len(full_sizes)} full sizes")
         self.parts = parts
+        self.full_sizes = full_sizes
 
     def shard_for_load(self, tensor: torch.Tensor | LazyTensor, part: int = 0) -> tuple[torch.Tensor, int]:
         """(this rank's rows of a checkpoint weight or bias of sub-projection `part`, row offset in the param)."""

@@ -11,9 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from tandem.config import ModelConfig
 from tandem.lora.host import HostAdapters
-from tandem.lora.pack import PackedAdapter, check_header, lora_targets, pack_adapter
+from tandem.lora.pack import PackedAdapter, check_header, lora_targets, module_shapes, pack_adapter
 from tandem.lora.peft import load_adapter, read_header
 from tandem.lora.pool import LoRAPool
 from tandem.lora_request import LoRARequest
@@ -41,27 +40,10 @@ class LoRAManager:
         logger.info("LoRA: %d target linears, %d slots of rank %d (%.1f MiB on the device)", len(self.targets),
                     max_loras, max_rank, self.pool.num_bytes / 2**20)
 
-    def module_shapes(self, config: ModelConfig) -> dict[str, tuple[int, int]]:
+    def module_shapes(self) -> dict[str, tuple[int, int]]:
         """Every projection an adapter may target, by Hugging Face module name: (in, out) of the whole (unsharded)
         base projection."""
-        hidden, tp = config.hidden_size, self.tp_size
-        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        shapes: dict[str, tuple[int, int]] = {}
-        for name, linear in self.targets.items():
-            prefix, kind = name.rsplit(".", 1)
-            if kind == "qkv_proj":
-                shapes.update({f"{prefix}.q_proj": (hidden, q), f"{prefix}.k_proj": (hidden, kv),
-                               f"{prefix}.v_proj": (hidden, kv)})
-            elif kind == "o_proj":
-                shapes[f"{prefix}.o_proj"] = (q, hidden)
-            elif kind == "gate_up_proj":
-                inter = linear.out_features * tp // 2
-                shapes.update({f"{prefix}.gate_proj": (hidden, inter), f"{prefix}.up_proj": (hidden, inter)})
-            elif kind in ("c_attn", "c_fc"):  # GPT-2's column-parallel projections, each one to an adapter
-                shapes[name] = (hidden, linear.out_features * tp)
-            else:  # down_proj, GPT-2's c_proj: row-parallel
-                shapes[name] = (linear.in_features * tp, hidden)
-        return shapes
+        return module_shapes(self.targets)
 
     def add(self, request: LoRARequest) -> None:
         """Registers an adapter unless known, after checking its config and tensor shapes (milliseconds: no weight
@@ -76,7 +58,7 @@ class LoRAManager:
             if other.lora_name == request.lora_name:
                 raise ValueError(f"LoRA adapter name {request.lora_name!r} is already loaded with lora_int_id "
                                  f"{other.lora_int_id}")
-        check_header(read_header(request, self.max_rank), self.targets, self.tp_size)
+        check_header(read_header(request, self.max_rank), self.targets)
         self.known[request.lora_int_id] = request
         self.host.want(request)
 
@@ -115,8 +97,7 @@ class LoRAManager:
     def _pack(self, request: LoRARequest) -> PackedAdapter:
         self.num_host_copies += 1
         adapter = load_adapter(request, self.max_rank)
-        return pack_adapter(adapter, self.targets, self.max_rank, self.dtype, pin=self.device.type == "cuda",
-                            tp_size=self.tp_size)
+        return pack_adapter(adapter, self.targets, self.max_rank, self.dtype, pin=self.device.type == "cuda")
 
     def shutdown(self) -> None:
         self.host.shutdown()

@@ -42,8 +42,28 @@ def num_parts(name: str) -> int:
     return TARGETS.get(name.rsplit(".", 1)[-1], 1)
 
 
-def _target(where: str, module: str, a_shape: Sequence[int], b_shape: Sequence[int], targets: dict[str, Linear],
-            tp_size: int) -> tuple[str, Linear, int | None]:
+def whole_shape(linear: Linear, part: int | None) -> tuple[int, int]:
+    """(in, out) of the whole (unsharded) base projection an adapter's module stands for: part `part` of a fused
+    column-parallel linear, or the whole linear (part None; a row-parallel linear, whose input is split)."""
+    if isinstance(linear, ColumnParallelLinear):
+        return linear.in_features, sum(linear.full_sizes) if part is None else linear.full_sizes[part]
+    return linear.in_features * linear.tp.size, linear.out_features
+
+
+def module_shapes(targets: dict[str, Linear]) -> dict[str, tuple[int, int]]:
+    """Every Hugging Face module an adapter may target in this model (`model.layers.3.self_attn.q_proj`): its
+    whole base projection's (in, out)."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for name, linear in targets.items():
+        prefix, kind = name.rsplit(".", 1)
+        for module, (target, part) in PROJECTIONS.items():
+            if target == kind:
+                shapes[f"{prefix}.{module}"] = whole_shape(linear, part)
+    return shapes
+
+
+def _target(where: str, module: str, a_shape: Sequence[int], b_shape: Sequence[int], targets: dict[str, Linear]
+            ) -> tuple[str, Linear, int | None]:
     """(tandem's linear name, the linear, the part; None: the whole linear) that holds HF `module`; ValueError naming
     the adapter (`where`) when the model lacks it or A [r, in] / B [out, r] do not match its base projection."""
     prefix, _, proj = module.rpartition(".")
@@ -52,42 +72,30 @@ def _target(where: str, module: str, a_shape: Sequence[int], b_shape: Sequence[i
     linear = targets.get(name)
     if linear is None:
         raise ValueError(f"{where}: target module {module!r} is not a projection this model has")
-    if isinstance(linear, ColumnParallelLinear) and part is None:
-        full_out = linear.out_features * tp_size
-        if a_shape[1] != linear.in_features or b_shape[0] != full_out:
-            raise ValueError(f"{where}: {module} has A {tuple(a_shape)} / B {tuple(b_shape)}, but the base "
-                             f"projection maps {linear.in_features} -> {full_out} features")
-    elif isinstance(linear, ColumnParallelLinear):
-        start, rows = linear.parts[part]
-        # Split rows: the whole projection has rows * tp_size; replicated KV heads: fewer, never more.
-        if a_shape[1] != linear.in_features or not start + rows <= b_shape[0] <= rows * tp_size:
-            raise ValueError(f"{where}: {module} has A {tuple(a_shape)} / B {tuple(b_shape)}, but the base "
-                             f"projection maps {linear.in_features} -> {rows * tp_size} features")
-    else:
-        full_in = linear.in_features * linear.tp.size
-        if a_shape[1] != full_in or b_shape[0] != linear.out_features:
-            raise ValueError(f"{where}: {module} has A {tuple(a_shape)} / B {tuple(b_shape)}, but the base "
-                             f"projection maps {full_in} -> {linear.out_features} features")
+    full_in, full_out = whole_shape(linear, part)
+    if a_shape[1] != full_in or b_shape[0] != full_out:
+        raise ValueError(f"{where}: {module} has A {tuple(a_shape)} / B {tuple(b_shape)}, but the base "
+                         f"projection maps {full_in} -> {full_out} features")
     return name, linear, part
 
 
-def check_header(header: AdapterHeader, targets: dict[str, Linear], tp_size: int = 1) -> None:
+def check_header(header: AdapterHeader, targets: dict[str, Linear]) -> None:
     """pack_adapter's checks of modules and shapes, from the header alone (before any weight is read)."""
     where = f"LoRA adapter {header.request.lora_name!r} ({header.request.lora_path})"
     for module, (a_shape, b_shape) in header.shapes.items():
-        _target(where, module, a_shape, b_shape, targets, tp_size)
+        _target(where, module, a_shape, b_shape, targets)
 
 
 def pack_adapter(adapter: LoRAAdapter, targets: dict[str, Linear], max_rank: int, dtype: torch.dtype,
-                 pin: bool, tp_size: int = 1) -> PackedAdapter:
-    """tp_size: the ranks the column-parallel linears' rows are split over (this rank keeps its shard, as the base
-    layer does: B's output rows there, A's input columns in a row-parallel linear). ValueError naming the adapter for
-    a module the model lacks or a shape that does not match its base."""
+                 pin: bool) -> PackedAdapter:
+    """This rank's shard of each module, as the base layer keeps it (B's output rows in a column-parallel linear,
+    A's input columns in a row-parallel one). ValueError naming the adapter for a module the model lacks or a shape
+    that does not match its base."""
     where = f"LoRA adapter {adapter.name!r} ({adapter.request.lora_path})"
     packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     r, num_bytes = adapter.rank, 0
     for module, (a, b) in adapter.weights.items():
-        name, linear, part = _target(where, module, a.shape, b.shape, targets, tp_size)
+        name, linear, part = _target(where, module, a.shape, b.shape, targets)
         parts = num_parts(name)
         if name not in packed:
             packed[name] = (torch.zeros(parts * max_rank, linear.in_features),

@@ -38,7 +38,8 @@ class GPT2Attention(nn.Module):
         self.num_heads = config.num_heads // tp.size  # this rank's heads
         self.head_dim = config.head_dim
         hidden = config.hidden_size
-        self.c_attn = ColumnParallelLinear(hidden, column_parts([hidden] * 3, tp, fused_source=True), bias=True)
+        self.c_attn = ColumnParallelLinear(hidden, column_parts([hidden] * 3, tp, fused_source=True), [hidden] * 3,
+                                           bias=True)
         self.c_proj = RowParallelLinear(hidden, hidden, tp, bias=True)
         self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, self.head_dim**-0.5)
 
@@ -55,7 +56,8 @@ class GPT2MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.c_fc = ColumnParallelLinear(config.hidden_size, column_parts([inter], tp, fused_source=True), bias=True)
+        self.c_fc = ColumnParallelLinear(config.hidden_size, column_parts([inter], tp, fused_source=True), [inter],
+                                         bias=True)
         self.c_proj = RowParallelLinear(inter, config.hidden_size, tp, bias=True)
         self.act = activation_fn(config.hidden_act)
 

@@ -76,7 +76,9 @@ class LlamaAttention(nn.Module):
         # Checkpoints hold q_proj, k_proj and v_proj apart: source rows count within each.
         kv_start = kv_head_start(config, tp) * self.head_dim
         parts = [(tp.rank * q_size, q_size), (kv_start, kv_size), (kv_start, kv_size)]
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, parts, bias=config.attention_bias)
+        full_kv = config.num_kv_heads * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, parts, [config.num_heads * self.head_dim, full_kv,
+                                                                         full_kv], bias=config.attention_bias)
         # Qwen2 (and Qwen2-MoE) has a bias on q/k/v only; Llama's attention_bias covers o_proj too.
         o_bias = config.attention_bias and config.architecture not in ("qwen2", "qwen2_moe")
         self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, tp, bias=o_bias)
@@ -115,7 +117,7 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"{config.architecture}: unsupported hidden_act {config.hidden_act!r} (expected silu)")
         inter = intermediate_size or config.intermediate_size
         gate_up = column_parts([inter, inter], tp, fused_source=False)  # gate_proj and up_proj split on their own
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, gate_up)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, gate_up, [inter, inter])
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:

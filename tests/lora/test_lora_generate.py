@@ -118,6 +118,14 @@ def test_bad_adapters_are_refused_by_name(setup, tmp_path):
 def test_shape_mismatch_and_foreign_modules_are_refused(setup, tmp_path):
     base, _, _, _ = setup
     llm = _llm(base, max_loras=1)
+    # The shapes an adapter must have are the base model's own modules' (in, out), as transformers builds them.
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base)
+    want = {name: (m.in_features, m.out_features) for name, m in hf.named_modules()
+            if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ALL}
+    assert llm.engine.runner.lora.module_shapes() == want
     other = save_base("mistral", str(tmp_path / "other"))  # head_dim 32: q_proj maps 64 -> 128
     bad = save_adapter(other, str(tmp_path / "bad"), ["q_proj"], r=4)
     with pytest.raises(ValueError, match="'bad'.*q_proj has A"):
