@@ -13,7 +13,7 @@ two matmuls per expert hit, as transformers runs it) cannot be captured (it size
 is timed eagerly with events around each call. --sweep times a few tiles per token count (TANDEM_MOE_TILE format),
 and on the pair path (the fewest tokens) its N tiles and both down projections (TANDEM_MOE_PAIR format). --int
 times 4- / 8-bit experts (round to nearest, group 128; bytes: codes, scales and mins), whose --sweep compares the
-pair path's two kernels (TANDEM_MOE_INT_PAIR gemv / mma) and the tiles above on the sorted path.
+pair path's three kernels (TANDEM_MOE_INT_PAIR gemv / mma / mma_gemv) and the tiles above on the sorted path.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def bench(shape: str, tokens: list[int], fp8: bool, sweep: bool, calls: int, bit
             row["speedup_vs_loop"] = row["loop_us"] / row["fused_us"]
         if sweep and row["pair_path"] and bits:
             row["pair_sweep_us"] = {}
-            for kernel in ("gemv", "mma"):
+            for kernel in ("gemv", "mma", "mma_gemv"):
                 os.environ["TANDEM_MOE_INT_PAIR"] = kernel
                 try:
                     row["pair_sweep_us"][kernel] = time_fused(stacks, xs, routings, None) * 1e3

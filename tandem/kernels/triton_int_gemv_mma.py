@@ -150,6 +150,53 @@ def _int_mma_gemv_kernel(
     PREFETCH_PARTS: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr = False, UP: tl.constexpr = 0,
     REDUCE: tl.constexpr = False,
 ):
+    # One row x [K] against W [N, K] (_gemv_body).
+    _gemv_body(x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, K_SPLIT, N, 1.0, GROUP, stride_wn,
+               stride_sn, BITS, HAS_BIAS, SPLIT_K, EVEN, ROW_BLOCKS, WARPS, PREFETCH_PARTS, USE_PDL, GATED, UP, REDUCE,
+               False)
+
+
+@triton.jit
+def _int_mma_pair_kernel(
+    x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, ws_ptr, cnt_ptr, topk_w_ptr, ids_ptr, map_ptr, N, K, K_SPLIT, top_k,
+    num_tokens, GROUP: tl.constexpr, stride_wn: tl.constexpr, stride_sn: tl.constexpr, BITS: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN: tl.constexpr, ROW_BLOCKS: tl.constexpr, WARPS: tl.constexpr, USE_PDL: tl.constexpr,
+    GATED: tl.constexpr, UP: tl.constexpr, REDUCE: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_MAP: tl.constexpr,
+    SPLIT_MAJOR: tl.constexpr,
+):
+    # Mixture-of-experts decode: program_id(2) is a (token, expert) pair, which runs _gemv_body on its expert's
+    # weight in the stack w [E, N, K] (scales and mins [E, N, groups]), its row of x (GATED: the token's, x
+    # [tokens, K]; else the pair's, x [pairs, K]) and its row of out [pairs, N - UP] (SPLIT_MAJOR: row
+    # (pair % top_k) tokens + pair // top_k), scaled by its routing weight (MUL_WEIGHT). A K split's partial sums
+    # go to ws [SPLIT_K, pairs, N], its arrival counts to cnt [pairs, programs]. A pair of another rank's expert
+    # (HAS_MAP: -1 in map) runs nothing and writes nothing. The expert is known only after the PDL wait, so no
+    # weight is sent to L2 before it.
+    pdl_wait(USE_PDL)
+    pair = tl.program_id(2)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert).to(tl.int64)
+    if expert < 0:
+        return
+    row = (pair // top_k) if GATED else pair
+    out_row = ((pair % top_k) * num_tokens + pair // top_k) if SPLIT_MAJOR else pair
+    scale = tl.load(topk_w_ptr + pair) if MUL_WEIGHT else 1.0
+    num_pairs = tl.num_programs(2)
+    _gemv_body(x_ptr + row.to(tl.int64) * K, w_ptr + expert * N * stride_wn, s_ptr + expert * N * stride_sn,
+               mn_ptr + expert * N * stride_sn, out_ptr, out_ptr + out_row.to(tl.int64) * (N - UP),
+               ws_ptr + pair.to(tl.int64) * N, cnt_ptr + pair * tl.num_programs(0), N, K, K_SPLIT,
+               num_pairs.to(tl.int64) * N, scale, GROUP, stride_wn, stride_sn, BITS, False, SPLIT_K, EVEN, ROW_BLOCKS,
+               WARPS, 0, False, GATED, UP, REDUCE, MUL_WEIGHT)
+
+
+@triton.jit
+def _gemv_body(
+    x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, K_SPLIT, ws_split, scale,
+    GROUP: tl.constexpr, stride_wn: tl.constexpr, stride_sn: tl.constexpr, BITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+    WARPS: tl.constexpr, PREFETCH_PARTS: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr, UP: tl.constexpr,
+    REDUCE: tl.constexpr, SCALED: tl.constexpr,
+):
     # Program = ROW_BLOCKS blocks of 16 channels over K range [pid_k * K_SPLIT, +K_SPLIT) (a multiple of
     # WARPS * PART): warp w takes parts w, w + WARPS, ... of it, and the warps' sums are added at the end. Every
     # tensor holds one element a thread ([T], T = 32 * WARPS; another shape would make Triton move data
@@ -168,6 +215,7 @@ def _int_mma_gemv_kernel(
     # UP below them, and the program writes silu(gate) * up of its 16 ROW_BLOCKS / 2 channels. SPLIT_K > 1: the
     # splits' fp32 sums go to ws [SPLIT_K, N] by weight row; REDUCE: the last program of a row block to arrive
     # (counted at cnt_ptr) adds them in split order and writes the output, as the reduce kernel would have.
+    # ws_split: elements between two splits' partial sums in ws; SCALED: the output times `scale`.
     PART: tl.constexpr = 512 // BITS
     PER_WORD: tl.constexpr = 32 // BITS
     GPP: tl.constexpr = PART // GROUP if GROUP < PART else 1  # groups a part
@@ -307,8 +355,8 @@ def _int_mma_gemv_kernel(
         x_ptrs += WARPS * PART // 2
         w_lo += WARPS * PART // PER_WORD
     # Lanes t < ROW_BLOCKS hold their rows' sums over their warp's parts: added over the warps, stored once.
-    _store_rows(acc_lo, acc_hi, chan_e, half_e, t < ROW_BLOCKS, n_out, b_ptr, out_ptr, ws_ptr, cnt_ptr, pid_k, N, UP,
-                HAS_BIAS, SPLIT_K, WARPS, GATED, OUT_BLOCKS, REDUCE, GPP == 4)
+    _store_rows(acc_lo, acc_hi, chan_e, half_e, t < ROW_BLOCKS, n_out, b_ptr, out_ptr, ws_ptr, cnt_ptr, pid_k, ws_split,
+                scale, UP, HAS_BIAS, SPLIT_K, WARPS, GATED, OUT_BLOCKS, REDUCE, GPP == 4, SCALED)
 
 
 @triton.jit
@@ -330,9 +378,9 @@ def _prefetch_parts(w_ptr, block0, first_word, lane, k_end, n_out, stride_wn: tl
 
 
 @triton.jit
-def _store_rows(acc_lo, acc_hi, chan_e, half_e, keep_e, n_out, b_ptr, out_ptr, ws_ptr, cnt_ptr, pid_k, N, UP,
-                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, WARPS: tl.constexpr, GATED: tl.constexpr,
-                OUT_BLOCKS: tl.constexpr, REDUCE: tl.constexpr, PAIRS: tl.constexpr = False):
+def _store_rows(acc_lo, acc_hi, chan_e, half_e, keep_e, n_out, b_ptr, out_ptr, ws_ptr, cnt_ptr, pid_k, ws_split,
+                scale, UP, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, WARPS: tl.constexpr, GATED: tl.constexpr,
+                OUT_BLOCKS: tl.constexpr, REDUCE: tl.constexpr, PAIRS: tl.constexpr, SCALED: tl.constexpr):
     # acc_lo, acc_hi, chan_e, half_e and keep_e [T] (thread = warp * 32 + lane; all but the sums the same in every
     # warp) -> the sums of acc_lo and acc_hi over the warps, [32, 2] (lane, row g or g + 8): the output where K is
     # not split, else the split's partial sums into ws at their weight rows and, with REDUCE, the output from the
@@ -348,9 +396,9 @@ def _store_rows(acc_lo, acc_hi, chan_e, half_e, keep_e, n_out, b_ptr, out_ptr, w
     keep = tl.max(tl.reshape(keep_e.to(tl.int32), [WARPS, 32]), axis=0)[:, None] > 0
     mask = keep & (chan < n_out)
     if SPLIT_K == 1:
-        _store_output(y, chan, rows, mask, b_ptr, out_ptr, HAS_BIAS, GATED, OUT_BLOCKS)
+        _store_output(y, chan, rows, mask, b_ptr, out_ptr, scale, HAS_BIAS, GATED, OUT_BLOCKS, SCALED)
     else:
-        tl.store(ws_ptr + pid_k.to(tl.int64) * N + rows, y, mask=mask)
+        tl.store(ws_ptr + pid_k.to(tl.int64) * ws_split + rows, y, mask=mask)
         if REDUCE:
             # Count in (release: every thread's partial sums above first); the last to arrive adds them all.
             tl.debug_barrier()
@@ -359,15 +407,16 @@ def _store_rows(acc_lo, acc_hi, chan_e, half_e, keep_e, n_out, b_ptr, out_ptr, w
                 tl.store(count, 0)  # zero again for the next launch (which counts only after its PDL wait)
                 total = tl.load(ws_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
                 for i in tl.static_range(1, SPLIT_K):
-                    total += tl.load(ws_ptr + i * N + rows, mask=mask, other=0.0, cache_modifier=".cg")
-                _store_output(total, chan, rows, mask, b_ptr, out_ptr, HAS_BIAS, GATED, OUT_BLOCKS)
+                    total += tl.load(ws_ptr + i * ws_split + rows, mask=mask, other=0.0, cache_modifier=".cg")
+                _store_output(total, chan, rows, mask, b_ptr, out_ptr, scale, HAS_BIAS, GATED, OUT_BLOCKS, SCALED)
 
 
 @triton.jit
-def _store_output(y, chan, rows, mask, b_ptr, out_ptr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                  OUT_BLOCKS: tl.constexpr):
-    # The rows' full sums y [32, 2] (lane, g or g + 8) plus the bias, rounded to the output dtype at channels chan
-    # where mask; GATED: silu(gate) * up, each rounded where the unfused GEMV + silu_and_mul round it.
+def _store_output(y, chan, rows, mask, b_ptr, out_ptr, scale, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                  OUT_BLOCKS: tl.constexpr, SCALED: tl.constexpr):
+    # The rows' full sums y [32, 2] (lane, g or g + 8) plus the bias (SCALED: times scale), rounded to the output
+    # dtype at channels chan where mask; GATED: silu(gate) * up, each rounded where the unfused GEMV + silu_and_mul
+    # round it.
     out_ty = out_ptr.dtype.element_ty
     if HAS_BIAS:
         y = y + tl.load(b_ptr + rows, mask=mask, other=0.0).to(tl.float32)
@@ -379,6 +428,8 @@ def _store_output(y, chan, rows, mask, b_ptr, out_ptr, HAS_BIAS: tl.constexpr, G
         silu = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)  # F.silu rounds before the multiply
         tl.store(out_ptr + chan, (silu * up.to(out_ty).to(tl.float32)).to(out_ty), mask=mask > 0)
     else:
+        if SCALED:  # a routing weight (the MoE down projection's pairs)
+            y = y * scale
         tl.store(out_ptr + chan, y.to(out_ty), mask=mask)
 
 
@@ -528,3 +579,61 @@ def int_mma_gemv(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None =
     if reduce:
         return out
     return finish_split(ws, out, bias, split_k, deferred)
+
+
+def use_mma_pair_gemv(x: torch.Tensor, weight: IntWeight) -> bool:
+    """use_mma_gemv for a stack of experts [E, N, K] (contiguous: the kernel steps from expert to expert by N rows)
+    and the pairs' rows of x [rows, K] (contiguous)."""
+    e, n = weight.words.shape[:2]
+    groups = weight.scales.shape[-1]
+    return (x.is_cuda and x.dtype == torch.bfloat16 and weight.scales.dtype == torch.bfloat16
+            and mma_gemv_fits(1, weight.shape[1], weight.bits, weight.group_size) and x.is_contiguous()
+            and weight.words.is_contiguous() and weight.scales.stride() == (n * groups, groups, 1)
+            and weight.mins.stride() == weight.scales.stride()
+            and (groups_a_part(weight.bits, weight.group_size) == 1
+                 or os.environ.get("TANDEM_INT_MMA_SMALL_GROUPS", "1") != "0")
+            and _has_bf16_mma(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
+def int_mma_pair_gemv(
+    x: torch.Tensor,  # [tokens, K] (gated) or [pairs, K], bf16, contiguous
+    weight: IntWeight,  # a stack of experts: words [E, N, K * bits / 32], scales and mins [E, N, groups]
+    out: torch.Tensor,  # [pairs, N / 2] (gated) or [pairs, N], contiguous
+    topk_ids: torch.Tensor,  # [pairs] int32, global expert ids
+    top_k: int,
+    gated: bool,
+    expert_map: torch.Tensor | None = None,  # global -> local expert id, -1 for another rank's
+    topk_weights: torch.Tensor | None = None,  # [pairs] fp32: scales each output row (not with gated)
+    split_major: bool = False,  # out row of pair p: (p % top_k) * tokens + p // top_k
+    config: dict[str, int] | None = None,
+) -> None:
+    """The mixture-of-experts decode (a few tokens, each pair's rows apart) on the tensor-core GEMV: out[pair] = the
+    pair's row of x against its expert's weight (gated: silu(gate) * up of the token's row), one grid for all
+    pairs. The tile comes from the shape and the pair count alone (graph-safe): mma_gemv_config as if each pair
+    had its share of the SMs. A K split is added by its last program (never deferred)."""
+    n, k = weight.shape
+    num_pairs = topk_ids.shape[0]
+    if gated and topk_weights is not None:
+        raise ValueError("the gated pair GEMV writes silu(gate) * up unscaled")
+    if out.shape[0] != num_pairs or out.shape[1] != (n // 2 if gated else n) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{num_pairs}, {n // 2 if gated else n}], got {tuple(out.shape)}")
+    bits = weight.bits
+    sms = max(device_sms(x.device) // max(num_pairs, 1), 1)
+    cfg = {**mma_gemv_config(n, k, bits, sms, gated, weight.group_size), **(config or {})}
+    k_split = mma_k_split(k, bits, cfg["SPLIT_K"], cfg["num_warps"])
+    split_k = triton.cdiv(k, k_split)
+    flags = mma_gemv_constexprs(n, k, bits, weight.group_size, cfg, False, 0, gated, split_k > 1)
+    for unused in ("HAS_BIAS", "PREFETCH_PARTS"):
+        flags.pop(unused)
+    pdl = use_pdl(x.device)
+    flags["USE_PDL"] = pdl
+    channels = 16 * (cfg["ROW_BLOCKS"] // 2 if gated else cfg["ROW_BLOCKS"])
+    programs = triton.cdiv(out.shape[1], channels)
+    ws = torch.empty(split_k, num_pairs, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    counts = _split_counters(x.device, programs * num_pairs) if split_k > 1 else ws
+    _int_mma_pair_kernel[(programs, split_k, num_pairs)](
+        x, weight.words, weight.scales, weight.mins, out, ws, counts,
+        topk_weights if topk_weights is not None else out, topk_ids,
+        expert_map if expert_map is not None else topk_ids, n, k, k_split, top_k, num_pairs // top_k, **flags,
+        MUL_WEIGHT=topk_weights is not None, HAS_MAP=expert_map is not None, SPLIT_MAJOR=split_major,
+        num_warps=cfg["num_warps"], num_stages=1, launch_pdl=bool(pdl))

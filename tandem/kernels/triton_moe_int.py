@@ -7,7 +7,9 @@ row scaled by its routing weight). Rows come sorted by expert and padded to BLOC
 GEMMs read them), except for the fewest tokens (`use_pair_path`: decode at batch 1 to a few), which skip the sort:
 one program per (token-expert pair, N tile) reads that pair's expert codes once, by default on the CUDA cores as
 the dense GEMV runs one row (_moe_int_pair_gemv_kernel), or (TANDEM_MOE_INT_PAIR=mma) through the tensor-core
-kernel with the pair alone in its row block. Grids depend on the token count only: graph-safe.
+kernel with the pair alone in its row block, or (TANDEM_MOE_INT_PAIR=mma_gemv) on the tensor-core GEMV that dense
+linears run at one row (triton_int_gemv_mma._int_mma_pair_kernel). Grids depend on the token count only:
+graph-safe.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import triton.language as tl
 from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
 from tandem.kernels.moe_align import AlignedTokens, align_by_expert
+from tandem.kernels.triton_int_gemv_mma import int_mma_pair_gemv, use_mma_pair_gemv
 from tandem.kernels.triton_int_weight import (
     GEMV_STEP_BYTES,
     MIN_GEMM_PART,
@@ -281,12 +284,17 @@ def moe_int_pair_gemv(
     )
 
 
+PAIR_KERNELS = ("gemv", "mma", "mma_gemv")
+
+
 def pair_kernel() -> str:
-    """The pair path's kernel: "gemv" (CUDA cores, as dense linears run one row) or "mma" (the tensor-core
-    kernel, one pair a 16-row block); TANDEM_MOE_INT_PAIR chooses (read per call: a graph keeps its capture's)."""
+    """The pair path's kernel: "gemv" (CUDA cores, as dense linears run one row), "mma" (the tensor-core tile
+    kernel, one pair a 16-row block) or "mma_gemv" (the tensor-core GEMV of dense linears at one row,
+    triton_int_gemv_mma.int_mma_pair_gemv: bf16 activations, and the CUDA-core GEMV where it does not apply);
+    TANDEM_MOE_INT_PAIR chooses (read per call: a graph keeps its capture's)."""
     choice = os.environ.get("TANDEM_MOE_INT_PAIR", "gemv")
-    if choice not in ("gemv", "mma"):
-        raise ValueError(f"TANDEM_MOE_INT_PAIR must be gemv or mma, got {choice!r}")
+    if choice not in PAIR_KERNELS:
+        raise ValueError(f"TANDEM_MOE_INT_PAIR must be one of {', '.join(PAIR_KERNELS)}, got {choice!r}")
     return choice
 
 
@@ -369,7 +377,12 @@ def fused_moe_int_triton(
             ids = ids.to(torch.int32).contiguous()
         partials = into_norm and pair_config()[1] == "norm"
         rows = alloc(num_pairs, hidden, dtype=torch.float32, device=x.device)
-        if tile is None and pair_kernel() == "gemv":
+        choice = pair_kernel() if tile is None else "mma"
+        if choice == "mma_gemv" and use_mma_pair_gemv(x, w13) and use_mma_pair_gemv(act, w2):
+            int_mma_pair_gemv(x, w13, act, ids, top_k, gated=True, expert_map=expert_map)
+            int_mma_pair_gemv(act, w2, rows, ids, top_k, gated=False, expert_map=expert_map, topk_weights=weights,
+                              split_major=partials)
+        elif choice != "mma":
             moe_int_pair_gemv(x, w13, act, ids, top_k, gated=True, expert_map=expert_map)
             moe_int_pair_gemv(act, w2, rows, ids, top_k, gated=False, expert_map=expert_map, topk_weights=weights,
                               split_major=partials)

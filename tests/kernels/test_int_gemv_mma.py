@@ -217,6 +217,47 @@ def test_kernel_compiles_for_sm90():
         assert (info["atomics"] > 0) == info["reduce"], (name, info)  # the split counter only where it folds
 
 
+_COMPILE_PAIR_SM90 = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tandem.kernels.triton_int_gemv_mma import _int_mma_pair_kernel, mma_gemv_config, mma_gemv_constexprs
+
+names = ["x_ptr", "w_ptr", "s_ptr", "mn_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "topk_w_ptr", "ids_ptr", "map_ptr",
+         "N", "K", "K_SPLIT", "top_k", "num_tokens"]
+out = {}
+for name, n, k, bits, group, gated, split, mapped in [("gate_up", 1536, 2048, 4, 128, True, 1, False),
+                                                      ("down", 2048, 768, 4, 128, False, 2, True),
+                                                      ("gate_up-g32", 1536, 2048, 4, 32, True, 2, False)]:
+    cfg = {**mma_gemv_config(n, k, bits, 16, gated, group), "SPLIT_K": split}
+    flags = mma_gemv_constexprs(n, k, bits, group, cfg, False, 2, gated, split > 1)
+    flags.pop("HAS_BIAS"), flags.pop("PREFETCH_PARTS")
+    flags.update(MUL_WEIGHT=not gated, HAS_MAP=mapped, SPLIT_MAJOR=not gated)
+    types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16" if gated else "*fp32", "*fp32", "*i32", "*fp32", "*i32",
+             "*i32", "i32", "i32", "i32", "i32", "i32"]
+    signature = dict(zip(names, types))
+    signature.update({key: "constexpr" for key in flags})
+    src = ASTSource(fn=_int_mma_pair_kernel, signature=signature, constexprs=flags,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in range(10)})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+    ptx = kernel.asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    first_load = min(i for i in (ptx.find("ld.global"), len(ptx)) if i >= 0)
+    out[name] = {"mma": ptx.count("mma.sync.aligned.m16n8k16"), "local": "ld.local" in ptx or "st.local" in ptx,
+                 "wait_first": 0 <= wait < first_load, "atomics": ptx.count("atom.global"), "split": split}
+json.dump(out, sys.stdout)
+"""
+
+
+def test_pair_kernel_compiles_for_sm90():
+    """The MoE pair kernel's Hopper build: the GEMV's MMAs, no local memory, the PDL wait before any load (the
+    pairs' experts come from the router before it), and the split counter only where K is split."""
+    for name, info in compile_sm90(_COMPILE_PAIR_SM90).items():
+        assert info["mma"] >= 16 and not info["local"] and info["wait_first"], (name, info)
+        assert (info["atomics"] > 0) == (info["split"] > 1), (name, info)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("bits,n,k,group,split,bias", [
@@ -378,3 +419,119 @@ def test_gated_and_folded_kernel_in_the_interpreter(bits, n, k, group, blocks, s
     gate, up = want.chunk(2, dim=-1)
     torch.testing.assert_close(gated, torch.nn.functional.silu(gate.float()).half() * up, rtol=2e-3, atol=1e-5)
     assert not counts.any()
+
+
+def _expert_stack(num_experts, n, k, bits, group, seed):
+    """A stack of random experts as IntWeight [E, N, K] (fp32 scales and mins: exact in the kernel) and each
+    expert's dequantized weight in fp64."""
+    from tandem.kernels.int_weight import IntWeight
+
+    packed, dense = [], []
+    for e in range(num_experts):
+        gen = torch.Generator().manual_seed(seed + e)
+        codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
+        qweight = codes[:, 0::2] | (codes[:, 1::2] << 4) if bits == 4 else codes
+        scales = torch.rand(n, k // group, generator=gen) * 0.02 + 0.005
+        zeros = torch.randint(0, 2**bits, (n, k // group), generator=gen).float()
+        w = repack_int_weight(qweight, scales, zeros, bits, group)
+        packed.append(w)
+        dense.append(codes.double() * scales.double().repeat_interleave(group, 1)
+                     + w.mins.double().repeat_interleave(group, 1))
+    stack = IntWeight(torch.stack([w.words for w in packed]), torch.stack([w.scales for w in packed]),
+                      torch.stack([w.mins for w in packed]), bits, group)
+    return stack, dense
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter case; on a GPU: test_gpu_pair_gemv_matches_the_cuda_core_pairs")
+@pytest.mark.parametrize("bits,group,gated,split,mapped,split_major", [
+    (4, 128, True, 1, False, False),  # MoE gate_up: the token's row, silu(gate) * up
+    (4, 128, False, 2, True, True),  # down: the pair's row, its routing weight, K split, another rank's expert
+    (4, 32, True, 2, False, False),  # GGUF-sized groups, gated and split
+    (8, 64, False, 1, False, False),
+])
+def test_pair_kernel_in_the_interpreter(bits, group, gated, split, mapped, split_major, monkeypatch):
+    """The MoE decode on the tensor-core GEMV (int_mma_pair_gemv): each (token, expert) pair's output is its row of
+    x against its expert's dequantized weight (gated: silu(gate) * up of the token's row; else times the pair's
+    routing weight), at its row (split_major: grouped by top-k slot); a pair whose expert lives on another rank
+    writes nothing; a K split's counters are left at zero."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    monkeypatch.setattr(InterpreterBuilder, "create_inline_asm", emulate_inline_asm, raising=True)
+    num_experts, n, k, top_k, tokens = 4, 64, 512, 2, 3
+    stack, dense = _expert_stack(num_experts, n, k, bits, group, seed=bits + group)
+    gen = torch.Generator().manual_seed(7)
+    pairs = tokens * top_k
+    ids = torch.tensor([0, 3, 1, 3, 2, 0], dtype=torch.int32)
+    x = torch.randn(tokens if gated else pairs, k, generator=gen).to(torch.bfloat16)
+    weights = None if gated else torch.rand(pairs, generator=gen)
+    expert_map = torch.tensor([0, 1, -1, 3], dtype=torch.int32) if mapped else None  # expert 2 elsewhere
+    out = torch.full((pairs, n // 2 if gated else n), float("nan"), dtype=torch.float16 if gated else torch.float32)
+    config = {"SPLIT_K": split}
+    mma.int_mma_pair_gemv(x, stack, out, ids, top_k, gated, expert_map, weights, split_major, config=config)
+    for p in range(pairs):
+        expert = int(ids[p])
+        row = (p % top_k) * tokens + p // top_k if split_major else p
+        if mapped and expert == 2:
+            assert torch.isnan(out[row]).all(), p
+            continue
+        y = x[p // top_k if gated else p].double() @ dense[expert].T
+        if gated:
+            gate, up = y.chunk(2)
+            want = torch.nn.functional.silu(gate) * up
+            torch.testing.assert_close(out[row].double(), want, rtol=4e-3, atol=1e-3 * want.abs().max().item())
+        else:
+            want = y * weights[p].double()
+            torch.testing.assert_close(out[row].double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+    if split > 1:
+        from tandem.kernels.triton_int_gemv_mma import _split_counters
+
+        assert not _split_counters(x.device, 1).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("bits,group,mapped,into_norm", [(4, 128, False, False), (4, 32, True, True),
+                                                          (8, 64, False, True)])
+def test_gpu_pair_gemv_matches_the_cuda_core_pairs(bits, group, mapped, into_norm, monkeypatch):
+    """The MoE decode (Qwen3-30B-A3B's expert shape, 2 tokens x top 8 of 16 experts) on the tensor-core pair GEMV
+    (TANDEM_MOE_INT_PAIR=mma_gemv) against the CUDA-core pair GEMV on the same codes: both sum exact products in
+    fp32, so only the sum order and the bf16 rounding of silu(gate) * up differ; with an expert map (another
+    rank's experts add nothing) and the partial sums handed to the norm alike."""
+    from tandem.kernels.fp8 import PartialSums
+    from tandem.kernels.int_weight import IntWeight
+    from tandem.kernels.triton_moe_int import fused_moe_int_triton
+
+    experts, hidden, inter, tokens, top_k = 16, 2048, 768, 2, 8
+
+    def stack(n, k, seed):
+        ws = []
+        for e in range(experts):
+            gen = torch.Generator().manual_seed(seed + e)
+            codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
+            qweight = codes[:, 0::2] | (codes[:, 1::2] << 4) if bits == 4 else codes
+            scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.005).to(torch.bfloat16)
+            zeros = torch.full((n, k // group), 2.0 ** (bits - 1), dtype=torch.bfloat16)
+            ws.append(repack_int_weight(qweight.cuda(), scales.cuda(), zeros.cuda(), bits, group))
+        return IntWeight(torch.stack([w.words for w in ws]), torch.stack([w.scales for w in ws]),
+                         torch.stack([w.mins for w in ws]), bits, group)
+
+    w13, w2 = stack(2 * inter, hidden, 0), stack(hidden, inter, 100)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, device="cuda", generator=gen)[:top_k] for _ in range(tokens)])
+    ids = ids.to(torch.int32)
+    weights = torch.softmax(torch.randn(tokens, top_k, device="cuda", generator=gen), dim=-1)
+    expert_map = None
+    if mapped:  # this rank holds the even experts
+        expert_map = torch.full((experts,), -1, dtype=torch.int32, device="cuda")
+        expert_map[0::2] = torch.arange(experts // 2, dtype=torch.int32, device="cuda")
+        w13 = IntWeight(w13.words[0::2].contiguous(), w13.scales[0::2].contiguous(), w13.mins[0::2].contiguous(),
+                        bits, group)
+        w2 = IntWeight(w2.words[0::2].contiguous(), w2.scales[0::2].contiguous(), w2.mins[0::2].contiguous(),
+                       bits, group)
+    outs = []
+    for kernel in ("mma_gemv", "gemv"):
+        monkeypatch.setenv("TANDEM_MOE_INT_PAIR", kernel)
+        out = fused_moe_int_triton(x, w13, w2, weights, ids, expert_map, pair_path=True, into_norm=into_norm)
+        outs.append(out.reduce() if isinstance(out, PartialSums) else out.float())
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2e-2, atol=2e-2 * outs[1].abs().max().item())

@@ -119,14 +119,14 @@ def test_tile_choice():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("num_tokens,pair", [(1, "gemv"), (1, "mma"), (4, "gemv"), (4, "mma"), (64, None),
-                                             (600, None)])
+@pytest.mark.parametrize("num_tokens,pair", [(1, "gemv"), (1, "mma"), (1, "mma_gemv"), (4, "gemv"), (4, "mma"),
+                                             (4, "mma_gemv"), (64, None), (600, None)])
 def test_bf16_on_gpu_matches_the_dequantized_loop(bits, num_tokens, pair, monkeypatch):
     """Qwen3-30B-A3B's expert shapes (128 experts, top 8, 2048 x 768) in bf16, each path by its token count,
     against the per-expert loop in fp32 over the same dequantized weights. The kernel rounds each weight to bf16
     (2**-9 relative; with the packed 4-bit assembly q * s + min in one bf16 FMA) and the gate_up activation to bf16
     before the down projection: errors of random sign over K = 2048 and 768 of a few 1e-3 of the output's scale,
-    the same bound as the bf16 MoE test (3e-2 absolute and relative). 1 and 4 tokens run the pair path (both of
+    the same bound as the bf16 MoE test (3e-2 absolute and relative). 1 and 4 tokens run the pair path (each of
     its kernels), 64 the sorted small-batch tile, 600 the prefill tile; each also replays from a CUDA graph."""
     if pair is not None:
         monkeypatch.setenv("TANDEM_MOE_INT_PAIR", pair)
