@@ -157,6 +157,16 @@ def _int_mma_gemv_kernel(
 
 
 @triton.jit
+def pair_expert(ids_ptr, map_ptr, pair, HAS_MAP: tl.constexpr):
+    # A (token, expert) pair's expert: its global id, through the map to this rank's local one (HAS_MAP; -1: another
+    # rank's), as int64 for the stack offsets
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert).to(tl.int64)
+    return expert
+
+
+@triton.jit
 def _int_mma_pair_kernel(
     x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, ws_ptr, cnt_ptr, topk_w_ptr, ids_ptr, map_ptr, N, K, K_SPLIT, top_k,
     num_tokens, GROUP: tl.constexpr, stride_wn: tl.constexpr, stride_sn: tl.constexpr, BITS: tl.constexpr,
@@ -173,9 +183,7 @@ def _int_mma_pair_kernel(
     # weight is sent to L2 before it.
     pdl_wait(USE_PDL)
     pair = tl.program_id(2)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if HAS_MAP:
-        expert = tl.load(map_ptr + expert).to(tl.int64)
+    expert = pair_expert(ids_ptr, map_ptr, pair, HAS_MAP)
     if expert < 0:
         return
     row = (pair // top_k) if GATED else pair

@@ -22,7 +22,7 @@ import triton.language as tl
 from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
 from tandem.kernels.moe_align import AlignedTokens, align_by_expert
-from tandem.kernels.triton_int_gemv_mma import int_mma_pair_gemv, use_mma_pair_gemv
+from tandem.kernels.triton_int_gemv_mma import int_mma_pair_gemv, pair_expert, use_mma_pair_gemv
 from tandem.kernels.triton_int_weight import (
     GEMV_STEP_BYTES,
     MIN_GEMM_PART,
@@ -179,9 +179,7 @@ def _moe_int_pair_gemv_kernel(
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     pdl_wait(USE_PDL)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if HAS_MAP:
-        expert = tl.load(map_ptr + expert).to(tl.int64)
+    expert = pair_expert(ids_ptr, map_ptr, pair, HAS_MAP)
     if expert < 0:
         return
     row = (pair // top_k) if GATED else pair
