@@ -16,7 +16,8 @@ device copy bandwidth measured in the same run is the roofline figure (target at
 At one row with 4-bit bf16 weights the path is the tensor-core GEMV (triton_int_gemv_mma; variant gemv_fp32: the fp32
 CUDA-core GEMV it replaces, which TANDEM_INT_GEMV_MMA=0 selects). Its time includes adding a K split (in its own
 last program); the variants deferred, reduce_kernel and split1 (K split shapes) and gated, gated_unfused (gate_up)
-time it as the decode step runs each projection and against the kernels that saves (mma_variants).
+time it as the decode step runs each projection and against the kernels that saves (mma_variants). With
+TANDEM_INT_MMA_MAX_ROWS=8, 2 to 8 rows take it too (variant gemm: the tile GEMM they ran before).
 
 --sweep also times a grid of GEMV tiles (BLOCK_N, BLOCK_K, num_warps; for the tensor-core GEMV ROW_BLOCKS,
 num_warps, SPLIT_K) where the GEMV runs (1 row) and of GEMM tiles
@@ -180,7 +181,7 @@ def main() -> None:
                 us = graph_us([lambda w=w: int_weight_matmul_triton(x, w) for w in weights])
                 bf16 = graph_us([lambda w=w: F.linear(x, w) for w in dense])
                 gemv = use_int_gemv(m)
-                mma = gemv and use_mma_gemv(x, weights[0])
+                mma = (gemv or m > 1) and use_mma_gemv(x, weights[0])  # TANDEM_INT_MMA_MAX_ROWS: up to 8 rows
                 make = int_gemv_config if gemv else int_gemm_config
                 path = "gemv" if gemv else "dequant+cublas" if m >= dequant_min_rows() else "gemm"
                 config = (mma_gemv_config(n, k, bits, sms, group_size=args.group) if mma
@@ -195,7 +196,10 @@ def main() -> None:
                 variants = {}
                 if mma:  # the fp32 CUDA-core GEMV the tensor-core one replaces (a config selects it)
                     variants["gemv_fp32"] = dict(config=int_gemv_config(m, n, k, bits, args.group, sms))
-                    variants.update(mma_variants(name, n, k, bits, sms, args.group))
+                    if m == 1:
+                        variants.update(mma_variants(name, n, k, bits, sms, args.group))
+                    else:  # the tile GEMM these rows ran before
+                        variants["gemm"] = dict(gemv=False)
                 if m <= 4:
                     variants["gemm" if gemv else "gemv"] = dict(gemv=not gemv)
                 if m <= 16:

@@ -77,14 +77,16 @@ def fma_case(n: int, k: int, bits: int, group: int, override: dict) -> tuple:
     return kernel, cfg["num_warps"], block_n * block_k, {**cfg, **constexprs}, rounds
 
 
-def mma_case(n: int, k: int, bits: int, group: int, override: dict, gated: bool = False) -> tuple:
+def mma_case(n: int, k: int, bits: int, group: int, override: dict, gated: bool = False, m: int = 1) -> tuple:
     """The tensor-core GEMV as int_weight_matmul_triton launches it at one row (gated: silu(gate) * up of n rows,
-    gate then up; a K split then adds its partial sums in the kernel, as it does wherever nothing defers them)."""
+    gate then up; a K split then adds its partial sums in the kernel, as it does wherever nothing defers them), or
+    at m rows of x (one block a program; a K split then goes to the reduce kernel or the norm)."""
     if not mma.mma_gemv_fits(1, k, bits, group):
         raise SystemExit(f"the tensor-core GEMV does not take {bits} bits, group {group}, K {k}")
-    cfg = {**mma.mma_gemv_config(n, k, bits, 132, gated, group), **override}
+    cfg = {**mma.mma_gemv_config(n, k, bits, 132, gated, group), **({"ROW_BLOCKS": 1} if m > 1 else {}), **override}
     constexprs = mma.mma_gemv_constexprs(n, k, bits, group, cfg, has_bias=False, use_pdl=2, gated=gated,
-                                         reduce=cfg["SPLIT_K"] > 1 and (gated or mma.fold_reduce()))
+                                         reduce=m == 1 and cfg["SPLIT_K"] > 1 and (gated or mma.fold_reduce()),
+                                         m_rows=m)
     names = NAMES[:7] + ["cnt_ptr", "N", "K", "K_SPLIT"]
     mins = "*bf16" if bits == 4 else "*fp32"  # IntWeight's mins: fp32 at 8 bits
     types = ["*bf16", "*i32", "*bf16", mins, "*bf16", "*bf16", "*fp32", "*i32"] + ["i32"] * 3
@@ -152,12 +154,14 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--kernel", default="fma,mma", help="fma, mma, and mma-gated (silu(gate) * up of N rows)")
     parser.add_argument("--config", default="{}", help="JSON entries that override the config (both kernels)")
+    parser.add_argument("--m", type=int, default=1, help="rows of x for the tensor-core GEMV (up to 8)")
     parser.add_argument("--dump", default=None, help="folder for the SASS and PTX")
     parser.add_argument("--json", action="store_true", help="print the full reports as JSON")
     args = parser.parse_args()
     reports = []
     for name in args.kernel.split(","):
-        case = {"fma": fma_case, "mma": mma_case, "mma-gated": lambda *a: mma_case(*a, gated=True)}[name]
+        case = {"fma": fma_case, "mma": lambda *a: mma_case(*a, m=args.m),
+                "mma-gated": lambda *a: mma_case(*a, gated=True)}[name]
         kernel, warps, weights, params, rounds = case(args.n, args.k, args.bits, args.group, json.loads(args.config))
         reports.append(report(kernel, warps, weights, params, args.dump, name, rounds))
     if args.json:

@@ -18,6 +18,7 @@ from tandem.kernels.triton_quant import defers, finish_split
 
 
 PROGRAMS_PER_SM = 8  # the most programs of 4 warps a GEMV's grid gives each SM (mma_gemv_config)
+MMA_MAX_ROWS = 8  # rows of x the GEMV takes at most: one a column of B
 
 
 def part_elements(bits: int) -> int:
@@ -148,12 +149,12 @@ def _int_mma_gemv_kernel(
     stride_wn: tl.constexpr, stride_sn: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN: tl.constexpr, ROW_BLOCKS: tl.constexpr, WARPS: tl.constexpr,
     PREFETCH_PARTS: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr = False, UP: tl.constexpr = 0,
-    REDUCE: tl.constexpr = False,
+    REDUCE: tl.constexpr = False, M_ROWS: tl.constexpr = 1,
 ):
-    # One row x [K] against W [N, K] (_gemv_body).
-    _gemv_body(x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, K_SPLIT, N, 1.0, GROUP, stride_wn,
-               stride_sn, BITS, HAS_BIAS, SPLIT_K, EVEN, ROW_BLOCKS, WARPS, PREFETCH_PARTS, USE_PDL, GATED, UP, REDUCE,
-               False)
+    # M_ROWS rows of x [M_ROWS, K] (contiguous) against W [N, K] (_gemv_body).
+    _gemv_body(x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, K_SPLIT, M_ROWS * N, 1.0, GROUP,
+               stride_wn, stride_sn, BITS, HAS_BIAS, SPLIT_K, EVEN, ROW_BLOCKS, WARPS, PREFETCH_PARTS, USE_PDL, GATED,
+               UP, REDUCE, False, M_ROWS)
 
 
 @triton.jit
@@ -194,7 +195,7 @@ def _int_mma_pair_kernel(
                mn_ptr + expert * N * stride_sn, out_ptr, out_ptr + out_row.to(tl.int64) * (N - UP),
                ws_ptr + pair.to(tl.int64) * N, cnt_ptr + pair * tl.num_programs(0), N, K, K_SPLIT,
                num_pairs.to(tl.int64) * N, scale, GROUP, stride_wn, stride_sn, BITS, False, SPLIT_K, EVEN, ROW_BLOCKS,
-               WARPS, 0, False, GATED, UP, REDUCE, MUL_WEIGHT)
+               WARPS, 0, False, GATED, UP, REDUCE, MUL_WEIGHT, 1)
 
 
 @triton.jit
@@ -203,7 +204,7 @@ def _gemv_body(
     GROUP: tl.constexpr, stride_wn: tl.constexpr, stride_sn: tl.constexpr, BITS: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
     WARPS: tl.constexpr, PREFETCH_PARTS: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr, UP: tl.constexpr,
-    REDUCE: tl.constexpr, SCALED: tl.constexpr,
+    REDUCE: tl.constexpr, SCALED: tl.constexpr, M_ROWS: tl.constexpr,
 ):
     # Program = ROW_BLOCKS blocks of 16 channels over K range [pid_k * K_SPLIT, +K_SPLIT) (a multiple of
     # WARPS * PART): warp w takes parts w, w + WARPS, ... of it, and the warps' sums are added at the end. Every
@@ -224,9 +225,15 @@ def _gemv_body(
     # splits' fp32 sums go to ws [SPLIT_K, N] by weight row; REDUCE: the last program of a row block to arrive
     # (counted at cnt_ptr) adds them in split order and writes the output, as the reduce kernel would have.
     # ws_split: elements between two splits' partial sums in ws; SCALED: the output times `scale`.
+    # M_ROWS > 1 (2 to 8 rows of x, groups of whole parts, one block a program, no GATED or REDUCE): B's column c
+    # holds row c of x (zeros past M_ROWS), so one dequantized A serves every row; lane (g, t) holds rows g and
+    # g + 8 of the block for x rows 2t and 2t + 1 (the small groups' two-column assembly), scales both, and stores
+    # them (or their partial sums, ws [SPLIT_K, M_ROWS, N]).
     PART: tl.constexpr = 512 // BITS
     PER_WORD: tl.constexpr = 32 // BITS
     GPP: tl.constexpr = PART // GROUP if GROUP < PART else 1  # groups a part
+    XROWS: tl.constexpr = M_ROWS > 1
+    TWO: tl.constexpr = GPP > 1 or XROWS  # two columns of sums a lane
     OFFSET: tl.constexpr = 1.0 if BITS == 4 else 17.0  # F = sum_k x_k (OFFSET + q_k / 16)
     T: tl.constexpr = 32 * WARPS
     tid = tl.arange(0, T)
@@ -246,7 +253,10 @@ def _gemv_body(
     chan_e = block0 + 16 * (mine % OUT_BLOCKS) + g  # [T]: its channel g (and g + 8)
     half_e = mine // OUT_BLOCKS  # [T]: 1 where the block holds up rows
     x_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    x_ptrs = x_words + tl.multiple_of((first + t * (PART // 4)) // 2, 4)[:, None] + quad  # [T, 4]
+    x_at = (first + t * (PART // 4)) // 2
+    if XROWS:  # lane (g, t): row g of x (K a multiple of 128: rows start on 16-byte lines)
+        x_at += g * (K // 2)
+    x_ptrs = x_words + tl.multiple_of(x_at, 4)[:, None] + quad  # [T, 4]
     word = tl.multiple_of(first // PER_WORD + 4 * t, 4)[:, None] + quad  # [T, 4]: words 4t .. 4t + 3 of the part
     if EVEN:  # the strides are compile-time: one pointer, the other rows at immediate offsets
         w_lo = w_ptr + (block0 + g).to(tl.int64)[:, None] * stride_wn + word  # block 0's rows
@@ -261,6 +271,10 @@ def _gemv_body(
     # Small groups (GPP > 1): whether the lane's x goes to B (its column g sums the lane's group), and the groups
     # of the part that its columns 2t and 2t + 1 sum
     own = ((g % 2 + 2 * (g // 4 % 2)) % GPP) == (t * GPP // 4)
+    if XROWS:  # the lanes of B's columns past the rows of x
+        own = g < M_ROWS
+    acc_lo_b = tl.zeros([T], dtype=tl.float32)  # M_ROWS > 1: x row 2t + 1's sums
+    acc_hi_b = tl.zeros([T], dtype=tl.float32)
     col_a = (2 * (t // 2)) % GPP
     col_b = (1 + 2 * (t // 2)) % GPP
     if USE_PDL and PREFETCH_PARTS > 0:  # before the wait: each warp's first parts of every row to L2
@@ -270,7 +284,7 @@ def _gemv_body(
     for k0 in range(k_begin, k_end, WARPS * PART):
         start = k0 + warp * PART
         live = start < k_end
-        if GPP > 1:  # x only in B's columns of the lane's group: the other lanes read zeros
+        if TWO:  # x only in B's columns of the lane's group (row): the other lanes read zeros
             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _x_regs(
                 x_ptrs, live & own, False, BITS)
         else:
@@ -279,7 +293,7 @@ def _gemv_body(
             start = tl.where(live, start, k_begin)
             word = tl.multiple_of(start // PER_WORD + 4 * t, 4)[:, None] + quad
         group = start // GROUP
-        if GPP > 1:
+        if TWO:
             if BITS == 4:
                 xs, xs_b = tl.inline_asm_elementwise(
                     asm=SUM2_ASM_4, constraints=SUM2_CONSTRAINTS_4,
@@ -318,12 +332,12 @@ def _gemv_body(
             h0, h1, h2, h3 = _quad(hi)
             bb_lo = xs
             bb_hi = xs
-            if GPP > 1 and BITS == 4:
+            if TWO and BITS == 4:
                 b_lo, b_hi, bb_lo, bb_hi = tl.inline_asm_elementwise(
                     asm=PART2_ASM_4, constraints=PART2_CONSTRAINTS_4,
                     args=[l0, l1, l2, l3, h0, h1, h2, h3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12,
                           x13, x14, x15], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
-            elif GPP > 1:
+            elif TWO:
                 b_lo, b_hi, bb_lo, bb_hi = tl.inline_asm_elementwise(
                     asm=PART2_ASM_8, constraints=PART2_CONSTRAINTS_8,
                     args=[l0, l1, l2, l3, h0, h1, h2, h3, x0, x1, x2, x3, x4, x5, x6, x7],
@@ -360,11 +374,22 @@ def _gemv_body(
             acc_lo = acc_lo + tl.load(mn_ptr + s_lo + group_b).to(tl.float32) * xs_b
             acc_hi = acc_hi + (tl.load(s_ptr + s_hi + group_b).to(tl.float32) * 16.0) * (fb_hi - OFFSET * xs_b)
             acc_hi = acc_hi + tl.load(mn_ptr + s_hi + group_b).to(tl.float32) * xs_b
+        if XROWS:  # and x row 2t + 1, same scales
+            acc_lo_b = acc_lo_b + (tl.load(s_ptr + s_lo + group).to(tl.float32) * 16.0) * (fb_lo - OFFSET * xs_b)
+            acc_lo_b = acc_lo_b + tl.load(mn_ptr + s_lo + group).to(tl.float32) * xs_b
+            acc_hi_b = acc_hi_b + (tl.load(s_ptr + s_hi + group).to(tl.float32) * 16.0) * (fb_hi - OFFSET * xs_b)
+            acc_hi_b = acc_hi_b + tl.load(mn_ptr + s_hi + group).to(tl.float32) * xs_b
         x_ptrs += WARPS * PART // 2
         w_lo += WARPS * PART // PER_WORD
     # Lanes t < ROW_BLOCKS hold their rows' sums over their warp's parts: added over the warps, stored once.
-    _store_rows(acc_lo, acc_hi, chan_e, half_e, t < ROW_BLOCKS, n_out, b_ptr, out_ptr, ws_ptr, cnt_ptr, pid_k, ws_split,
-                scale, UP, HAS_BIAS, SPLIT_K, WARPS, GATED, OUT_BLOCKS, REDUCE, GPP == 4, SCALED)
+    if XROWS:
+        _store_xrows(acc_lo, acc_hi, chan_e, 2 * t, n_out, b_ptr, out_ptr, ws_ptr, pid_k, ws_split, HAS_BIAS, SPLIT_K,
+                     WARPS, M_ROWS)
+        _store_xrows(acc_lo_b, acc_hi_b, chan_e, 2 * t + 1, n_out, b_ptr, out_ptr, ws_ptr, pid_k, ws_split, HAS_BIAS,
+                     SPLIT_K, WARPS, M_ROWS)
+    else:
+        _store_rows(acc_lo, acc_hi, chan_e, half_e, t < ROW_BLOCKS, n_out, b_ptr, out_ptr, ws_ptr, cnt_ptr, pid_k,
+                    ws_split, scale, UP, HAS_BIAS, SPLIT_K, WARPS, GATED, OUT_BLOCKS, REDUCE, GPP == 4, SCALED)
 
 
 @triton.jit
@@ -417,6 +442,25 @@ def _store_rows(acc_lo, acc_hi, chan_e, half_e, keep_e, n_out, b_ptr, out_ptr, w
                 for i in tl.static_range(1, SPLIT_K):
                     total += tl.load(ws_ptr + i * ws_split + rows, mask=mask, other=0.0, cache_modifier=".cg")
                 _store_output(total, chan, rows, mask, b_ptr, out_ptr, scale, HAS_BIAS, GATED, OUT_BLOCKS, SCALED)
+
+
+@triton.jit
+def _store_xrows(acc_lo, acc_hi, chan_e, xrow_e, n_out, b_ptr, out_ptr, ws_ptr, pid_k, ws_split, HAS_BIAS: tl.constexpr,
+                 SPLIT_K: tl.constexpr, WARPS: tl.constexpr, M_ROWS: tl.constexpr):
+    # Several rows of x: acc_lo, acc_hi [T] the sums of channels chan_e and chan_e + 8 for x row xrow_e (a lane's),
+    # added over the warps and stored at out [M_ROWS, n_out] (or the split's partial sums at ws [SPLIT_K, M_ROWS,
+    # n_out]); rows past M_ROWS and channels past n_out are not stored.
+    y = tl.sum(tl.reshape(tl.join(acc_lo, acc_hi), [WARPS, 32, 2]), axis=0)  # [32, 2]
+    chan = tl.max(tl.reshape(chan_e, [WARPS, 32]), axis=0)[:, None] + 8 * tl.arange(0, 2)[None, :]
+    xrow = tl.max(tl.reshape(xrow_e, [WARPS, 32]), axis=0)[:, None]
+    mask = (xrow < M_ROWS) & (chan < n_out)
+    at = xrow * n_out + chan
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + chan, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptr + pid_k.to(tl.int64) * ws_split + at, y, mask=mask)
 
 
 @triton.jit
@@ -491,11 +535,16 @@ def mma_gemv_config(n: int, k: int, bits: int, sms: int, gated: bool = False, gr
 
 
 def mma_gemv_constexprs(n: int, k: int, bits: int, group_size: int, cfg: dict[str, int], has_bias: bool,
-                        use_pdl: int, gated: bool = False, reduce: bool = False) -> dict:
+                        use_pdl: int, gated: bool = False, reduce: bool = False, m_rows: int = 1) -> dict:
     """The kernel's compile-time arguments for a config (also scripts/sass_int_gemv.py's); the strides are those
     of a contiguous IntWeight (words K bits / 32, scales K / group_size a row). gated: n rows, gate then up, give
-    n / 2 outputs silu(gate) * up (ROW_BLOCKS 2 or 4); reduce: a K split adds its partial sums in the kernel."""
+    n / 2 outputs silu(gate) * up (ROW_BLOCKS 2 or 4); reduce: a K split adds its partial sums in the kernel;
+    m_rows: rows of x (more than one: up to MMA_MAX_ROWS, one block a program, groups of whole parts, neither
+    gated nor reduce)."""
     warps, blocks = cfg["num_warps"], cfg["ROW_BLOCKS"]
+    if m_rows > 1 and (m_rows > MMA_MAX_ROWS or blocks != 1 or gated or reduce
+                       or groups_a_part(bits, group_size) != 1):
+        raise ValueError(f"{m_rows} rows of x take 1 row block, groups of whole parts, no gate and no folded split")
     if gated and (blocks not in (2, 4) or n % 2):
         raise ValueError(f"the gated GEMV takes 2 or 4 row blocks and an even number of rows, got {blocks} and {n}")
     if groups_a_part(bits, group_size) == 4 and blocks > 2:
@@ -506,7 +555,7 @@ def mma_gemv_constexprs(n: int, k: int, bits: int, group_size: int, cfg: dict[st
                 HAS_BIAS=has_bias, SPLIT_K=triton.cdiv(k, k_split),
                 EVEN=k % k_split == 0 and (n // 2 if gated else n) % channels == 0, ROW_BLOCKS=blocks,
                 WARPS=warps, PREFETCH_PARTS=prefetch_parts() if use_pdl else 0, USE_PDL=use_pdl, GATED=gated,
-                UP=n // 2 if gated else 0, REDUCE=reduce)
+                UP=n // 2 if gated else 0, REDUCE=reduce, M_ROWS=m_rows)
 
 
 def prefetch_parts() -> int:
@@ -526,14 +575,24 @@ def _has_bf16_mma(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 8
 
 
+def mma_max_rows() -> int:
+    """Rows of x the tensor-core GEMV takes: 1, or up to MMA_MAX_ROWS with TANDEM_INT_MMA_MAX_ROWS (read per call:
+    a CUDA graph keeps what its capture chose); 2 to 8 rows otherwise run the tile GEMM."""
+    return min(int(os.environ.get("TANDEM_INT_MMA_MAX_ROWS", "1")), MMA_MAX_ROWS)
+
+
 def use_mma_gemv(x: torch.Tensor, weight: IntWeight) -> bool:
     """The tensor-core GEMV for this product: bf16 x on a CUDA GPU of compute capability 8.0 or more (bf16
-    mma.sync), a shape it takes, x's row 16-byte aligned (read as int32 pairs, 16 bytes a load), a contiguous
-    IntWeight (its strides are compile-time), and TANDEM_INT_GEMV_MMA not 0 (read per call: a CUDA graph keeps
-    what its capture chose)."""
+    mma.sync), a shape it takes (one row; up to mma_max_rows() rows where the groups are whole parts), x
+    contiguous with 16-byte aligned rows (read as int32 pairs, 16 bytes a load), a contiguous IntWeight (its
+    strides are compile-time), and TANDEM_INT_GEMV_MMA not 0 (read per call: a CUDA graph keeps what its capture
+    chose)."""
     groups = weight.scales.shape[1]
-    return (x.is_cuda and x.dtype == torch.bfloat16 and weight.scales.dtype == torch.bfloat16
-            and mma_gemv_fits(x.shape[0], weight.shape[1], weight.bits, weight.group_size)
+    m = x.shape[0]
+    rows_ok = m == 1 or (1 < m <= mma_max_rows() and groups_a_part(weight.bits, weight.group_size) == 1
+                         and x.is_contiguous())
+    return (x.is_cuda and x.dtype == torch.bfloat16 and weight.scales.dtype == torch.bfloat16 and rows_ok
+            and mma_gemv_fits(1, weight.shape[1], weight.bits, weight.group_size)
             and (groups_a_part(weight.bits, weight.group_size) == 1
                  or os.environ.get("TANDEM_INT_MMA_SMALL_GROUPS", "1") != "0")
             and x.stride(1) == 1 and x.data_ptr() % 16 == 0
@@ -559,24 +618,27 @@ def _split_counters(device: torch.device, programs: int) -> torch.Tensor:
 
 def int_mma_gemv(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = None, defer: bool = False,
                  config: dict[str, int] | None = None, gated: bool = False) -> torch.Tensor | PartialSums:
-    """x W^T + b for one bf16 row x [1, K] (use_mma_gemv holds) on the tensor cores; grid and workspace from the
+    """x W^T + b for bf16 rows x [M, K] (use_mma_gemv holds) on the tensor cores; grid and workspace from the
     shape alone (captures in CUDA graphs). With `defer` (and TANDEM_DEFER_REDUCE not 0) a K split hands its
-    fp32 partial sums on; otherwise the kernel adds them itself (fold_reduce). gated (weight rows gate then up):
-    silu(gate) * up, [1, N / 2], in the same kernel. config: overrides mma_gemv_config's entries (benchmarks,
-    tests)."""
+    fp32 partial sums on; otherwise the kernel adds them itself (fold_reduce; several rows: the reduce kernel).
+    gated (weight rows gate then up, one row): silu(gate) * up, [1, N / 2], in the same kernel. config: overrides
+    mma_gemv_config's entries (benchmarks, tests)."""
     n, k = weight.shape
-    bits = weight.bits
-    if gated and n % 2:
-        raise ValueError(f"the gated GEMV needs an even number of weight rows (gate then up), got {n}")
-    out = torch.empty(1, n // 2 if gated else n, dtype=x.dtype, device=x.device)
+    bits, m = weight.bits, x.shape[0]
+    if gated and (n % 2 or m > 1):
+        raise ValueError(f"the gated GEMV needs one row and an even number of weight rows (gate then up), got {m} "
+                         f"and {n}")
+    out = torch.empty(m, n // 2 if gated else n, dtype=x.dtype, device=x.device)
     cfg = {**mma_gemv_config(n, k, bits, device_sms(x.device), gated, weight.group_size), **(config or {})}
+    if m > 1:  # one block a program: a lane holds the block's rows for two rows of x
+        cfg["ROW_BLOCKS"] = 1
     pdl = use_pdl(x.device)
     k_split = mma_k_split(k, bits, cfg["SPLIT_K"], cfg["num_warps"])
     split_k = triton.cdiv(k, k_split)  # whole rounds a split can leave fewer splits than asked for
     deferred = defers(defer) and not gated
-    reduce = split_k > 1 and not deferred and (gated or fold_reduce())
-    flags = mma_gemv_constexprs(n, k, bits, weight.group_size, cfg, bias is not None, pdl, gated, reduce)
-    ws = torch.empty(split_k, 1, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    reduce = split_k > 1 and not deferred and (gated or fold_reduce()) and m == 1
+    flags = mma_gemv_constexprs(n, k, bits, weight.group_size, cfg, bias is not None, pdl, gated, reduce, m)
+    ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     channels = 16 * (cfg["ROW_BLOCKS"] // 2 if gated else cfg["ROW_BLOCKS"])
     programs = triton.cdiv(out.shape[1], channels)
     counts = _split_counters(x.device, programs) if reduce else ws
@@ -631,7 +693,7 @@ def int_mma_pair_gemv(
     k_split = mma_k_split(k, bits, cfg["SPLIT_K"], cfg["num_warps"])
     split_k = triton.cdiv(k, k_split)
     flags = mma_gemv_constexprs(n, k, bits, weight.group_size, cfg, False, 0, gated, split_k > 1)
-    for unused in ("HAS_BIAS", "PREFETCH_PARTS"):
+    for unused in ("HAS_BIAS", "PREFETCH_PARTS", "M_ROWS"):
         flags.pop(unused)
     pdl = use_pdl(x.device)
     flags["USE_PDL"] = pdl

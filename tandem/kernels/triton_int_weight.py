@@ -443,7 +443,8 @@ def int_weight_matmul_triton(
         if n % 2:
             raise ValueError(f"a gated product needs an even number of weight rows (gate then up), got {n}")
         x = x if x.stride(1) == 1 else x.contiguous()
-        if (use_int_gemv(x.shape[0]) if gemv is None else gemv) and config is None and use_mma_gemv(x, weight):
+        one_row = x.shape[0] == 1 and (use_int_gemv(1) if gemv is None else gemv)
+        if one_row and config is None and use_mma_gemv(x, weight):
             return int_mma_gemv(x, weight, bias, gated=True)
         return silu_and_mul_triton(int_weight_matmul_triton(x, weight, bias, gemv, config))  # type: ignore[arg-type]
     bits, group_size = weight.bits, weight.group_size
@@ -457,7 +458,8 @@ def int_weight_matmul_triton(
         return torch.empty(m, n, dtype=x.dtype, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
     use_gemv = use_int_gemv(m) if gemv is None else gemv
-    if use_gemv and config is None and use_mma_gemv(x, weight):  # one bf16 row: the tensor-core GEMV
+    # One bf16 row (or up to mma_max_rows()): the tensor-core GEMV
+    if (use_gemv or (gemv is None and m > 1)) and config is None and use_mma_gemv(x, weight):
         return int_mma_gemv(x, weight, bias, defer)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     sms = device_sms(x.device)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tandem.kernels import triton_int_gemv_mma as mma
-from tandem.kernels.int_weight import repack_int_weight
+from tandem.kernels.int_weight import dequantize_repacked, repack_int_weight
 from tests.kernels.sm90 import compile_sm90
 
 CUDA = torch.cuda.is_available()
@@ -165,7 +165,7 @@ from tandem.kernels.triton_int_gemv_mma import _int_mma_gemv_kernel, mma_gemv_co
 
 names = ["x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "N", "K", "K_SPLIT"]
 out = {}
-for name, n, k, bits, rows, gated, reduce, group in [
+CASES = [
         ("even", 4096, 4096, 4, 4, False, False, 128), ("ragged", 4100, 4096 + 128, 4, 4, False, False, 128),
         ("one-block", 6144, 4096, 4, 1, False, False, 128), ("two-blocks", 4096, 4096, 4, 2, False, False, 128),
         ("int8", 4096, 4096, 8, 4, False, False, 128), ("int8-ragged", 4100, 4096 + 64, 8, 2, False, False, 64),
@@ -174,12 +174,15 @@ for name, n, k, bits, rows, gated, reduce, group in [
         ("gated-ragged-folded", 2 * 4100, 4096, 8, 2, True, True, 128),
         ("group32", 6144, 4096, 4, 1, False, True, 32), ("group32-gated", 28672, 4096, 4, 2, True, False, 32),
         ("group64", 4096, 4096, 4, 4, False, False, 64), ("int8-group16", 4096, 4096, 8, 2, False, False, 16),
-        ("int8-group32-ragged", 4100, 4096 + 64, 8, 2, False, False, 32)]:
+        ("int8-group32-ragged", 4100, 4096 + 64, 8, 2, False, False, 32)]
+ROWS = [("rows8", 4096, 4096, 4, 1, False, False, 128, 8), ("rows3-int8-ragged", 4100, 4096 + 64, 8, 1, False, False,
+                                                             64, 3)]
+for name, n, k, bits, rows, gated, reduce, group, m in [(*case, 1) for case in CASES] + ROWS:
     mins = "*bf16" if bits == 4 else "*fp32"
     types = ["*bf16", "*i32", "*bf16", mins, "*bf16", "*bf16", "*fp32", "*i32", "i32", "i32", "i32"]
     cfg = {**mma_gemv_config(n, k, bits, 132, gated), "ROW_BLOCKS": rows}
     cfg["SPLIT_K"] = max(cfg["SPLIT_K"], 2) if reduce else cfg["SPLIT_K"]
-    flags = mma_gemv_constexprs(n, k, bits, group, cfg, True, 2, gated, reduce)
+    flags = mma_gemv_constexprs(n, k, bits, group, cfg, True, 2, gated, reduce, m)
     signature = dict(zip(names, types))
     signature.update({key: "constexpr" for key in flags if key not in signature})
     src = ASTSource(fn=_int_mma_gemv_kernel, signature=signature, constexprs=flags,
@@ -207,9 +210,10 @@ def test_kernel_compiles_for_sm90():
     """Hopper build without a GPU: mma.sync (a part: 8 for X at 4 bits, 4 at 8, then 8 for each 16-row block), no
     local memory, 16-byte loads, under PDL weight lines sent to L2 and nothing written before the wait, and no
     barrier in the K loop (no layout change through shared memory: every tensor keeps one element a thread);
-    gated (a gate block and its up block) and with the split added in the kernel (one atomic count) alike."""
+    gated (a gate block and its up block), with the split added in the kernel (one atomic count) and with several
+    rows of x alike."""
     for name, info in compile_sm90(_COMPILE_SM90).items():
-        assert info["mma"] >= 16 and not info["local"] and info["v4_loads"], (name, info)
+        assert info["mma"] >= 12 and not info["local"] and info["v4_loads"], (name, info)
         assert info["waits"] and info["prefetch_before_wait"] and not info["stores_before_wait"], (name, info)
         x_mmas = 8 if info["bits"] == 4 else 4
         assert info["loop_mma"] == x_mmas + 8 * info["blocks"], (name, info)  # X's, then 8 a block
@@ -232,7 +236,7 @@ for name, n, k, bits, group, gated, split, mapped in [("gate_up", 1536, 2048, 4,
                                                       ("gate_up-g32", 1536, 2048, 4, 32, True, 2, False)]:
     cfg = {**mma_gemv_config(n, k, bits, 16, gated, group), "SPLIT_K": split}
     flags = mma_gemv_constexprs(n, k, bits, group, cfg, False, 2, gated, split > 1)
-    flags.pop("HAS_BIAS"), flags.pop("PREFETCH_PARTS")
+    flags.pop("HAS_BIAS"), flags.pop("PREFETCH_PARTS"), flags.pop("M_ROWS")
     flags.update(MUL_WEIGHT=not gated, HAS_MAP=mapped, SPLIT_MAJOR=not gated)
     types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16" if gated else "*fp32", "*fp32", "*i32", "*fp32", "*i32",
              "*i32", "i32", "i32", "i32", "i32", "i32"]
@@ -535,3 +539,65 @@ def test_gpu_pair_gemv_matches_the_cuda_core_pairs(bits, group, mapped, into_nor
         out = fused_moe_int_triton(x, w13, w2, weights, ids, expert_map, pair_path=True, into_norm=into_norm)
         outs.append(out.reduce() if isinstance(out, PartialSums) else out.float())
     torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2e-2, atol=2e-2 * outs[1].abs().max().item())
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter case; on a GPU: test_gpu_rows_match_the_tile_gemm")
+@pytest.mark.parametrize("bits,m,n,k,group,split", [
+    (4, 8, 64, 1024, 128, 2),  # every column of B a row of x
+    (4, 3, 40, 1152, 128, 2),  # ragged: rows past M (zeros), N past whole blocks, K past whole rounds
+    (8, 5, 48, 512, 64, 2),
+    (4, 2, 32, 512, 512, 1),  # one split: the kernel writes the output, bias and all
+])
+def test_rows_in_the_interpreter(bits, m, n, k, group, split, monkeypatch):
+    """Up to 8 rows of x through the GEMV (int_mma_gemv, TANDEM_INT_MMA_MAX_ROWS): B's column c is row c of x, a
+    lane keeps the block's sums for two rows of x; each row's output equals x (q s + mn) in fp64 (the partial sums,
+    handed on with defer; one split: the bf16 output, within its rounding)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    from tandem.kernels.fp8 import PartialSums
+
+    monkeypatch.setattr(InterpreterBuilder, "create_inline_asm", emulate_inline_asm, raising=True)
+    packed, _, bias = random_int_weight(n, k, bits, group, seed=m + n + k)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = dequantize_repacked(packed).double()
+    want = x.double() @ w.T
+    if split == 1:
+        got = mma.int_mma_gemv(x, packed, bias.to(torch.bfloat16), config={"SPLIT_K": 1})
+        want = want + bias.to(torch.bfloat16).double()
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+        return
+    got = mma.int_mma_gemv(x, packed, None, defer=True, config={"SPLIT_K": split})
+    assert isinstance(got, PartialSums) and got.ws.shape == (split, m, n)
+    torch.testing.assert_close(got.ws.double().sum(0), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("bits,m,n,k,group", [(4, 2, 6144, 4096, 128), (4, 8, 4100, 4096 + 128, 128),
+                                              (4, 5, 4096, 14336, 128), (8, 8, 1536, 4096, 64)])
+def test_gpu_rows_match_the_tile_gemm(bits, m, n, k, group, monkeypatch):
+    """2 to 8 rows of x through the tensor-core GEMV (TANDEM_INT_MMA_MAX_ROWS=8) in bf16, deferred splits reduced
+    too: within assert_close_to's bound of the fp32 reference, and close to the tile GEMM on the same codes (both
+    round only the output and, in the GEMM, each weight to bf16)."""
+    from tandem.kernels.fp8 import PartialSums
+    from tandem.kernels.triton_int_weight import int_weight_matmul_triton
+    from tests.kernels.test_triton_int_weight import assert_close_to, make_weight, reference
+
+    qweight, scales, zeros, _ = make_weight(n, k, bits, group, torch.bfloat16, seed=m + n)
+    packed = repack_int_weight(qweight, scales, zeros, bits, group)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ref = reference(x, qweight, scales, zeros, bits, group, b)
+    monkeypatch.setenv("TANDEM_INT_MMA_MAX_ROWS", "8")
+    assert mma.use_mma_gemv(x, packed)
+    out = int_weight_matmul_triton(x, packed, b)
+    assert_close_to(out, ref)
+    deferred = int_weight_matmul_triton(x, packed, b, defer=True)
+    deferred = deferred.reduce() if isinstance(deferred, PartialSums) else deferred
+    torch.testing.assert_close(deferred.float(), out.float(), atol=2e-3 * ref.abs().max().item(), rtol=1e-2)
+    monkeypatch.setenv("TANDEM_INT_MMA_MAX_ROWS", "1")
+    assert not mma.use_mma_gemv(x, packed)
+    gemm = int_weight_matmul_triton(x, packed, b)
+    torch.testing.assert_close(out.float(), gemm.float(), atol=1e-2 * ref.abs().max().item(), rtol=2e-2)
