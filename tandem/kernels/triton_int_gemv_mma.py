@@ -14,6 +14,7 @@ import triton.language as tl
 from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
 from tandem.kernels.triton_launch import device_sms, pdl_wait, persistent_state, prefetch_l2, use_pdl
+from tandem.kernels.triton_moe import pair_expert
 from tandem.kernels.triton_quant import defers, finish_split
 
 
@@ -158,16 +159,6 @@ def _int_mma_gemv_kernel(
 
 
 @triton.jit
-def pair_expert(ids_ptr, map_ptr, pair, HAS_MAP: tl.constexpr):
-    # A (token, expert) pair's expert: its global id, through the map to this rank's local one (HAS_MAP; -1: another
-    # rank's), as int64 for the stack offsets
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if HAS_MAP:
-        expert = tl.load(map_ptr + expert).to(tl.int64)
-    return expert
-
-
-@triton.jit
 def _int_mma_pair_kernel(
     x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, ws_ptr, cnt_ptr, topk_w_ptr, ids_ptr, map_ptr, N, K, K_SPLIT, top_k,
     num_tokens, GROUP: tl.constexpr, stride_wn: tl.constexpr, stride_sn: tl.constexpr, BITS: tl.constexpr,
@@ -268,13 +259,14 @@ def _gemv_body(
         s_hi = (tl.minimum(chan_e + 8, n_out - 1) + half_e * UP).to(tl.int64) * stride_sn
     acc_lo = tl.zeros([T], dtype=tl.float32)
     acc_hi = tl.zeros([T], dtype=tl.float32)
-    # Small groups (GPP > 1): whether the lane's x goes to B (its column g sums the lane's group), and the groups
-    # of the part that its columns 2t and 2t + 1 sum
-    own = ((g % 2 + 2 * (g // 4 % 2)) % GPP) == (t * GPP // 4)
-    if XROWS:  # the lanes of B's columns past the rows of x
-        own = g < M_ROWS
     acc_lo_b = tl.zeros([T], dtype=tl.float32)  # M_ROWS > 1: x row 2t + 1's sums
     acc_hi_b = tl.zeros([T], dtype=tl.float32)
+    # Whether the lane's x goes to B: its column g is a row of x (M_ROWS > 1) or sums the lane's group (small
+    # groups, GPP > 1; always else); and the groups of the part that its columns 2t and 2t + 1 sum
+    if XROWS:
+        own = g < M_ROWS
+    else:
+        own = ((g % 2 + 2 * (g // 4 % 2)) % GPP) == (t * GPP // 4)
     col_a = (2 * (t // 2)) % GPP
     col_b = (1 + 2 * (t // 2)) % GPP
     if USE_PDL and PREFETCH_PARTS > 0:  # before the wait: each warp's first parts of every row to L2
@@ -364,21 +356,14 @@ def _gemv_body(
                 fb_hi = tl.where(mine == b, bb_hi, fb_hi)
         # 16 s (F - OFFSET X) + mn X: the part's sum of x (q s + mn) for each row
         group_a = group + col_a  # the group of column 2t (col_a 0 unless GPP > 1)
-        acc_lo = acc_lo + (tl.load(s_ptr + s_lo + group_a).to(tl.float32) * 16.0) * (f_lo - OFFSET * xs)
-        acc_lo = acc_lo + tl.load(mn_ptr + s_lo + group_a).to(tl.float32) * xs
-        acc_hi = acc_hi + (tl.load(s_ptr + s_hi + group_a).to(tl.float32) * 16.0) * (f_hi - OFFSET * xs)
-        acc_hi = acc_hi + tl.load(mn_ptr + s_hi + group_a).to(tl.float32) * xs
+        acc_lo = _add_part(acc_lo, s_ptr + s_lo, mn_ptr + s_lo, group_a, f_lo, xs, OFFSET)
+        acc_hi = _add_part(acc_hi, s_ptr + s_hi, mn_ptr + s_hi, group_a, f_hi, xs, OFFSET)
         if GPP > 1:  # and column 2t + 1's group
-            group_b = group + col_b
-            acc_lo = acc_lo + (tl.load(s_ptr + s_lo + group_b).to(tl.float32) * 16.0) * (fb_lo - OFFSET * xs_b)
-            acc_lo = acc_lo + tl.load(mn_ptr + s_lo + group_b).to(tl.float32) * xs_b
-            acc_hi = acc_hi + (tl.load(s_ptr + s_hi + group_b).to(tl.float32) * 16.0) * (fb_hi - OFFSET * xs_b)
-            acc_hi = acc_hi + tl.load(mn_ptr + s_hi + group_b).to(tl.float32) * xs_b
+            acc_lo = _add_part(acc_lo, s_ptr + s_lo, mn_ptr + s_lo, group + col_b, fb_lo, xs_b, OFFSET)
+            acc_hi = _add_part(acc_hi, s_ptr + s_hi, mn_ptr + s_hi, group + col_b, fb_hi, xs_b, OFFSET)
         if XROWS:  # and x row 2t + 1, same scales
-            acc_lo_b = acc_lo_b + (tl.load(s_ptr + s_lo + group).to(tl.float32) * 16.0) * (fb_lo - OFFSET * xs_b)
-            acc_lo_b = acc_lo_b + tl.load(mn_ptr + s_lo + group).to(tl.float32) * xs_b
-            acc_hi_b = acc_hi_b + (tl.load(s_ptr + s_hi + group).to(tl.float32) * 16.0) * (fb_hi - OFFSET * xs_b)
-            acc_hi_b = acc_hi_b + tl.load(mn_ptr + s_hi + group).to(tl.float32) * xs_b
+            acc_lo_b = _add_part(acc_lo_b, s_ptr + s_lo, mn_ptr + s_lo, group, fb_lo, xs_b, OFFSET)
+            acc_hi_b = _add_part(acc_hi_b, s_ptr + s_hi, mn_ptr + s_hi, group, fb_hi, xs_b, OFFSET)
         x_ptrs += WARPS * PART // 2
         w_lo += WARPS * PART // PER_WORD
     # Lanes t < ROW_BLOCKS hold their rows' sums over their warp's parts: added over the warps, stored once.
@@ -390,6 +375,14 @@ def _gemv_body(
     else:
         _store_rows(acc_lo, acc_hi, chan_e, half_e, t < ROW_BLOCKS, n_out, b_ptr, out_ptr, ws_ptr, cnt_ptr, pid_k,
                     ws_split, scale, UP, HAS_BIAS, SPLIT_K, WARPS, GATED, OUT_BLOCKS, REDUCE, GPP == 4, SCALED)
+
+
+@triton.jit
+def _add_part(acc, s_row, mn_row, group, f, xs, OFFSET: tl.constexpr):
+    # acc plus one part's sum of x (q s + mn) for a row: 16 s (F - OFFSET X) + mn X, with the row's scale and min of
+    # `group` (s_row, mn_row: the row's first)
+    acc = acc + (tl.load(s_row + group).to(tl.float32) * 16.0) * (f - OFFSET * xs)
+    return acc + tl.load(mn_row + group).to(tl.float32) * xs
 
 
 @triton.jit
@@ -581,6 +574,17 @@ def mma_max_rows() -> int:
     return min(int(os.environ.get("TANDEM_INT_MMA_MAX_ROWS", "1")), MMA_MAX_ROWS)
 
 
+def _takes(x: torch.Tensor, weight: IntWeight) -> bool:
+    """What both GEMVs need of x and of a weight (or a stack of experts): bf16 x on a CUDA GPU of compute capability
+    8.0 or more (bf16 mma.sync), bf16 scales, K and groups the kernel takes (small groups unless
+    TANDEM_INT_MMA_SMALL_GROUPS=0, read per call)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and weight.scales.dtype == torch.bfloat16
+            and mma_gemv_fits(1, weight.shape[1], weight.bits, weight.group_size)
+            and (groups_a_part(weight.bits, weight.group_size) == 1
+                 or os.environ.get("TANDEM_INT_MMA_SMALL_GROUPS", "1") != "0")
+            and _has_bf16_mma(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+
+
 def use_mma_gemv(x: torch.Tensor, weight: IntWeight) -> bool:
     """The tensor-core GEMV for this product: bf16 x on a CUDA GPU of compute capability 8.0 or more (bf16
     mma.sync), a shape it takes (one row; up to mma_max_rows() rows where the groups are whole parts), x
@@ -591,14 +595,10 @@ def use_mma_gemv(x: torch.Tensor, weight: IntWeight) -> bool:
     m = x.shape[0]
     rows_ok = m == 1 or (1 < m <= mma_max_rows() and groups_a_part(weight.bits, weight.group_size) == 1
                          and x.is_contiguous())
-    return (x.is_cuda and x.dtype == torch.bfloat16 and weight.scales.dtype == torch.bfloat16 and rows_ok
-            and mma_gemv_fits(1, weight.shape[1], weight.bits, weight.group_size)
-            and (groups_a_part(weight.bits, weight.group_size) == 1
-                 or os.environ.get("TANDEM_INT_MMA_SMALL_GROUPS", "1") != "0")
-            and x.stride(1) == 1 and x.data_ptr() % 16 == 0
+    return (rows_ok and x.stride(1) == 1 and x.data_ptr() % 16 == 0
             and weight.words.stride(0) == weight.words.shape[1] and weight.scales.stride(0) == groups
             and weight.mins.stride(0) == groups and os.environ.get("TANDEM_INT_GEMV_MMA", "1") != "0"
-            and _has_bf16_mma(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+            and _takes(x, weight))
 
 
 def fold_reduce() -> bool:
@@ -654,15 +654,9 @@ def int_mma_gemv(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None =
 def use_mma_pair_gemv(x: torch.Tensor, weight: IntWeight) -> bool:
     """use_mma_gemv for a stack of experts [E, N, K] (contiguous: the kernel steps from expert to expert by N rows)
     and the pairs' rows of x [rows, K] (contiguous)."""
-    e, n = weight.words.shape[:2]
-    groups = weight.scales.shape[-1]
-    return (x.is_cuda and x.dtype == torch.bfloat16 and weight.scales.dtype == torch.bfloat16
-            and mma_gemv_fits(1, weight.shape[1], weight.bits, weight.group_size) and x.is_contiguous()
-            and weight.words.is_contiguous() and weight.scales.stride() == (n * groups, groups, 1)
-            and weight.mins.stride() == weight.scales.stride()
-            and (groups_a_part(weight.bits, weight.group_size) == 1
-                 or os.environ.get("TANDEM_INT_MMA_SMALL_GROUPS", "1") != "0")
-            and _has_bf16_mma(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    n, groups = weight.words.shape[1], weight.scales.shape[-1]
+    return (x.is_contiguous() and weight.words.is_contiguous() and weight.scales.stride() == (n * groups, groups, 1)
+            and weight.mins.stride() == weight.scales.stride() and _takes(x, weight))
 
 
 def int_mma_pair_gemv(

@@ -58,6 +58,16 @@ def moe_tile(num_tokens: int, top_k: int, num_experts: int) -> MoETile:
 
 
 @triton.jit
+def pair_expert(ids_ptr, map_ptr, pair, HAS_MAP: tl.constexpr):
+    # A (token, expert) pair's expert: its global id, through the map to this rank's local one (HAS_MAP; -1: another
+    # rank's), as int64 for the stack offsets
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert).to(tl.int64)
+    return expert
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_BINS: tl.constexpr, USE_PDL: tl.constexpr,
@@ -242,9 +252,7 @@ def _moe_pair_gemv_kernel(
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     pdl_wait(USE_PDL)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if HAS_MAP:
-        expert = tl.load(map_ptr + expert).to(tl.int64)
+    expert = pair_expert(ids_ptr, map_ptr, pair, HAS_MAP)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     out_row = ((pair % top_k) * num_tokens + pair // top_k) if SPLIT_MAJOR else pair
@@ -301,9 +309,7 @@ def _moe_pair_down_sum_kernel(
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in range(TOP_K):
         pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        if HAS_MAP:
-            expert = tl.load(map_ptr + expert).to(tl.int64)
+        expert = pair_expert(ids_ptr, map_ptr, pair, HAS_MAP)
         here = expert >= 0
         expert = tl.maximum(expert, 0)
         x_ptrs = a_ptr + pair.to(tl.int64) * stride_am + offs_k[None, None, :]

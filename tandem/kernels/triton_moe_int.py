@@ -22,7 +22,7 @@ import triton.language as tl
 from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
 from tandem.kernels.moe_align import AlignedTokens, align_by_expert
-from tandem.kernels.triton_int_gemv_mma import int_mma_pair_gemv, pair_expert, use_mma_pair_gemv
+from tandem.kernels.triton_int_gemv_mma import int_mma_pair_gemv, use_mma_pair_gemv
 from tandem.kernels.triton_int_weight import (
     GEMV_STEP_BYTES,
     MIN_GEMM_PART,
@@ -39,6 +39,7 @@ from tandem.kernels.triton_moe import (
     align_by_expert_triton,
     moe_tile,
     pair_config,
+    pair_expert,
     use_pair_path,
 )
 
@@ -106,9 +107,7 @@ def _moe_int_gemm_kernel(
     lanes = tl.arange(0, BLOCK_M)
     pdl_wait(USE_PDL)
     if PAIR_BLOCKS:
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        if HAS_MAP:
-            expert = tl.load(map_ptr + expert).to(tl.int64)
+        expert = pair_expert(expert_ids_ptr, map_ptr, pid_m, HAS_MAP)
         pair = pid_m + 0 * lanes
         valid = lanes == 0
     else:
