@@ -16,8 +16,9 @@ device copy bandwidth measured in the same run is the roofline figure (target at
 At one row with 4-bit bf16 weights the path is the tensor-core GEMV (triton_int_gemv_mma; variant gemv_fp32: the fp32
 CUDA-core GEMV it replaces, which TANDEM_INT_GEMV_MMA=0 selects). Its time includes adding a K split (in its own
 last program); the variants deferred, reduce_kernel and split1 (K split shapes) and gated, gated_unfused (gate_up)
-time it as the decode step runs each projection and against the kernels that saves (mma_variants). With
-TANDEM_INT_MMA_MAX_ROWS=8, 2 to 8 rows take it too (variant gemm: the tile GEMM they ran before).
+time it as the decode step runs each projection and against the kernels that saves (mma_variants). 2 to 8 rows
+take it too where the groups are whole parts (variant gemm: the tile GEMM they ran before and that
+TANDEM_INT_MMA_MAX_ROWS=1 selects).
 
 --sweep also times a grid of GEMV tiles (BLOCK_N, BLOCK_K, num_warps; for the tensor-core GEMV ROW_BLOCKS,
 num_warps, SPLIT_K) where the GEMV runs (1 row) and of GEMM tiles
@@ -195,12 +196,12 @@ def main() -> None:
                 # int_gemm_config's 64-row tile against the swap-AB one.
                 variants = {}
                 if mma:  # the fp32 CUDA-core GEMV the tensor-core one replaces (a config selects it)
-                    variants["gemv_fp32"] = dict(config=int_gemv_config(m, n, k, bits, args.group, sms))
+                    variants["gemv_fp32"] = dict(gemv=True, config=int_gemv_config(m, n, k, bits, args.group, sms))
                     if m == 1:
                         variants.update(mma_variants(name, n, k, bits, sms, args.group))
                     else:  # the tile GEMM these rows ran before
                         variants["gemm"] = dict(gemv=False)
-                if m <= 4:
+                if m <= 4 and not (mma and m > 1):
                     variants["gemm" if gemv else "gemv"] = dict(gemv=not gemv)
                 if m <= 16:
                     variants["gemm_swap_ab"] = dict(gemv=False, config=swap_ab_config(n, k, bits, sms))

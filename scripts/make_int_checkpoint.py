@@ -52,11 +52,13 @@ def main() -> None:
     case = FORMATS[args.format](args.bits, args.group_size)
     cfg = dict(NAMED_SHAPES[args.shape])
     os.makedirs(args.out, exist_ok=True)
-    gen = torch.Generator().manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # packing on a GPU: seconds a layer on a CPU
+    torch.set_default_device(device)
+    gen = torch.Generator(device=device).manual_seed(0)
     weight_map: dict[str, str] = {}
 
     def write(file: str, tensors: dict[str, torch.Tensor]) -> None:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(args.out, file))
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, os.path.join(args.out, file))
         weight_map.update({k: file for k in tensors})
 
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]

@@ -292,6 +292,16 @@ def fused_moe(
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
 
 
+def gather_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:  # [..., K]: x[..., perm]
+    """x's last dimension read through perm (act order's input columns): a Triton kernel in the PDL chain where
+    Triton runs (gather_columns_triton), index_select elsewhere."""
+    if use_triton(x) and x.stride(-1) == 1:
+        from tandem.kernels.triton_int_weight import gather_columns_triton  # lazy: CPU runs never import Triton
+
+        return gather_columns_triton(x.reshape(-1, x.shape[-1]), perm).view(x.shape)
+    return x.index_select(-1, perm)
+
+
 def int_weight_linear(
     x: torch.Tensor,  # [..., K] in the activation dtype
     qweight: torch.Tensor | None,  # uint8 [N, K // 2] (4 bits) or [N, K] (8 bits), the tandem int-N layout

@@ -569,9 +569,10 @@ def _has_bf16_mma(device_index: int) -> bool:
 
 
 def mma_max_rows() -> int:
-    """Rows of x the tensor-core GEMV takes: 1, or up to MMA_MAX_ROWS with TANDEM_INT_MMA_MAX_ROWS (read per call:
-    a CUDA graph keeps what its capture chose); 2 to 8 rows otherwise run the tile GEMM."""
-    return min(int(os.environ.get("TANDEM_INT_MMA_MAX_ROWS", "1")), MMA_MAX_ROWS)
+    """Rows of x the tensor-core GEMV takes: up to MMA_MAX_ROWS, or TANDEM_INT_MMA_MAX_ROWS (1: one row only, the
+    tile GEMM for more; read per call: a CUDA graph keeps what its capture chose). At 2 to 8 rows it runs 1.3-2.4x
+    the tile GEMM on the 8B shape's projections (benchmarks/results/h200/kernels-int-weight-rows.json)."""
+    return min(int(os.environ.get("TANDEM_INT_MMA_MAX_ROWS", str(MMA_MAX_ROWS))), MMA_MAX_ROWS)
 
 
 def _takes(x: torch.Tensor, weight: IntWeight) -> bool:

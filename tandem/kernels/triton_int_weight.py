@@ -339,6 +339,37 @@ def _int_dequant_kernel(w_ptr, s_ptr, mn_ptr, out_ptr, N, K, GROUP: tl.constexpr
              mask=(offs_n[:, None] < N) & (k[None, :] < K))
 
 
+@triton.jit
+def _gather_columns_kernel(x_ptr, perm_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    # out[m, j] = x[m, perm[j]]: perm is a weight (read before the PDL wait), x is the step's activation.
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < K
+    src = tl.load(perm_ptr + cols, mask=mask, other=0)
+    pdl_wait(USE_PDL)
+    v = tl.load(x_ptr + row.to(tl.int64) * stride_xm + src, mask=mask)
+    tl.store(out_ptr + row.to(tl.int64) * stride_om + cols, v, mask=mask)
+
+
+def gather_columns_triton(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:  # [M, K]: x[:, perm]
+    """x[:, perm] for act order's input columns (x [M, K] with unit column stride, perm int32 or int64 [K]) as a
+    kernel in the PDL chain: the integer GEMV after it starts streaming its weights while it runs, where
+    index_select (no PDL) would end the chain before and after it."""
+    m, k = x.shape
+    if perm.shape != (k,) or x.stride(1) != 1:
+        raise ValueError(f"gather_columns_triton needs x [M, K] with unit column stride and perm [K], got "
+                         f"{tuple(x.shape)} / stride {x.stride()} and {tuple(perm.shape)}")
+    out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    if m == 0 or k == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(k))
+    pdl = use_pdl(x.device)
+    _gather_columns_kernel[(m, triton.cdiv(k, block))](x, perm, out, k, x.stride(0), out.stride(0), BLOCK=block,
+                                                       USE_PDL=pdl, launch_pdl=bool(pdl))
+    return out
+
+
 def dequantize_int_weight_triton(weight: IntWeight, dtype: torch.dtype, out: torch.Tensor | None = None
                                  ) -> torch.Tensor:  # [N, K] in dtype
     """The dense weight an IntWeight holds (q * scale + min rounded once to dtype, the tile GEMM's weights), one

@@ -9,7 +9,7 @@ import torch
 
 from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import IntWeight, repack_int_weight
-from tandem.kernels.ops import int_weight_linear
+from tandem.kernels.ops import gather_columns, int_weight_linear
 from tandem.kernels.reference import dequantize_int_weight, unpack_int4_rows
 
 INT_BITS = (4, 8)
@@ -132,7 +132,7 @@ def int_linear(
     if packed is not None:
         perm = packed.perm
     if perm is not None:
-        x = x.index_select(-1, perm)
+        x = gather_columns(x, perm)
     if packed is None:
         if repacked is None:
             raise ValueError("an integer linear needs its weight in the int-N layout or the kernels' layout")

@@ -336,3 +336,22 @@ def test_deferred_reduce_hands_on_the_partial_sums(monkeypatch):
     whole = module.int_weight_matmul_triton(x, packed, bias, config={"BLOCK_N": 16, "SPLIT_K": 1}, defer=True)
     assert isinstance(whole, torch.Tensor)
     assert isinstance(ops.int_weight_linear(x[None], qweight, scales, zeros, 4, 64, bias, packed, True), torch.Tensor)
+
+
+@pytest.mark.parametrize("m,k,block_rows", [(1, 4096, False), (3, 300, False), (2, 64, True)])
+def test_gather_columns_reads_x_through_perm(m, k, block_rows):
+    """Act order's input gather (ops.gather_columns): the kernel's x[:, perm] equals index_select's bits, a ragged K
+    masked, rows of a wider tensor (a row stride above K) read, leading dimensions kept; off Triton it is
+    index_select itself."""
+    from tandem.kernels.triton_int_weight import gather_columns_triton
+
+    gen = torch.Generator().manual_seed(k)
+    wide = torch.randn(m, k + (8 if block_rows else 0), generator=gen).to(DEVICE)
+    x = wide[:, :k]
+    perm = torch.randperm(k, generator=gen).to(DEVICE)
+    assert torch.equal(gather_columns_triton(x, perm), x.index_select(-1, perm))
+    assert torch.equal(gather_columns_triton(x, perm.int()), x.index_select(-1, perm))
+    x3 = torch.randn(2, m, k, generator=gen).to(DEVICE)
+    assert torch.equal(ops.gather_columns(x3, perm), x3.index_select(-1, perm))
+    with pytest.raises(ValueError, match="perm"):
+        gather_columns_triton(x, perm[:-1])

@@ -28,10 +28,10 @@ class Quantized:
 
 def act_order_g_idx(in_features: int, group: int, seed: int) -> torch.Tensor:
     """A g_idx as desc_act writes it: columns in a shuffled order, each run of `group` of them one group."""
-    order = torch.randperm(in_features, generator=torch.Generator().manual_seed(seed))
-    g_idx = torch.empty(in_features, dtype=torch.int64)
-    g_idx[order] = torch.arange(in_features) // group
-    return g_idx
+    order = torch.randperm(in_features, generator=torch.Generator().manual_seed(seed), device="cpu")
+    g_idx = torch.empty(in_features, dtype=torch.int64, device="cpu")
+    g_idx[order] = torch.arange(in_features, device="cpu") // group
+    return g_idx.to(torch.get_default_device())  # the same order on every device
 
 
 def quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool, g_idx: torch.Tensor | None = None,
