@@ -29,6 +29,8 @@ WORKLOADS: dict[str, Workload] = {
         Workload("bs1", "llama-2-7b", 1, (128, 128), (256, 256), what="CUDA graphs at batch 1"),
         Workload("bs1-8b", "llama-3-8b", 1, (128, 128), (256, 256),
                  what="bs1 at the Llama-3-8B shape (the FP8 target's shape: GQA, 128K vocabulary)"),
+        Workload("bs8-8b", "llama-3-8b", 8, (128, 128), (256, 256),
+                 what="8 requests at the Llama-3-8B shape: decode at a few rows (4-bit: the tensor-core GEMV's rows)"),
         Workload("nano", "qwen3-0.6b", 256, (100, 1024), (100, 1024), what="many short requests"),
         Workload("nano-2k", "qwen3-0.6b", 2048, (100, 1024), (100, 1024),
                  what="nano's distribution, 2,048 requests: keeps 256 sequences running on each of several "
