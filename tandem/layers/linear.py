@@ -145,8 +145,15 @@ class Linear(nn.Module):
         """The integer weight's product (gated: silu(gate) * up of it; defer_reduce: as base_forward's)."""
         repacked = self._kernel_int_weight(x)  # first: on a GPU it replaces the int-N layout (packed_weight None)
         perm = getattr(self, "perm", None)
+        if perm is not None:
+            x = self._columns_input(x)
         return int_linear(x, self.packed_weight(), self.bias, repacked, None if perm is None else perm.data,
                           defer_reduce=defer_reduce, gated=gated)
+
+    def _columns_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input an act-order weight's `perm` indexes: x itself (a row-parallel layer over several ranks
+        gathers the ranks' slices)."""
+        return x
 
     def _kernel_int_weight(self, x: torch.Tensor) -> IntWeight | None:
         """The GPU kernels' layout of the integer weight: made at placement (repack_int_, which the loader runs on

@@ -158,13 +158,26 @@ class RowParallelLinear(Linear):
             return self.tp.all_reduce_or_defer(out) if defer_reduce else self.tp.all_reduce(out)  # type: ignore[arg-type]
         return super().forward(x, defer_reduce)
 
+    def _columns_input(self, x: torch.Tensor) -> torch.Tensor:
+        """An act-order integer weight's input: its checkpoint columns are sorted by group before they are split,
+        so this rank holds whole groups of columns from anywhere in the input, and its `perm` names them in the
+        whole input (shard_for_load), which the ranks' slices are gathered into first (one all-gather of the
+        layer's input per step)."""
+        if self.tp.size == 1:
+            return x
+        whole = self.tp.all_gather_last_dim(x.reshape(-1, x.shape[-1]))
+        return whole.view(*x.shape[:-1], whole.shape[-1])
+
     def shard_for_load(self, tensor: torch.Tensor | LazyTensor, is_bias: bool,
                        param: str = "weight") -> torch.Tensor | None:
         """This rank's columns of the weight (or of an integer weight's `param`: qweight's packed columns,
         scales' and zeros' groups, each a 1/tp share, whole groups since use_int_weight_ checked the local
-        columns; a single per-row group is every rank's); the bias on rank 0, None (skip it) elsewhere."""
+        columns; a single per-row group is every rank's; an act-order `perm`: the input columns of this rank's
+        sorted columns); the bias on rank 0, None (skip it) elsewhere."""
         if is_bias:
             return materialize(tensor) if self.tp.rank == 0 else None
+        if param == "perm":
+            return take(tensor, 0, self.tp.rank * self.in_features, self.in_features)
         cols = self.in_features if param == "weight" else getattr(self, param).shape[1]
         if param in ("scales", "zeros") and tensor.shape[1] == cols == 1:
             return materialize(tensor)

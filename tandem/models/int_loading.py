@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from tandem.layers.linear import Linear
 from tandem.layers.moe import FusedMoE, RouterLinear
-from tandem.layers.parallel import RowParallelLinear, materialize
+from tandem.layers.parallel import materialize
 from tandem.models.int_checkpoints import UNPACKERS, IntCheckpointConfig
 from tandem.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from tandem.models.moe import EXPERT_MATRIX, EXPERT_PROJ
@@ -72,9 +72,6 @@ def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpoin
             raise ValueError(f"{target}: the checkpoint quantizes {sorted(parts)} of its fused parts "
                              f"{sorted(expected)}; all or none must be quantized")
         module = modules[target]
-        if cfg.act_order and isinstance(module, RowParallelLinear) and module.tp.size > 1:
-            raise ValueError(f"{target}: act-order (desc_act / actorder) weights cannot be split along their input "
-                             f"columns over tensor_parallel_size={module.tp.size} yet")
         module.use_int_weight_(cfg.bits, cfg.group_size, cfg.act_order, name=target)
     for target, have in experts.items():
         block = modules[target]

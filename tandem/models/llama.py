@@ -245,7 +245,10 @@ class LlamaForCausalLM(nn.Module):
             param_name = ".".join(parts)
             module = modules.get(".".join(parts[:-1]))
             offset = 0
-            if parts[-1] == "perm":  # an integer weight's act-order input permutation: whole, one per layer
+            if parts[-1] == "perm":  # an integer weight's act-order input permutation: one per layer (a
+                # row-parallel layer's rank: the input columns of the sorted columns it holds)
+                if isinstance(module, RowParallelLinear):
+                    tensor = module.shard_for_load(tensor, is_bias=False, param="perm")
                 loader.copy_shared(param_name, materialize(tensor), source=name)
                 continue
             if isinstance(module, ColumnParallelLinear):

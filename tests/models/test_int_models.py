@@ -163,10 +163,24 @@ def test_shards_that_split_a_group_are_refused(tmp_path):
         load(tmp_path, ParallelConfig(rank=0, size=2))
 
 
-def test_act_order_row_parallel_shards_are_refused(tmp_path):
+def test_act_order_row_parallel_shards_hold_sorted_columns(tmp_path):
+    """A row-parallel act-order layer over two ranks: rank r holds the r-th half of the group-sorted columns (whole
+    groups) and the half of the permutation that names them in the whole input, so the ranks' products of the
+    gathered input add up to the whole layer's."""
+    from tandem.kernels.reference import dequantize_int_weight
+
     save_quantized_llama(Case("gptq", 4, 32, sym=True, act_order=True), tmp_path)
-    with pytest.raises(ValueError, match=r"(o|down)_proj: act-order"):
-        load(tmp_path, ParallelConfig(rank=1, size=2))
+    full, _ = load(tmp_path)
+    ranks = [load(tmp_path, ParallelConfig(rank=r, size=2))[0] for r in range(2)]
+    for name, width in (("self_attn.o_proj", 128), ("mlp.down_proj", 256)):
+        whole = full.get_submodule(f"model.layers.1.{name}")
+        shards = [m.get_submodule(f"model.layers.1.{name}").packed_weight() for m in ranks]
+        assert not torch.equal(whole.perm, torch.arange(width))
+        torch.testing.assert_close(torch.cat([s.perm for s in shards]), whole.perm, atol=0, rtol=0)
+        x = torch.randn(3, width, generator=torch.Generator().manual_seed(width))
+        sorted_product = [x[:, s.perm] @ dequantize_int_weight(s.qweight, s.scales, s.zeros, 4, 32).T
+                          for s in shards]
+        torch.testing.assert_close(sum(sorted_product), x @ whole.packed_weight().dequantize().T)
 
 
 def _edit(folder, edit_config=None, edit_tensors=None) -> None:

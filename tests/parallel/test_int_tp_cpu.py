@@ -32,3 +32,20 @@ def test_tp2_int4_greedy_tokens_equal_tp1(tmp_path):
     finally:
         sharded.shutdown()
     assert got == expected
+
+
+def test_tp2_act_order_greedy_tokens_equal_tp1(tmp_path):
+    """desc_act (g_idx in a shuffled order, gptq_v2) over two ranks: each row-parallel rank holds whole groups of
+    the group-sorted columns, from anywhere in the input, and gathers the ranks' inputs to read them."""
+    save_quantized_llama(Case("gptq", 4, 32, sym=False, act_order=True, gptq_v1=False), tmp_path)
+    reference = LLM(str(tmp_path), **ENGINE)
+    try:
+        expected = _greedy(reference)
+    finally:
+        reference.shutdown()
+    sharded = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
+    try:
+        got = _greedy(sharded)
+    finally:
+        sharded.shutdown()
+    assert got == expected
