@@ -55,7 +55,18 @@ from tandem.kernels.triton_int_weight import (  # noqa: E402
     use_int_gemv,
 )
 
-SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]  # (name, N, K)
+def projection_shapes(model: str) -> list[tuple[str, int, int]]:
+    """(name, N, K) of a Llama-family named shape's decoder projections, q / k / v and gate / up fused."""
+    from tandem.models.loader import NAMED_SHAPES
+
+    cfg = NAMED_SHAPES[model]
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    return [("qkv", q + 2 * kv, hidden), ("o", hidden, q), ("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
+
+
+SHAPES = projection_shapes("llama-3-8b")  # [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, ...
 
 
 def int_weight_copies(n: int, k: int, bits: int, group: int, l2: int, device) -> list:
@@ -163,13 +174,15 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES), help="projections to time")
+    parser.add_argument("--model", default="llama-3-8b", help="the named Llama-family shape whose projections to "
+                                                               "time (llama-3-70b: the 70B shape's)")
     args = parser.parse_args()
     device, props, copy_gbs = cuda_setup()
     sms, l2 = props.multi_processor_count, l2_bytes(props)
     rows_m = [int(v) for v in args.rows.split(",")]
     prefill = max(rows_m)
     results = []
-    for name, n, k in (shape for shape in SHAPES if shape[0] in args.shapes.split(",")):
+    for name, n, k in (shape for shape in projection_shapes(args.model) if shape[0] in args.shapes.split(",")):
         dense = bf16_copies(n, k, l2, device)
         for bits in (int(b) for b in args.bits.split(",")):
             weights = int_weight_copies(n, k, bits, args.group, l2, device)
@@ -187,7 +200,7 @@ def main() -> None:
                 path = "gemv" if gemv else "dequant+cublas" if m >= dequant_min_rows() else "gemm"
                 config = (mma_gemv_config(n, k, bits, sms, group_size=args.group) if mma
                           else make(m, n, k, bits, args.group, sms))
-                row = {"proj": name, "N": n, "K": k, "bits": bits, "group": args.group, "M": m,
+                row = {"model": args.model, "proj": name, "N": n, "K": k, "bits": bits, "group": args.group, "M": m,
                        "path": "gemv_mma" if mma else path, "config": config, "us": us,
                        "copy_fraction": frac(us), "tflops": flops / (us * 1e-6) / 1e12, "bf16_us": bf16,
                        "bf16_copy_fraction": n * k * 2 / (bf16 * 1e-6) / 1e9 / copy_gbs,
