@@ -1,7 +1,8 @@
 """Tensor parallelism on two GPUs: TP=2 gives TP=1's greedy tokens in fp32 (CUDA graphs with NCCL inside; a
 divergence only at a near-tie) and close log-probabilities in bf16; engines with captured NCCL graphs shut down
 within 2 s, one after another in a process that then exits 0; a killed worker fails the engine instead of
-hanging it; the Llama-3-70B shape's sharding runs (two of its layers). On four GPUs the same tests run at TP=4
+hanging it; an act-order 4-bit checkpoint gives one GPU's tokens; the Llama-3-70B shape's sharding runs (two of
+its layers). On four GPUs the same tests run at TP=4
 too, beside TP=2 x DP=2. Every test builds its engines in this one process, in turn: each must leave the process
 group behind it destroyed, and every one of them takes the peer-to-peer all-reduce kernels again."""
 
@@ -290,6 +291,28 @@ def test_tp2_split_k_partial_sums_into_the_fused_norm(tmp_path):
             assert abs(lp_a[tok_a] - lp_b) < 0.1, (tok_a, lp_a[tok_a], lp_b)
             compared += 1
     assert compared >= len(ref) * 4
+
+
+def test_tp2_act_order_int4_greedy_tokens_equal_tp1(tmp_path):
+    """A desc_act GPTQ checkpoint over two GPUs: each row-parallel rank all-gathers its input (NCCL, inside the
+    captured graphs) and reads its group-sorted columns through its slice of the permutation (the Triton gather);
+    fp32 greedy tokens equal one GPU's, a divergence only at a near-tie."""
+    from tests.models.quantized_llama import VOCAB as QVOCAB
+    from tests.models.quantized_llama import Case, save_quantized_llama
+
+    save_quantized_llama(Case("gptq", 4, 32, sym=False, act_order=True, gptq_v1=False), tmp_path)
+    prompts = [[(5 * i + j) % (QVOCAB - 4) + 4 for i in range(n)] for j, n in enumerate((7, 40, 3, 20))]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    engine = {**ENGINE, "max_model_len": 128}
+    outputs = []
+    for tp in (1, 2):
+        llm = LLM(str(tmp_path), dtype="float32", tensor_parallel_size=tp, **engine)
+        try:
+            outputs.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            llm.shutdown()
+    assert_same_greedy(*outputs)
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
