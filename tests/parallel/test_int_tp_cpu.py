@@ -18,26 +18,15 @@ def _greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_tp2_int4_greedy_tokens_equal_tp1(tmp_path):
+@pytest.mark.parametrize("case", [
     # Group 64: o_proj's 128 input columns split into one whole group per rank, down_proj's 256 into two.
-    save_quantized_llama(Case("gptq", 4, 64, sym=False), tmp_path)
-    reference = LLM(str(tmp_path), **ENGINE)
-    try:
-        expected = _greedy(reference)
-    finally:
-        reference.shutdown()
-    sharded = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
-    try:
-        got = _greedy(sharded)
-    finally:
-        sharded.shutdown()
-    assert got == expected
-
-
-def test_tp2_act_order_greedy_tokens_equal_tp1(tmp_path):
-    """desc_act (g_idx in a shuffled order, gptq_v2) over two ranks: each row-parallel rank holds whole groups of
-    the group-sorted columns, from anywhere in the input, and gathers the ranks' inputs to read them."""
-    save_quantized_llama(Case("gptq", 4, 32, sym=False, act_order=True, gptq_v1=False), tmp_path)
+    Case("gptq", 4, 64, sym=False),
+    # desc_act (g_idx in a shuffled order, gptq_v2): each row-parallel rank holds whole groups of the group-sorted
+    # columns, from anywhere in the input, and gathers the ranks' inputs to read them.
+    Case("gptq", 4, 32, sym=False, act_order=True, gptq_v1=False),
+], ids=lambda c: c.id)
+def test_tp2_int4_greedy_tokens_equal_tp1(case, tmp_path):
+    save_quantized_llama(case, tmp_path)
     reference = LLM(str(tmp_path), **ENGINE)
     try:
         expected = _greedy(reference)
