@@ -39,18 +39,23 @@ from tandem.kernels.triton_gemv import gemv_config, gemv_triton  # noqa: E402
 from tandem.kernels.triton_quant import fp8_weight_matmul_triton  # noqa: E402
 from tandem.layers.quantization import quantize_weight_fp8  # noqa: E402
 
-# (name, weight rows N, K, gated): gate_up holds gate then up and yields N / 2 outputs.
-SHAPES = {
-    "llama-2-7b": [("qkv", 12288, 4096, False), ("o", 4096, 4096, False), ("gate_up", 22016, 4096, True),
-                   ("down", 4096, 11008, False)],
-    "llama-3-8b": [("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 28672, 4096, True),
-                   ("down", 4096, 14336, False)],
-    # One rank's shards at --tensor-parallel-size 2: column-parallel N halved (qkv, gate_up), row-parallel K (o, down).
-    "llama-2-7b-tp2": [("qkv", 6144, 4096, False), ("o", 4096, 2048, False), ("gate_up", 11008, 4096, True),
-                       ("down", 4096, 5504, False)],
-    "llama-3-8b-tp2": [("qkv", 3072, 4096, False), ("o", 4096, 2048, False), ("gate_up", 14336, 4096, True),
-                       ("down", 4096, 7168, False)],
-}
+def projection_shapes(model: str, tp: int = 1) -> list[tuple[str, int, int, bool]]:
+    """(name, weight rows N, K, gated) of a Llama-family named shape's decoder projections, q / k / v and gate / up
+    fused (gate_up holds gate then up and yields N / 2 outputs); at tp, one rank's shards: column-parallel N (qkv,
+    gate_up) and row-parallel K (o, down) divided."""
+    from tandem.models.loader import NAMED_SHAPES
+
+    cfg = NAMED_SHAPES[model]
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    return [("qkv", (q + 2 * kv) // tp, hidden, False), ("o", hidden, q // tp, False),
+            ("gate_up", 2 * inter // tp, hidden, True), ("down", hidden, inter // tp, False)]
+
+
+# Each model's projections, and one rank's shards at --tensor-parallel-size 2 ("-tp2").
+SHAPES = {f"{model}{suffix}": projection_shapes(model, tp) for suffix, tp in (("", 1), ("-tp2", 2))
+          for model in ("llama-2-7b", "llama-3-8b")}
 DTYPES = ("bf16", "fp8")
 
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import cuda_setup, graph_us, l2_bytes, write_rows  # noqa: E402
+from bench_gemv import cuda_setup, graph_us, l2_bytes, projection_shapes, write_rows  # noqa: E402
 
 from tandem.kernels.int_weight import repack_int_weight  # noqa: E402
 from tandem.kernels.triton_int_gemv_mma import int_mma_gemv, mma_gemv_config, use_mma_gemv  # noqa: E402
@@ -54,20 +54,6 @@ from tandem.kernels.triton_int_weight import (  # noqa: E402
     swap_ab_config,
     use_int_gemv,
 )
-
-def projection_shapes(model: str) -> list[tuple[str, int, int]]:
-    """(name, N, K) of a Llama-family named shape's decoder projections, q / k / v and gate / up fused."""
-    from tandem.models.loader import NAMED_SHAPES
-
-    cfg = NAMED_SHAPES[model]
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
-    return [("qkv", q + 2 * kv, hidden), ("o", hidden, q), ("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
-
-
-SHAPES = projection_shapes("llama-3-8b")  # [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, ...
-
 
 def int_weight_copies(n: int, k: int, bits: int, group: int, l2: int, device) -> list:
     """Enough random IntWeight copies (>= 2, >= 4x the L2 in all) that a graph calling a kernel on each in turn
@@ -173,7 +159,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16,4096", help="row counts M (the largest is the prefill case)")
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES), help="projections to time")
+    parser.add_argument("--shapes", default="qkv,o,gate_up,down", help="projections to time")
     parser.add_argument("--model", default="llama-3-8b", help="the named Llama-family shape whose projections to "
                                                                "time (llama-3-70b: the 70B shape's)")
     args = parser.parse_args()
@@ -182,7 +168,7 @@ def main() -> None:
     rows_m = [int(v) for v in args.rows.split(",")]
     prefill = max(rows_m)
     results = []
-    for name, n, k in (shape for shape in projection_shapes(args.model) if shape[0] in args.shapes.split(",")):
+    for name, n, k, _ in (shape for shape in projection_shapes(args.model) if shape[0] in args.shapes.split(",")):
         dense = bf16_copies(n, k, l2, device)
         for bits in (int(b) for b in args.bits.split(",")):
             weights = int_weight_copies(n, k, bits, args.group, l2, device)
