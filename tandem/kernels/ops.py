@@ -298,7 +298,7 @@ def gather_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:  # [...
     if use_triton(x) and x.stride(-1) == 1:
         from tandem.kernels.triton_int_weight import gather_columns_triton  # lazy: CPU runs never import Triton
 
-        return gather_columns_triton(x.reshape(-1, x.shape[-1]), perm).view(x.shape)
+        return gather_columns_triton(x.reshape(-1, x.shape[-1]), perm).view(*x.shape[:-1], perm.shape[0])
     return x.index_select(-1, perm)
 
 

@@ -340,32 +340,34 @@ def _int_dequant_kernel(w_ptr, s_ptr, mn_ptr, out_ptr, N, K, GROUP: tl.constexpr
 
 
 @triton.jit
-def _gather_columns_kernel(x_ptr, perm_ptr, out_ptr, K, stride_xm, stride_om, BLOCK: tl.constexpr,
+def _gather_columns_kernel(x_ptr, perm_ptr, out_ptr, J, stride_xm, stride_om, BLOCK: tl.constexpr,
                            USE_PDL: tl.constexpr):
     # out[m, j] = x[m, perm[j]]: perm is a weight (read before the PDL wait), x is the step's activation.
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < K
+    mask = cols < J
     src = tl.load(perm_ptr + cols, mask=mask, other=0)
     pdl_wait(USE_PDL)
     v = tl.load(x_ptr + row.to(tl.int64) * stride_xm + src, mask=mask)
     tl.store(out_ptr + row.to(tl.int64) * stride_om + cols, v, mask=mask)
 
 
-def gather_columns_triton(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:  # [M, K]: x[:, perm]
-    """x[:, perm] for act order's input columns (x [M, K] with unit column stride, perm int32 or int64 [K]) as a
-    kernel in the PDL chain: the integer GEMV after it starts streaming its weights while it runs, where
-    index_select (no PDL) would end the chain before and after it."""
+def gather_columns_triton(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:  # [M, J]: x[:, perm]
+    """x[:, perm] for act order's input columns (x [M, K] with unit column stride, perm int32 or int64 [J] of
+    columns below K: J = K on one rank, a row-parallel rank's slice of the permutation over the gathered input
+    where the ranks split K) as a kernel in the PDL chain: the integer GEMV after it starts streaming its weights
+    while it runs, where index_select (no PDL) would end the chain before and after it."""
     m, k = x.shape
-    if perm.shape != (k,) or x.stride(1) != 1:
-        raise ValueError(f"gather_columns_triton needs x [M, K] with unit column stride and perm [K], got "
+    if perm.dim() != 1 or perm.shape[0] > k or x.stride(1) != 1:
+        raise ValueError(f"gather_columns_triton needs x [M, K] with unit column stride and perm [J <= K], got "
                          f"{tuple(x.shape)} / stride {x.stride()} and {tuple(perm.shape)}")
-    out = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    if m == 0 or k == 0:
+    j = perm.shape[0]
+    out = torch.empty(m, j, dtype=x.dtype, device=x.device)
+    if m == 0 or j == 0:
         return out
-    block = min(1024, triton.next_power_of_2(k))
+    block = min(1024, triton.next_power_of_2(j))
     pdl = use_pdl(x.device)
-    _gather_columns_kernel[(m, triton.cdiv(k, block))](x, perm, out, k, x.stride(0), out.stride(0), BLOCK=block,
+    _gather_columns_kernel[(m, triton.cdiv(j, block))](x, perm, out, j, x.stride(0), out.stride(0), BLOCK=block,
                                                        USE_PDL=pdl, launch_pdl=bool(pdl))
     return out
 

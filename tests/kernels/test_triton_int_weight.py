@@ -341,8 +341,8 @@ def test_deferred_reduce_hands_on_the_partial_sums(monkeypatch):
 @pytest.mark.parametrize("m,k,block_rows", [(1, 4096, False), (3, 300, False), (2, 64, True)])
 def test_gather_columns_reads_x_through_perm(m, k, block_rows):
     """Act order's input gather (ops.gather_columns): the kernel's x[:, perm] equals index_select's bits, a ragged K
-    masked, rows of a wider tensor (a row stride above K) read, leading dimensions kept; off Triton it is
-    index_select itself."""
+    masked, rows of a wider tensor (a row stride above K) read, leading dimensions kept, and a permutation's slice
+    (a row-parallel rank's columns of the gathered input) read as such; off Triton it is index_select itself."""
     from tandem.kernels.triton_int_weight import gather_columns_triton
 
     gen = torch.Generator().manual_seed(k)
@@ -353,5 +353,8 @@ def test_gather_columns_reads_x_through_perm(m, k, block_rows):
     assert torch.equal(gather_columns_triton(x, perm.int()), x.index_select(-1, perm))
     x3 = torch.randn(2, m, k, generator=gen).to(DEVICE)
     assert torch.equal(ops.gather_columns(x3, perm), x3.index_select(-1, perm))
+    part = perm[k // 3 : k // 3 + k // 2]  # a rank's slice: columns from anywhere in x
+    assert torch.equal(gather_columns_triton(x, part), x.index_select(-1, part))
+    assert torch.equal(ops.gather_columns(x3, part), x3.index_select(-1, part))
     with pytest.raises(ValueError, match="perm"):
-        gather_columns_triton(x, perm[:-1])
+        gather_columns_triton(x, torch.cat([perm, perm[:1]]))
