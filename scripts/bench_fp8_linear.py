@@ -30,7 +30,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import bf16_weight_copies, cuda_setup, graph_us, l2_bytes, sweep_tiles, write_rows  # noqa: E402  (graph_us: CUDA graphs over weight copies that overflow L2)
+from bench_gemv import (  # noqa: E402  (graph_us: CUDA graphs over weight copies that overflow L2)
+    bf16_weight_copies,
+    cuda_setup,
+    graph_us,
+    l2_bytes,
+    projection_shapes,
+    sweep_tiles,
+    write_rows,
+)
 
 from tandem.kernels.triton_gemv import gemv_triton  # noqa: E402
 from tandem.kernels.triton_quant import (  # noqa: E402
@@ -42,13 +50,12 @@ from tandem.kernels.triton_quant import (  # noqa: E402
     w8a8_tile,
 )
 from tandem.layers.quantization import quantize_activation_per_token, quantize_weight_fp8  # noqa: E402
+from tandem.models.loader import NAMED_SHAPES  # noqa: E402
 
-# (name, N, K) of the fused projections.
-SHAPES = {
-    "llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
-                   ("lm_head", 128256, 4096)],  # lm_head: FP8 only with --quantize-lm-head
-    "llama-2-7b": [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096), ("down", 4096, 11008)],
-}
+# (name, N, K) of the fused projections; Llama-3-8B's lm_head too (FP8 only with --quantize-lm-head).
+SHAPES = {model: [(name, n, k) for name, n, k, _ in projection_shapes(model)] for model in ("llama-3-8b", "llama-2-7b")}
+SHAPES["llama-3-8b"].append(("lm_head", NAMED_SHAPES["llama-3-8b"]["vocab_size"],
+                             NAMED_SHAPES["llama-3-8b"]["hidden_size"]))
 ROWS = [1, 8, 16, 32, 64, 128]
 SWEEP_ROWS = (16, 32)
 PATHS = ("bf16", "gemv", "triton", "w8a8", "w8a8_gemm", "quant", "scaled_mm")

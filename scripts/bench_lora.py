@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import cuda_setup, graph_us, write_rows  # noqa: E402
+from bench_gemv import cuda_setup, graph_us, projection_shapes, write_rows  # noqa: E402
 
 from tandem.kernels.lora import index_token_slots, lora_counters, slot_groups  # noqa: E402
 from tandem.kernels.triton_gemv import lora_shrink_triton  # noqa: E402
@@ -36,7 +36,9 @@ from tandem.kernels.triton_lora import lora_shrink_block_triton  # noqa: E402
 from tandem.layers.linear import Linear  # noqa: E402
 from tandem.lora.pool import LoRADelta  # noqa: E402
 
-SHAPES = [("qkv", 6144, 4096, 3), ("o", 4096, 4096, 1), ("gate_up", 28672, 4096, 2), ("down", 4096, 14336, 1)]
+# (name, N, K, adapter parts: q / k / v and gate / up each on rank columns of their own)
+SHAPES = [(name, n, k, {"qkv": 3, "gate_up": 2}.get(name, 1))
+          for name, n, k, _ in projection_shapes("llama-3-8b")]
 MIXES = [("1 token, 1 adapter", 1, 1, 1), ("32 tokens, 8 adapters", 32, 8, 1), ("64 tokens, 16 adapters", 64, 16, 1),
          ("prefill 32 x 128, 8 adapters", 4096, 8, 128)]  # (name, tokens, adapters, tokens a request)
 

@@ -25,13 +25,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import cuda_setup, graph_us, l2_bytes, write_rows  # noqa: E402
+from bench_gemv import cuda_setup, graph_us, l2_bytes, projection_shapes, write_rows  # noqa: E402
 
 from tandem.kernels.lora import index_token_slots, lora_counters, slot_groups  # noqa: E402
 from tandem.kernels.triton_lora import lora_expand_triton, lora_shrink_block_triton  # noqa: E402
 from tandem.kernels.triton_lora_sorted import lora_expand_sorted_triton, lora_shrink_sorted_triton  # noqa: E402
 
-SHAPES = [("qkv", 6144, 4096, 3), ("o", 4096, 4096, 1), ("gate_up", 28672, 4096, 2), ("down", 4096, 14336, 1)]
+# (name, N, K, adapter parts: q / k / v and gate / up each on rank columns of their own)
+SHAPES = [(name, n, k, {"qkv": 3, "gate_up": 2}.get(name, 1))
+          for name, n, k, _ in projection_shapes("llama-3-8b")]
 MIXES = [(32, 8), (64, 16), (64, 1), (8, 8)]  # (tokens, adapters): token i on adapter i % adapters
 LAYERS = 32
 EXPAND_GRID = [dict(block_n=bn, num_warps=w) for bn in (64, 128, 256, 512) for w in (4, 8)]

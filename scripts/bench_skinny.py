@@ -24,16 +24,20 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import bf16_weight_copies, cuda_setup, graph_us, l2_bytes, sweep_tiles, write_rows  # noqa: E402
+from bench_gemv import (  # noqa: E402
+    bf16_weight_copies,
+    cuda_setup,
+    graph_us,
+    l2_bytes,
+    projection_shapes,
+    sweep_tiles,
+    write_rows,
+)
 
 from tandem.kernels.triton_quant import skinny_matmul_triton, skinny_tile  # noqa: E402
 
-SHAPES = {
-    "llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
-    "llama-2-7b": [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096), ("down", 4096, 11008)],
-    "qwen3-0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)],
-    "llama-3.2-1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)],
-}
+SHAPES = {model: [(name, n, k) for name, n, k, _ in projection_shapes(model)]
+          for model in ("llama-3-8b", "llama-2-7b", "qwen3-0.6b", "llama-3.2-1b")}
 GRID = list(itertools.product((64, 128), (64, 128), (4,), (3, 4), (1, 2, 4, 8)))
 # Past 64 rows (--sweep-rows 128,256): BLOCK_M (the MMA's N) of 64-256 rows a program as well.
 WIDE_GRID = [(bm, bn, bk, warps, stages, split)
