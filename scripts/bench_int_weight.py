@@ -184,7 +184,7 @@ def main() -> None:
                 mma = (gemv or m > 1) and use_mma_gemv(x, weights[0])  # TANDEM_INT_MMA_MAX_ROWS: up to 8 rows
                 make = int_gemv_config if gemv else int_gemm_config
                 path = "gemv" if gemv else "dequant+cublas" if m >= dequant_min_rows() else "gemm"
-                config = (mma_gemv_config(n, k, bits, sms, group_size=args.group) if mma
+                config = (mma_gemv_config(n, k, bits, sms, group_size=args.group, m_rows=m) if mma
                           else make(m, n, k, bits, args.group, sms))
                 row = {"model": args.model, "proj": name, "N": n, "K": k, "bits": bits, "group": args.group, "M": m,
                        "path": "gemv_mma" if mma else path, "config": config, "us": us,

@@ -83,7 +83,7 @@ def mma_case(n: int, k: int, bits: int, group: int, override: dict, gated: bool 
     at m rows of x (one block a program; a K split then goes to the reduce kernel or the norm)."""
     if not mma.mma_gemv_fits(1, k, bits, group):
         raise SystemExit(f"the tensor-core GEMV does not take {bits} bits, group {group}, K {k}")
-    cfg = {**mma.mma_gemv_config(n, k, bits, 132, gated, group), **({"ROW_BLOCKS": 1} if m > 1 else {}), **override}
+    cfg = {**mma.mma_gemv_config(n, k, bits, 132, gated, group, m), **override}
     constexprs = mma.mma_gemv_constexprs(n, k, bits, group, cfg, has_bias=False, use_pdl=2, gated=gated,
                                          reduce=m == 1 and cfg["SPLIT_K"] > 1 and (gated or mma.fold_reduce()),
                                          m_rows=m)

@@ -506,8 +506,8 @@ def mma_gemv_fits(m: int, k: int, bits: int, group_size: int) -> bool:
     return m == 1 and bits in (4, 8) and k % part_elements(bits) == 0 and groups_a_part(bits, group_size) > 0
 
 
-def mma_gemv_config(n: int, k: int, bits: int, sms: int, gated: bool = False, group_size: int = 128
-                    ) -> dict[str, int]:
+def mma_gemv_config(n: int, k: int, bits: int, sms: int, gated: bool = False, group_size: int = 128,
+                    m_rows: int = 1) -> dict[str, int]:
     """Tile from the shape alone (graph-safe), 4 warps splitting K in a program: the fewest 16-row blocks a program
     that keep the grid within 8 programs an SM, then K split over programs (fp32 partial sums, reduced after or by
     the RMSNorm that follows) while that stays within 8 an SM, each split at least two parts a warp. On an H200
@@ -516,9 +516,12 @@ def mma_gemv_config(n: int, k: int, bits: int, sms: int, gated: bool = False, gr
     at every shape. (sm_90 ptxas, K 4096, the K loop per 4-bit weight: 1.94 instructions at 1 block, 1.59 at 2,
     1.37 at 4; 54, 66 and 72 registers, no spills; scripts/sass_int_gemv.py.) gated (n gate then up rows): at
     least 2 blocks, a gate block and its up block (the Llama-3-8B gate/up projection's tile either way). Four
-    groups a part (group_size a quarter of one) take at most 2 blocks."""
+    groups a part (group_size a quarter of one) take at most 2 blocks. m_rows > 1 (rows of x): one block a program
+    (a lane holds the block's rows for two rows of x), the K split chosen for that many programs."""
     warps, parts, most = 4, k // part_elements(bits), PROGRAMS_PER_SM * sms
     blocks = next((b for b in ((2,) if gated else (1, 2)) if triton.cdiv(n, 16 * b) <= most), 4)
+    if m_rows > 1:
+        blocks = 1
     if groups_a_part(bits, group_size) == 4:
         blocks = min(blocks, 2)
     programs, split_k = triton.cdiv(n, 16 * blocks), 1
@@ -630,9 +633,7 @@ def int_mma_gemv(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None =
         raise ValueError(f"the gated GEMV needs one row and an even number of weight rows (gate then up), got {m} "
                          f"and {n}")
     out = torch.empty(m, n // 2 if gated else n, dtype=x.dtype, device=x.device)
-    cfg = {**mma_gemv_config(n, k, bits, device_sms(x.device), gated, weight.group_size), **(config or {})}
-    if m > 1:  # one block a program: a lane holds the block's rows for two rows of x
-        cfg["ROW_BLOCKS"] = 1
+    cfg = {**mma_gemv_config(n, k, bits, device_sms(x.device), gated, weight.group_size, m), **(config or {})}
     pdl = use_pdl(x.device)
     k_split = mma_k_split(k, bits, cfg["SPLIT_K"], cfg["num_warps"])
     split_k = triton.cdiv(k, k_split)  # whole rounds a split can leave fewer splits than asked for
