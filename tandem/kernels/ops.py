@@ -269,21 +269,29 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,  # FP8 weights: [num_local_experts, 2 * inter] fp32
     w2_scale: torch.Tensor | None = None,  # [num_local_experts, hidden] fp32
     into_norm: bool = False,  # the output goes only into a residual add + RMSNorm: PartialSums are fine
+    # integer experts in act order: the input column each stored column reads, ([E, hidden], [E, inter]) int64
+    perms: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | PartialSums:  # [num_tokens, hidden]: this rank's sum over k of weight_k * expert_k(x)
     """Routed experts: the token sort/align and two grouped GEMMs (Triton) on CUDA, a masked per-expert loop on CPU.
     With into_norm the Triton pair path may leave the sum over k to the norm (TANDEM_MOE_PAIR's "norm").
     Integer experts (IntWeight stacks, both or neither): the kernels of triton_moe_int where Triton runs (not
     for fp32 x on a GPU, whose tensor-core dots would round to TF32), else every expert dequantized
-    (dequantize_repacked) and the per-expert loop."""
+    (dequantize_repacked, act order's columns put back in input order) and the per-expert loop."""
     integer = isinstance(w13, IntWeight)
     if integer != isinstance(w2, IntWeight):
         raise ValueError("w13 and w2 must both be integer (IntWeight) or both tensors")
+    if perms is not None and not integer:
+        raise ValueError("act-order permutations come with integer experts only")
     if integer and use_triton(x) and not (x.is_cuda and x.dtype == torch.float32):
         from tandem.kernels.triton_moe_int import fused_moe_int_triton  # lazy: CPU runs never import Triton
 
-        return fused_moe_int_triton(x, w13, w2, topk_weights, topk_ids, expert_map, into_norm=into_norm)
+        return fused_moe_int_triton(x, w13, w2, topk_weights, topk_ids, expert_map, into_norm=into_norm,
+                                    perms=perms)
     if integer:
         w13, w2 = dequantize_repacked(w13).to(x.dtype), dequantize_repacked(w2).to(x.dtype)
+        if perms is not None:  # stored column j of expert e reads input column perm[e, j]
+            w13, w2 = (w.new_empty(w.shape).scatter_(2, p[:, None, :].expand(w.shape).long(), w)
+                       for w, p in zip((w13, w2), perms))
     elif use_triton(x):
         from tandem.kernels.triton_moe import fused_moe_triton  # lazy: CPU runs never import Triton
 

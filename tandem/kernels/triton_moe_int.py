@@ -9,6 +9,10 @@ each pair reads its expert's codes once: by default on the tensor-core GEMV that
 (triton_int_gemv_mma._int_mma_pair_kernel, a program per pair and row block), or on the CUDA cores as the dense
 GEMV runs one row in fp16 (_moe_int_pair_gemv_kernel; TANDEM_MOE_INT_PAIR=gemv), or (=mma) through the
 tensor-core tile kernel with the pair alone in its row block. Grids depend on the token count only: graph-safe.
+
+Act-order experts (GPTQ desc_act, compressed-tensors actorder) keep each expert's columns sorted by group, with the
+input column each reads (`perms`: [E, H] for w13, [E, I] for w2): every pair's row is first read through its
+expert's permutation (`gather_pair_columns_triton`), and gate_up then takes a row per pair instead of per token.
 """
 
 from __future__ import annotations
@@ -45,6 +49,41 @@ from tandem.kernels.triton_moe import (
 
 PAIR_ROWS = 16  # the row block of the pair path: one pair in it (tl.dot's least M)
 GEMV_WORDS = 512  # int32 words of codes the pair GEMV's 4 warps load per K step at least: 16-byte loads each
+
+
+@triton.jit
+def _gather_pair_columns_kernel(x_ptr, perm_ptr, ids_ptr, map_ptr, out_ptr, J, top_k, stride_xm, stride_pe,
+                                stride_om, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    # out[p, j] = x[p // top_k, perm[e_p, j]], e_p the pair's (local) expert; a pair of another rank's expert (-1)
+    # reads expert 0's order, and its row is never read after.
+    pair = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < J
+    pdl_wait(USE_PDL)  # the pairs' experts are this step's routing
+    expert = tl.maximum(pair_expert(ids_ptr, map_ptr, pair, HAS_MAP), 0)
+    src = tl.load(perm_ptr + expert * stride_pe + cols, mask=mask, other=0)
+    v = tl.load(x_ptr + (pair // top_k).to(tl.int64) * stride_xm + src, mask=mask)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, v, mask=mask)
+
+
+def gather_pair_columns_triton(x: torch.Tensor, perm: torch.Tensor, topk_ids: torch.Tensor, top_k: int,
+                               expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """[pairs, J]: each (token, expert) pair's row of x (row pair // top_k; x [rows, K] with unit column stride)
+    read through its expert's column permutation (perm [local experts, J], J <= K, int32 or int64; topk_ids [pairs]
+    global ids, expert_map: global -> local, -1 elsewhere). Graph-safe: one program per pair and column block."""
+    num_pairs, j = topk_ids.shape[0], perm.shape[1]
+    if x.dim() != 2 or x.stride(1) != 1 or perm.dim() != 2 or perm.stride(1) != 1 or j > x.shape[1]:
+        raise ValueError(f"pair gather: x {tuple(x.shape)} (unit column stride), perm {tuple(perm.shape)}")
+    out = torch.empty(num_pairs, j, dtype=x.dtype, device=x.device)
+    if num_pairs == 0 or j == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(j))
+    pdl = use_pdl(x.device)
+    _gather_pair_columns_kernel[(num_pairs, triton.cdiv(j, block))](
+        x, perm, topk_ids, expert_map if expert_map is not None else topk_ids, out, j, top_k, x.stride(0),
+        perm.stride(0), out.stride(0), HAS_MAP=expert_map is not None, BLOCK=block, USE_PDL=pdl,
+        launch_pdl=bool(pdl))
+    return out
 
 
 def int_moe_tile(num_tokens: int, top_k: int, num_experts: int, bits: int, pair_path: bool) -> MoETile:
@@ -349,11 +388,13 @@ def fused_moe_int_triton(
     tile: MoETile | None = None,  # overrides int_moe_tile (tests)
     pair_path: bool | None = None,  # None: by token count (use_pair_path)
     into_norm: bool = False,  # the output goes only into a residual add + RMSNorm: PartialSums are fine
+    perms: tuple[torch.Tensor, torch.Tensor] | None = None,  # act order: ([E, hidden], [E, inter]) input columns
 ) -> torch.Tensor | PartialSums:  # [num_tokens, hidden]
     """triton_moe.fused_moe_triton for integer experts: the same paths and outputs (the pair path's down rows
     handed to the norm as PartialSums under TANDEM_MOE_PAIR's "norm"; its "sum" runs as "pairs" here, and its
     BLOCK_N is the bf16 kernels' only), each weight tile dequantized in registers. A tile given runs the
-    tensor-core kernel on either path. No host sync: captures in CUDA graphs."""
+    tensor-core kernel on either path. perms (act order): each pair's rows read through its expert's columns
+    (gather_pair_columns_triton) before gate_up and before down. No host sync: captures in CUDA graphs."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.words.shape[0], *w13.shape
     inter = two_inter // 2
@@ -366,29 +407,37 @@ def fused_moe_int_triton(
         pair_path = use_pair_path(num_tokens, top_k, num_global)
     num_pairs = num_tokens * top_k
     weights = topk_weights.reshape(-1).float().contiguous()
+    flat_ids = topk_ids.reshape(-1)
+    if flat_ids.dtype != torch.int32 or not flat_ids.is_contiguous():
+        flat_ids = flat_ids.to(torch.int32).contiguous()
+    x13, k13 = x, top_k  # gate_up's rows, and pairs a row: a token's (its pairs share it), or with act order a pair's
+    if perms is not None:
+        x13, k13 = gather_pair_columns_triton(x, perms[0], flat_ids, top_k, expert_map), 1
+
+    def down_rows(act: torch.Tensor) -> torch.Tensor:  # down's rows (a pair's): act, or read through w2's order
+        return act if perms is None else gather_pair_columns_triton(act, perms[1], flat_ids, 1, expert_map)
+
     # Pairs of another rank's experts are never written: zeros make them add nothing.
     alloc = torch.zeros if expert_map is not None else torch.empty
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [pairs, inter]
     if pair_path:
-        ids = topk_ids.reshape(-1)
-        if ids.dtype != torch.int32 or not ids.is_contiguous():
-            ids = ids.to(torch.int32).contiguous()
+        ids = flat_ids
         partials = into_norm and pair_config()[1] == "norm"
         rows = alloc(num_pairs, hidden, dtype=torch.float32, device=x.device)
         choice = pair_kernel() if tile is None else "mma"
-        if choice == "mma_gemv" and use_mma_pair_gemv(x, w13) and use_mma_pair_gemv(act, w2):
-            int_mma_pair_gemv(x, w13, act, ids, top_k, gated=True, expert_map=expert_map)
-            int_mma_pair_gemv(act, w2, rows, ids, top_k, gated=False, expert_map=expert_map, topk_weights=weights,
-                              split_major=partials)
+        if choice == "mma_gemv" and use_mma_pair_gemv(x13, w13) and use_mma_pair_gemv(act, w2):
+            int_mma_pair_gemv(x13, w13, act, ids, k13, gated=True, expert_map=expert_map)
+            int_mma_pair_gemv(down_rows(act), w2, rows, ids, top_k, gated=False, expert_map=expert_map,
+                              topk_weights=weights, split_major=partials)
         elif choice != "mma":
-            moe_int_pair_gemv(x, w13, act, ids, top_k, gated=True, expert_map=expert_map)
-            moe_int_pair_gemv(act, w2, rows, ids, top_k, gated=False, expert_map=expert_map, topk_weights=weights,
-                              split_major=partials)
+            moe_int_pair_gemv(x13, w13, act, ids, k13, gated=True, expert_map=expert_map)
+            moe_int_pair_gemv(down_rows(act), w2, rows, ids, top_k, gated=False, expert_map=expert_map,
+                              topk_weights=weights, split_major=partials)
         else:
             t13 = tile or int_moe_tile(num_tokens, top_k, num_global, w13.bits, True)
             t2 = tile or int_moe_tile(num_tokens, top_k, num_global, w2.bits, True)
-            moe_int_gemm(x, w13, act, t13, top_k, gated=True, topk_ids=ids, expert_map=expert_map)
-            moe_int_gemm(act, w2, rows, t2, top_k, gated=False, topk_ids=ids, expert_map=expert_map,
+            moe_int_gemm(x13, w13, act, t13, k13, gated=True, topk_ids=ids, expert_map=expert_map)
+            moe_int_gemm(down_rows(act), w2, rows, t2, top_k, gated=False, topk_ids=ids, expert_map=expert_map,
                          topk_weights=weights, split_major=partials)
         if partials:  # [top_k, tokens, hidden]: the norm after the block adds them in top_k order
             return PartialSums(rows.view(top_k, num_tokens, hidden), None, None, x.dtype)
@@ -401,7 +450,7 @@ def fused_moe_int_triton(
         aligned = align_by_expert_triton(topk_ids, num_experts, t13.block_m, expert_map)
     else:
         aligned = align_by_expert(topk_ids, num_experts, t13.block_m, expert_map)
-    moe_int_gemm(x, w13, act, t13, top_k, gated=True, aligned=aligned)
+    moe_int_gemm(x13, w13, act, t13, k13, gated=True, aligned=aligned)
     down = alloc(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [pairs, hidden]
-    moe_int_gemm(act, w2, down, t2, top_k, gated=False, aligned=aligned, topk_weights=weights)
+    moe_int_gemm(down_rows(act), w2, down, t2, top_k, gated=False, aligned=aligned, topk_weights=weights)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -60,6 +60,7 @@ class FusedMoE(nn.Module):
         self.register_buffer("w2_scale", None)  # [local experts, hidden] fp32
         self.int_bits = 0  # 4 / 8 once quantize_int_() has replaced w13 and w2 by integer stacks
         self.int_group_sizes = (0, 0)  # (w13's, w2's) input columns per group
+        self.act_order = False  # integer experts whose columns are sorted by group: w13_perm and w2_perm
         # A checkpoint whose experts are quantized (use_int_experts_): each expert matrix's tandem int-N tensors
         # gathered until its three (qweight, scales, zeros) have come, by (expert, gate | up | down).
         self._int_parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -93,8 +94,9 @@ class FusedMoE(nn.Module):
         # Unsummed rows go on to the norm on one rank, and across ranks where its all-reduce kernel adds them up.
         into_norm = reduce and DEFER_REDUCE and (self.tp.size == 1 or self.tp.defers_all_reduce())
         w13, w2 = self.expert_weights()
+        perms = (self.w13_perm.data, self.w2_perm.data) if self.act_order else None
         out = fused_moe(x, w13, w2, weights, ids, self.expert_map, self.w13_scale, self.w2_scale,
-                        into_norm=into_norm)
+                        into_norm=into_norm, perms=perms)
         return self.tp.all_reduce_or_defer(out) if reduce and self.tp.size > 1 else out
 
     def expert_weights(self) -> tuple[torch.Tensor | IntWeight, torch.Tensor | IntWeight]:
@@ -135,13 +137,19 @@ class FusedMoE(nn.Module):
                 copied += self.load_expert(e, proj, full[e])[1]
         return ("w2" if proj == "down" else "w13"), copied
 
-    def use_int_experts_(self, bits: int, group_size: int, name: str = "experts") -> None:
+    def use_int_experts_(self, bits: int, group_size: int, name: str = "experts", act_order: bool = False) -> None:
         """Replaces the (unloaded) expert stacks by empty integer stacks in the kernels' layout, for a checkpoint
         whose experts are quantized already (load_int_expert fills them); group_size -1: one group per row of a
-        stack's (local) input columns. ValueError naming the layer where this shard's columns do not hold whole
-        groups."""
+        stack's (local) input columns. act_order: each expert matrix's columns come sorted by group, with the input
+        column each reads (w13_perm [experts, hidden], shared by an expert's gate and up; w2_perm [experts, inter]).
+        ValueError naming the layer where this shard's columns do not hold whole groups, or for act order where
+        tensor parallelism splits the experts' intermediate size (down's permutation spans all of it)."""
         if self.int_bits:
             return
+        if act_order and self.tp.size > 1 and not self.expert_parallel:
+            raise ValueError(f"{name}: act-order (desc_act / actorder) experts over {self.tp.size} ranks need expert "
+                             "parallelism: tensor parallelism splits their intermediate size, which each expert's "
+                             "down permutation spans (--enable-expert-parallel, or one GPU)")
         hidden, n = self.w2.shape[1], self.local_inter
         dtype, device = self.w13.dtype, self.w13.device
         groups = []
@@ -158,17 +166,24 @@ class FusedMoE(nn.Module):
                     torch.empty(self.num_local_experts, *shape, dtype=part_dtype, device=device), requires_grad=False))
             groups.append(group)
         self.int_bits, self.int_group_sizes = bits, (groups[0], groups[1])
+        if act_order:
+            self.act_order = True
+            for proj, cols in (("w13", hidden), ("w2", n)):
+                setattr(self, f"{proj}_perm", nn.Parameter(
+                    torch.empty(self.num_local_experts, cols, dtype=torch.int64, device=device), requires_grad=False))
+            self._perms_loaded: set[tuple[int, str]] = set()  # (local expert, stack) whose permutation came
 
     def load_int_expert(self, expert: int, proj: str, part: str, tensor: torch.Tensor | LazyTensor,
                         source: str) -> list[tuple[str, int]]:
-        """One tensor (qweight, scales or zeros, tandem int-N layout, the whole matrix: Hugging Face [out, in]) of
-        a quantized checkpoint expert matrix (proj: gate, up or down). Once the matrix's three have come, this
-        rank's share (its rows of gate / up, its input columns of down, whole groups) is repacked into the
-        stack; returns the (parameter name, elements copied) that filled: none before, or where another rank
-        holds the expert. ValueError naming the tensor (`source`) when a shape does not fit."""
+        """One tensor (qweight, scales, zeros, and with act order perm; tandem int-N layout, the whole matrix:
+        Hugging Face [out, in]) of a quantized checkpoint expert matrix (proj: gate, up or down). Once the matrix's
+        tensors have come, this rank's share (its rows of gate / up, its input columns of down, whole groups) is
+        repacked into the stack; returns the (parameter name, elements copied) that filled: none before, or where
+        another rank holds the expert. ValueError naming the tensor (`source`) when a shape does not fit, or where
+        an expert's gate and up read their input in different orders."""
         parts = self._int_parts.setdefault((expert, proj), {})
         parts[part] = materialize(tensor)
-        if len(parts) < 3:
+        if len(parts) < (4 if self.act_order else 3):
             return []
         del self._int_parts[(expert, proj)]
         local = self.local_expert(expert)
@@ -197,11 +212,29 @@ class FusedMoE(nn.Module):
                                    zeros.to(target.device, dtype).contiguous(), bits, group)
         rows = slice(None) if proj == "down" else slice(0, n) if proj == "gate" else slice(n, 2 * n)
         copied = []
+        if self.act_order:
+            copied += self._load_perm(local, stack, parts["perm"].reshape(-1), source)
         for name in ("words", "scales", "mins"):
             value = getattr(weight, name)
             getattr(self, f"{stack}_{name}").data[local, rows].copy_(value)
             copied.append((f"{stack}_{name}", value.numel()))
         return copied
+
+    def _load_perm(self, local: int, stack: str, perm: torch.Tensor, source: str) -> list[tuple[str, int]]:
+        """An expert matrix's act-order permutation into its stack's row: the first of gate / up fills it, the other
+        must equal it (both read the one input x)."""
+        target = getattr(self, f"{stack}_perm").data[local]
+        if perm.shape != target.shape:
+            raise ValueError(f"expert weight {source!r}: act-order permutation of {perm.shape[0]} columns for "
+                             f"{target.shape[0]}")
+        if (local, stack) not in self._perms_loaded:
+            target.copy_(perm)
+            self._perms_loaded.add((local, stack))
+            return [(f"{stack}_perm", perm.numel())]
+        if not torch.equal(target.cpu(), perm.to(target.dtype).cpu()):
+            raise ValueError(f"expert weight {source!r}: its input-column order differs from the expert's other "
+                             "projection of the same input (act-order g_idx of gate and up must agree)")
+        return []
 
     def quantize_fp8_(self) -> bool:
         """Expert weights to FP8 with a scale per expert output channel (the router stays in the model dtype)."""

@@ -52,7 +52,7 @@ def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpoin
     for prefix in prefixes:
         expert = EXPERT_MATRIX.match(prefix)
         if expert is not None:
-            _expert_source(prefix, expert, modules, cfg, experts)
+            _expert_source(prefix, expert, modules, experts)
             continue
         target, part = module_name(prefix)
         module = modules.get(target)
@@ -81,20 +81,17 @@ def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpoin
             raise ValueError(f"{target}: the checkpoint quantizes {len(have)} of its {3 * block.num_experts} expert "
                              f"matrices (not {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); "
                              "all or none must be quantized")
-        block.use_int_experts_(cfg.bits, cfg.group_size, name=f"{target}.experts")
+        block.use_int_experts_(cfg.bits, cfg.group_size, name=f"{target}.experts", act_order=cfg.act_order)
 
 
-def _expert_source(prefix: str, match: re.Match[str], modules: dict[str, nn.Module], cfg: IntCheckpointConfig,
+def _expert_source(prefix: str, match: re.Match[str], modules: dict[str, nn.Module],
                    experts: dict[str, set[tuple[int, str]]]) -> None:
     """Records a quantized checkpoint expert matrix under its MoE block (experts[block] gets (expert, proj));
-    ValueError naming the layer where the model has no such block or expert, or the experts use act order."""
+    ValueError naming the layer where the model has no such block or expert."""
     target = f"{match.group(1)}.mlp"
     block, proj, expert = modules.get(target), EXPERT_PROJ.get(match.group(3)), int(match.group(2))
     if not isinstance(block, FusedMoE) or proj is None or expert >= block.num_experts:
         raise ValueError(f"checkpoint layer {prefix!r} holds quantized weights but {target!r} has no such expert")
-    if cfg.act_order:
-        raise ValueError(f"checkpoint layer {prefix!r}: act-order (desc_act / actorder) MoE experts are not "
-                         "supported (their stacks share one input-column order)")
     experts.setdefault(target, set()).add((expert, proj))
 
 

@@ -23,7 +23,7 @@ from tandem.models.weights import WeightLoader
 # (int_loading.repack_int_checkpoint turns GPTQ / AWQ / compressed-tensors tensors into these).
 EXPERT_MATRIX = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
 EXPERT_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-_INT_PARTS = ("qweight", "scales", "zeros")
+_INT_PARTS = ("qweight", "scales", "zeros", "perm")  # perm: act order's input columns
 _STACKED = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj)(?:\.weight)?$")
 _PROJ = {**EXPERT_PROJ, "gate_up_proj": "gate_up"}
 

@@ -117,11 +117,14 @@ def test_int4_llama3_8b_shape_loads_without_its_bf16_copy():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family,case", [("qwen3_moe", Case("gptq", 4, 32, sym=False)),
-                                         ("mixtral", Case("awq", 4, 32, sym=False))], ids=["qwen3-gptq", "mixtral-awq"])
+                                         ("mixtral", Case("awq", 4, 32, sym=False)),
+                                         ("qwen3_moe", Case("gptq", 4, 32, sym=False, act_order=True))],
+                         ids=["qwen3-gptq", "mixtral-awq", "qwen3-gptq-actorder"])
 def test_checkpoint_experts_on_cuda_give_the_dequantized_models_tokens(family, case, tmp_path):
     """A MoE checkpoint whose experts are quantized, in bf16 on the GPU (the integer MoE kernels reading the
-    stacks the checkpoint's experts were repacked into), against the same model with every weight dequantized
-    and stored in full precision: the same greedy tokens, a near-tie aside."""
+    stacks the checkpoint's experts were repacked into; in act order, each pair's rows read through its expert's
+    column orders first), against the same model with every weight dequantized and stored in full precision: the
+    same greedy tokens, a near-tie aside."""
     from tests.gpu.test_gpu_engine import assert_same_greedy
     from tests.models.test_int_moe import save_quantized_moe
 

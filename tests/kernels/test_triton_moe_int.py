@@ -29,9 +29,25 @@ def int_experts(num_experts: int, hidden: int, inter: int, bits: int, dtype: tor
             quantize_rtn_experts(w2.to(DEVICE), bits, group, "w2"))
 
 
+def unsorted(w: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """A stack's dense experts in input-column order: stored column j of expert e reads input column perm[e, j]."""
+    out = torch.empty_like(w)
+    for e in range(w.shape[0]):
+        out[e][:, perm[e]] = w[e]
+    return out
+
+
+def act_orders(local: int, hidden: int, inter: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's own random input-column order for w13 (over hidden) and w2 (over inter), int64."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.stack([torch.randperm(hidden, generator=gen) for _ in range(local)]),
+            torch.stack([torch.randperm(inter, generator=gen) for _ in range(local)]))
+
+
 def check(num_tokens: int, bits: int, mode: str = "random", dtype: torch.dtype = torch.float32,
           pair_path: bool = False, num_experts: int = 6, top_k: int = 2, hidden: int = 128, inter: int = 96,
-          group: int | None = 32, expert_map: torch.Tensor | None = None, into_norm: bool = False) -> None:
+          group: int | None = 32, expert_map: torch.Tensor | None = None, into_norm: bool = False,
+          act_order: bool = False) -> None:
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
     ids = routing(num_tokens, num_experts, top_k, mode, seed=bits)
@@ -39,10 +55,16 @@ def check(num_tokens: int, bits: int, mode: str = "random", dtype: torch.dtype =
     local = num_experts if expert_map is None else int((expert_map >= 0).sum())
     w13, w2 = int_experts(local, hidden, inter, bits, dtype, group)
     emap = None if expert_map is None else expert_map.to(DEVICE)
-    expected = fused_moe_ref(x.float(), dequantize_repacked(w13).float().cpu(), dequantize_repacked(w2).float().cpu(),
-                             weights, ids, expert_map)
+    dense13, dense2 = dequantize_repacked(w13).float().cpu(), dequantize_repacked(w2).float().cpu()
+    perms = None
+    if act_order:  # the stored stacks' columns read x (and the activations) through each expert's order
+        perms = act_orders(local, hidden, inter, seed=num_tokens + bits)
+        dense13, dense2 = unsorted(dense13, perms[0]), unsorted(dense2, perms[1])
+        perms = (perms[0].to(DEVICE), perms[1].to(DEVICE))
+    expected = fused_moe_ref(x.float(), dense13, dense2, weights, ids, expert_map)
     got = fused_moe_int_triton(x.to(DEVICE), w13, w2, weights.to(DEVICE), ids.to(DEVICE), emap,
-                               tile=None if pair_path else TILE, pair_path=pair_path, into_norm=into_norm)
+                               tile=None if pair_path else TILE, pair_path=pair_path, into_norm=into_norm,
+                               perms=perms)
     if into_norm and pair_path:
         assert isinstance(got, PartialSums) and got.ws.shape == (top_k, num_tokens, hidden)
         got = got.reduce()
@@ -79,6 +101,41 @@ def test_expert_parallel_rank_and_fp16(monkeypatch):
     check(13, 4, dtype=torch.float16, num_experts=5, top_k=3, group=None)  # groups of 128 (w13), 32 (w2)
 
 
+@pytest.mark.parametrize("kernel", ["gemv", "mma", "mma_gemv"])
+def test_act_order_experts_read_their_rows_through_each_experts_order(kernel, monkeypatch):
+    """Act-order experts (each expert's own input-column order for w13 and for w2): the sorted blocks and every
+    pair-path kernel, on one rank and on an expert-parallel one, against the loop over the dense experts in input
+    order. (mma_gemv takes 16-bit rows on a GPU: in the interpreter it runs the CUDA-core GEMV.)"""
+    monkeypatch.setenv("TANDEM_MOE_INT_PAIR", kernel)
+    monkeypatch.setenv("TANDEM_MOE_INT_TILE", "16,16,64,4,2")
+    check(9, 4, act_order=True)
+    check(2, 4, pair_path=True, act_order=True, into_norm=True)
+    glob = torch.arange(6)
+    expert_map = torch.where(glob % 2 == 0, glob // 2, -1).to(torch.int32)  # rank 0 of 2 holds 0, 2, 4
+    check(2, 8, pair_path=True, act_order=True, expert_map=expert_map)
+    check(7, 4, act_order=True, expert_map=expert_map)
+
+
+def test_pair_gather_reads_each_pairs_row_through_its_expert():
+    """gather_pair_columns_triton: pair p's row is x's row p // top_k through its (local) expert's order; a pair of
+    another rank's expert reads expert 0's; the order may cover part of x's columns."""
+    from tandem.kernels.triton_moe_int import gather_pair_columns_triton
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 40, generator=gen).to(DEVICE)
+    perm = torch.stack([torch.randperm(40, generator=gen)[:24] for _ in range(3)]).to(DEVICE)
+    ids = torch.tensor([4, 1, 0, 2, 5, 3, 1, 1, 2, 0], dtype=torch.int32, device=DEVICE)  # 5 tokens, top 2
+    expert_map = torch.tensor([0, -1, 1, -1, 2, -1], dtype=torch.int32, device=DEVICE)
+    got = gather_pair_columns_triton(x, perm, ids, 2, expert_map)
+    for p in range(10):
+        e = max(int(expert_map[ids[p]]), 0)
+        assert torch.equal(got[p], x[p // 2, perm[e]]), p
+    one = gather_pair_columns_triton(x[:1].expand(3, 40).contiguous(), perm, ids[:3].remainder(3), 1)
+    assert torch.equal(one, torch.stack([x[0, perm[int(e)]] for e in ids[:3].remainder(3)]))
+    with pytest.raises(ValueError, match="pair gather"):
+        gather_pair_columns_triton(x, torch.zeros(3, 41, dtype=torch.int64, device=DEVICE), ids, 2)
+
+
 def test_cpu_dispatch_dequantizes_into_the_reference():
     """ops.fused_moe with IntWeight stacks on the CPU: every expert dequantized, then the per-expert loop."""
     w13, w2 = int_experts(4, 64, 32, 4, torch.float32)
@@ -91,6 +148,13 @@ def test_cpu_dispatch_dequantizes_into_the_reference():
     torch.testing.assert_close(got, fused_moe_ref(x, w13_dense, w2_dense, weights, ids))
     with pytest.raises(ValueError, match="both be integer"):
         ops.fused_moe(x, w13, w2_dense, weights, ids)
+    perms = act_orders(4, 64, 32, seed=1)  # act order: the columns put back in input order first
+    got = ops.fused_moe(x, w13, w2, weights, ids, perms=perms)
+    expected = fused_moe_ref(x, unsorted(w13_dense, perms[0]), unsorted(w2_dense, perms[1]), weights, ids)
+    torch.testing.assert_close(got, expected)
+    assert not torch.allclose(got, fused_moe_ref(x, w13_dense, w2_dense, weights, ids), atol=1e-3)
+    with pytest.raises(ValueError, match="act-order permutations come with integer experts only"):
+        ops.fused_moe(x, w13_dense, w2_dense, weights, ids, perms=perms)
 
 
 def test_rtn_experts_quantize_each_row_like_a_linear():

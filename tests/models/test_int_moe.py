@@ -111,7 +111,8 @@ def save_quantized_moe(case, family: str, folder, **overrides) -> torch.nn.Modul
     """A tiny MoE checkpoint in `case`'s format as quantizers write one: every linear but the lm_head and the
     routers (and Qwen2-MoE's shared-expert gate) quantized, each expert's gate / up / down as its own layer
     (Mixtral's block_sparse_moe.experts.{e}.w1 / w3 / w2, Qwen's mlp.experts.{e}.gate_proj / up_proj / down_proj).
-    Returns the transformers model holding the dequantized weights (fp32, eval)."""
+    With act order each expert has its own input-column order, one for its gate and up (which read the same
+    input) and one for its down. Returns the transformers model holding the dequantized weights (fp32, eval)."""
     import json
 
     from safetensors.torch import save_file
@@ -135,9 +136,10 @@ def save_quantized_moe(case, family: str, folder, **overrides) -> torch.nn.Modul
                 layer = name.removesuffix(".mlp.experts")
                 inter = module.down_proj.shape[2]
                 for e in range(module.gate_up_proj.shape[0]):
-                    for proj, weight in ((projs[0], module.gate_up_proj[e, :inter]),
-                                         (projs[1], module.gate_up_proj[e, inter:]), (projs[2], module.down_proj[e])):
-                        packed, w = case.pack(weight, 2)
+                    for proj, weight, order in ((projs[0], module.gate_up_proj[e, :inter], 10 + e),
+                                                (projs[1], module.gate_up_proj[e, inter:], 10 + e),
+                                                (projs[2], module.down_proj[e], 100 + e)):
+                        packed, w = case.pack(weight, order)
                         quantized.update({f"{layer}.{block}.experts.{e}.{proj}.{k}": v.contiguous()
                                           for k, v in packed.items()})
                         weight.copy_(w)
@@ -156,7 +158,10 @@ def save_quantized_moe(case, family: str, folder, **overrides) -> torch.nn.Modul
 # (family, format): GPTQ asymmetric 4-bit, AWQ, and compressed-tensors 8-bit per channel, at groups the tiny
 # experts' 64 hidden and 32 / 96 intermediate columns hold.
 QUANTIZED_EXPERTS = [("qwen3_moe", ("gptq", 4, 32, False)), ("mixtral", ("awq", 4, 32, False)),
-                     ("qwen2_moe", ("compressed-tensors", 8, -1, True))]
+                     ("qwen2_moe", ("compressed-tensors", 8, -1, True)),
+                     # act order: each expert's columns sorted by its own groups, read through its permutation
+                     ("qwen3_moe", ("gptq", 4, 32, False, True, False)),
+                     ("mixtral", ("compressed-tensors", 4, 32, True, True))]
 
 
 @pytest.mark.parametrize("family,case", QUANTIZED_EXPERTS, ids=[f"{f}-{c[0]}" for f, c in QUANTIZED_EXPERTS])
@@ -172,6 +177,11 @@ def test_checkpoint_experts_quantized_already_match_dequantized_transformers(fam
     model, model_config, _ = load_model_and_tokenizer(config, CPU, torch.float32)
     blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert blocks and all(b.int_bits == case.bits and not hasattr(b, "w13") for b in blocks)
+    assert all(b.act_order == case.act_order for b in blocks)
+    if case.act_order:  # the experts' own orders (gate and up: one), not the identity
+        perms = blocks[0].w13_perm
+        assert len({tuple(p.tolist()) for p in perms}) == perms.shape[0]
+        assert not torch.equal(perms[0], torch.arange(perms.shape[1]))
     inter = blocks[0].w2_words.shape[2] * 32 // case.bits
     assert blocks[0].int_group_sizes == ((64, inter) if case.group == -1 else (case.group, case.group))
     assert blocks[0].gate.int_bits == 0
@@ -204,9 +214,10 @@ def test_quantized_checkpoint_experts_shard_like_their_stacks(expert_parallel, t
             assert torch.equal(getattr(block, f"w2_{part}"), expected2), (rank, part)
 
 
-def test_quantized_experts_in_part_or_in_act_order_are_refused(tmp_path):
-    """A block whose experts are quantized in part, or experts in act order, is refused before any tensor is
-    read, naming the layer."""
+def test_quantized_experts_in_part_or_in_act_order_over_split_experts_are_refused(tmp_path):
+    """A block whose experts are quantized in part is refused before any tensor is read, naming the layer; experts
+    in act order are refused where tensor parallelism splits their intermediate size (down's order spans it all;
+    expert parallelism keeps them whole), and where an expert's gate and up disagree on their input's order."""
     from safetensors.torch import load_file, save_file
 
     from tests.models.quantized_llama import Case
@@ -222,9 +233,26 @@ def test_quantized_experts_in_part_or_in_act_order_are_refused(tmp_path):
     config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32")
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp: the checkpoint quantizes 23 of its 24"):
         load_model_and_tokenizer(config, CPU, torch.float32)
+    from tandem.config import ParallelConfig
+
     act = tmp_path / "act"
     act.mkdir()
-    save_quantized_moe(Case("gptq", 4, 32, False, act_order=True), "qwen3_moe", act)
+    save_quantized_moe(Case("gptq", 4, 32, False, act_order=True), "qwen3_moe", act, moe_intermediate_size=64,
+                       intermediate_size=128)
     config = EngineConfig(model=str(act), device="cpu", dtype="float32")
-    with pytest.raises(ValueError, match="act-order .* MoE experts are not supported"):
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts: act-order .* need expert parallelism"):
+        load_model_and_tokenizer(config, CPU, torch.float32, ParallelConfig(0, 2, False))
+    full = load_model_and_tokenizer(config, CPU, torch.float32)[0].model.layers[1].mlp
+    for rank in range(2):  # expert parallel: a rank's experts whole, with their orders
+        block = load_model_and_tokenizer(config, CPU, torch.float32, ParallelConfig(rank, 2, True))[0]
+        block = block.model.layers[1].mlp
+        for part in ("perm", "words", "scales"):
+            assert torch.equal(getattr(block, f"w13_{part}"), getattr(full, f"w13_{part}")[rank::2])
+            assert torch.equal(getattr(block, f"w2_{part}"), getattr(full, f"w2_{part}")[rank::2])
+    path = str(act / "model.safetensors")
+    tensors = load_file(path)
+    up = "model.layers.1.mlp.experts.3.up_proj.g_idx"
+    tensors[up] = tensors["model.layers.1.mlp.experts.4.up_proj.g_idx"].clone()  # another expert's order
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"experts\.3\.(gate|up)_proj.*act-order g_idx of gate and up must agree"):
         load_model_and_tokenizer(config, CPU, torch.float32)
