@@ -62,7 +62,8 @@ class FusedMoE(nn.Module):
         self.int_group_sizes = (0, 0)  # (w13's, w2's) input columns per group
         self.act_order = False  # integer experts whose columns are sorted by group: w13_perm and w2_perm
         # A checkpoint whose experts are quantized (use_int_experts_): each expert matrix's tandem int-N tensors
-        # gathered until its three (qweight, scales, zeros) have come, by (expert, gate | up | down).
+        # gathered until its three (qweight, scales, zeros; and perm with act order) have come, by (expert, gate | up |
+        # down).
         self._int_parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         # TANDEM_MOE_ROUTE_STATS=1 (set by `tandem bench` before the engine captures its graphs): a device counter of
         # the distinct experts each forward routes to, summed over forwards, for the roofline's expert bytes.
