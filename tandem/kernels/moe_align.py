@@ -6,6 +6,7 @@ count, so a decode step that routes captures into a CUDA graph and the step stay
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,9 @@ def fused_moe_ref(
     expert_map: torch.Tensor | None = None,  # [num_global_experts] int32: local id or -1
     w13_scale: torch.Tensor | None = None,  # [num_local_experts, 2 * inter] fp32 with FP8 weights
     w2_scale: torch.Tensor | None = None,  # [num_local_experts, hidden] fp32
+    # (local expert, its silu(gate) * up [tokens, inter]) -> the columns its down weight reads (act-order experts
+    # over ranks; called for every local expert, in order)
+    act_columns: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden] in x's dtype: sum over k of weight_k * expert_k(x)
     """Per-expert loop over every local expert with the token-expert weights as a mask (exact, no host count):
     a token an expert does not serve gets weight 0 and its row of the product is discarded."""
@@ -117,7 +121,8 @@ def fused_moe_ref(
         down = _expert_weight(w2[e], w2_scale, e, x.dtype)
         h = x @ gate_up.t()
         gate, up = h.chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ down.t()
+        act = F.silu(gate) * up
+        y = (act if act_columns is None else act_columns(e, act)) @ down.t()
         out += weight[:, None] * y.float()
     return out.to(x.dtype)
 

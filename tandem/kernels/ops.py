@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -269,8 +270,11 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,  # FP8 weights: [num_local_experts, 2 * inter] fp32
     w2_scale: torch.Tensor | None = None,  # [num_local_experts, hidden] fp32
     into_norm: bool = False,  # the output goes only into a residual add + RMSNorm: PartialSums are fine
-    # integer experts in act order: the input column each stored column reads, ([E, hidden], [E, inter]) int64
+    # integer experts in act order: the input column each stored column reads, ([E, hidden], [E, local inter]) int64
     perms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    # act order over ranks that split the intermediate size: [rows, local inter] -> [rows, inter], the ranks'
+    # activations side by side (a collective: every rank calls it as often), which w2's permutation indexes
+    gather_inter: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor | PartialSums:  # [num_tokens, hidden]: this rank's sum over k of weight_k * expert_k(x)
     """Routed experts: the token sort/align and two grouped GEMMs (Triton) on CUDA, a masked per-expert loop on CPU.
     With into_norm the Triton pair path may leave the sum over k to the norm (TANDEM_MOE_PAIR's "norm").
@@ -286,18 +290,28 @@ def fused_moe(
         from tandem.kernels.triton_moe_int import fused_moe_int_triton  # lazy: CPU runs never import Triton
 
         return fused_moe_int_triton(x, w13, w2, topk_weights, topk_ids, expert_map, into_norm=into_norm,
-                                    perms=perms)
+                                    perms=perms, gather_inter=gather_inter)
     if integer:
         w13, w2 = dequantize_repacked(w13).to(x.dtype), dequantize_repacked(w2).to(x.dtype)
         if perms is not None:  # stored column j of expert e reads input column perm[e, j]
-            w13, w2 = (w.new_empty(w.shape).scatter_(2, p[:, None, :].expand(w.shape).long(), w)
-                       for w, p in zip((w13, w2), perms))
+            w13 = _unsort_columns(w13, perms[0])
+            if gather_inter is None:
+                w2 = _unsort_columns(w2, perms[1])
+            else:  # this rank's down columns name columns of the whole intermediate size: read the gathered act
+                p2 = perms[1].long()
+                return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map,
+                                     act_columns=lambda e, act: gather_inter(act)[:, p2[e]])
     elif use_triton(x):
         from tandem.kernels.triton_moe import fused_moe_triton  # lazy: CPU runs never import Triton
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale,
                                 into_norm=into_norm)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_map, w13_scale, w2_scale)
+
+
+def _unsort_columns(w: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """A stack [E, N, K] whose stored column j of expert e reads input column perm[e, j], in input-column order."""
+    return w.new_empty(w.shape).scatter_(2, perm[:, None, :].expand(w.shape).long(), w)
 
 
 def gather_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:  # [..., K]: x[..., perm]

@@ -18,6 +18,7 @@ expert's permutation (`gather_pair_columns_triton`), and gate_up then takes a ro
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -389,12 +390,15 @@ def fused_moe_int_triton(
     pair_path: bool | None = None,  # None: by token count (use_pair_path)
     into_norm: bool = False,  # the output goes only into a residual add + RMSNorm: PartialSums are fine
     perms: tuple[torch.Tensor, torch.Tensor] | None = None,  # act order: ([E, hidden], [E, inter]) input columns
+    # act order over ranks that split inter: this rank's [pairs, inter] gathered to the whole [pairs, ranks * inter]
+    gather_inter: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor | PartialSums:  # [num_tokens, hidden]
     """triton_moe.fused_moe_triton for integer experts: the same paths and outputs (the pair path's down rows
     handed to the norm as PartialSums under TANDEM_MOE_PAIR's "norm"; its "sum" runs as "pairs" here, and its
     BLOCK_N is the bf16 kernels' only), each weight tile dequantized in registers. A tile given runs the
     tensor-core kernel on either path. perms (act order): each pair's rows read through its expert's columns
-    (gather_pair_columns_triton) before gate_up and before down. No host sync: captures in CUDA graphs."""
+    (gather_pair_columns_triton) before gate_up and before down (down's from the ranks' activations gathered,
+    gather_inter, where ranks split the intermediate size). No host sync: captures in CUDA graphs."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.words.shape[0], *w13.shape
     inter = two_inter // 2
@@ -415,7 +419,10 @@ def fused_moe_int_triton(
         x13, k13 = gather_pair_columns_triton(x, perms[0], flat_ids, top_k, expert_map), 1
 
     def down_rows(act: torch.Tensor) -> torch.Tensor:  # down's rows (a pair's): act, or read through w2's order
-        return act if perms is None else gather_pair_columns_triton(act, perms[1], flat_ids, 1, expert_map)
+        if perms is None:
+            return act
+        whole = act if gather_inter is None else gather_inter(act)
+        return gather_pair_columns_triton(whole, perms[1], flat_ids, 1, expert_map)
 
     # Pairs of another rank's experts are never written: zeros make them add nothing.
     alloc = torch.zeros if expert_map is not None else torch.empty

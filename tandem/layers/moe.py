@@ -96,8 +96,11 @@ class FusedMoE(nn.Module):
         into_norm = reduce and DEFER_REDUCE and (self.tp.size == 1 or self.tp.defers_all_reduce())
         w13, w2 = self.expert_weights()
         perms = (self.w13_perm.data, self.w2_perm.data) if self.act_order else None
+        # Act order over ranks that split the intermediate size: down reads the ranks' activations gathered whole.
+        gather = self.tp.all_gather_last_dim if self.act_order and self.tp.size > 1 and not self.expert_parallel \
+            else None
         out = fused_moe(x, w13, w2, weights, ids, self.expert_map, self.w13_scale, self.w2_scale,
-                        into_norm=into_norm, perms=perms)
+                        into_norm=into_norm, perms=perms, gather_inter=gather)
         return self.tp.all_reduce_or_defer(out) if reduce and self.tp.size > 1 else out
 
     def expert_weights(self) -> tuple[torch.Tensor | IntWeight, torch.Tensor | IntWeight]:
@@ -142,15 +145,11 @@ class FusedMoE(nn.Module):
         """Replaces the (unloaded) expert stacks by empty integer stacks in the kernels' layout, for a checkpoint
         whose experts are quantized already (load_int_expert fills them); group_size -1: one group per row of a
         stack's (local) input columns. act_order: each expert matrix's columns come sorted by group, with the input
-        column each reads (w13_perm [experts, hidden], shared by an expert's gate and up; w2_perm [experts, inter]).
-        ValueError naming the layer where this shard's columns do not hold whole groups, or for act order where
-        tensor parallelism splits the experts' intermediate size (down's permutation spans all of it)."""
+        column each reads (w13_perm [experts, hidden], shared by an expert's gate and up; w2_perm [experts, local
+        inter]: with tensor parallelism this rank's slice of down's sorted columns, which name columns of the whole
+        intermediate size). ValueError naming the layer where this shard's columns do not hold whole groups."""
         if self.int_bits:
             return
-        if act_order and self.tp.size > 1 and not self.expert_parallel:
-            raise ValueError(f"{name}: act-order (desc_act / actorder) experts over {self.tp.size} ranks need expert "
-                             "parallelism: tensor parallelism splits their intermediate size, which each expert's "
-                             "down permutation spans (--enable-expert-parallel, or one GPU)")
         hidden, n = self.w2.shape[1], self.local_inter
         dtype, device = self.w13.dtype, self.w13.device
         groups = []
@@ -213,8 +212,9 @@ class FusedMoE(nn.Module):
                                    zeros.to(target.device, dtype).contiguous(), bits, group)
         rows = slice(None) if proj == "down" else slice(0, n) if proj == "gate" else slice(n, 2 * n)
         copied = []
-        if self.act_order:
-            copied += self._load_perm(local, stack, parts["perm"].reshape(-1), source)
+        if self.act_order:  # down: this rank's slice of the sorted columns (whole groups), naming whole-input columns
+            perm = parts["perm"].reshape(-1)
+            copied += self._load_perm(local, stack, perm[start:start + n] if proj == "down" else perm, source)
         for name in ("words", "scales", "mins"):
             value = getattr(weight, name)
             getattr(self, f"{stack}_{name}").data[local, rows].copy_(value)

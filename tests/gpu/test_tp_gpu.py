@@ -315,6 +315,30 @@ def test_tp2_act_order_int4_greedy_tokens_equal_tp1(tmp_path):
     assert_same_greedy(*outputs)
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_tp2_act_order_moe_greedy_tokens_equal_tp1(expert_parallel, tmp_path):
+    """A desc_act GPTQ MoE checkpoint over two GPUs: whole experts a rank, or every expert's gate / up rows and half
+    of down's group-sorted columns, whose down all-gathers the ranks' activations (NCCL, inside the captured
+    graphs) before reading them through its slice of the expert's order; fp32 greedy tokens equal one GPU's."""
+    from tests.models.quantized_llama import Case
+    from tests.models.test_int_moe import save_quantized_moe
+
+    save_quantized_moe(Case("gptq", 4, 32, False, act_order=True), "qwen3_moe", tmp_path, moe_intermediate_size=64,
+                       intermediate_size=128)
+    prompts = [[(5 * i + j) % 120 + 4 for i in range(n)] for j, n in enumerate((7, 40, 3, 20))]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    outputs = []
+    for tp in (1, 2):
+        llm = LLM(str(tmp_path), dtype="float32", tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
+                  **{**ENGINE, "max_model_len": 128})
+        try:
+            outputs.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
+        finally:
+            llm.shutdown()
+    assert_same_greedy(*outputs)
+
+
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_tp_llama70b_shape_layer_subset_runs(tp):
     """The 70B shape's sharding (64 heads, 8 KV heads, vocab 128256) with 2 layers, random bf16 weights."""

@@ -116,6 +116,48 @@ def test_act_order_experts_read_their_rows_through_each_experts_order(kernel, mo
     check(7, 4, act_order=True, expert_map=expert_map)
 
 
+@pytest.mark.parametrize("pair_path", [False, True])
+def test_act_order_experts_over_two_ranks_that_split_the_intermediate_size(pair_path, monkeypatch):
+    """Tensor parallelism over act-order experts, both ranks in this process: a rank holds its rows of gate / up
+    and its half of down's group-sorted columns, whose orders name columns of the whole intermediate size; its
+    down reads the ranks' activations gathered (gather_inter: here the two ranks' activations, captured by a
+    first pass). The two ranks' outputs sum to the unsharded experts' in input order."""
+    from tandem.layers.int_quant import quantize_rtn_experts
+
+    monkeypatch.setenv("TANDEM_MOE_INT_PAIR", "gemv")
+    monkeypatch.setenv("TANDEM_MOE_INT_TILE", "16,16,64,4,2")
+    num_tokens, num_experts, top_k, hidden, inter, half = (2 if pair_path else 9), 4, 2, 128, 128, 64
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    ids = routing(num_tokens, num_experts, top_k, "random", seed=5)
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    w13, w2 = make_moe(num_experts, hidden, inter, torch.float32, seed=5)  # stored (sorted) column order
+    p13, p2 = act_orders(num_experts, hidden, inter, seed=6)
+    ranks = []
+    for r in range(2):
+        rows = torch.cat([w13[:, r * half:(r + 1) * half], w13[:, inter + r * half:inter + (r + 1) * half]], dim=1)
+        down = w2[:, :, r * half:(r + 1) * half]  # its half of down's sorted columns: two whole groups of 32
+        ranks.append((quantize_rtn_experts(rows, 4, 32), quantize_rtn_experts(down, 4, 32),
+                      p2[:, r * half:(r + 1) * half]))
+    d13 = [dequantize_repacked(ranks[r][0]) for r in range(2)]  # each rank's gate half, then its up half
+    gate, up = (torch.cat([d[:, i * half:(i + 1) * half] for d in d13], dim=1) for i in range(2))
+    dense13 = unsorted(torch.cat([gate, up], dim=1), p13)
+    dense2 = unsorted(torch.cat([dequantize_repacked(ranks[r][1]) for r in range(2)], dim=2), p2)
+    expected = fused_moe_ref(x, dense13, dense2, weights, ids)
+    acts: list[torch.Tensor | None] = [None, None]
+
+    def run(r: int, gather) -> torch.Tensor:  # noqa: ANN001
+        w13_r, w2_r, p2_r = ranks[r]
+        return fused_moe_int_triton(x, w13_r, w2_r, weights, ids, tile=None if pair_path else TILE,
+                                    pair_path=pair_path, perms=(p13, p2_r), gather_inter=gather)
+
+    for r in range(2):  # first pass: each rank's [pairs, half] activations (its output unused)
+        run(r, lambda act, r=r: acts.__setitem__(r, act.clone()) or torch.cat([act, act], dim=1))
+    got = sum(run(r, lambda act, r=r: (torch.testing.assert_close(act, acts[r]), torch.cat(acts, dim=1))[1])
+              for r in range(2))
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_pair_gather_reads_each_pairs_row_through_its_expert():
     """gather_pair_columns_triton: pair p's row is x's row p // top_k through its (local) expert's order; a pair of
     another rank's expert reads expert 0's; the order may cover part of x's columns."""

@@ -214,10 +214,11 @@ def test_quantized_checkpoint_experts_shard_like_their_stacks(expert_parallel, t
             assert torch.equal(getattr(block, f"w2_{part}"), expected2), (rank, part)
 
 
-def test_quantized_experts_in_part_or_in_act_order_over_split_experts_are_refused(tmp_path):
-    """A block whose experts are quantized in part is refused before any tensor is read, naming the layer; experts
-    in act order are refused where tensor parallelism splits their intermediate size (down's order spans it all;
-    expert parallelism keeps them whole), and where an expert's gate and up disagree on their input's order."""
+def test_quantized_experts_in_part_or_in_act_order_shard_or_are_refused(tmp_path):
+    """A block whose experts are quantized in part is refused before any tensor is read, naming the layer. Experts
+    in act order shard: whole experts with their orders (expert parallel), or (tensor parallel) every expert's
+    gate / up rows with its full input order and half of down's group-sorted columns with their slice of its
+    order; an expert whose gate and up disagree on their input's order is refused."""
     from safetensors.torch import load_file, save_file
 
     from tests.models.quantized_llama import Case
@@ -240,15 +241,18 @@ def test_quantized_experts_in_part_or_in_act_order_over_split_experts_are_refuse
     save_quantized_moe(Case("gptq", 4, 32, False, act_order=True), "qwen3_moe", act, moe_intermediate_size=64,
                        intermediate_size=128)
     config = EngineConfig(model=str(act), device="cpu", dtype="float32")
-    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts: act-order .* need expert parallelism"):
-        load_model_and_tokenizer(config, CPU, torch.float32, ParallelConfig(0, 2, False))
     full = load_model_and_tokenizer(config, CPU, torch.float32)[0].model.layers[1].mlp
-    for rank in range(2):  # expert parallel: a rank's experts whole, with their orders
+    for rank in range(2):
         block = load_model_and_tokenizer(config, CPU, torch.float32, ParallelConfig(rank, 2, True))[0]
-        block = block.model.layers[1].mlp
+        block = block.model.layers[1].mlp  # expert parallel: a rank's experts whole, with their orders
         for part in ("perm", "words", "scales"):
             assert torch.equal(getattr(block, f"w13_{part}"), getattr(full, f"w13_{part}")[rank::2])
             assert torch.equal(getattr(block, f"w2_{part}"), getattr(full, f"w2_{part}")[rank::2])
+        block = load_model_and_tokenizer(config, CPU, torch.float32, ParallelConfig(rank, 2, False))[0]
+        block = block.model.layers[1].mlp  # tensor parallel: down's sorted columns [32 rank, 32 rank + 32)
+        assert torch.equal(block.w13_perm, full.w13_perm)
+        assert torch.equal(block.w2_perm, full.w2_perm[:, 32 * rank:32 * rank + 32])
+        assert torch.equal(block.w2_scales, full.w2_scales[:, :, rank:rank + 1])
     path = str(act / "model.safetensors")
     tensors = load_file(path)
     up = "model.layers.1.mlp.experts.3.up_proj.g_idx"

@@ -1,4 +1,5 @@
-"""A 4-bit GPTQ checkpoint served over two CPU processes (gloo) gives the greedy tokens of one process."""
+"""A 4-bit GPTQ checkpoint served over two CPU processes (gloo) gives the greedy tokens of one process: a dense
+Llama, and a MoE whose experts are in act order."""
 
 from __future__ import annotations
 
@@ -33,6 +34,29 @@ def test_tp2_int4_greedy_tokens_equal_tp1(case, tmp_path):
     finally:
         reference.shutdown()
     sharded = LLM(str(tmp_path), tensor_parallel_size=2, **ENGINE)
+    try:
+        got = _greedy(sharded)
+    finally:
+        sharded.shutdown()
+    assert got == expected
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_tp2_act_order_moe_greedy_tokens_equal_tp1(expert_parallel, tmp_path):
+    """Act-order (desc_act) MoE experts over two CPU processes: each rank holds whole experts (expert parallel), or
+    every expert's rows of gate / up and half of down's group-sorted columns, whose order names columns of the
+    whole intermediate size, so its down reads the ranks' activations gathered. TP=2 gives TP=1's greedy
+    tokens."""
+    from tests.models.test_int_moe import save_quantized_moe
+
+    save_quantized_moe(Case("gptq", 4, 32, sym=False, act_order=True), "qwen3_moe", tmp_path,
+                       moe_intermediate_size=64, intermediate_size=128)
+    reference = LLM(str(tmp_path), **ENGINE)
+    try:
+        expected = _greedy(reference)
+    finally:
+        reference.shutdown()
+    sharded = LLM(str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **ENGINE)
     try:
         got = _greedy(sharded)
     finally:
