@@ -101,19 +101,23 @@ def test_expert_parallel_rank_and_fp16(monkeypatch):
     check(13, 4, dtype=torch.float16, num_experts=5, top_k=3, group=None)  # groups of 128 (w13), 32 (w2)
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "mma", "mma_gemv"])
+EVEN_EXPERTS = torch.where(torch.arange(6) % 2 == 0, torch.arange(6) // 2, -1).to(torch.int32)  # rank 0 of 2
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "mma", "mma_gemv", "sorted"])
 def test_act_order_experts_read_their_rows_through_each_experts_order(kernel, monkeypatch):
-    """Act-order experts (each expert's own input-column order for w13 and for w2): the sorted blocks and every
-    pair-path kernel, on one rank and on an expert-parallel one, against the loop over the dense experts in input
-    order. (mma_gemv takes 16-bit rows on a GPU: in the interpreter it runs the CUDA-core GEMV.)"""
-    monkeypatch.setenv("TANDEM_MOE_INT_PAIR", kernel)
+    """Act-order experts (each expert's own input-column order for w13 and for w2): every pair-path kernel and the
+    sorted blocks, on one rank and on an expert-parallel one (experts 0, 2, 4 of 6), against the loop over the
+    dense experts in input order. (mma_gemv takes 16-bit rows on a GPU: in the interpreter it runs the CUDA-core
+    GEMV.)"""
     monkeypatch.setenv("TANDEM_MOE_INT_TILE", "16,16,64,4,2")
-    check(9, 4, act_order=True)
+    if kernel == "sorted":
+        check(9, 4, act_order=True)
+        check(7, 4, act_order=True, expert_map=EVEN_EXPERTS)
+        return
+    monkeypatch.setenv("TANDEM_MOE_INT_PAIR", kernel)
     check(2, 4, pair_path=True, act_order=True, into_norm=True)
-    glob = torch.arange(6)
-    expert_map = torch.where(glob % 2 == 0, glob // 2, -1).to(torch.int32)  # rank 0 of 2 holds 0, 2, 4
-    check(2, 8, pair_path=True, act_order=True, expert_map=expert_map)
-    check(7, 4, act_order=True, expert_map=expert_map)
+    check(2, 8, pair_path=True, act_order=True, expert_map=EVEN_EXPERTS)
 
 
 @pytest.mark.parametrize("pair_path", [False, True])
