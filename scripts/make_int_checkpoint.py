@@ -79,6 +79,14 @@ def layer_extras(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
+    previous = torch.get_default_device()
+    try:
+        write_checkpoint()
+    finally:  # the caller's default device back (a test calls this in its own process)
+        torch.set_default_device(previous)
+
+
+def write_checkpoint() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-3-8b", choices=[s for s, c in NAMED_SHAPES.items()
                                                                    if c["model_type"] in ARCHITECTURES])
