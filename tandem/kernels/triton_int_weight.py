@@ -15,6 +15,7 @@ from tandem.kernels.int_weight import WORD_BITS, IntWeight
 from tandem.kernels.triton_fused import silu_and_mul_triton
 from tandem.kernels.triton_int_gemv_mma import int_mma_gemv, use_mma_gemv
 from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
+from tandem.kernels.triton_moe import pair_expert
 from tandem.kernels.triton_quant import finish_split, split_k_until
 
 ONE_BITS = 0x3F800000  # the bits of 1.0f
@@ -340,15 +341,25 @@ def _int_dequant_kernel(w_ptr, s_ptr, mn_ptr, out_ptr, N, K, GROUP: tl.constexpr
 
 
 @triton.jit
-def _gather_columns_kernel(x_ptr, perm_ptr, out_ptr, J, stride_xm, stride_om, BLOCK: tl.constexpr,
-                           USE_PDL: tl.constexpr):
-    # out[m, j] = x[m, perm[j]]: perm is a weight (read before the PDL wait), x is the step's activation.
+def _gather_columns_kernel(x_ptr, perm_ptr, ids_ptr, map_ptr, out_ptr, J, top_k, stride_xm, stride_pe, stride_om,
+                           PAIRS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    # out[r, j] = x[r, perm[j]]: perm is a weight (read before the PDL wait), x is the step's activation. PAIRS: row r
+    # is a (token, expert) pair, out[r, j] = x[r // top_k, perm[e_r, j]] with e_r its (local) expert, known only
+    # after the wait (this step's routing); a pair of another rank's expert (-1) reads expert 0's order, and its row
+    # is never read after.
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < J
-    src = tl.load(perm_ptr + cols, mask=mask, other=0)
-    pdl_wait(USE_PDL)
-    v = tl.load(x_ptr + row.to(tl.int64) * stride_xm + src, mask=mask)
+    if PAIRS:
+        pdl_wait(USE_PDL)
+        expert = tl.maximum(pair_expert(ids_ptr, map_ptr, row, HAS_MAP), 0)
+        src = tl.load(perm_ptr + expert * stride_pe + cols, mask=mask, other=0)
+        x_row = row // top_k
+    else:
+        src = tl.load(perm_ptr + cols, mask=mask, other=0)
+        pdl_wait(USE_PDL)
+        x_row = row
+    v = tl.load(x_ptr + x_row.to(tl.int64) * stride_xm + src, mask=mask)
     tl.store(out_ptr + row.to(tl.int64) * stride_om + cols, v, mask=mask)
 
 
@@ -357,18 +368,28 @@ def gather_columns_triton(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor: 
     columns below K: J = K on one rank, a row-parallel rank's slice of the permutation over the gathered input
     where the ranks split K) as a kernel in the PDL chain: the integer GEMV after it starts streaming its weights
     while it runs, where index_select (no PDL) would end the chain before and after it."""
-    m, k = x.shape
-    if perm.dim() != 1 or perm.shape[0] > k or x.stride(1) != 1:
+    if perm.dim() != 1 or x.dim() != 2 or perm.shape[0] > x.shape[1] or x.stride(1) != 1:
         raise ValueError(f"gather_columns_triton needs x [M, K] with unit column stride and perm [J <= K], got "
                          f"{tuple(x.shape)} / stride {x.stride()} and {tuple(perm.shape)}")
-    j = perm.shape[0]
-    out = torch.empty(m, j, dtype=x.dtype, device=x.device)
-    if m == 0 or j == 0:
+    return gather_rows_columns(x, perm.view(1, -1), x.shape[0])
+
+
+def gather_rows_columns(x: torch.Tensor, perm: torch.Tensor, rows: int, topk_ids: torch.Tensor | None = None,
+                        top_k: int = 1, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, J] from x through perm [orders, J] (unit column stride): x[:, perm[0]] (topk_ids None), or each
+    (token, expert) pair's row x[pair // top_k] through its expert's order (topk_ids [pairs] global ids,
+    expert_map global -> local). One program per row and column block; callers check the shapes."""
+    j = perm.shape[1]
+    out = torch.empty(rows, j, dtype=x.dtype, device=x.device)
+    if rows == 0 or j == 0:
         return out
     block = min(1024, triton.next_power_of_2(j))
     pdl = use_pdl(x.device)
-    _gather_columns_kernel[(m, triton.cdiv(j, block))](x, perm, out, j, x.stride(0), out.stride(0), BLOCK=block,
-                                                       USE_PDL=pdl, launch_pdl=bool(pdl))
+    ids = topk_ids if topk_ids is not None else perm
+    _gather_columns_kernel[(rows, triton.cdiv(j, block))](
+        x, perm, ids, expert_map if expert_map is not None else ids, out, j, top_k, x.stride(0), perm.stride(0),
+        out.stride(0), PAIRS=topk_ids is not None, HAS_MAP=expert_map is not None, BLOCK=block, USE_PDL=pdl,
+        launch_pdl=bool(pdl))
     return out
 
 

@@ -35,6 +35,7 @@ from tandem.kernels.triton_int_weight import (
     _code_slots,
     _tile_weights,
     _word_sums,
+    gather_rows_columns,
     part_elements,
 )
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
@@ -52,39 +53,14 @@ PAIR_ROWS = 16  # the row block of the pair path: one pair in it (tl.dot's least
 GEMV_WORDS = 512  # int32 words of codes the pair GEMV's 4 warps load per K step at least: 16-byte loads each
 
 
-@triton.jit
-def _gather_pair_columns_kernel(x_ptr, perm_ptr, ids_ptr, map_ptr, out_ptr, J, top_k, stride_xm, stride_pe,
-                                stride_om, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    # out[p, j] = x[p // top_k, perm[e_p, j]], e_p the pair's (local) expert; a pair of another rank's expert (-1)
-    # reads expert 0's order, and its row is never read after.
-    pair = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < J
-    pdl_wait(USE_PDL)  # the pairs' experts are this step's routing
-    expert = tl.maximum(pair_expert(ids_ptr, map_ptr, pair, HAS_MAP), 0)
-    src = tl.load(perm_ptr + expert * stride_pe + cols, mask=mask, other=0)
-    v = tl.load(x_ptr + (pair // top_k).to(tl.int64) * stride_xm + src, mask=mask)
-    tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, v, mask=mask)
-
-
 def gather_pair_columns_triton(x: torch.Tensor, perm: torch.Tensor, topk_ids: torch.Tensor, top_k: int,
                                expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """[pairs, J]: each (token, expert) pair's row of x (row pair // top_k; x [rows, K] with unit column stride)
     read through its expert's column permutation (perm [local experts, J], J <= K, int32 or int64; topk_ids [pairs]
     global ids, expert_map: global -> local, -1 elsewhere). Graph-safe: one program per pair and column block."""
-    num_pairs, j = topk_ids.shape[0], perm.shape[1]
-    if x.dim() != 2 or x.stride(1) != 1 or perm.dim() != 2 or perm.stride(1) != 1 or j > x.shape[1]:
+    if x.dim() != 2 or x.stride(1) != 1 or perm.dim() != 2 or perm.stride(1) != 1 or perm.shape[1] > x.shape[1]:
         raise ValueError(f"pair gather: x {tuple(x.shape)} (unit column stride), perm {tuple(perm.shape)}")
-    out = torch.empty(num_pairs, j, dtype=x.dtype, device=x.device)
-    if num_pairs == 0 or j == 0:
-        return out
-    block = min(1024, triton.next_power_of_2(j))
-    pdl = use_pdl(x.device)
-    _gather_pair_columns_kernel[(num_pairs, triton.cdiv(j, block))](
-        x, perm, topk_ids, expert_map if expert_map is not None else topk_ids, out, j, top_k, x.stride(0),
-        perm.stride(0), out.stride(0), HAS_MAP=expert_map is not None, BLOCK=block, USE_PDL=pdl,
-        launch_pdl=bool(pdl))
-    return out
+    return gather_rows_columns(x, perm, topk_ids.shape[0], topk_ids, top_k, expert_map)
 
 
 def int_moe_tile(num_tokens: int, top_k: int, num_experts: int, bits: int, pair_path: bool) -> MoETile:
@@ -411,24 +387,23 @@ def fused_moe_int_triton(
         pair_path = use_pair_path(num_tokens, top_k, num_global)
     num_pairs = num_tokens * top_k
     weights = topk_weights.reshape(-1).float().contiguous()
-    flat_ids = topk_ids.reshape(-1)
-    if flat_ids.dtype != torch.int32 or not flat_ids.is_contiguous():
-        flat_ids = flat_ids.to(torch.int32).contiguous()
+    ids = topk_ids.reshape(-1)  # [pairs]: the pair path's and the act-order gathers' expert ids
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        ids = ids.to(torch.int32).contiguous()
     x13, k13 = x, top_k  # gate_up's rows, and pairs a row: a token's (its pairs share it), or with act order a pair's
     if perms is not None:
-        x13, k13 = gather_pair_columns_triton(x, perms[0], flat_ids, top_k, expert_map), 1
+        x13, k13 = gather_pair_columns_triton(x, perms[0], ids, top_k, expert_map), 1
 
     def down_rows(act: torch.Tensor) -> torch.Tensor:  # down's rows (a pair's): act, or read through w2's order
         if perms is None:
             return act
         whole = act if gather_inter is None else gather_inter(act)
-        return gather_pair_columns_triton(whole, perms[1], flat_ids, 1, expert_map)
+        return gather_pair_columns_triton(whole, perms[1], ids, 1, expert_map)
 
     # Pairs of another rank's experts are never written: zeros make them add nothing.
     alloc = torch.zeros if expert_map is not None else torch.empty
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # [pairs, inter]
     if pair_path:
-        ids = flat_ids
         partials = into_norm and pair_config()[1] == "norm"
         rows = alloc(num_pairs, hidden, dtype=torch.float32, device=x.device)
         choice = pair_kernel() if tile is None else "mma"
