@@ -211,7 +211,10 @@ def _post_and_check(live_server, path: str, body: object) -> None:
         with client.stream("POST", path, content=raw, headers={"Content-Type": "application/json"}) as r:
             content = r.read().decode()
     assert r.status_code < 500, (body, r.status_code, content)
-    if r.status_code != 200:
+    if r.status_code == 404:  # a fuzzed "model" that names no served model (or adapter): the OpenAI 404
+        assert isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"] != MODEL_NAME, content
+        assert json.loads(content)["error"]["code"] == "model_not_found", content
+    elif r.status_code != 200:
         assert r.status_code in (400, 429) and "error" in json.loads(content), content
     elif r.headers["content-type"].startswith("text/event-stream"):
         assert content.rstrip().endswith("data: [DONE]"), content
