@@ -25,7 +25,7 @@ from tandem.outputs import EngineOutput
 from tandem.profiling.timeline import Timeline
 from tandem.request import FinishReason, Logprobs, Request, RequestStatus
 from tandem.runner.model_runner import ModelRunner
-from tandem.runner.step_plan import StepHandle
+from tandem.runner.step_plan import PreparedStep, StepHandle
 from tandem.runner.worker import engine_runner
 from tandem.sampling_params import SamplingParams
 from tandem.scheduler.output import SchedulerOutput
@@ -34,7 +34,7 @@ from tandem.speculative.controller import SpecController
 from tandem.speculative.eagle3 import Eagle3Proposer
 from tandem.speculative.ngram import NgramProposer
 from tandem.structured.matcher import HostMask
-from tandem.structured.pipeline import GrammarPipeline
+from tandem.structured.pipeline import GrammarPipeline, sit_out_enabled
 
 if TYPE_CHECKING:
     import torch
@@ -209,6 +209,7 @@ class EngineCore:
         self.spec_accepted_per_position = [0] * (self.spec.num_speculative_tokens if self.spec else 0)
         # Grammar-forced drafts (structured output): the most per request and step (0: off), and their counters.
         self.forced_k = config.forced_drafts
+        self.sit_out = sit_out_enabled()  # a late grammar row sits its step out (_settle_rows)
         self.forced_draft_tokens = self.forced_accepted_tokens = self.forced_verified_rows = 0
 
     # ---------------------------------------------------------------- requests
@@ -446,7 +447,7 @@ class EngineCore:
             # Its grammar rows need step N's tokens, which the matchers have now (where _collect did not start
             # their fill already): they fill on a worker while the caller takes the outputs and step N+2 is
             # scheduled and prepared.
-            self.grammar.start_fill(inflight, partial(self.runner.fill_masks, inflight))
+            self.grammar.start_fill(inflight, partial(self.runner.fill_masks, inflight, self._defers(inflight)))
         if self.spec_controller is not None:
             now = time.perf_counter()
             if self._step_end and not self._collected_prefill:
@@ -583,7 +584,7 @@ class EngineCore:
             if sched.scheduled:
                 prepared = self._timed("prepare", lambda: self.runner.prepare(sched, self.grammar.active))
             if previous is not None and previous.sampling_pending:
-                self._launch_sampling(previous)
+                self._launch_sampling(previous, prepared)
             drafts = None
             if self._pending_drafts is not None:
                 drafts, proposed = self._pending_drafts
@@ -621,10 +622,47 @@ class EngineCore:
         requests = [s.request for s in handle.sched.scheduled]
         return self._drafts_on_device(requests) and all(r.host_mask is None for r in requests)
 
-    def _launch_sampling(self, handle: StepHandle) -> None:
-        """Fills a step's grammar bitmask rows (or joins the worker filling them) and enqueues its sampling."""
-        fill, launch = partial(self.runner.fill_masks, handle), partial(self.runner.launch_sampling, handle)
-        self._timed("mask", lambda: self.grammar.finish(handle, fill, launch))
+    def _launch_sampling(self, handle: StepHandle, upcoming: PreparedStep | None = None) -> None:
+        """Fills a step's grammar bitmask rows (or joins the worker filling them) and enqueues its sampling; rows
+        computed apart that are late may sit it out, moved into `upcoming` (the next step, prepared, not enqueued)."""
+        fill = partial(self.runner.fill_masks, handle, self._defers(handle))
+        launch = partial(self.runner.launch_sampling, handle)
+        settle = partial(self._settle_rows, handle, upcoming)
+        self._timed("mask", lambda: self.grammar.finish(handle, fill, launch, settle))
+
+    def _defers(self, handle: StepHandle) -> bool:
+        """Whether a step's likely slow grammar rows are computed apart (each may then sit the step out): with
+        overlap on one rank, and neither drafts nor forced drafts (their steps are collected before the next)."""
+        return (self.sit_out and self.overlap and self.proposer is None and not self.forced_k
+                and self.runner.group is None and not handle.draft_rows)
+
+    def _settle_rows(self, handle: StepHandle, upcoming: PreparedStep | None) -> None:
+        """Writes the step's grammar rows computed apart as they finish, while its forward runs. Once the GPU would
+        wait, a late row sits the step out where the upcoming step decodes its request from this step's token (one
+        position, no drafts, no device penalty counts): the step samples the row under no mask and its token is
+        dropped, and the upcoming step computes this step's position again (ModelRunner.sit_out, Scheduler.sit_out),
+        under the row once it is done. Tokens are those of the sync loop, one step later."""
+        rows = self.runner.deferred_rows(handle)
+        if not rows:
+            return
+        following: dict[int, int] = {}  # id(request) -> its index in the upcoming step
+        if upcoming is not None and not upcoming.draft_rows and not upcoming.shifted:
+            following = {id(s.request): i for i, s in enumerate(upcoming.sched.scheduled)
+                         if s.carry and s.num_scheduled_tokens == 1 and not s.num_draft}
+        entries = {id(s.request): s for s in handle.sched.scheduled} if following else {}
+        running = RequestStatus.RUNNING
+
+        def may_sit_out(request: Request) -> bool:
+            entry = entries.get(id(request))
+            return (entry is not None and id(request) in following and entry.sample and entry.num_scheduled_tokens == 1
+                    and not entry.num_draft and request.status is running and request.num_pending_tokens == 2)
+
+        sat_out = self.grammar.settle(rows, partial(self.runner.settle_row, handle), may_sit_out,
+                                      handle.events.forward_done.query)
+        for request in sat_out:
+            index = following[id(request)]
+            self.runner.sit_out(upcoming, index)  # type: ignore[arg-type]
+            Scheduler.sit_out(entries[id(request)], upcoming.sched.scheduled[index])  # type: ignore[union-attr]
 
     def _collect(self, handle: StepHandle) -> list[EngineOutput]:
         """Waits for a launched step's tokens (enqueuing its sampling first where its grammar rows held it back)
@@ -693,7 +731,7 @@ class EngineCore:
                     and request.request_id in requests):
                 tokens.append((mask, token))
         self.grammar.advance(tokens)
-        self.grammar.start_fill(inflight, partial(self.runner.fill_masks, inflight))
+        self.grammar.start_fill(inflight, partial(self.runner.fill_masks, inflight, self._defers(inflight)))
         return True
 
     def _update(self, sched: SchedulerOutput, token_ids: list[int], logprobs: list[Logprobs] | None,

@@ -26,13 +26,19 @@ class HostMaskBuffers:
         else:
             self.bits_gpu, self.rows_gpu = self.bits_cpu, self.rows_cpu
         self.shifts = torch.arange(32, dtype=torch.int32, device=device)  # [32]
+        # Per slot: (bitmask row, request, its HostMask) of the rows its last fill left to be computed apart (fill's
+        # `defer`)
+        self.deferred: list[list[tuple[int, Any, Any]]] = [[], []]
 
-    def fill(self, slot: int, mask_rows: list[tuple[list[int], Any, list[int]]]) -> int:
+    def fill(self, slot: int, mask_rows: list[tuple[list[int], Any, list[int]]], defer: bool = False) -> int:
         """Fills the slot's bitmask from `mask_rows`: (logits row of each position, request, drafts) per constrained
         request, where a request without drafts has one position (its own row) and one with k drafts has k + 1
         (draft j's row gets the mask after drafts 0..j-1, the sequence's own row the mask after all k). Returns the
-        number of bitmask rows written."""
+        number of bitmask rows written. `defer` (a step without drafts): a request's likely slow grammar row may be
+        computed apart (HostMask.fill_rows), unless its penalties count every sampled token on the device; those
+        rows are in `deferred[slot]` until settled."""
         bits, rows = self.bits_cpu[slot], self.rows_np[slot]
+        self.deferred[slot] = []
         # (bitmask rows, HostMask or None, tokens so far, drafts); None: the request ended meanwhile (its token
         # will be dropped), so its rows allow everything
         entries = []
@@ -46,10 +52,18 @@ class HostMaskBuffers:
         if some is None:
             bits[:b].fill_(-1)
         elif b == len(entries):  # no drafts: one row each
-            type(some).fill_rows(bits, [(r[0], mask, tokens) for r, mask, tokens, _ in entries])
+            requests = [request for _, request, _ in mask_rows]
+            deferred = type(some).fill_rows(
+                bits, [(r[0], mask, tokens) for r, mask, tokens, _ in entries],
+                defer=(lambda i: not requests[i].sampling_params.uses_logits_state) if defer else None)
+            self.deferred[slot] = [(i, requests[i], entries[i][1]) for i in deferred]
         else:
             type(some).fill_draft_rows(bits, entries)  # HostMask's (runner does not import structured/)
         return b
+
+    def settle(self, slot: int, row: int, mask: Any) -> None:
+        """Writes a row computed apart into the slot's bitmask (waiting for it; HostMask.settle)."""
+        mask.settle(self.bits_cpu[slot][row])
 
     def upload(self, slot: int, num_rows: int) -> None:
         """H2D of the first num_rows bitmask rows and their batch rows (call on the H2D stream)."""

@@ -331,12 +331,39 @@ class ModelRunner:
                     host_flag.copy_(flag, non_blocking=True)
                 streams.record("d2h", events.d2h_done)
 
-    def fill_masks(self, handle: StepHandle) -> None:
+    def fill_masks(self, handle: StepHandle, defer: bool = False) -> None:
         """CPU only: fills the bitmask rows of a step launched with grammar rows from each request's matcher
         (which has seen every token up to the previous step's). Touches nothing but the step's pinned bitmask
-        slot and the matchers it reads, so it may run on a worker thread while the next step is prepared."""
+        slot and the matchers it reads, so it may run on a worker thread while the next step is prepared.
+        `defer`: likely slow rows may be computed apart (HostMaskBuffers.fill; deferred_rows, settle_row)."""
         assert handle.mask_rows is not None, "fill_masks on a step without grammar rows"
-        self.host_masks.fill(handle.slot, handle.mask_rows)
+        self.host_masks.fill(handle.slot, handle.mask_rows, defer=defer and not handle.draft_rows)
+
+    def deferred_rows(self, handle: StepHandle) -> list[tuple[int, Any, Any]]:
+        """(bitmask row, request, HostMask) of the step's grammar rows still computed apart after its fill."""
+        return self.host_masks.deferred[handle.slot]
+
+    def settle_row(self, handle: StepHandle, row: int, mask: Any) -> None:
+        """Writes a grammar row computed apart into the step's bitmask, waiting for it."""
+        self.host_masks.settle(handle.slot, row, mask)
+
+    def sit_out(self, prepared: PreparedStep, index: int) -> None:
+        """Moves sequence `index` of a prepared one-token step, which carries the token the step in flight samples
+        for it, back by one position: that row sits the step in flight out (its sampled token is dropped), so this
+        step computes the position the step in flight computed again, from the known token there, and samples what
+        that step would have (the noise is a function of the position). Host buffers only: call before enqueue."""
+        s = prepared.sched.scheduled[index]
+        assert s.carry and s.num_scheduled_tokens == 1 and not s.num_draft, "sit_out of a row that carries no token"
+        pos = s.num_computed_tokens - 1
+        buf, bs = self.buffers[prepared.plan.slot], self.block_size
+        ints, longs = buf.ints.np, buf.longs.np
+        t = int(ints["query_start_loc"][index])
+        ints["input_ids"][t] = s.request.all_token_ids[pos]
+        ints["positions"][t] = pos
+        longs["slot_mapping"][t] = s.block_ids[pos // bs] * bs + pos % bs
+        longs["carry_src"][t] = -1
+        ints["seq_lens"][index] = pos + 1
+        longs["sample_pos"][index] = pos + 1
 
     @torch.inference_mode()
     def launch_sampling(self, handle: StepHandle) -> None:

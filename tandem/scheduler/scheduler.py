@@ -319,6 +319,20 @@ class Scheduler:
         # Positional: keyword construction costs twice as much, and this runs for every request every step.
         return ScheduledRequest(request, start, num_new, token_ids, carry, block_ids, sample)
 
+    @staticmethod
+    def sit_out(in_flight: ScheduledRequest, upcoming: ScheduledRequest) -> None:
+        """A decoding request sits out the step in flight (its grammar row came late; ModelRunner.sit_out): that
+        step yields it no token (its entry no longer samples), and the upcoming step, which was to carry that token,
+        computes the step in flight's position again from the known token before it."""
+        request = upcoming.request
+        assert in_flight.request is request and in_flight.sample and upcoming.carry and request.num_pending_tokens == 2
+        in_flight.sample = False
+        request.num_pending_tokens -= 1
+        request.num_computed_tokens -= 1
+        upcoming.num_computed_tokens -= 1
+        upcoming.carry = False
+        upcoming.token_ids = [request.all_token_ids[upcoming.num_computed_tokens]]
+
     def update_from_output(
         self,
         out: SchedulerOutput,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,12 @@ class HostMask:
         # Its last llguidance row allowed most of the vocabulary (inside a string): the next fill of this matcher is
         # likely one of the slow ones (milliseconds, where most rows take microseconds). Orders the rows of a fill.
         self.dense = False
+        # A row of this matcher's current state computed apart, on the row pool (fill_rows' `defer`), into its own
+        # buffer: the step waits for it only while the GPU has work, and where it is late its request sits that step
+        # out and the next step's row is this one (the matcher has not moved). Nothing else touches the matcher
+        # while the job runs.
+        self.job: Future[None] | None = None
+        self.job_bits: np.ndarray | None = None  # [1, ceil(V / 32)] int32, the job's row
 
     def accept(self, token_id: int) -> bool:
         """Advances the grammar with a sampled token; False when the grammar rejects it (never, with the mask
@@ -57,6 +64,7 @@ class HostMask:
         rows); the number of tokens a grammar refused."""
         llg, xgr = [], []
         for mask, token in tokens:
+            assert mask.job is None, "a token for a matcher whose row is still computed apart"
             if mask.matcher is None or mask.is_terminated:
                 continue
             (llg if mask.llguidance else xgr).append((mask.matcher, token))
@@ -183,18 +191,32 @@ class HostMask:
         return m.is_error() if self.llguidance else m.is_terminated()
 
     @staticmethod
-    def fill_rows(bits: Any, rows: list[tuple[int, HostMask | None, list[int]]], spread: bool = True) -> None:
+    def fill_rows(bits: Any, rows: list[tuple[int, HostMask | None, list[int]]], spread: bool = True,
+                  defer: Callable[[int], bool] | None = None) -> list[int]:
         """Writes rows of the int32 bitmask `bits` (a CPU tensor [rows, ceil(V/32)]), one per (row index, mask or
         None for "allow all", the request's tokens so far): the grammar's allowed set, minus the last token of
         each bad word whose other tokens end the sequence so far. The grammar rows of each backend go in one call
         that spreads them over its threads (an xgrammar row under a bounded string can take milliseconds); with
         `spread`, llguidance's rows go in an order that spaces out the likely slow ones (spread_slow_rows). The
-        order changes nothing but the time: each row is written from its own matcher."""
+        order changes nothing but the time: each row is written from its own matcher.
+
+        `defer(index)`: whether that row may be computed apart. Such an llguidance row whose last row was dense (the
+        likely slow ones), and any row whose job (`job`) is still to be settled, are not written here: each runs on
+        the row pool, and the returned indices are those rows, for `settle` (their rows here allow everything)."""
         xgr_matchers, xgr_indices = [], []
         llg_rows: list[tuple[Any, int]] = []
         llg_masks: list[HostMask] = []
+        deferred: list[int] = []
         for index, mask, _ in rows:
-            if mask is None or mask._allows_all():
+            if mask is not None and mask.job is not None:  # a row computed apart, not settled: its matcher is busy
+                deferred.append(index)
+                bits[index].fill_(-1)
+            elif mask is None or mask._allows_all():
+                bits[index].fill_(-1)
+            elif (defer is not None and mask.dense and mask.llguidance and not mask.bad_word_ids
+                  and defer(index)):
+                mask._start_job(bits.shape[1])
+                deferred.append(index)
                 bits[index].fill_(-1)
             elif mask.llguidance:
                 llg_rows.append((mask.matcher, index))
@@ -220,6 +242,27 @@ class HostMask:
         for index, mask, all_token_ids in rows:
             if mask is not None and mask.bad_word_ids:
                 mask._remove_bad_words(bits[index].numpy(), all_token_ids)
+        return deferred
+
+    def _start_job(self, num_words: int) -> None:
+        """Computes this matcher's row on the row pool, into job_bits."""
+        if self.job_bits is None or self.job_bits.shape[1] != num_words:
+            self.job_bits = np.empty((1, num_words), dtype=np.int32)
+        self.job = _row_pool().submit(_compute_row, self.matcher, self.job_bits)
+
+    @property
+    def job_done(self) -> bool:
+        """Whether no row of this matcher is being computed apart (none, or its job has finished)."""
+        return self.job is None or self.job.done()
+
+    def settle(self, row: Any) -> None:
+        """Waits for the row computed apart (raising what it raised) and writes it to `row` (a bitmask row, a CPU
+        tensor [ceil(V/32)]); the matcher is free again."""
+        job, self.job = self.job, None
+        assert job is not None and self.job_bits is not None, "settle without a row computed apart"
+        job.result()
+        row.numpy()[:] = self.job_bits[0]
+        self.dense = dense_rows(self.job_bits, [0])[0]
 
     def _remove_bad_words(self, row: Any, all_token_ids: list[int]) -> None:
         n = len(all_token_ids)
@@ -277,6 +320,22 @@ def mask_threads() -> int:
 
 _XGR_BATCH: Any = None
 _LLG_EXECUTOR: Any = None
+_ROW_POOL: ThreadPoolExecutor | None = None
+
+
+def _compute_row(matcher: Any, out: np.ndarray) -> None:
+    """One llguidance row into `out` ([1, W] int32); the call releases the GIL while it computes."""
+    from llguidance.numpy import fill_next_token_bitmask
+
+    fill_next_token_bitmask(matcher, out, 0)
+
+
+def _row_pool() -> ThreadPoolExecutor:
+    """The threads of rows computed apart (HostMask.fill_rows' `defer`), one per mask thread."""
+    global _ROW_POOL
+    if _ROW_POOL is None:
+        _ROW_POOL = ThreadPoolExecutor(max_workers=mask_threads(), thread_name_prefix="grammar-row")
+    return _ROW_POOL
 
 
 def _xgr_batch() -> Any:

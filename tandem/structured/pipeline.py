@@ -45,6 +45,7 @@ class GrammarPipeline:
         self.wait_time_s = 0.0  # the engine's thread waiting for the worker's fills: the part on its critical path
         self.num_fills = 0
         self.num_rejections = 0  # sampled tokens a grammar refused (a masking bug if ever > 0)
+        self.num_sat_out = 0  # rows that sat a step out, their grammar row late (settle)
 
     # ---------------------------------------------------------------- admission
 
@@ -175,14 +176,49 @@ class GrammarPipeline:
         """Whether the worker is filling `step`'s rows (started, not joined yet)."""
         return self._fill is not None and self._fill[0] is step
 
-    def finish(self, step: object, fill: Callable[[], None], launch: Callable[[], None]) -> None:
+    def finish(self, step: object, fill: Callable[[], None], launch: Callable[[], None],
+               settle: Callable[[], None] | None = None) -> None:
         """Joins the worker filling `step`'s rows (raising what it raised), or fills them here where none does, then
-        calls `launch` (enqueue the step's sampling); raises on failure."""
+        calls `settle` (the rows computed apart) and `launch` (enqueue the step's sampling); raises on failure."""
         seconds = self.join(step)
         if seconds is None:
             seconds = self._accept_and_fill(fill)
+        if settle is not None:
+            t0 = time.perf_counter()
+            settle()
+            self.wait_time_s += time.perf_counter() - t0
         self.fill_time_s += seconds + _timed(launch)
         self.num_fills += 1
+
+    def settle(self, rows: list[tuple[int, Any, HostMask]], write: Callable[[int, HostMask], None],
+               may_sit_out: Callable[[Any], bool], gpu_idle: Callable[[], bool]) -> list[Any]:
+        """The rows of a step that its fill computed apart ((bitmask row, request, mask)): each is written
+        (`write`) once its job is done, waiting while the GPU has work (`gpu_idle()` False: the step's forward is
+        still running); once the GPU waits, a late row whose request `may_sit_out` is left out and its request
+        returned (it sits the step out: its row's token is dropped), the others are waited for."""
+        late = list(rows)
+        sat_out: list[Any] = []
+        while late:
+            pending = []
+            for row, request, mask in late:
+                if mask.job_done:
+                    write(row, mask)
+                else:
+                    pending.append((row, request, mask))
+            late = pending
+            if not late:
+                break
+            if gpu_idle():
+                for row, request, mask in late:
+                    if may_sit_out(request):
+                        sat_out.append(request)
+                    else:
+                        write(row, mask)
+                break
+            futures_wait([mask.job for _, _, mask in late if mask.job is not None], timeout=SETTLE_POLL_S,
+                         return_when=FIRST_COMPLETED)
+        self.num_sat_out += len(sat_out)
+        return sat_out
 
     def join(self, step: object) -> float | None:
         """Waits for the worker filling `step`'s rows: the seconds it took, or None where no worker fills them."""
@@ -210,6 +246,19 @@ class GrammarPipeline:
 # The GIL switch interval while a fill runs on the worker: how long the worker may wait for the GIL each time one of
 # its parallel calls returns while the engine's thread runs Python (a forced switch costs some microseconds).
 FILL_SWITCH_INTERVAL_S = 1e-4
+
+
+# How often a step waiting for its rows computed apart checks whether the GPU has run out of work.
+SETTLE_POLL_S = 1e-4
+
+
+def sit_out_enabled() -> bool:
+    """Whether a late grammar row sits its step out (TANDEM_STRUCTURED_SIT_OUT, default 1; 0: the step waits for
+    every row), read per engine."""
+    value = os.environ.get("TANDEM_STRUCTURED_SIT_OUT", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"TANDEM_STRUCTURED_SIT_OUT must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def grammar_lineages() -> int:

@@ -145,3 +145,40 @@ def test_next_fill_starts_when_the_tokens_land_and_keeps_the_sync_tokens(idle_ll
 def test_bad_words_beside_a_grammar_keep_the_sync_tokens(idle_llm):
     """A multi-token bad word's row reads its request's tokens, so its step's fill waits for the update."""
     assert _run(idle_llm, overlap=True, bad_words=True) == _run(idle_llm, overlap=False, bad_words=True)
+
+
+def test_late_rows_sit_out_and_keep_the_sync_tokens(idle_llm, monkeypatch):
+    """Likely slow grammar rows are computed apart; one still running when the GPU would wait (on the CPU: at once)
+    sits its step out, and the next step computes its position again: greedy and seeded outputs equal the sync
+    loop's, every row computed apart is settled, and no KV block stays held."""
+    from tandem.structured import matcher as matcher_module
+
+    original = matcher_module._compute_row
+    calls = [0]
+
+    def slow_every_other(matcher, out):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] % 2:
+            threading.Event().wait(0.03)
+        original(matcher, out)
+
+    monkeypatch.setattr(matcher_module, "_compute_row", slow_every_other)
+    # Every grammar row counts as likely slow, so every step computes rows apart.
+    monkeypatch.setattr(matcher_module, "dense_rows", lambda bits, indices: [True] * len(indices))
+    engine = idle_llm.engine
+    before = engine.grammar.num_sat_out
+    sync = _run(idle_llm, overlap=False)
+    assert calls[0] == 0 and engine.grammar.num_sat_out == before  # no step behind: nothing computed apart
+    overlap = _run(idle_llm, overlap=True)
+    assert overlap == sync
+    assert calls[0] > 0 and engine.grammar.num_sat_out > before, (calls, engine.grammar.num_sat_out)
+    assert all(mask.job is None for mask in (r.host_mask for r in engine.grammar.masks.values()) if mask)
+    assert engine.scheduler.num_free_blocks() == engine.runner.num_blocks - 1
+
+
+def test_sit_out_off_waits_for_every_row(idle_llm, monkeypatch):
+    monkeypatch.setattr(idle_llm.engine, "sit_out", False)
+    sync = _run(idle_llm, overlap=False)
+    before = idle_llm.engine.grammar.num_sat_out
+    assert _run(idle_llm, overlap=True) == sync
+    assert idle_llm.engine.grammar.num_sat_out == before

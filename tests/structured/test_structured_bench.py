@@ -1,6 +1,7 @@
 """`tandem bench --workload structured` on the CPU (the embedded model, two short requests): the passes of both
 grammar backends on one engine (forced drafts off, and on at 100%), their ratios to the unconstrained pass,
-grammar-mask time only where a pass has constrained requests, and forced drafts accepted only where they are on."""
+grammar-mask time only where a pass has constrained requests, forced drafts accepted only where they are on, and
+the same tokens with late grammar rows sitting their step out or not."""
 
 from __future__ import annotations
 
@@ -21,10 +22,16 @@ def test_structured_workload_reports_each_pass(tmp_path):
     (r,) = json.loads(out.read_text())["results"]
     assert r["workload"] == "structured" and r["structured_backends"] == ["xgrammar", "llguidance"]
     rows = r["rows"]
-    assert [(x["constrained_fraction"], x.get("backend"), x["forced_drafts"], x["penalties"]) for x in rows] == [
-        (0.0, None, False, False), (0.5, "xgrammar", False, False), (1.0, "xgrammar", False, False),
-        (1.0, "xgrammar", True, False), (0.5, "llguidance", False, False), (1.0, "llguidance", False, False),
-        (1.0, "llguidance", True, False), (0.0, None, False, True)]
+    # Late grammar rows sit their step out by default; a second 100% pass of each backend runs with that off.
+    assert [(x["constrained_fraction"], x.get("backend"), x["forced_drafts"], x["penalties"], x["sit_out"])
+            for x in rows] == [
+        (0.0, None, False, False, True), (0.5, "xgrammar", False, False, True), (1.0, "xgrammar", False, False, True),
+        (1.0, "xgrammar", False, False, False), (1.0, "xgrammar", True, False, True),
+        (0.5, "llguidance", False, False, True), (1.0, "llguidance", False, False, True),
+        (1.0, "llguidance", False, False, False), (1.0, "llguidance", True, False, True),
+        (0.0, None, False, True, True)]
+    assert all(x["same_tokens_as_sit_out_flipped"] for x in rows if not x["sit_out"])
+    assert all(x["sat_out_per_step"] == 0 for x in rows if not x["sit_out"] or x.get("backend") != "llguidance")
     assert all(x["generated_tokens"] == NUM_REQUESTS * OUTPUT_LEN for x in rows)
     assert rows[0]["vs_unconstrained"] == 1.0
     assert rows[0]["num_mask_steps"] == 0 and rows[-1]["num_mask_steps"] == 0
