@@ -31,6 +31,10 @@ def test_structured_workload_reports_each_pass(tmp_path):
         (1.0, "llguidance", False, False, False), (1.0, "llguidance", True, False, True),
         (0.0, None, False, True, True)]
     assert all(x["same_tokens_as_sit_out_flipped"] for x in rows if not x["sit_out"])
+    # The first 100% row of each backend keeps the figure of the grammar's first (cold) full pass.
+    firsts = [x for x in rows if x["constrained_fraction"] == 1.0 and x["sit_out"] and not x["forced_drafts"]]
+    assert all(x["cold_tokens_per_s"] > 0 and x["cold_vs_unconstrained"] > 0 for x in firsts)
+    assert sum("cold_tokens_per_s" in x for x in rows) == 2
     assert all(x["sat_out_per_step"] == 0 for x in rows if not x["sit_out"] or x.get("backend") != "llguidance")
     assert all(x["generated_tokens"] == NUM_REQUESTS * OUTPUT_LEN for x in rows)
     assert rows[0]["vs_unconstrained"] == 1.0
