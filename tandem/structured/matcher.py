@@ -90,6 +90,7 @@ class HostMask:
         a last token that could merge with what follows). xgrammar: its jump-forward string, encoded with `encode`,
         checked token by token against the matcher and less its last token (which could merge with what follows;
         a string whose tokens the matcher refuses gives only the prefix it accepts)."""
+        self.settle()  # a row still computed apart holds the matcher
         m = self.matcher
         if m is None or max_tokens <= 0 or self.is_terminated:
             return []
@@ -120,6 +121,9 @@ class HostMask:
         drafts one position at a time, all requests' rows of a position filled in one call, and are rolled back
         at the end. A draft the grammar refuses (never a forced one) ends its request's walk; the rows after it
         allow everything (the verify step rejects that draft, so their samples are never used)."""
+        for _, mask, _, _ in rows:
+            if mask is not None:
+                mask.settle()  # a row still computed apart holds the matcher (these rows are filled anew)
         rows = HostMask._fill_llguidance_draft_rows(bits, rows)
         num_positions = max((len(r[0]) for r in rows), default=0)
         consumed = [0] * len(rows)
@@ -209,6 +213,9 @@ class HostMask:
         deferred: list[int] = []
         for index, mask, _ in rows:
             if mask is not None and mask.job is not None:  # a row computed apart, not settled: its matcher is busy
+                if defer is None:  # nothing here settles it later: its row now
+                    mask.settle(bits[index])
+                    continue
                 deferred.append(index)
                 bits[index].fill_(-1)
             elif mask is None or mask._allows_all():
@@ -255,13 +262,16 @@ class HostMask:
         """Whether no row of this matcher is being computed apart (none, or its job has finished)."""
         return self.job is None or self.job.done()
 
-    def settle(self, row: Any) -> None:
-        """Waits for the row computed apart (raising what it raised) and writes it to `row` (a bitmask row, a CPU
-        tensor [ceil(V/32)]); the matcher is free again."""
+    def settle(self, row: Any | None = None) -> None:
+        """Waits for the row computed apart, if any (raising what it raised), and writes it to `row` (a bitmask row,
+        a CPU tensor [ceil(V/32)]) where given; the matcher is free again."""
         job, self.job = self.job, None
-        assert job is not None and self.job_bits is not None, "settle without a row computed apart"
+        if job is None:
+            return
         job.result()
-        row.numpy()[:] = self.job_bits[0]
+        assert self.job_bits is not None
+        if row is not None:
+            row.numpy()[:] = self.job_bits[0]
         self.dense = dense_rows(self.job_bits, [0])[0]
 
     def _remove_bad_words(self, row: Any, all_token_ids: list[int]) -> None:
