@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -148,55 +147,14 @@ def _expand_sorted(y: Output, shrink: torch.Tensor, b: torch.Tensor, groups: Slo
     return y
 
 
-class LoRADelta(NamedTuple):
-    """A projection's base output (or its split-K partial sums) with each token's adapter delta not yet added:
-    shrink [n, rank] fp32 through each token's B [slots, out, rank] (token_slots [n]; -1 adds nothing, and its
-    shrink row may be unwritten). The add + RMSNorm after it adds the delta in its own pass (no expand kernel);
-    apply() adds it with the expand kernels wherever that kernel does not run."""
-
-    base: torch.Tensor | PartialSums
-    shrink: torch.Tensor
-    b: torch.Tensor
-    token_slots: torch.Tensor
-    groups: SlotGroups | None  # the step's grouping where the sorted kernels took the shrink
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.base.shape
-
-    def apply(self) -> torch.Tensor | PartialSums:
-        """The base output with the delta added (as lora_add_beside adds it without `fold`)."""
-        if self.groups is not None:
-            return _expand_sorted(self.base, self.shrink, self.b, self.groups, 0)
-        from tandem.kernels.triton_lora import lora_expand_triton  # lazy: no Triton on CPU
-
-        lora_expand_triton(_rows(self.base), self.shrink, self.b, self.token_slots)
-        return self.base
-
-    def reduce(self) -> torch.Tensor:
-        """The projection's output as a tensor (the delta added, partial sums reduced)."""
-        out = self.apply()
-        return out.reduce() if isinstance(out, PartialSums) else out
-
-
-def lora_fold_norm() -> bool:
-    """Whether an adapted projection whose output goes only into the add + RMSNorm after it (o_proj, down_proj on
-    one rank) leaves its delta to that kernel (LoRADelta) instead of running an expand kernel:
-    TANDEM_LORA_FOLD_NORM=0 turns it off. Read per call (a CUDA graph keeps what its capture chose)."""
-    return os.environ.get("TANDEM_LORA_FOLD_NORM") != "0"
-
-
 def lora_add_beside(x: torch.Tensor, base: Callable[[], Output], a: torch.Tensor, b: torch.Tensor,
                     token_slots: torch.Tensor, counters: torch.Tensor | None,
-                    side: torch.cuda.Stream | None, groups: SlotGroups | None = None, gated: int = 0,
-                    fold: bool = False) -> Output | LoRADelta:
+                    side: torch.cuda.Stream | None, groups: SlotGroups | None = None, gated: int = 0) -> Output:
     """base() (x's base projection, [..., out], or its split-K PartialSums) plus the per-token delta (gated: then
     silu(gate) * up, as lora_add's). Where the Triton kernels run and a side stream is given, the shrink, which
     reads only x, runs on `side` while base() runs, and the expand after both (a captured graph keeps the fork and
     the join): the shrink's fixed cost, ~6-10 us a projection at 32 rows, leaves the step's critical path.
-    counters: the side stream's own (its shrinks may overlap the main stream's); groups: as lora_add's. fold (the
-    output goes only into an add + RMSNorm, lora_fold_norm on): the base output and the shrink as a LoRADelta,
-    whose delta that kernel adds."""
+    counters: the side stream's own (its shrinks may overlap the main stream's); groups: as lora_add's."""
     x2 = x.reshape(-1, x.shape[-1])
     if side is None or not _lora_kernels(x2):
         return lora_add(base(), x, a, b, token_slots, counters, groups, gated)
@@ -213,8 +171,6 @@ def lora_add_beside(x: torch.Tensor, base: Callable[[], Output], a: torch.Tensor
                   else lora_shrink_block_triton(x2, a, slots, counters))
     y = base()
     main.wait_stream(side)
-    if fold and not gated and not (isinstance(y, PartialSums) and y.scale is not None) and lora_fold_norm():
-        return LoRADelta(y, shrink, b, slots, groups if grouped else None)
     if grouped:
         return _expand_sorted(y, shrink, b, groups, gated)  # type: ignore[arg-type]
     lora_expand_triton(_rows(y), shrink, b, slots)

@@ -7,7 +7,6 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX, PartialSums, QuantizedRows
-from tandem.kernels.lora import LoRADelta
 from tandem.kernels.triton_launch import pdl_wait, use_pdl
 from tandem.kernels.triton_quant import store_quantized_row
 from tandem.kernels.triton_rotary_kv import norm_rotate, token_rows
@@ -63,8 +62,6 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
     QUANT_OUT: tl.constexpr, scale_ptr, FP8_MAX_C: tl.constexpr, MIN_AMAX_C: tl.constexpr,
     SPLITS: tl.constexpr, split_stride, ps_ptr, pb_ptr, HAS_PSCALE: tl.constexpr, HAS_PBIAS: tl.constexpr,
-    LORA_RANK: tl.constexpr = 0, lora_s_ptr=None, lora_b_ptr=None, lora_slot_ptr=None, stride_ls=0, stride_lb=0,
-    stride_lo=0,
 ):
     # Program = one row (token, or token x head for per-head norms); rows are addressed as x[a, b, :]
     # with a = row // inner, b = row % inner, so row-strided views (slices of a fused qkv) need no copy.
@@ -73,9 +70,6 @@ def _rms_norm_kernel(
     # SPLITS > 0 (PartialSums, with a residual): x_ptr holds a split-K GEMM's fp32 partial sums, SPLITS
     # of them split_stride apart; the row is their sum in split order times the channel scale (ps_ptr) plus
     # the bias (pb_ptr), rounded to the residual's dtype: what _split_k_reduce_kernel would have written.
-    # LORA_RANK > 0 (LoRADelta, rows of tokens): the row's adapter delta, its shrink row (lora_s_ptr, fp32, rank
-    # columns) through its slot's B [out, rank] (lora_slot_ptr: the token's slot, -1 none), is added to it first in
-    # fp32, as the expand kernel would have added it to the projection's output.
     row = tl.program_id(0).to(tl.int64)
     a = row // inner
     b = row % inner
@@ -87,15 +81,9 @@ def _rms_norm_kernel(
     if SPLITS > 0:
         acc = sum_partials(x_ptr + a * stride_xa + b * stride_xb + offs, split_stride, mask, p_scale, p_bias,
                            SPLITS, HAS_PSCALE, HAS_PBIAS)
-        if LORA_RANK > 0:
-            acc += _lora_delta(row, offs, mask, lora_s_ptr, lora_b_ptr, lora_slot_ptr, stride_ls, stride_lb,
-                               stride_lo, LORA_RANK)
         x = acc.to(res_ptr.dtype.element_ty)
     else:
         x = tl.load(x_ptr + a * stride_xa + b * stride_xb + offs, mask=mask, other=0.0)
-        if LORA_RANK > 0:
-            x = (x.to(tl.float32) + _lora_delta(row, offs, mask, lora_s_ptr, lora_b_ptr, lora_slot_ptr, stride_ls,
-                                                stride_lb, stride_lo, LORA_RANK)).to(x.dtype)
     s = x.to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + a * stride_ra + b * stride_rb + offs, mask=mask, other=0.0)
@@ -112,18 +100,6 @@ def _rms_norm_kernel(
         tl.store(out_ptr + row * dim + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _lora_delta(row, offs, mask, s_ptr, b_ptr, slot_ptr, stride_s, stride_b, stride_o, RANK: tl.constexpr):
-    # A token's adapter delta over the columns offs (fp32): sum_r shrink[row, r] B[slot, offs, r], 0 without a slot.
-    delta = tl.zeros(offs.shape, dtype=tl.float32)
-    slot = tl.load(slot_ptr + row)
-    if slot >= 0:
-        cols = b_ptr + slot.to(tl.int64) * stride_b + offs * stride_o
-        for r in tl.static_range(RANK):
-            delta += tl.load(s_ptr + row * stride_s + r) * tl.load(cols + r, mask=mask, other=0.0).to(tl.float32)
-    return delta
-
-
 def _as_rows3(x: torch.Tensor) -> torch.Tensor:
     """[..., dim] -> a [A, B, dim] view (copy only if the leading dims cannot be expressed by two strides)."""
     if x.stride(-1) != 1:
@@ -137,17 +113,10 @@ def _as_rows3(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
 
-def _rms_norm(x: torch.Tensor | PartialSums | LoRADelta, residual: torch.Tensor | None, weight: torch.Tensor,
-              eps: float, fp8_out: bool = False):
+def _rms_norm(x: torch.Tensor | PartialSums, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+              fp8_out: bool = False):
     # x: rows, or a split-K GEMM's PartialSums [splits, rows, dim] (contiguous, with a residual whose rows
-    # give the dtype the kernel rounds their sum to), which the kernel adds up in split order; or either with an
-    # adapter delta still to add (LoRADelta: [tokens, dim] rows, with a residual).
-    lora = x if isinstance(x, LoRADelta) else None
-    if lora is not None:
-        x = lora.base
-        if residual is None or len(x.shape) != 2 or lora.shrink.shape[0] < x.shape[0] or lora.b.shape[1] != x.shape[1]:
-            raise ValueError(f"a LoRADelta takes [tokens, dim] rows with a residual and a delta for each, got "
-                             f"{tuple(x.shape)}, shrink {tuple(lora.shrink.shape)} and B {tuple(lora.b.shape)}")
+    # give the dtype the kernel rounds their sum to), which the kernel adds up in split order.
     parts = x if isinstance(x, PartialSums) else None
     if parts is not None:
         if residual is None or residual.stride(-1) != 1 or not parts.ws.is_contiguous():
@@ -184,20 +153,13 @@ def _rms_norm(x: torch.Tensor | PartialSums | LoRADelta, residual: torch.Tensor 
     rows = x3.shape[0] * x3.shape[1]
     block = triton.next_power_of_2(dim)
     pdl = use_pdl(device)
-    lora_args = {}
-    if lora is not None:
-        lora_args = dict(LORA_RANK=lora.b.shape[2], lora_s_ptr=lora.shrink, lora_b_ptr=lora.b,
-                         lora_slot_ptr=lora.token_slots, stride_ls=lora.shrink.stride(0), stride_lb=lora.b.stride(0),
-                         stride_lo=lora.b.stride(1))
-        if lora.shrink.stride(1) != 1 or lora.b.stride(2) != 1:
-            raise ValueError("a LoRADelta's shrink rows and B's rank columns must be contiguous")
     _rms_norm_kernel[(rows,)](
         x3, r3, weight.contiguous(), out, new_res if new_res is not None else out,
         x3.shape[1], dim, float(eps),
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         HAS_RESIDUAL=residual is not None, BLOCK_D=block, USE_PDL=pdl,
         QUANT_OUT=fp8_out, scale_ptr=scale if fp8_out else out, FP8_MAX_C=FP8_MAX, MIN_AMAX_C=MIN_AMAX,
-        **split_args, **lora_args, num_warps=_num_warps(block), launch_pdl=bool(pdl),
+        **split_args, num_warps=_num_warps(block), launch_pdl=bool(pdl),
     )
     return (QuantizedRows(out, scale, dtype) if fp8_out else out), new_res
 
@@ -209,13 +171,11 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: 
 
 
 def fused_add_rms_norm_triton(
-    x: torch.Tensor | PartialSums | LoRADelta, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    fp8_out: bool = False
+    x: torch.Tensor | PartialSums, residual: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: bool = False
 ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """(norm(x + residual) * weight, x + residual) in one pass; neither input is written. fp8_out: the first
     quantized per token (QuantizedRows), as rms_norm_triton's. x may be a split-K GEMM's PartialSums, which
-    the kernel adds up first (no reduce kernel), and either may come with an adapter delta to add first
-    (LoRADelta: no expand kernel)."""
+    the kernel adds up first (no reduce kernel)."""
     return _rms_norm(x, residual, weight, eps, fp8_out)
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from tandem.kernels.fp8 import FP8_DTYPE, W8A8_MAX_M, PartialSums, QuantizedRows, fp8_quantizes_activations
 from tandem.kernels.int_weight import IntWeight, repack_int_weight
-from tandem.kernels.lora import LoRADelta, lora_in_gemv, lora_in_skinny, lora_skinny_rows
+from tandem.kernels.lora import lora_in_gemv, lora_in_skinny, lora_skinny_rows
 from tandem.kernels.ops import use_gemv, use_skinny, use_triton
 from tandem.layers.activation import silu_and_mul
 from tandem.layers.int_quant import PackedIntWeight, check_int_layout, int_linear, quantize_rtn, rtn_group_size
@@ -42,8 +42,7 @@ class Linear(nn.Module):
         them unquantized too, as the weight-only kernels do)."""
         return self.weight_scale is not None and self.lora is None
 
-    def forward(self, x: torch.Tensor | QuantizedRows, defer_reduce: bool = False
-                ) -> torch.Tensor | PartialSums | LoRADelta:
+    def forward(self, x: torch.Tensor | QuantizedRows, defer_reduce: bool = False) -> torch.Tensor | PartialSums:
         if self.lora is not None:  # base output + each token's adapter delta
             fused = self._fused_lora(x)
             if fused == "gemv":
@@ -52,10 +51,8 @@ class Linear(nn.Module):
                 return self._skinny(x, gated=False, defer=defer_reduce and x.dim() == 2, with_lora=True)  # type: ignore[arg-type]
             # The base output, then the delta (into the first partial sums where a split-K GEMM defers its reduce
             # to the norm: not past an FP8 channel scale); the shrink runs beside it on the GPU.
-            # With defer_reduce the output goes only into the add + RMSNorm after it, which may add the delta itself
-            # (a LoRADelta: no expand kernel).
             defer = defer_reduce and self.weight_scale is None
-            return self.lora.add_beside(x, lambda: self.base_forward(x, defer), fold=defer_reduce)
+            return self.lora.add_beside(x, lambda: self.base_forward(x, defer))
         return self.base_forward(x, defer_reduce)
 
     def _fused_lora(self, x: torch.Tensor | QuantizedRows) -> str | None:

@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels.fp8 import PartialSums, QuantizedRows, fp8_quantizes_activations
-from tandem.kernels.lora import LoRADelta
 from tandem.kernels.ops import use_triton
 from tandem.distributed.group import Unreduced
 
@@ -19,29 +18,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)  # [hidden_size]
 
     def forward(
-        self, x: torch.Tensor | PartialSums | Unreduced | LoRADelta, residual: torch.Tensor | None = None,
-        fp8_out: bool = False
+        self, x: torch.Tensor | PartialSums | Unreduced, residual: torch.Tensor | None = None, fp8_out: bool = False
     ) -> torch.Tensor | QuantizedRows | tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual). fp8_out (the output
         feeds FP8 linears only): where those would quantize x per token (fp8_quantizes_activations) and
         Triton runs, norm(...) comes quantized by this kernel, as QuantizedRows; otherwise as a tensor.
         x may be a split-K linear's PartialSums (Linear's defer_reduce): the Triton kernel adds them up; or a
         row-parallel product not yet summed over ranks (Unreduced), reduced here, with the add and the norm in
-        the same kernel where the peer-to-peer all-reduce allows; or an adapted projection's output with its
-        adapter delta still to add (LoRADelta), which the Triton kernel adds too."""
+        the same kernel where the peer-to-peer all-reduce allows."""
         if isinstance(x, Unreduced):
             quantize = fp8_out and fp8_quantizes_activations(x.partial.shape[0])
             fused = None if quantize or residual is None else x.group.add_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused
             x = x.reduce()
-        if isinstance(x, LoRADelta):  # a projection's output with its adapter delta still to add
-            if residual is not None and use_triton(x.shrink):
-                from tandem.kernels.triton_fused import fused_add_rms_norm_triton  # lazy: no Triton on CPU
-
-                quantize = fp8_out and fp8_quantizes_activations(x.shape[0])
-                return fused_add_rms_norm_triton(x, residual, self.weight, self.eps, quantize)
-            x = x.apply()
         if isinstance(x, PartialSums):
             if residual is not None and use_triton(x.ws):
                 from tandem.kernels.triton_fused import fused_add_rms_norm_triton  # lazy: no Triton on CPU

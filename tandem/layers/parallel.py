@@ -15,7 +15,6 @@ import torch
 from tandem.config import ModelConfig, ParallelConfig
 from tandem.distributed.group import TPGroup, Unreduced
 from tandem.kernels.fp8 import PartialSums, QuantizedRows
-from tandem.kernels.lora import LoRADelta
 from tandem.layers.linear import Embedding, Linear, lm_head_logits
 
 Ranks = ParallelConfig | TPGroup  # what the shape helpers read: rank and size
@@ -156,8 +155,6 @@ class RowParallelLinear(Linear):
         if self.tp.size > 1:
             # Split-K partial sums, too, may go on to the norm: its all-reduce kernel adds them up.
             out = super().forward(x, defer_reduce and self.tp.defers_all_reduce())
-            if isinstance(out, LoRADelta):  # an adapter's delta goes into this rank's part before the ranks' sum
-                out = out.apply()
             return self.tp.all_reduce_or_defer(out) if defer_reduce else self.tp.all_reduce(out)  # type: ignore[arg-type]
         return super().forward(x, defer_reduce)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.kernels.fp8 import PartialSums
-from tandem.kernels.lora import (LoRADelta, LoRAShrunk, SlotGroups, index_token_slots, lora_add_beside, lora_counters,
+from tandem.kernels.lora import (LoRAShrunk, SlotGroups, index_token_slots, lora_add_beside, lora_counters,
                                  lora_shrink, slot_groups)
 from tandem.layers.linear import Linear
 from tandem.lora.pack import PackedAdapter, num_parts
@@ -35,14 +35,13 @@ class LoRADelta:
         self.parts = parts  # the linear's fused parts, each on its own max_rank columns of A and B
 
     def add_beside(self, x: torch.Tensor, base: Callable[[], torch.Tensor | PartialSums],
-                   gated: bool = False, fold: bool = False) -> torch.Tensor | PartialSums | LoRADelta:
+                   gated: bool = False) -> torch.Tensor | PartialSums:
         """base() (the base projection of x, or its split-K partial sums) plus each token's delta, the shrink beside
-        base() on the GPU; gated (the gate/up projection): silu(gate) * up of that; fold (the output goes only into
-        an add + RMSNorm): maybe a LoRADelta, whose delta that kernel adds."""
+        base() on the GPU; gated (the gate/up projection): silu(gate) * up of that."""
         side = self.side
         return lora_add_beside(x, base, self.a, self.b, self.token_slots, self.counters if side is None else
                                side.counters, None if side is None else side.stream, self.groups,
-                               self.parts if gated else 0, fold)
+                               self.parts if gated else 0)
 
     def shrink(self, x: torch.Tensor) -> LoRAShrunk:
         """x [n, in_local]'s rank columns through each token's A, with B and the slots: what the epilogue of a

@@ -109,44 +109,6 @@ def test_fused_add_rms_norm_takes_partial_sums(splits, scaled, bias, dtype):
         fused_add_rms_norm_triton(parts, residual[:2], norm.weight, 1e-6)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits", [0, 2])
-def test_fused_add_rms_norm_adds_a_lora_delta(splits, dtype):
-    """An adapted projection's output with its delta still to add (LoRADelta: shrink rows through each token's B,
-    slot -1 none, its shrink row unwritten) goes into add + RMSNorm: the outputs of adding the delta first, on a
-    tensor and on split-K partial sums; the RMSNorm layer takes it too (where Triton does not run, by apply())."""
-    from tandem.kernels.fp8 import PartialSums
-    from tandem.kernels.lora import LoRADelta
-
-    rows, dim, rank, num_slots = 6, 576, 8, 3
-    slots = torch.tensor([2, -1, 0, 2, 1, -1, 0, 0], dtype=torch.int32, device=DEVICE)  # past `rows`: stale entries
-    shrink = randn(rows, rank, dtype=torch.float32, seed=7).to(DEVICE)
-    shrink[1] = float("nan")  # a row without an adapter: never read
-    b = randn(num_slots, dim, rank, dtype=dtype, seed=8, scale=0.5).to(DEVICE)
-    known = slots[:rows].long().clamp(min=0)
-    delta = torch.einsum("nr,nor->no", shrink.nan_to_num(), b[known].float()) * (slots[:rows] >= 0)[:, None]
-    residual = randn(rows, dim, dtype=dtype, seed=6).to(DEVICE)
-    norm = make_norm(dim, dtype)
-    norm.weight.data = norm.weight.data.to(DEVICE)
-    if splits:
-        ws = randn(splits, rows, dim, dtype=torch.float32, seed=3).to(DEVICE)
-        base = PartialSums(ws, None, None, dtype)
-        summed = (ws.sum(0) + delta).to(dtype)
-    else:
-        y = randn(rows, dim, dtype=dtype, seed=2).to(DEVICE)
-        base = y
-        summed = (y.float() + delta).to(dtype)
-    want = fused_add_rms_norm_triton(summed, residual, norm.weight, 1e-6)
-    got = fused_add_rms_norm_triton(LoRADelta(base, shrink, b, slots[:rows], None), residual, norm.weight, 1e-6)
-    close(got[1], want[1], dtype)
-    close(got[0], want[0], dtype)
-    layer_out, layer_res = norm(LoRADelta(base, shrink, b, slots[:rows], None), residual)
-    close(layer_res, want[1], dtype)
-    close(layer_out, want[0], dtype)
-    with pytest.raises(ValueError, match="LoRADelta"):
-        fused_add_rms_norm_triton(LoRADelta(base, shrink[:2], b, slots[:2], None), residual, norm.weight, 1e-6)
-
-
 def split_k_reduce(parts):
     """PartialSums through _split_k_reduce_kernel, as the GEMM would have reduced them."""
     from tandem.kernels.triton_quant import reduce_partial_sums_triton
