@@ -64,23 +64,29 @@ def _matchers_in_varied_states(compiled, rows: int, seed: int) -> list[HostMask]
     return masks
 
 
-def test_spread_fill_writes_the_same_rows_as_the_list_order():
+@pytest.fixture
+def varied_masks():
+    """24 llguidance matchers of a small schema (a bounded string and an integer) in varied states."""
     cache = GrammarCache(None, VOCAB, [VOCAB - 1], backend_name="llguidance")
     try:
         schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                    "n": {"type": "integer"}}, "required": ["name", "n"]}
         compiled = cache.submit(StructuredOutputParams(json=json.dumps(schema))).result()
-        masks = _matchers_in_varied_states(compiled, 24, seed=0)
-        rows = [(j, m, []) for j, m in enumerate(masks)]
-        plain = torch.zeros(len(masks), (VOCAB + 31) // 32, dtype=torch.int32)
-        HostMask.fill_rows(plain, rows, spread=False)
-        dense = [m.dense for m in masks]
-        assert any(dense) and not all(dense), "the states should mix strings (dense) and the rest"
-        spread = torch.zeros_like(plain)
-        HostMask.fill_rows(spread, rows, spread=True)
-        assert torch.equal(plain, spread)
+        yield _matchers_in_varied_states(compiled, 24, seed=0)
     finally:
         cache.shutdown()
+
+
+def test_spread_fill_writes_the_same_rows_as_the_list_order(varied_masks):
+    masks = varied_masks
+    rows = [(j, m, []) for j, m in enumerate(masks)]
+    plain = torch.zeros(len(masks), (VOCAB + 31) // 32, dtype=torch.int32)
+    HostMask.fill_rows(plain, rows, spread=False)
+    dense = [m.dense for m in masks]
+    assert any(dense) and not all(dense), "the states should mix strings (dense) and the rest"
+    spread = torch.zeros_like(plain)
+    HostMask.fill_rows(spread, rows, spread=True)
+    assert torch.equal(plain, spread)
 
 
 def test_switch_interval_is_short_only_while_a_fill_runs():
@@ -184,31 +190,24 @@ def test_sit_out_off_waits_for_every_row(idle_llm, monkeypatch):
     assert idle_llm.engine.grammar.num_sat_out == before
 
 
-def test_rows_computed_apart_equal_the_parallel_fill_and_settle_where_nothing_defers():
+def test_rows_computed_apart_equal_the_parallel_fill_and_settle_where_nothing_defers(varied_masks):
     """A row computed apart (fill_rows' `defer`, its mask's last row dense) is left to `settle`, which writes the row
     the parallel fill writes; a fill without `defer` (a verify step's, say) settles such a row itself."""
-    cache = GrammarCache(None, VOCAB, [VOCAB - 1], backend_name="llguidance")
-    try:
-        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                   "n": {"type": "integer"}}, "required": ["name", "n"]}
-        compiled = cache.submit(StructuredOutputParams(json=json.dumps(schema))).result()
-        masks = _matchers_in_varied_states(compiled, 24, seed=0)
-        rows = [(j, m, []) for j, m in enumerate(masks)]
-        plain = torch.zeros(len(masks), (VOCAB + 31) // 32, dtype=torch.int32)
-        HostMask.fill_rows(plain, rows)
-        dense = [j for j, m in enumerate(masks) if m.dense]
-        assert 2 <= len(dense) < len(masks)
-        apart = torch.zeros_like(plain)
-        deferred = HostMask.fill_rows(apart, rows, defer=lambda i: True)
-        assert deferred == dense and all(masks[j].job is not None for j in deferred)
-        assert all(torch.equal(apart[j], torch.full_like(apart[j], -1)) for j in deferred)  # allow all until settled
-        for j in deferred[1:]:
-            masks[j].settle(apart[j])
-        again = torch.zeros_like(plain)
-        assert HostMask.fill_rows(again, rows) == []  # no defer: the row still computed apart is settled here
-        assert masks[deferred[0]].job is None and torch.equal(again[deferred[0]], plain[deferred[0]])
-        apart[deferred[0]] = again[deferred[0]]
-        assert torch.equal(apart, plain) and torch.equal(again, plain)
-        masks[0].settle()  # nothing computed apart: nothing to do
-    finally:
-        cache.shutdown()
+    masks = varied_masks
+    rows = [(j, m, []) for j, m in enumerate(masks)]
+    plain = torch.zeros(len(masks), (VOCAB + 31) // 32, dtype=torch.int32)
+    HostMask.fill_rows(plain, rows)
+    dense = [j for j, m in enumerate(masks) if m.dense]
+    assert 2 <= len(dense) < len(masks)
+    apart = torch.zeros_like(plain)
+    deferred = HostMask.fill_rows(apart, rows, defer=lambda i: True)
+    assert deferred == dense and all(masks[j].job is not None for j in deferred)
+    assert all(torch.equal(apart[j], torch.full_like(apart[j], -1)) for j in deferred)  # allow all until settled
+    for j in deferred[1:]:
+        masks[j].settle(apart[j])
+    again = torch.zeros_like(plain)
+    assert HostMask.fill_rows(again, rows) == []  # no defer: the row still computed apart is settled here
+    assert masks[deferred[0]].job is None and torch.equal(again[deferred[0]], plain[deferred[0]])
+    apart[deferred[0]] = again[deferred[0]]
+    assert torch.equal(apart, plain) and torch.equal(again, plain)
+    masks[0].settle()  # nothing computed apart: nothing to do
