@@ -447,7 +447,7 @@ class EngineCore:
             # Its grammar rows need step N's tokens, which the matchers have now (where _collect did not start
             # their fill already): they fill on a worker while the caller takes the outputs and step N+2 is
             # scheduled and prepared.
-            self.grammar.start_fill(inflight, partial(self.runner.fill_masks, inflight, self._defers(inflight)))
+            self.grammar.start_fill(inflight, partial(self.runner.fill_masks, inflight, self._defers()))
         if self.spec_controller is not None:
             now = time.perf_counter()
             if self._step_end and not self._collected_prefill:
@@ -625,16 +625,17 @@ class EngineCore:
     def _launch_sampling(self, handle: StepHandle, upcoming: PreparedStep | None = None) -> None:
         """Fills a step's grammar bitmask rows (or joins the worker filling them) and enqueues its sampling; rows
         computed apart that are late may sit it out, moved into `upcoming` (the next step, prepared, not enqueued)."""
-        fill = partial(self.runner.fill_masks, handle, self._defers(handle))
+        fill = partial(self.runner.fill_masks, handle, self._defers())
         launch = partial(self.runner.launch_sampling, handle)
         settle = partial(self._settle_rows, handle, upcoming)
         self._timed("mask", lambda: self.grammar.finish(handle, fill, launch, settle))
 
-    def _defers(self, handle: StepHandle) -> bool:
-        """Whether a step's likely slow grammar rows are computed apart (each may then sit the step out): with
-        overlap on one rank, and neither drafts nor forced drafts (their steps are collected before the next)."""
+    def _defers(self) -> bool:
+        """Whether steps' likely slow grammar rows are computed apart (each may then sit the step out): with
+        overlap on one rank, and neither drafts nor forced drafts (their steps are collected before the next; a step
+        with drafts never defers a row: HostMaskBuffers.fill)."""
         return (self.sit_out and self.overlap and self.proposer is None and not self.forced_k
-                and self.runner.group is None and not handle.draft_rows)
+                and self.runner.group is None)
 
     def _settle_rows(self, handle: StepHandle, upcoming: PreparedStep | None) -> None:
         """Writes the step's grammar rows computed apart as they finish, while its forward runs. Once the GPU would
@@ -648,14 +649,14 @@ class EngineCore:
         following: dict[int, int] = {}  # id(request) -> its index in the upcoming step
         if upcoming is not None and not upcoming.draft_rows and not upcoming.shifted:
             following = {id(s.request): i for i, s in enumerate(upcoming.sched.scheduled)
-                         if s.carry and s.num_scheduled_tokens == 1 and not s.num_draft}
+                         if s.carry and s.num_scheduled_tokens == 1}
         entries = {id(s.request): s for s in handle.sched.scheduled} if following else {}
         running = RequestStatus.RUNNING
 
         def may_sit_out(request: Request) -> bool:
             entry = entries.get(id(request))
             return (entry is not None and id(request) in following and entry.sample and entry.num_scheduled_tokens == 1
-                    and not entry.num_draft and request.status is running and request.num_pending_tokens == 2)
+                    and request.status is running and request.num_pending_tokens == 2)
 
         sat_out = self.grammar.settle(rows, partial(self.runner.settle_row, handle), may_sit_out,
                                       handle.events.forward_done.query)
@@ -731,7 +732,7 @@ class EngineCore:
                     and request.request_id in requests):
                 tokens.append((mask, token))
         self.grammar.advance(tokens)
-        self.grammar.start_fill(inflight, partial(self.runner.fill_masks, inflight, self._defers(inflight)))
+        self.grammar.start_fill(inflight, partial(self.runner.fill_masks, inflight, self._defers()))
         return True
 
     def _update(self, sched: SchedulerOutput, token_ids: list[int], logprobs: list[Logprobs] | None,

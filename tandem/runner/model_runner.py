@@ -337,7 +337,7 @@ class ModelRunner:
         slot and the matchers it reads, so it may run on a worker thread while the next step is prepared.
         `defer`: likely slow rows may be computed apart (HostMaskBuffers.fill; deferred_rows, settle_row)."""
         assert handle.mask_rows is not None, "fill_masks on a step without grammar rows"
-        self.host_masks.fill(handle.slot, handle.mask_rows, defer=defer and not handle.draft_rows)
+        self.host_masks.fill(handle.slot, handle.mask_rows, defer=defer)
 
     def deferred_rows(self, handle: StepHandle) -> list[tuple[int, Any, Any]]:
         """(bitmask row, request, HostMask) of the step's grammar rows still computed apart after its fill."""
