@@ -18,7 +18,8 @@ CUDA-core GEMV it replaces, which TANDEM_INT_GEMV_MMA=0 selects). Its time inclu
 last program); the variants deferred, reduce_kernel and split1 (K split shapes) and gated, gated_unfused (gate_up)
 time it as the decode step runs each projection and against the kernels that saves (mma_variants). 2 to 8 rows
 take it too where the groups are whole parts (variant gemm: the tile GEMM they ran before and that
-TANDEM_INT_MMA_MAX_ROWS=1 selects).
+TANDEM_INT_MMA_MAX_ROWS=1 selects), and 9 to 64 rows at 4 bits the many-row kernel (triton_int_mma_rows; variant gemm:
+the tile GEMM, which TANDEM_INT_MMA_ROWS_MAX=8 selects).
 
 --sweep also times a grid of GEMV tiles (BLOCK_N, BLOCK_K, num_warps; for the tensor-core GEMV ROW_BLOCKS,
 num_warps, SPLIT_K) where the GEMV runs (1 row) and of GEMM tiles
@@ -45,6 +46,7 @@ from bench_gemv import cuda_setup, graph_us, l2_bytes, projection_shapes, write_
 
 from tandem.kernels.int_weight import repack_int_weight  # noqa: E402
 from tandem.kernels.triton_int_gemv_mma import int_mma_gemv, mma_gemv_config, use_mma_gemv  # noqa: E402
+from tandem.kernels.triton_int_mma_rows import int_mma_rows, mma_rows_config, use_mma_rows  # noqa: E402
 from tandem.kernels.triton_int_weight import (  # noqa: E402
     dequant_min_rows,
     dequantize_int_weight_triton,
@@ -85,6 +87,10 @@ def mma_gemv_grid() -> list[dict]:
             for rb, w, sk in itertools.product((1, 2, 4), (4, 8), (1, 2, 4, 8))]
 
 
+def mma_rows_grid() -> list[dict]:
+    return [{"ROW_BLOCKS": rb, "num_warps": 4, "SPLIT_K": sk} for rb, sk in itertools.product((1, 2, 4), (1, 2, 4, 8))]
+
+
 def gemm_grid(m: int) -> list[dict]:
     if m <= 64:  # the 64-row tile and the swap-AB one (16 rows: BLOCK_M 16)
         grid = [{"BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_stages": 3, "num_warps": w,
@@ -97,13 +103,16 @@ def gemm_grid(m: int) -> list[dict]:
             for bm, bn, bk, st in itertools.product((128, 256), (128, 256), (32, 64), (3, 4))]
 
 
-def sweep(x, weights, gemv: bool, grid: list[dict], frac, mma: bool = False) -> list[dict]:
+def sweep(x, weights, gemv: bool, grid: list[dict], frac, mma: bool = False, rows: bool = False) -> list[dict]:
     """Every tile of grid timed (GPU us per call) with its roofline fraction, fastest first; tiles that do not
-    compile (shared memory, registers) are left out. mma: the grid is the tensor-core GEMV's."""
+    compile (shared memory, registers) are left out. mma: the grid is the tensor-core GEMV's; rows: the many-row
+    kernel's."""
     table = []
     for cfg in grid:
         try:
-            if mma:
+            if rows:
+                us = graph_us([lambda w=w, c=cfg: int_mma_rows(x, w, config=c) for w in weights], reps=2)
+            elif mma:
                 us = graph_us([lambda w=w, c=cfg: int_mma_gemv(x, w, config=c) for w in weights], reps=2)
             else:
                 us = graph_us([lambda w=w, c=cfg: int_weight_matmul_triton(x, w, gemv=gemv, config=c)
@@ -182,12 +191,15 @@ def main() -> None:
                 bf16 = graph_us([lambda w=w: F.linear(x, w) for w in dense])
                 gemv = use_int_gemv(m)
                 mma = (gemv or m > 1) and use_mma_gemv(x, weights[0])  # TANDEM_INT_MMA_MAX_ROWS: up to 8 rows
+                many = use_mma_rows(x, weights[0])  # 9 to 64 rows at 4 bits (TANDEM_INT_MMA_ROWS_MAX)
                 make = int_gemv_config if gemv else int_gemm_config
-                path = "gemv" if gemv else "dequant+cublas" if m >= dequant_min_rows() else "gemm"
-                config = (mma_gemv_config(n, k, bits, sms, group_size=args.group, m_rows=m) if mma
+                path = ("mma_rows" if many else "gemv_mma" if mma else "gemv" if gemv
+                        else "dequant+cublas" if m >= dequant_min_rows() else "gemm")
+                config = (mma_rows_config(m, n, k, sms) if many
+                          else mma_gemv_config(n, k, bits, sms, group_size=args.group, m_rows=m) if mma
                           else make(m, n, k, bits, args.group, sms))
                 row = {"model": args.model, "proj": name, "N": n, "K": k, "bits": bits, "group": args.group, "M": m,
-                       "path": "gemv_mma" if mma else path, "config": config, "us": us,
+                       "path": path, "config": config, "us": us,
                        "copy_fraction": frac(us), "tflops": flops / (us * 1e-6) / 1e12, "bf16_us": bf16,
                        "bf16_copy_fraction": n * k * 2 / (bf16 * 1e-6) / 1e9 / copy_gbs,
                        "bf16_tflops": flops / (bf16 * 1e-6) / 1e12, "speedup_vs_bf16": bf16 / us}
@@ -200,6 +212,8 @@ def main() -> None:
                         variants.update(mma_variants(name, n, k, bits, sms, args.group))
                     else:  # the tile GEMM these rows ran before
                         variants["gemm"] = dict(gemv=False)
+                if many:  # the tile GEMM these rows ran before
+                    variants["gemm"] = dict(gemv=False)
                 if m <= 4 and not (mma and m > 1):
                     variants["gemm" if gemv else "gemv"] = dict(gemv=not gemv)
                 if m <= 16:
@@ -212,8 +226,10 @@ def main() -> None:
                     deq = graph_us([lambda w=w: F.linear(x, dequantize_int_weight_triton(w, x.dtype))
                                     for w in weights[:2]])
                     row["dequant_cublas_us"] = deq
-                if args.sweep and (m in (1, 4) or m == 16 or m == prefill):
-                    if mma:
+                if args.sweep and (m in (1, 4) or m == 16 or m == prefill or many):
+                    if many:
+                        table = sweep(x, weights, gemv, mma_rows_grid(), frac, rows=True)
+                    elif mma:
                         table = sweep(x, weights, gemv, mma_gemv_grid(), frac, mma=True)
                     else:
                         table = sweep(x, weights, gemv, gemv_grid() if gemv else gemm_grid(m), frac)

@@ -34,6 +34,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from tandem.kernels import triton_int_gemv_mma as mma  # noqa: E402
+from tandem.kernels import triton_int_mma_rows as rows  # noqa: E402
 from tandem.kernels import triton_int_weight as fma  # noqa: E402
 from tandem.kernels.int_weight import WORD_BITS  # noqa: E402
 
@@ -97,6 +98,21 @@ def mma_case(n: int, k: int, bits: int, group: int, override: dict, gated: bool 
     return kernel, cfg["num_warps"], weights, {**cfg, **constexprs}, rounds
 
 
+def rows_case(n: int, k: int, bits: int, group: int, override: dict, m: int = 32) -> tuple:
+    """The many-row tensor-core kernel (triton_int_mma_rows) as int_weight_matmul_triton launches it at m rows."""
+    if bits != 4:
+        raise SystemExit("the many-row kernel takes 4 bits")
+    cfg = {**rows.mma_rows_config(m, n, k, 132), **override}
+    constexprs = rows.mma_rows_constexprs(m, n, k, group, cfg, has_bias=False, pdl=2)
+    names = NAMES[:7] + ["M", "N", "K", "K_SPLIT"]
+    types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32"] + ["i32"] * 4
+    kernel = compile_kernel(rows._int_mma_rows_kernel, constexprs, cfg["num_warps"], names, types)
+    part = mma.part_elements(bits)
+    weights = 16 * cfg["ROW_BLOCKS"] * part * cfg["num_warps"]  # each warp: one part of its row blocks
+    rounds = rows.mma_rows_k_split(k, cfg["SPLIT_K"]) // part
+    return kernel, cfg["num_warps"], weights, {**cfg, **constexprs}, rounds
+
+
 def instructions(sass: str) -> list[tuple[int, str]]:
     """(address, text) of every instruction, in order."""
     return [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
@@ -152,16 +168,18 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group", type=int, default=128)
-    parser.add_argument("--kernel", default="fma,mma", help="fma, mma, and mma-gated (silu(gate) * up of N rows)")
+    parser.add_argument("--kernel", default="fma,mma", help="fma, mma, mma-gated (silu(gate) * up of N rows) "
+                        "and mma-rows (the many-row kernel at --m rows)")
     parser.add_argument("--config", default="{}", help="JSON entries that override the config (both kernels)")
-    parser.add_argument("--m", type=int, default=1, help="rows of x for the tensor-core GEMV (up to 8)")
+    parser.add_argument("--m", type=int, default=1, help="rows of x for the tensor-core GEMV (up to 8; mma-rows: 9 to 64)")
     parser.add_argument("--dump", default=None, help="folder for the SASS and PTX")
     parser.add_argument("--json", action="store_true", help="print the full reports as JSON")
     args = parser.parse_args()
     reports = []
     for name in args.kernel.split(","):
         case = {"fma": fma_case, "mma": lambda *a: mma_case(*a, m=args.m),
-                "mma-gated": lambda *a: mma_case(*a, gated=True)}[name]
+                "mma-gated": lambda *a: mma_case(*a, gated=True),
+                "mma-rows": lambda *a: rows_case(*a, m=args.m)}[name]
         kernel, warps, weights, params, rounds = case(args.n, args.k, args.bits, args.group, json.loads(args.config))
         reports.append(report(kernel, warps, weights, params, args.dump, name, rounds))
     if args.json:

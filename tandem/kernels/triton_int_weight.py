@@ -14,6 +14,7 @@ from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
 from tandem.kernels.triton_fused import silu_and_mul_triton
 from tandem.kernels.triton_int_gemv_mma import int_mma_gemv, use_mma_gemv
+from tandem.kernels.triton_int_mma_rows import int_mma_rows, use_mma_rows
 from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
 from tandem.kernels.triton_moe import pair_expert
 from tandem.kernels.triton_quant import finish_split, split_k_until
@@ -486,7 +487,8 @@ def int_weight_matmul_triton(
     gated: bool = False,  # W holds gate rows then up rows: returns silu(gate) * up, [M, N / 2]
 ) -> torch.Tensor | PartialSums:  # [M, N] in x's dtype
     """x W^T + b with W = q * scale + min dequantized inside the kernel: the GEMV for a few rows (one bf16 row:
-    the tensor-core GEMV of triton_int_gemv_mma where it applies), the tile GEMM otherwise. No host sync, grid
+    the tensor-core GEMV of triton_int_gemv_mma where it applies; 9 to 64 bf16 rows at 4 bits: the many-row kernel
+    of triton_int_mma_rows), the tile GEMM otherwise. No host sync, grid
     and workspace from the shape alone: captures in CUDA graphs. With `defer` (and TANDEM_DEFER_REDUCE not 0) a
     K split hands its fp32 partial sums on for the RMSNorm after it. gated: the tensor-core GEMV writes silu(gate)
     * up itself; the other kernels' output goes through silu_and_mul_triton (never deferred)."""
@@ -511,6 +513,8 @@ def int_weight_matmul_triton(
     if m == 0 or n == 0:
         return torch.empty(m, n, dtype=x.dtype, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
+    if gemv is None and config is None and use_mma_rows(x, weight):  # 9 to 64 rows, 4 bits: the many-row kernel
+        return int_mma_rows(x, weight, bias, defer)
     use_gemv = use_int_gemv(m) if gemv is None else gemv
     # One bf16 row (or up to mma_max_rows()): the tensor-core GEMV
     if (use_gemv or (gemv is None and m > 1)) and config is None and use_mma_gemv(x, weight):
