@@ -38,11 +38,11 @@ def test_quantized_checkpoint_on_cuda_matches_dequantized_transformers(case, tmp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("source", ["int4", "int4-one-row", "gptq-desc-act"])
+@pytest.mark.parametrize("source", ["int4", "int4-one-row", "int4-many-rows", "gptq-desc-act"])
 def test_int4_graphs_and_overlap_equal_eager_sync(source, tmp_path):
     """Decode captured in CUDA graphs with the overlap loop gives the eager, synchronous tokens: round to nearest
-    at load (three rows a step: the tile GEMM; one: the tensor-core GEMV, group 128 and K 128 / 256), and a GPTQ
-    desc_act checkpoint (the input permutation inside the graphs)."""
+    at load (three rows a step: the tensor-core GEMV's rows; one: its one-row kernel, group 128 and K 128 / 256;
+    twelve: the many-row kernel), and a GPTQ desc_act checkpoint (the input permutation inside the graphs)."""
     if source.startswith("int4"):
         torch.manual_seed(0)
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).save_pretrained(tmp_path)
@@ -50,11 +50,14 @@ def test_int4_graphs_and_overlap_equal_eager_sync(source, tmp_path):
         save_quantized_llama(Case("gptq", 4, 64, sym=False, act_order=True), tmp_path)
     prompts = [[(5 * i) % (VOCAB - 4) + 4 for i in range(13)], [7, 8, 9], [60, 61, 62, 63] * 3]
     prompts = prompts[:1] if source == "int4-one-row" else prompts
+    if source == "int4-many-rows":
+        prompts = [[(7 * i + j) % (VOCAB - 4) + 4 for i in range(5 + j)] for j in range(12)]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     runs = []
     for graphs in (True, False):
         llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", cuda_graph=graphs, overlap=graphs,
-                  quantization="int4" if source.startswith("int4") else None, max_model_len=64, max_num_seqs=4)
+                  quantization="int4" if source.startswith("int4") else None, max_model_len=64,
+                  max_num_seqs=len(prompts))
         try:
             runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
         finally:
