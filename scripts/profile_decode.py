@@ -42,6 +42,8 @@ WORKLOADS = {
     "bs1": ("llama-2-7b", 1),
     "bs1-8b": ("llama-3-8b", 1),
     "seed-async": ("llama-3-8b", 32),
+    "batch-16": ("llama-3-8b", 16),  # the Llama-3-8B shape at 16 and 24 rows (the int4 many-row kernel's range)
+    "batch-24": ("llama-3-8b", 24),
     "nano": ("qwen3-0.6b", 256),
     "prefix": ("llama-3.2-1b", 32),
     "70b-bs1": ("llama-3-70b", 1),  # needs --tensor-parallel-size >= 2 in bf16

@@ -27,6 +27,7 @@ from tandem.kernels.triton_quant import defers, finish_split
 
 ROWS_MAX = 32  # rows of x the kernel takes at most: from ~40 the tile GEMM is faster (its MMAs read x from
 # shared memory; here each warp reads it from L1, 4 wavefronts a 16-byte load, and more rows cost registers)
+DEFAULT_ROWS = 16  # rows up to which it runs by default
 ONE_PAIR = tl.constexpr(0x3F803F80)  # two bf16 1.0
 
 # A word's four code pairs (int_weight.NIBBLE_ORDER: pair p, elements 2p and 2p + 1, sits at bits 4p and 4p + 16) as
@@ -191,10 +192,10 @@ def _int_mma_rows_kernel(
 
 
 def rows_max() -> int:
-    """Rows up to which the many-row kernel runs (above MMA_MAX_ROWS, where the few-row GEMV stops): ROWS_MAX, or
-    TANDEM_INT_MMA_ROWS_MAX (MMA_MAX_ROWS or less: never; read per call: a CUDA graph keeps what its capture
-    chose)."""
-    return min(int(os.environ.get("TANDEM_INT_MMA_ROWS_MAX", str(ROWS_MAX))), ROWS_MAX)
+    """Rows up to which the many-row kernel runs (above MMA_MAX_ROWS, where the few-row GEMV stops): DEFAULT_ROWS,
+    or TANDEM_INT_MMA_ROWS_MAX up to ROWS_MAX (MMA_MAX_ROWS or less: never; read per call: a CUDA graph keeps what
+    its capture chose)."""
+    return min(int(os.environ.get("TANDEM_INT_MMA_ROWS_MAX", str(DEFAULT_ROWS))), ROWS_MAX)
 
 
 def use_mma_rows(x: torch.Tensor, weight: IntWeight) -> bool:

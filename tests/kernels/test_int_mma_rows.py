@@ -65,8 +65,8 @@ def test_kernel_in_the_interpreter(m, n, k, group, blocks, split, monkeypatch):
     torch.testing.assert_close(got.ws.double().sum(0), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
 
 
-def test_shapes_it_takes():
-    """9 to 32 rows (TANDEM_INT_MMA_ROWS_MAX caps it), and the H200 sweep's tiles for the Llama-3-8B projections:
+def test_shapes_it_takes(monkeypatch):
+    """9 to 16 rows by default, up to 32 with TANDEM_INT_MMA_ROWS_MAX, and the H200 sweep's tiles for the Llama-3-8B projections:
     4 channel blocks a warp where N gives half the SMs a program, else 2; K split to 1.5 programs an SM."""
     assert rows.mma_rows_config(32, 28672, 4096, 132) == {"ROW_BLOCKS": 4, "SPLIT_K": 2, "num_warps": 4}
     assert rows.mma_rows_config(16, 6144, 4096, 132) == {"ROW_BLOCKS": 2, "SPLIT_K": 8, "num_warps": 4}
@@ -75,6 +75,10 @@ def test_shapes_it_takes():
     assert rows.mma_rows_config(32, 4096, 512, 132)["SPLIT_K"] == 1  # a split keeps four parts at least
     flags = rows.mma_rows_constexprs(20, 4096, 4096, 128, rows.mma_rows_config(20, 4096, 4096, 132), False, 0)
     assert flags["X_BLOCKS"] == 3 and not flags["FULL_ROWS"] and flags["EVEN"]
+    monkeypatch.delenv("TANDEM_INT_MMA_ROWS_MAX", raising=False)
+    assert rows.rows_max() == 16
+    monkeypatch.setenv("TANDEM_INT_MMA_ROWS_MAX", "64")
+    assert rows.rows_max() == 32
     with pytest.raises(ValueError, match="at most 32"):
         rows.int_mma_rows(torch.zeros(33, 128), random_weight(16, 128, 128, 0))
 
@@ -140,6 +144,7 @@ def test_gpu_matches_reference_and_the_tile_gemm(m, n, k, group, monkeypatch):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
     ref = reference(x, qweight, scales, zeros, 4, group, b)
+    monkeypatch.setenv("TANDEM_INT_MMA_ROWS_MAX", "32")  # past the default 16 rows: the kernel's whole range
     assert rows.use_mma_rows(x, packed)
     out = int_weight_matmul_triton(x, packed, b)
     assert_close_to(out, ref)
