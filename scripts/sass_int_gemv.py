@@ -171,7 +171,8 @@ def main() -> None:
     parser.add_argument("--kernel", default="fma,mma", help="fma, mma, mma-gated (silu(gate) * up of N rows) "
                         "and mma-rows (the many-row kernel at --m rows)")
     parser.add_argument("--config", default="{}", help="JSON entries that override the config (both kernels)")
-    parser.add_argument("--m", type=int, default=1, help="rows of x for the tensor-core GEMV (up to 8; mma-rows: 9 to 64)")
+    parser.add_argument("--m", type=int, default=1,
+                        help="rows of x for the tensor-core GEMV (up to 8; mma-rows: 9 to 32)")
     parser.add_argument("--dump", default=None, help="folder for the SASS and PTX")
     parser.add_argument("--json", action="store_true", help="print the full reports as JSON")
     args = parser.parse_args()

@@ -66,8 +66,8 @@ def test_kernel_in_the_interpreter(m, n, k, group, blocks, split, monkeypatch):
 
 
 def test_shapes_it_takes(monkeypatch):
-    """9 to 16 rows by default, up to 32 with TANDEM_INT_MMA_ROWS_MAX, and the H200 sweep's tiles for the Llama-3-8B projections:
-    4 channel blocks a warp where N gives half the SMs a program, else 2; K split to 1.5 programs an SM."""
+    """9 to 16 rows by default, up to 32 with TANDEM_INT_MMA_ROWS_MAX, and the H200 sweep's tiles for the Llama-3-8B
+    projections: 4 channel blocks a warp where N gives half the SMs a program, else 2; K split to 1.5 programs an SM."""
     assert rows.mma_rows_config(32, 28672, 4096, 132) == {"ROW_BLOCKS": 4, "SPLIT_K": 2, "num_warps": 4}
     assert rows.mma_rows_config(16, 6144, 4096, 132) == {"ROW_BLOCKS": 2, "SPLIT_K": 8, "num_warps": 4}
     assert rows.mma_rows_config(32, 4096, 4096, 132) == {"ROW_BLOCKS": 2, "SPLIT_K": 8, "num_warps": 4}
