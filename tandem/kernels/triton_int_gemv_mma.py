@@ -114,6 +114,19 @@ SUM2_CONSTRAINTS_8 = tl.constexpr("=f,=f," + ",".join(["=r"] * 8) + "," + ",".jo
 
 
 @triton.jit
+def lane_ids(WARPS: tl.constexpr, K_SPLIT, K):
+    # A program's threads, one element each ([T], T = 32 * WARPS): lane, warp, and the lane's (g, t) = (lane // 4,
+    # lane % 4) of the MMA fragments; quad [1, 4], the four int32 of a 16-byte load; the K split (program_id(1))
+    # and its range [k_begin, k_end).
+    tid = tl.arange(0, 32 * WARPS)
+    lane = tid % 32
+    pid_k = tl.program_id(1)
+    k_begin = pid_k * K_SPLIT
+    return (lane, tid // 32, lane // 4, lane % 4, tl.arange(0, 4)[None, :], pid_k, k_begin,
+            tl.minimum(k_begin + K_SPLIT, K))
+
+
+@triton.jit
 def _quad(v):
     # int32 [T, 4] (one 16-byte load a thread) -> its four columns, [T] each
     even, odd = tl.split(tl.reshape(v, [v.shape[0], 2, 2]))  # columns (0, 2) and (1, 3)
@@ -227,15 +240,7 @@ def _gemv_body(
     TWO: tl.constexpr = GPP > 1 or XROWS  # two columns of sums a lane
     OFFSET: tl.constexpr = 1.0 if BITS == 4 else 17.0  # F = sum_k x_k (OFFSET + q_k / 16)
     T: tl.constexpr = 32 * WARPS
-    tid = tl.arange(0, T)
-    lane = tid % 32
-    warp = tid // 32
-    g = lane // 4
-    t = lane % 4
-    quad = tl.arange(0, 4)[None, :]
-    pid_k = tl.program_id(1)
-    k_begin = pid_k * K_SPLIT
-    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    lane, warp, g, t, quad, pid_k, k_begin, k_end = lane_ids(WARPS, K_SPLIT, K)
     OUT_BLOCKS: tl.constexpr = ROW_BLOCKS // 2 if GATED else ROW_BLOCKS  # blocks of output channels
     n_out = N - UP  # output channels (UP is 0 unless GATED)
     first = k_begin + warp * PART  # [T]: the first element of the warp's first part

@@ -19,6 +19,7 @@ from tandem.kernels.triton_int_gemv_mma import (
     _quad,
     _takes,
     groups_a_part,
+    lane_ids,
     part_elements,
     prefetch_parts,
 )
@@ -82,15 +83,7 @@ def _int_mma_rows_kernel(
     T: tl.constexpr = 32 * WARPS
     B: tl.constexpr = ROW_BLOCKS
     R: tl.constexpr = X_BLOCKS
-    tid = tl.arange(0, T)
-    lane = tid % 32
-    warp = tid // 32
-    g = lane // 4
-    t = lane % 4
-    quad = tl.arange(0, 4)[None, :]
-    pid_k = tl.program_id(1)
-    k_begin = pid_k * K_SPLIT
-    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    _, warp, g, t, quad, pid_k, k_begin, k_end = lane_ids(WARPS, K_SPLIT, K)
     block0 = tl.program_id(0) * (16 * B * WARPS) + warp * (16 * B)  # [T]: the warp's first channel
     one = tl.full([T], ONE_PAIR, tl.int32)
     x_words = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)

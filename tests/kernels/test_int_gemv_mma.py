@@ -584,6 +584,13 @@ def test_gpu_rows_match_the_tile_gemm(bits, m, n, k, group, monkeypatch):
     """2 to 8 rows of x through the tensor-core GEMV (TANDEM_INT_MMA_MAX_ROWS=8) in bf16, deferred splits reduced
     too: within assert_close_to's bound of the fp32 reference, and close to the tile GEMM on the same codes (both
     round only the output and, in the GEMM, each weight to bf16)."""
+    check_rows_path(monkeypatch, bits, m, n, k, group, ("TANDEM_INT_MMA_MAX_ROWS", "8", "1"), mma.use_mma_gemv)
+
+
+def check_rows_path(monkeypatch, bits, m, n, k, group, switch, uses) -> None:
+    """Several rows of bf16 x through int_weight_matmul_triton with the environment variable switch[0] at switch[1]
+    (uses(x, weight) true: the kernel under test) and then at switch[2] (false: the tile GEMM): the first within
+    assert_close_to's bound of the fp32 reference, its deferred splits reduced alike, and close to the second."""
     from tandem.kernels.fp8 import PartialSums
     from tandem.kernels.triton_int_weight import int_weight_matmul_triton
     from tests.kernels.test_triton_int_weight import assert_close_to, make_weight, reference
@@ -594,14 +601,15 @@ def test_gpu_rows_match_the_tile_gemm(bits, m, n, k, group, monkeypatch):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
     ref = reference(x, qweight, scales, zeros, bits, group, b)
-    monkeypatch.setenv("TANDEM_INT_MMA_MAX_ROWS", "8")
-    assert mma.use_mma_gemv(x, packed)
+    name, on, off = switch
+    monkeypatch.setenv(name, on)
+    assert uses(x, packed)
     out = int_weight_matmul_triton(x, packed, b)
     assert_close_to(out, ref)
     deferred = int_weight_matmul_triton(x, packed, b, defer=True)
     deferred = deferred.reduce() if isinstance(deferred, PartialSums) else deferred
     torch.testing.assert_close(deferred.float(), out.float(), atol=2e-3 * ref.abs().max().item(), rtol=1e-2)
-    monkeypatch.setenv("TANDEM_INT_MMA_MAX_ROWS", "1")
-    assert not mma.use_mma_gemv(x, packed)
+    monkeypatch.setenv(name, off)
+    assert not uses(x, packed)
     gemm = int_weight_matmul_triton(x, packed, b)
     torch.testing.assert_close(out.float(), gemm.float(), atol=1e-2 * ref.abs().max().item(), rtol=2e-2)

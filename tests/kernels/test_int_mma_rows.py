@@ -11,7 +11,7 @@ import torch
 from tandem.kernels import triton_int_mma_rows as rows
 from tandem.kernels.int_weight import dequantize_repacked, repack_int_weight
 from tests.kernels.sm90 import compile_sm90
-from tests.kernels.test_int_gemv_mma import bf16_to_f32, emulate_inline_asm, run_warps
+from tests.kernels.test_int_gemv_mma import bf16_to_f32, check_rows_path, emulate_inline_asm, run_warps
 
 CUDA = torch.cuda.is_available()
 
@@ -132,26 +132,7 @@ def test_kernel_compiles_for_sm90():
 @pytest.mark.parametrize("m,n,k,group", [(32, 6144, 4096, 128), (9, 4100, 4096 + 128, 128), (32, 4096, 14336, 128),
                                          (20, 28672, 4096, 128), (28, 1024, 2048, 2048)])
 def test_gpu_matches_reference_and_the_tile_gemm(m, n, k, group, monkeypatch):
-    """bf16 on the GPU, as int_weight_matmul_triton runs it (deferred splits reduced too): within assert_close_to's
-    bound of the fp32 reference, and close to the tile GEMM on the same codes (TANDEM_INT_MMA_ROWS_MAX=8)."""
-    from tandem.kernels.fp8 import PartialSums
-    from tandem.kernels.triton_int_weight import int_weight_matmul_triton
-    from tests.kernels.test_triton_int_weight import assert_close_to, make_weight, reference
-
-    qweight, scales, zeros, _ = make_weight(n, k, 4, group, torch.bfloat16, seed=m + n)
-    packed = repack_int_weight(qweight, scales, zeros, 4, group)
-    gen = torch.Generator(device="cuda").manual_seed(m)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
-    ref = reference(x, qweight, scales, zeros, 4, group, b)
-    monkeypatch.setenv("TANDEM_INT_MMA_ROWS_MAX", "32")  # past the default 16 rows: the kernel's whole range
-    assert rows.use_mma_rows(x, packed)
-    out = int_weight_matmul_triton(x, packed, b)
-    assert_close_to(out, ref)
-    deferred = int_weight_matmul_triton(x, packed, b, defer=True)
-    deferred = deferred.reduce() if isinstance(deferred, PartialSums) else deferred
-    torch.testing.assert_close(deferred.float(), out.float(), atol=2e-3 * ref.abs().max().item(), rtol=1e-2)
-    monkeypatch.setenv("TANDEM_INT_MMA_ROWS_MAX", "8")
-    assert not rows.use_mma_rows(x, packed)
-    gemm = int_weight_matmul_triton(x, packed, b)
-    torch.testing.assert_close(out.float(), gemm.float(), atol=1e-2 * ref.abs().max().item(), rtol=2e-2)
+    """bf16 on the GPU, as int_weight_matmul_triton runs it (deferred splits reduced too; TANDEM_INT_MMA_ROWS_MAX=32:
+    past the default 16 rows, the kernel's whole range): within assert_close_to's bound of the fp32 reference, and
+    close to the tile GEMM on the same codes (TANDEM_INT_MMA_ROWS_MAX=8)."""
+    check_rows_path(monkeypatch, 4, m, n, k, group, ("TANDEM_INT_MMA_ROWS_MAX", "32", "8"), rows.use_mma_rows)
