@@ -203,3 +203,41 @@ def test_quantized_base_weights_with_adapters(adapters, quantization):
     # adapter on a row moves log-probs by whole units.
     assert_same_greedy(alone, batch, f"{quantization}: mixed batch vs each request on its own", max_lp_gap=0.3)
     assert all(batch[i][0] != plain[i] for i in (0, 2, 3, 4))
+
+
+@pytest.mark.gpu
+def test_int4_base_on_the_tensor_core_kernels_with_adapters(tmp_path, monkeypatch):
+    """A 128-wide int4 base (every K a multiple of 128: the tensor-core int kernels, which the 64-wide model of
+    test_quantized_base_weights_with_adapters never reaches) under two adapters and none: twelve requests decode on
+    the many-row kernel with the LoRA kernels beside it, and each of the first six gets the tokens it gets alone
+    (one row: the one-row GEMV; bf16 rounds differently there, so a near-tie may differ), its adapter changing them."""
+    import transformers
+
+    from tandem.kernels import triton_int_weight
+    from tests.models.quantized_llama import CONFIG
+
+    torch.manual_seed(0)
+    base = str(tmp_path / "base")
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).save_pretrained(base)
+    loras = [LoRARequest("all", 1, save_adapter(base, str(tmp_path / "all"), ALL, r=8, seed=1)),
+             LoRARequest("mlp", 2, save_adapter(base, str(tmp_path / "mlp"), ALL[4:], r=16, seed=3))]
+    prompts = PROMPTS * 2
+    order = [loras[0], None, loras[1], loras[0], loras[1], None] * 2
+    rows, real = [], triton_int_weight.int_mma_rows  # the many-row kernel's calls (captures included)
+    monkeypatch.setattr(triton_int_weight, "int_mma_rows",
+                        lambda x, *a, **k: rows.append(x.shape[0]) or real(x, *a, **k))
+    llm = LLM(base, device="cuda", dtype="bfloat16", enable_lora=True, max_loras=2, max_lora_rank=16,
+              max_model_len=128, num_kv_blocks=64, max_num_seqs=len(prompts), quantization="int4")
+    assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.int_bits == 4
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+    batch = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+             for o in llm.generate(prompts, params, use_tqdm=False, lora_request=order)]
+    alone = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+             for p, r in zip(PROMPTS, order)
+             for o in llm.generate([p], params, use_tqdm=False, lora_request=[r])]
+    plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    llm.shutdown()
+    assert_same_greedy(alone, batch[:len(PROMPTS)], "int4 many rows with adapters vs each request alone",
+                       max_lp_gap=0.3)
+    assert all(batch[i][0] != plain[i] for i in (0, 2, 3, 4))
+    assert rows  # twelve decode rows ran on it
