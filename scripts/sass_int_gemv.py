@@ -102,7 +102,7 @@ def rows_case(n: int, k: int, bits: int, group: int, override: dict, m: int = 32
     """The many-row tensor-core kernel (triton_int_mma_rows) as int_weight_matmul_triton launches it at m rows."""
     if bits != 4:
         raise SystemExit("the many-row kernel takes 4 bits")
-    cfg = {**rows.mma_rows_config(m, n, k, 132), **override}
+    cfg = {**rows.mma_rows_config(n, k, 132), **override}
     constexprs = rows.mma_rows_constexprs(m, n, k, group, cfg, has_bias=False, pdl=2)
     names = NAMES[:7] + ["M", "N", "K", "K_SPLIT"]
     types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32"] + ["i32"] * 4

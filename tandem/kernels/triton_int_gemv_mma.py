@@ -61,12 +61,18 @@ def _part_asm(bits: int, cols: int = 1) -> str:
         row_g, row_h, shift = f"${outs + j // 2}", f"${outs + 4 + j // 2}", 8 * (j % 2)
         for reg, word, sh, magic in (("a0", row_g, shift - 3, "lo"), ("a2", row_g, shift + 1, "hi"),
                                      ("a1", row_h, shift - 3, "lo"), ("a3", row_h, shift + 1, "hi")):
-            move = f"shr.u32 s, {word}, {sh};" if sh > 0 else f"shl.b32 s, {word}, {-sh};"
-            lines += [move, f"lop3.b32 {reg}, s, m, {magic}, 0xea;"]
+            lines += pair_asm(reg, word, sh, magic)
         b0, b1 = (outs + 8 + 2 * j, outs + 9 + 2 * j) if bits == 4 else (outs + 8 + j, outs + 8 + j)
         mma = _MMA.replace("d1", d1).replace("d3", d3)
         lines.append(mma.replace("B0", f"${b0}").replace("B1", f"${b1}"))
     return "\n".join(lines + ["}"])
+
+
+def pair_asm(dst: str, word: str, shift: int, magic: str) -> list[str]:
+    # Two codes of `word` as a bf16 pair into dst: the word shifted right by `shift` (left where negative), then
+    # & m | magic (the caller declares s and m, m = 0x00780078, and holds magic in a register: one LOP3).
+    move = f"shr.u32 s, {word}, {shift};" if shift > 0 else f"shl.b32 s, {word}, {-shift};"
+    return [move, f"lop3.b32 {dst}, s, m, {magic}, 0xea;"]
 
 
 def _sum_asm(bits: int, cols: int = 1) -> str:
@@ -600,14 +606,19 @@ def use_mma_gemv(x: torch.Tensor, weight: IntWeight) -> bool:
     contiguous with 16-byte aligned rows (read as int32 pairs, 16 bytes a load), a contiguous IntWeight (its
     strides are compile-time), and TANDEM_INT_GEMV_MMA not 0 (read per call: a CUDA graph keeps what its capture
     chose)."""
-    groups = weight.scales.shape[1]
     m = x.shape[0]
     rows_ok = m == 1 or (1 < m <= mma_max_rows() and groups_a_part(weight.bits, weight.group_size) == 1
                          and x.is_contiguous())
-    return (rows_ok and x.stride(1) == 1 and x.data_ptr() % 16 == 0
-            and weight.words.stride(0) == weight.words.shape[1] and weight.scales.stride(0) == groups
-            and weight.mins.stride(0) == groups and os.environ.get("TANDEM_INT_GEMV_MMA", "1") != "0"
-            and _takes(x, weight))
+    return rows_ok and os.environ.get("TANDEM_INT_GEMV_MMA", "1") != "0" and reads_dense(x, weight)
+
+
+def reads_dense(x: torch.Tensor, weight: IntWeight) -> bool:
+    """What the tensor-core kernels of one weight need of its layout and of x: x's rows of unit stride, 16-byte
+    aligned (read as int32 pairs, 16 bytes a load), a contiguous IntWeight (its strides are compile-time), and
+    _takes."""
+    groups = weight.scales.shape[1]
+    return (x.stride(1) == 1 and x.data_ptr() % 16 == 0 and weight.words.stride(0) == weight.words.shape[1]
+            and weight.scales.stride(0) == groups and weight.mins.stride(0) == groups and _takes(x, weight))
 
 
 def fold_reduce() -> bool:

@@ -15,13 +15,13 @@ from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
 from tandem.kernels.triton_int_gemv_mma import (
     MMA_MAX_ROWS,
-    PROGRAMS_PER_SM,
     _quad,
-    _takes,
     groups_a_part,
     lane_ids,
+    pair_asm,
     part_elements,
     prefetch_parts,
+    reads_dense,
 )
 from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
 from tandem.kernels.triton_quant import defers, finish_split
@@ -35,12 +35,9 @@ ONE_PAIR = tl.constexpr(0x3F803F80)  # two bf16 1.0
 # A word's four code pairs (int_weight.NIBBLE_ORDER: pair p, elements 2p and 2p + 1, sits at bits 4p and 4p + 16) as
 # bf16 pairs 1 + q / 16: (word >> 4p - 3) & 0x00780078 | 0x3F803F80 puts each nibble at the top of its half's
 # mantissa (exact). Out: pairs 0, 1, 2, 3.
-_DEQUANT_ASM = tl.constexpr("\n".join([
-    "{", ".reg .b32 s, m, one;", "mov.b32 m, 0x00780078;", "mov.b32 one, 0x3F803F80;",
-    "shl.b32 s, $4, 3;", "lop3.b32 $0, s, m, one, 0xea;",
-    "shr.u32 s, $4, 1;", "lop3.b32 $1, s, m, one, 0xea;",
-    "shr.u32 s, $4, 5;", "lop3.b32 $2, s, m, one, 0xea;",
-    "shr.u32 s, $4, 9;", "lop3.b32 $3, s, m, one, 0xea;", "}"]))
+_DEQUANT_ASM = tl.constexpr("\n".join(
+    ["{", ".reg .b32 s, m, one;", "mov.b32 m, 0x00780078;", "mov.b32 one, 0x3F803F80;"]
+    + [line for p in range(4) for line in pair_asm(f"${p}", "$4", 4 * p - 3, "one")] + ["}"]))
 # D = A B + C, m16n8k16, bf16 A and B, fp32 C and D. Lane (g, t) holds A's rows g and g + 8 at K slots 2t, 2t + 1
 # (a0, a1) and 2t + 8, 2t + 9 (a2, a3), B's column g at the same slots (b0, b1), and D's rows g and g + 8 at
 # columns 2t, 2t + 1 (d0, d1 row g; d2, d3 row g + 8).
@@ -196,16 +193,13 @@ def use_mma_rows(x: torch.Tensor, weight: IntWeight) -> bool:
     """Whether the many-row kernel takes this product: more than MMA_MAX_ROWS and up to rows_max() rows of bf16 x,
     contiguous with 16-byte aligned rows, against a contiguous 4-bit IntWeight whose groups hold whole parts (128
     elements), on a GPU with bf16 mma.sync."""
-    m = x.shape[0]
-    groups = weight.scales.shape[-1]
-    return (MMA_MAX_ROWS < m <= rows_max() and x.dim() == 2 and weight.words.dim() == 2 and weight.bits == 4
-            and groups_a_part(4, weight.group_size) == 1 and x.is_contiguous() and x.data_ptr() % 16 == 0
-            and weight.words.stride(0) == weight.words.shape[1] and weight.scales.stride(0) == groups
-            and weight.mins.stride(0) == groups and _takes(x, weight))
+    return (MMA_MAX_ROWS < x.shape[0] <= rows_max() and x.dim() == 2 and weight.words.dim() == 2
+            and weight.bits == 4 and groups_a_part(4, weight.group_size) == 1 and x.is_contiguous()
+            and reads_dense(x, weight))
 
 
-def mma_rows_config(m: int, n: int, k: int, sms: int) -> dict[str, int]:
-    """Tile from the shape alone (graph-safe): 4 warps of ROW_BLOCKS blocks of 16 channels a program (its warps read
+def mma_rows_config(n: int, k: int, sms: int) -> dict[str, int]:
+    """Tile from the weight's shape alone (graph-safe; the same for every row count): 4 warps of ROW_BLOCKS blocks of 16 channels a program (its warps read
     the same x: more channels a program read it fewer times), 4 blocks a warp where N still gives half the SMs a
     program, else 2, and K split over programs (whole parts) until the grid holds 1.5 programs an SM, each split at
     least four parts. On an H200 (scripts/bench_int_weight.py --rows 16,32 --sweep, the Llama-3-8B projections)
@@ -243,7 +237,7 @@ def int_mma_rows(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None =
     if m > ROWS_MAX:
         raise ValueError(f"the many-row kernel takes at most {ROWS_MAX} rows, got {m}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    cfg = {**mma_rows_config(m, n, k, device_sms(x.device)), **(config or {})}
+    cfg = {**mma_rows_config(n, k, device_sms(x.device)), **(config or {})}
     pdl = use_pdl(x.device)
     flags = mma_rows_constexprs(m, n, k, weight.group_size, cfg, bias is not None, pdl)
     split_k = flags["SPLIT_K"]

@@ -487,7 +487,7 @@ def int_weight_matmul_triton(
     gated: bool = False,  # W holds gate rows then up rows: returns silu(gate) * up, [M, N / 2]
 ) -> torch.Tensor | PartialSums:  # [M, N] in x's dtype
     """x W^T + b with W = q * scale + min dequantized inside the kernel: the GEMV for a few rows (one bf16 row:
-    the tensor-core GEMV of triton_int_gemv_mma where it applies; 9 to 64 bf16 rows at 4 bits: the many-row kernel
+    the tensor-core GEMV of triton_int_gemv_mma where it applies; 9 to 16 bf16 rows at 4 bits: the many-row kernel
     of triton_int_mma_rows), the tile GEMM otherwise. No host sync, grid
     and workspace from the shape alone: captures in CUDA graphs. With `defer` (and TANDEM_DEFER_REDUCE not 0) a
     K split hands its fp32 partial sums on for the RMSNorm after it. gated: the tensor-core GEMV writes silu(gate)

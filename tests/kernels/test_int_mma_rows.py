@@ -11,7 +11,13 @@ import torch
 from tandem.kernels import triton_int_mma_rows as rows
 from tandem.kernels.int_weight import dequantize_repacked, repack_int_weight
 from tests.kernels.sm90 import compile_sm90
-from tests.kernels.test_int_gemv_mma import bf16_to_f32, check_rows_path, emulate_inline_asm, run_warps
+from tests.kernels.test_int_gemv_mma import (
+    bf16_to_f32,
+    check_rows_path,
+    emulate_inline_asm,
+    random_int_weight,
+    run_warps,
+)
 
 CUDA = torch.cuda.is_available()
 
@@ -28,15 +34,6 @@ def test_dequant_assembly_gives_the_code_pairs():
         assert (bf16_to_f32(reg >> 16) == 1 + codes[0, 9 + 2 * p].item() / 16).all()
 
 
-def random_weight(n, k, group, seed):
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    qweight = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    scales = torch.rand(n, k // group, generator=gen) * 0.02 + 0.005
-    zeros = torch.randint(0, 16, (n, k // group), generator=gen).float()
-    return repack_int_weight(qweight, scales, zeros, 4, group)  # fp32 scales and mins: exact in the kernel
-
-
 @pytest.mark.skipif(CUDA, reason="the interpreter case; on a GPU: test_gpu_matches_reference_and_the_tile_gemm")
 @pytest.mark.parametrize("m,n,k,group,blocks,split", [
     (16, 128, 1024, 128, 2, 2),  # EVEN: whole x blocks, one program of 4 warps x 2 channel blocks, K split
@@ -51,7 +48,7 @@ def test_kernel_in_the_interpreter(m, n, k, group, blocks, split, monkeypatch):
     from triton.runtime.interpreter import InterpreterBuilder
 
     monkeypatch.setattr(InterpreterBuilder, "create_inline_asm", emulate_inline_asm, raising=True)
-    packed = random_weight(n, k, group, seed=m + n + k)
+    packed = random_int_weight(n, k, 4, group, seed=m + n + k)[0]  # fp32 scales and mins: exact
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     want = x.double() @ dequantize_repacked(packed).double().T
@@ -68,19 +65,19 @@ def test_kernel_in_the_interpreter(m, n, k, group, blocks, split, monkeypatch):
 def test_shapes_it_takes(monkeypatch):
     """9 to 16 rows by default, up to 32 with TANDEM_INT_MMA_ROWS_MAX, and the H200 sweep's tiles for the Llama-3-8B
     projections: 4 channel blocks a warp where N gives half the SMs a program, else 2; K split to 1.5 programs an SM."""
-    assert rows.mma_rows_config(32, 28672, 4096, 132) == {"ROW_BLOCKS": 4, "SPLIT_K": 2, "num_warps": 4}
-    assert rows.mma_rows_config(16, 6144, 4096, 132) == {"ROW_BLOCKS": 2, "SPLIT_K": 8, "num_warps": 4}
-    assert rows.mma_rows_config(32, 4096, 4096, 132) == {"ROW_BLOCKS": 2, "SPLIT_K": 8, "num_warps": 4}
-    assert rows.mma_rows_config(32, 4096, 14336, 132) == {"ROW_BLOCKS": 2, "SPLIT_K": 8, "num_warps": 4}
-    assert rows.mma_rows_config(32, 4096, 512, 132)["SPLIT_K"] == 1  # a split keeps four parts at least
-    flags = rows.mma_rows_constexprs(20, 4096, 4096, 128, rows.mma_rows_config(20, 4096, 4096, 132), False, 0)
+    assert rows.mma_rows_config(28672, 4096, 132) == {"ROW_BLOCKS": 4, "SPLIT_K": 2, "num_warps": 4}
+    assert rows.mma_rows_config(6144, 4096, 132) == {"ROW_BLOCKS": 2, "SPLIT_K": 8, "num_warps": 4}
+    assert rows.mma_rows_config(4096, 4096, 132) == {"ROW_BLOCKS": 2, "SPLIT_K": 8, "num_warps": 4}
+    assert rows.mma_rows_config(4096, 14336, 132) == {"ROW_BLOCKS": 2, "SPLIT_K": 8, "num_warps": 4}
+    assert rows.mma_rows_config(4096, 512, 132)["SPLIT_K"] == 1  # a split keeps four parts at least
+    flags = rows.mma_rows_constexprs(20, 4096, 4096, 128, rows.mma_rows_config(4096, 4096, 132), False, 0)
     assert flags["X_BLOCKS"] == 3 and not flags["FULL_ROWS"] and flags["EVEN"]
     monkeypatch.delenv("TANDEM_INT_MMA_ROWS_MAX", raising=False)
     assert rows.rows_max() == 16
     monkeypatch.setenv("TANDEM_INT_MMA_ROWS_MAX", "64")
     assert rows.rows_max() == 32
     with pytest.raises(ValueError, match="at most 32"):
-        rows.int_mma_rows(torch.zeros(33, 128), random_weight(16, 128, 128, 0))
+        rows.int_mma_rows(torch.zeros(33, 128), random_int_weight(16, 128, 4, 128, 0)[0])
 
 
 _COMPILE_SM90 = r"""
@@ -94,7 +91,7 @@ names = ["x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "M",
 out = {}
 for name, m, n, k in [("rows32", 32, 28672, 4096), ("rows16-split", 16, 4096, 14336), ("rows32-qkv", 32, 6144, 4096),
                       ("rows20-ragged", 20, 4100, 4096 + 128)]:
-    cfg = mma_rows_config(m, n, k, 132)
+    cfg = mma_rows_config(n, k, 132)
     flags = mma_rows_constexprs(m, n, k, 128, cfg, True, 2)
     types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32", "i32", "i32", "i32", "i32"]
     signature = dict(zip(names, types))
