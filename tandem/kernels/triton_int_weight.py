@@ -513,7 +513,7 @@ def int_weight_matmul_triton(
     if m == 0 or n == 0:
         return torch.empty(m, n, dtype=x.dtype, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
-    if gemv is None and config is None and use_mma_rows(x, weight):  # 9 to 64 rows, 4 bits: the many-row kernel
+    if gemv is None and config is None and use_mma_rows(x, weight):  # 9 to 16 rows, 4 bits: the many-row kernel
         return int_mma_rows(x, weight, bias, defer)
     use_gemv = use_int_gemv(m) if gemv is None else gemv
     # One bf16 row (or up to mma_max_rows()): the tensor-core GEMV
