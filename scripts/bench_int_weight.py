@@ -18,8 +18,8 @@ CUDA-core GEMV it replaces, which TANDEM_INT_GEMV_MMA=0 selects). Its time inclu
 last program); the variants deferred, reduce_kernel and split1 (K split shapes) and gated, gated_unfused (gate_up)
 time it as the decode step runs each projection and against the kernels that saves (mma_variants). 2 to 8 rows
 take it too where the groups are whole parts (variant gemm: the tile GEMM they ran before and that
-TANDEM_INT_MMA_MAX_ROWS=1 selects), and 9 to 16 rows at 4 bits (up to 32 with TANDEM_INT_MMA_ROWS_MAX) the many-row kernel (triton_int_mma_rows;
-variant gemm: the tile GEMM, which TANDEM_INT_MMA_ROWS_MAX=8 selects).
+TANDEM_INT_MMA_MAX_ROWS=1 selects), and 9 to 32 rows at 4 bits (fewer with TANDEM_INT_MMA_ROWS_MAX) the many-row
+kernel (triton_int_mma_rows; variant gemm: the tile GEMM, which TANDEM_INT_MMA_ROWS_MAX=8 selects).
 
 --sweep also times a grid of GEMV tiles (BLOCK_N, BLOCK_K, num_warps; for the tensor-core GEMV ROW_BLOCKS,
 num_warps, SPLIT_K) where the GEMV runs (1 row) and of GEMM tiles
@@ -191,7 +191,7 @@ def main() -> None:
                 bf16 = graph_us([lambda w=w: F.linear(x, w) for w in dense])
                 gemv = use_int_gemv(m)
                 mma = (gemv or m > 1) and use_mma_gemv(x, weights[0])  # TANDEM_INT_MMA_MAX_ROWS: up to 8 rows
-                many = use_mma_rows(x, weights[0])  # 9 to 16 rows at 4 bits (TANDEM_INT_MMA_ROWS_MAX: up to 32)
+                many = use_mma_rows(x, weights[0])  # 9 to 32 rows at 4 bits (TANDEM_INT_MMA_ROWS_MAX: fewer)
                 make = int_gemv_config if gemv else int_gemm_config
                 path = ("mma_rows" if many else "gemv_mma" if mma else "gemv" if gemv
                         else "dequant+cublas" if m >= dequant_min_rows() else "gemm")

@@ -36,7 +36,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from tandem.kernels import triton_int_gemv_mma as mma  # noqa: E402
 from tandem.kernels import triton_int_mma_rows as rows  # noqa: E402
 from tandem.kernels import triton_int_weight as fma  # noqa: E402
-from tandem.kernels.int_weight import WORD_BITS  # noqa: E402
+from tandem.kernels.int_weight import WORD_BITS, tiles  # noqa: E402
 
 NAMES = ["x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "M", "N", "K", "K_SPLIT", "GROUP",
          "ONE_BITS", "stride_xm", "stride_wn", "stride_sn", "stride_om"]
@@ -69,7 +69,8 @@ def fma_case(n: int, k: int, bits: int, group: int, override: dict) -> tuple:
     lines = fma.PREFETCH_STEPS * block_k * bits // 8 // 128
     constexprs = dict(GROUP=group, BITS=bits, HAS_BIAS=False, SPLIT_K=cfg["SPLIT_K"], EVEN=True, MASK_M=False,
                       BLOCK_M=1, BLOCK_N=block_n, TG=block_k // gk, GW=gk // per_word,
-                      PREFETCH_LINES=triton.next_power_of_2(lines) if lines else 0, USE_PDL=2)
+                      PREFETCH_LINES=triton.next_power_of_2(lines) if lines else 0, USE_PDL=2,
+                      TILED=tiles(n, k, bits))
     mins = "*bf16" if bits == 4 else "*fp32"  # IntWeight's mins: fp32 at 8 bits
     types = ["*bf16", "*i32", "*bf16", mins, "*bf16", "*bf16", "*fp32"] + ["i32"] * 4 + ["constexpr"]
     types += ["i32"] * 5
@@ -87,7 +88,7 @@ def mma_case(n: int, k: int, bits: int, group: int, override: dict, gated: bool 
     cfg = {**mma.mma_gemv_config(n, k, bits, 132, gated, group, m), **override}
     constexprs = mma.mma_gemv_constexprs(n, k, bits, group, cfg, has_bias=False, use_pdl=2, gated=gated,
                                          reduce=m == 1 and cfg["SPLIT_K"] > 1 and (gated or mma.fold_reduce()),
-                                         m_rows=m)
+                                         m_rows=m, tiled=tiles(n // 2 if gated else n, k, bits))
     names = NAMES[:7] + ["cnt_ptr", "N", "K", "K_SPLIT"]
     mins = "*bf16" if bits == 4 else "*fp32"  # IntWeight's mins: fp32 at 8 bits
     types = ["*bf16", "*i32", "*bf16", mins, "*bf16", "*bf16", "*fp32", "*i32"] + ["i32"] * 3
@@ -103,7 +104,7 @@ def rows_case(n: int, k: int, bits: int, group: int, override: dict, m: int = 32
     if bits != 4:
         raise SystemExit("the many-row kernel takes 4 bits")
     cfg = {**rows.mma_rows_config(n, k, 132), **override}
-    constexprs = rows.mma_rows_constexprs(m, n, k, group, cfg, has_bias=False, pdl=2)
+    constexprs = rows.mma_rows_constexprs(m, n, k, group, cfg, has_bias=False, pdl=2, tiled=tiles(n, k, bits))
     names = NAMES[:7] + ["M", "N", "K", "K_SPLIT"]
     types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32"] + ["i32"] * 4
     kernel = compile_kernel(rows._int_mma_rows_kernel, constexprs, cfg["num_warps"], names, types)

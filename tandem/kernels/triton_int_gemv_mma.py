@@ -120,6 +120,16 @@ SUM2_CONSTRAINTS_8 = tl.constexpr("=f,=f," + ",".join(["=r"] * 8) + "," + ",".jo
 
 
 @triton.jit
+def word_offsets(rows, words, stride_wn, TILED: tl.constexpr):
+    # Where word `words` of weight row `rows` (broadcast together) lies in an IntWeight's words, int64: row after
+    # row (stride_wn words a row), or TILED in tiles of 16 rows x 16 words (int_weight.tile_words).
+    if TILED:
+        return ((rows // 16).to(tl.int64) * (16 * stride_wn) + (words // 16) * 256 + (rows % 16) * 16
+                + words % 16)
+    return rows.to(tl.int64) * stride_wn + words
+
+
+@triton.jit
 def lane_ids(WARPS: tl.constexpr, K_SPLIT, K):
     # A program's threads, one element each ([T], T = 32 * WARPS): lane, warp, and the lane's (g, t) = (lane // 4,
     # lane % 4) of the MMA fragments; quad [1, 4], the four int32 of a 16-byte load; the K split (program_id(1))
@@ -169,12 +179,12 @@ def _int_mma_gemv_kernel(
     stride_wn: tl.constexpr, stride_sn: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN: tl.constexpr, ROW_BLOCKS: tl.constexpr, WARPS: tl.constexpr,
     PREFETCH_PARTS: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr = False, UP: tl.constexpr = 0,
-    REDUCE: tl.constexpr = False, M_ROWS: tl.constexpr = 1,
+    REDUCE: tl.constexpr = False, M_ROWS: tl.constexpr = 1, TILED: tl.constexpr = False,
 ):
     # M_ROWS rows of x [M_ROWS, K] (contiguous) against W [N, K] (_gemv_body).
     _gemv_body(x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, K_SPLIT, M_ROWS * N, 1.0, GROUP,
                stride_wn, stride_sn, BITS, HAS_BIAS, SPLIT_K, EVEN, ROW_BLOCKS, WARPS, PREFETCH_PARTS, USE_PDL, GATED,
-               UP, REDUCE, False, M_ROWS)
+               UP, REDUCE, False, M_ROWS, TILED)
 
 
 @triton.jit
@@ -183,7 +193,7 @@ def _int_mma_pair_kernel(
     num_tokens, GROUP: tl.constexpr, stride_wn: tl.constexpr, stride_sn: tl.constexpr, BITS: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN: tl.constexpr, ROW_BLOCKS: tl.constexpr, WARPS: tl.constexpr, USE_PDL: tl.constexpr,
     GATED: tl.constexpr, UP: tl.constexpr, REDUCE: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_MAP: tl.constexpr,
-    SPLIT_MAJOR: tl.constexpr,
+    SPLIT_MAJOR: tl.constexpr, TILED: tl.constexpr,
 ):
     # Mixture-of-experts decode: program_id(2) is a (token, expert) pair, which runs _gemv_body on its expert's
     # weight in the stack w [E, N, K] (scales and mins [E, N, groups]), its row of x (GATED: the token's, x
@@ -205,7 +215,7 @@ def _int_mma_pair_kernel(
                mn_ptr + expert * N * stride_sn, out_ptr, out_ptr + out_row.to(tl.int64) * (N - UP),
                ws_ptr + pair.to(tl.int64) * N, cnt_ptr + pair * tl.num_programs(0), N, K, K_SPLIT,
                num_pairs.to(tl.int64) * N, scale, GROUP, stride_wn, stride_sn, BITS, False, SPLIT_K, EVEN, ROW_BLOCKS,
-               WARPS, 0, False, GATED, UP, REDUCE, MUL_WEIGHT, 1)
+               WARPS, 0, False, GATED, UP, REDUCE, MUL_WEIGHT, 1, TILED)
 
 
 @triton.jit
@@ -214,7 +224,7 @@ def _gemv_body(
     GROUP: tl.constexpr, stride_wn: tl.constexpr, stride_sn: tl.constexpr, BITS: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, ROW_BLOCKS: tl.constexpr,
     WARPS: tl.constexpr, PREFETCH_PARTS: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr, UP: tl.constexpr,
-    REDUCE: tl.constexpr, SCALED: tl.constexpr, M_ROWS: tl.constexpr,
+    REDUCE: tl.constexpr, SCALED: tl.constexpr, M_ROWS: tl.constexpr, TILED: tl.constexpr,
 ):
     # Program = ROW_BLOCKS blocks of 16 channels over K range [pid_k * K_SPLIT, +K_SPLIT) (a multiple of
     # WARPS * PART): warp w takes parts w, w + WARPS, ... of it, and the warps' sums are added at the end. Every
@@ -239,6 +249,8 @@ def _gemv_body(
     # holds row c of x (zeros past M_ROWS), so one dequantized A serves every row; lane (g, t) holds rows g and
     # g + 8 of the block for x rows 2t and 2t + 1 (the small groups' two-column assembly), scales both, and stores
     # them (or their partial sums, ws [SPLIT_K, M_ROWS, N]).
+    # TILED: the words in tiles of 16 rows x 16 words (int_weight.tile_words), so a part of a block is one tile,
+    # 1 KB, that the warp's two loads (rows g, then g + 8) read 512 contiguous bytes each.
     PART: tl.constexpr = 512 // BITS
     PER_WORD: tl.constexpr = 32 // BITS
     GPP: tl.constexpr = PART // GROUP if GROUP < PART else 1  # groups a part
@@ -260,8 +272,14 @@ def _gemv_body(
         x_at += g * (K // 2)
     x_ptrs = x_words + tl.multiple_of(x_at, 4)[:, None] + quad  # [T, 4]
     word = tl.multiple_of(first // PER_WORD + 4 * t, 4)[:, None] + quad  # [T, 4]: words 4t .. 4t + 3 of the part
+    # Words from row g of a block to row g + 8, and from a part to the warp's next
+    HI: tl.constexpr = 128 if TILED else 8 * stride_wn
+    W_STEP: tl.constexpr = WARPS * 256 if TILED else WARPS * PART // PER_WORD
     if EVEN:  # the strides are compile-time: one pointer, the other rows at immediate offsets
-        w_lo = w_ptr + (block0 + g).to(tl.int64)[:, None] * stride_wn + word  # block 0's rows
+        if TILED:  # block 0's tile of the warp's first part: lane (g, t) at row g's words 4t ..
+            w_lo = w_ptr + block0.to(tl.int64) * stride_wn + (first // PART * 256 + 4 * lane)[:, None] + quad
+        else:  # block 0's rows
+            w_lo = w_ptr + (block0 + g).to(tl.int64)[:, None] * stride_wn + word
         s_lo = (chan_e + half_e * UP).to(tl.int64) * stride_sn
         s_hi = s_lo + 8 * stride_sn
     else:  # channels past n_out read channel n_out - 1 and store nothing
@@ -282,7 +300,7 @@ def _gemv_body(
     col_b = (1 + 2 * (t // 2)) % GPP
     if USE_PDL and PREFETCH_PARTS > 0:  # before the wait: each warp's first parts of every row to L2
         _prefetch_parts(w_ptr, block0, first // PER_WORD, lane, k_end, n_out, stride_wn, ROW_BLOCKS, OUT_BLOCKS, UP,
-                        WARPS, PREFETCH_PARTS, PART)
+                        WARPS, PREFETCH_PARTS, PART, TILED)
     pdl_wait(USE_PDL)
     for k0 in range(k_begin, k_end, WARPS * PART):
         start = k0 + warp * PART
@@ -323,14 +341,14 @@ def _gemv_body(
             if EVEN:  # block b's rows: its 16 channels' offset, and UP further down for an up block
                 step = (16 * (b % OUT_BLOCKS) + (b // OUT_BLOCKS) * UP) * stride_wn
                 lo = tl.load(w_lo + step)
-                hi = tl.load(w_lo + step + 8 * stride_wn)
+                hi = tl.load(w_lo + step + HI)
             else:
                 chans = block0 + 16 * (b % OUT_BLOCKS) + g
                 up_rows = (b // OUT_BLOCKS) * UP
-                lo = tl.load(w_ptr + (tl.minimum(chans, n_out - 1) + up_rows).to(tl.int64)[:, None] * stride_wn
-                             + word)
-                hi = tl.load(w_ptr + (tl.minimum(chans + 8, n_out - 1) + up_rows).to(tl.int64)[:, None] * stride_wn
-                             + word)
+                lo = tl.load(w_ptr + word_offsets((tl.minimum(chans, n_out - 1) + up_rows)[:, None], word, stride_wn,
+                                                  TILED))
+                hi = tl.load(w_ptr + word_offsets((tl.minimum(chans + 8, n_out - 1) + up_rows)[:, None], word,
+                                                  stride_wn, TILED))
             l0, l1, l2, l3 = _quad(lo)
             h0, h1, h2, h3 = _quad(hi)
             bb_lo = xs
@@ -376,7 +394,7 @@ def _gemv_body(
             acc_lo_b = _add_part(acc_lo_b, s_ptr + s_lo, mn_ptr + s_lo, group, fb_lo, xs_b, OFFSET)
             acc_hi_b = _add_part(acc_hi_b, s_ptr + s_hi, mn_ptr + s_hi, group, fb_hi, xs_b, OFFSET)
         x_ptrs += WARPS * PART // 2
-        w_lo += WARPS * PART // PER_WORD
+        w_lo += W_STEP
     # Lanes t < ROW_BLOCKS hold their rows' sums over their warp's parts: added over the warps, stored once.
     if XROWS:
         _store_xrows(acc_lo, acc_hi, chan_e, 2 * t, n_out, b_ptr, out_ptr, ws_ptr, pid_k, ws_split, HAS_BIAS, SPLIT_K,
@@ -399,7 +417,7 @@ def _add_part(acc, s_row, mn_row, group, f, xs, OFFSET: tl.constexpr):
 @triton.jit
 def _prefetch_parts(w_ptr, block0, first_word, lane, k_end, n_out, stride_wn: tl.constexpr, ROW_BLOCKS: tl.constexpr,
                     OUT_BLOCKS: tl.constexpr, UP: tl.constexpr, WARPS: tl.constexpr, PREFETCH_PARTS: tl.constexpr,
-                    PART: tl.constexpr):
+                    PART: tl.constexpr, TILED: tl.constexpr):
     # Asks for the 64 bytes of each of the program's rows in the warp's first PREFETCH_PARTS parts (first_word
     # [T]: the first part's first word) to be brought to L2, one (row, part) a lane and instruction; no effect on
     # values.
@@ -411,7 +429,7 @@ def _prefetch_parts(w_ptr, block0, first_word, lane, k_end, n_out, stride_wn: tl
         row = chan + (block // OUT_BLOCKS) * UP
         at = first_word + (chunk // ROWS) * (WARPS * 16)  # a part is 4 words a lane, 16 a row
         live = (chunk < ROWS * PREFETCH_PARTS) & (at * (PART // 16) < k_end)
-        prefetch_l2(w_ptr + row.to(tl.int64) * stride_wn + at, live)
+        prefetch_l2(w_ptr + word_offsets(row, at, stride_wn, TILED), live)
 
 
 @triton.jit
@@ -542,9 +560,11 @@ def mma_gemv_config(n: int, k: int, bits: int, sms: int, gated: bool = False, gr
 
 
 def mma_gemv_constexprs(n: int, k: int, bits: int, group_size: int, cfg: dict[str, int], has_bias: bool,
-                        use_pdl: int, gated: bool = False, reduce: bool = False, m_rows: int = 1) -> dict:
+                        use_pdl: int, gated: bool = False, reduce: bool = False, m_rows: int = 1,
+                        tiled: bool = False) -> dict:
     """The kernel's compile-time arguments for a config (also scripts/sass_int_gemv.py's); the strides are those
-    of a contiguous IntWeight (words K bits / 32, scales K / group_size a row). gated: n rows, gate then up, give
+    of a contiguous IntWeight (words K bits / 32, scales K / group_size a row; tiled: its words in tiles,
+    int_weight.tile_words). gated: n rows, gate then up, give
     n / 2 outputs silu(gate) * up (ROW_BLOCKS 2 or 4); reduce: a K split adds its partial sums in the kernel;
     m_rows: rows of x (more than one: up to MMA_MAX_ROWS, one block a program, groups of whole parts, neither
     gated nor reduce)."""
@@ -562,7 +582,7 @@ def mma_gemv_constexprs(n: int, k: int, bits: int, group_size: int, cfg: dict[st
                 HAS_BIAS=has_bias, SPLIT_K=triton.cdiv(k, k_split),
                 EVEN=k % k_split == 0 and (n // 2 if gated else n) % channels == 0, ROW_BLOCKS=blocks,
                 WARPS=warps, PREFETCH_PARTS=prefetch_parts() if use_pdl else 0, USE_PDL=use_pdl, GATED=gated,
-                UP=n // 2 if gated else 0, REDUCE=reduce, M_ROWS=m_rows)
+                UP=n // 2 if gated else 0, REDUCE=reduce, M_ROWS=m_rows, TILED=tiled)
 
 
 def prefetch_parts() -> int:
@@ -655,7 +675,8 @@ def int_mma_gemv(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None =
     split_k = triton.cdiv(k, k_split)  # whole rounds a split can leave fewer splits than asked for
     deferred = defers(defer) and not gated
     reduce = split_k > 1 and not deferred and (gated or fold_reduce()) and m == 1
-    flags = mma_gemv_constexprs(n, k, bits, weight.group_size, cfg, bias is not None, pdl, gated, reduce, m)
+    flags = mma_gemv_constexprs(n, k, bits, weight.group_size, cfg, bias is not None, pdl, gated, reduce, m,
+                                weight.tiled)
     ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     channels = 16 * (cfg["ROW_BLOCKS"] // 2 if gated else cfg["ROW_BLOCKS"])
     programs = triton.cdiv(out.shape[1], channels)
@@ -704,7 +725,8 @@ def int_mma_pair_gemv(
     cfg = {**mma_gemv_config(n, k, bits, sms, gated, weight.group_size), **(config or {})}
     k_split = mma_k_split(k, bits, cfg["SPLIT_K"], cfg["num_warps"])
     split_k = triton.cdiv(k, k_split)
-    flags = mma_gemv_constexprs(n, k, bits, weight.group_size, cfg, False, 0, gated, split_k > 1)
+    flags = mma_gemv_constexprs(n, k, bits, weight.group_size, cfg, False, 0, gated, split_k > 1,
+                                tiled=weight.tiled)
     for unused in ("HAS_BIAS", "PREFETCH_PARTS", "M_ROWS"):
         flags.pop(unused)
     pdl = use_pdl(x.device)

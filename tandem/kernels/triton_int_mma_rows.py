@@ -22,14 +22,15 @@ from tandem.kernels.triton_int_gemv_mma import (
     part_elements,
     prefetch_parts,
     reads_dense,
+    word_offsets,
 )
 from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
 from tandem.kernels.triton_quant import defers, finish_split
 
 ROWS_MAX = 32  # rows of x the kernel takes at most (registers: 216-255 a thread at 32 rows)
-DEFAULT_ROWS = 16  # rows up to which it runs by default: in an H200 decode step of the Llama-3-8B shape it beat the
-# tile GEMM at 16 rows (4.0 against 5.7 ms), tied at 24 and lost at 32 (each warp reads x from L1 for its own MMAs:
-# a 16-byte load of 8 rows touches 16 lines; the tile GEMM reads it from shared memory)
+DEFAULT_ROWS = 32  # rows up to which it runs by default: on an H200, with the weights in tiles, a decode step of the
+# Llama-3-8B shape at 24 rows took 4.85 ms against the tile GEMM's 5.31, and seed-async (32 rows) ran 5,835 tok/s
+# against 5,653 (before tiles it lost at 32 rows: 4,787 against 5,200)
 ONE_PAIR = tl.constexpr(0x3F803F80)  # two bf16 1.0
 
 # A word's four code pairs (int_weight.NIBBLE_ORDER: pair p, elements 2p and 2p + 1, sits at bits 4p and 4p + 16) as
@@ -63,7 +64,7 @@ def _int_mma_rows_kernel(
     x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, K_SPLIT, GROUP: tl.constexpr,
     stride_wn: tl.constexpr, stride_sn: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr, FULL_ROWS: tl.constexpr, ROW_BLOCKS: tl.constexpr, X_BLOCKS: tl.constexpr,
-    WARPS: tl.constexpr, PREFETCH_PARTS: tl.constexpr, USE_PDL: tl.constexpr,
+    WARPS: tl.constexpr, PREFETCH_PARTS: tl.constexpr, USE_PDL: tl.constexpr, TILED: tl.constexpr = False,
 ):
     # Program = WARPS x ROW_BLOCKS blocks of 16 weight channels (warp w: blocks w ROW_BLOCKS ..) x all M rows of x
     # (X_BLOCKS blocks of 8) over K range [pid_k * K_SPLIT, +K_SPLIT), one part of 128 elements of K at a time.
@@ -76,7 +77,9 @@ def _int_mma_rows_kernel(
     # are issued together: independent, so their latency overlaps. Lane (g, t) ends with channels g and g + 8 of
     # each block for rows 8r + 2t and 8r + 2t + 1: the output (SPLIT_K 1) or the split's fp32 partial sums, ws
     # [SPLIT_K, M, N]. EVEN: the channels fill whole programs; FULL_ROWS: M a multiple of 8 (no row masked).
+    # TILED: the words in tiles of 16 channels x 16 words (int_weight.tile_words): a part of a block is one tile.
     PART: tl.constexpr = 128
+    PART_WORDS: tl.constexpr = 16 if TILED else 1  # a part's first word k0 // 8 of a row lies at k0 // 8 x this
     T: tl.constexpr = 32 * WARPS
     B: tl.constexpr = ROW_BLOCKS
     R: tl.constexpr = X_BLOCKS
@@ -92,11 +95,13 @@ def _int_mma_rows_kernel(
             chan = block0 + 16 * b + 8 * h + g
             if not EVEN:
                 chan = tl.minimum(chan, N - 1)
-            w_rows = w_rows + (w_ptr + chan.to(tl.int64) * stride_wn,)
+            w_rows = w_rows + (w_ptr + word_offsets(chan, 0, stride_wn, TILED),)
             s_rows = s_rows + (chan.to(tl.int64) * stride_sn,)
-            if USE_PDL and PREFETCH_PARTS > 0:  # before the wait: the first parts' lines (two parts a line) to L2
-                for p in tl.static_range(0, PREFETCH_PARTS, 2):
-                    prefetch_l2(w_rows[2 * b + h] + k_begin // 8 + 16 * p, (t == 0) & (k_begin + PART * p < k_end))
+            if USE_PDL and PREFETCH_PARTS > 0:  # before the wait: the first parts' lines to L2 (a line holds two
+                # parts of a row, or TILED one part of two rows)
+                for p in tl.static_range(0, PREFETCH_PARTS, 1 if TILED else 2):
+                    prefetch_l2(w_rows[2 * b + h] + (k_begin // 8 + 16 * p) * PART_WORDS,
+                                (t == 0) & (k_begin + PART * p < k_end))
     x_rows = ()  # where row 8r + g of x starts, in int32 pairs (rows past M are masked)
     x_keep = ()
     for r in tl.static_range(R):
@@ -107,7 +112,7 @@ def _int_mma_rows_kernel(
         accs = accs + (tl.zeros([T], dtype=tl.float32),)
     pdl_wait(USE_PDL)
     for k0 in range(k_begin, k_end, PART):
-        word = tl.multiple_of(k0 // 8 + 4 * t, 4)[:, None] + quad  # [T, 4]: words 4t .. 4t + 3 of the part
+        word = tl.multiple_of(k0 // 8 * PART_WORDS + 4 * t, 4)[:, None] + quad  # [T, 4]: words 4t .. 4t + 3 of the part
         x_at = (k0 + 32 * t) // 2  # x's first pair of the lane's elements, in its row
         group = k0 // GROUP
         # A's registers: (block b, channel half h, word w) -> its four code pairs, at 16 (2b + h) + 4w + p
@@ -218,13 +223,14 @@ def mma_rows_k_split(k: int, split_k: int) -> int:
 
 
 def mma_rows_constexprs(m: int, n: int, k: int, group_size: int, cfg: dict[str, int], has_bias: bool,
-                        pdl: int) -> dict:
-    """The kernel's compile-time arguments for a config (also scripts/sass_int_gemv.py's)."""
+                        pdl: int, tiled: bool = False) -> dict:
+    """The kernel's compile-time arguments for a config (also scripts/sass_int_gemv.py's); tiled: the weight's
+    words in tiles (int_weight.tile_words)."""
     warps, blocks = cfg["num_warps"], cfg["ROW_BLOCKS"]
     return dict(GROUP=group_size, stride_wn=k * 4 // WORD_BITS, stride_sn=k // group_size, HAS_BIAS=has_bias,
                 SPLIT_K=triton.cdiv(k, mma_rows_k_split(k, cfg["SPLIT_K"])), EVEN=n % (16 * blocks * warps) == 0,
                 FULL_ROWS=m % 8 == 0, ROW_BLOCKS=blocks, X_BLOCKS=triton.cdiv(m, 8), WARPS=warps,
-                PREFETCH_PARTS=prefetch_parts() if pdl else 0, USE_PDL=pdl)
+                PREFETCH_PARTS=prefetch_parts() if pdl else 0, USE_PDL=pdl, TILED=tiled)
 
 
 def int_mma_rows(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = None, defer: bool = False,
@@ -239,7 +245,7 @@ def int_mma_rows(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None =
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cfg = {**mma_rows_config(n, k, device_sms(x.device)), **(config or {})}
     pdl = use_pdl(x.device)
-    flags = mma_rows_constexprs(m, n, k, weight.group_size, cfg, bias is not None, pdl)
+    flags = mma_rows_constexprs(m, n, k, weight.group_size, cfg, bias is not None, pdl, weight.tiled)
     split_k = flags["SPLIT_K"]
     k_split = mma_rows_k_split(k, cfg["SPLIT_K"])
     ws = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out

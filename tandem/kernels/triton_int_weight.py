@@ -13,7 +13,7 @@ import triton.language as tl
 from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
 from tandem.kernels.triton_fused import silu_and_mul_triton
-from tandem.kernels.triton_int_gemv_mma import int_mma_gemv, use_mma_gemv
+from tandem.kernels.triton_int_gemv_mma import int_mma_gemv, use_mma_gemv, word_offsets
 from tandem.kernels.triton_int_mma_rows import int_mma_rows, use_mma_rows
 from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
 from tandem.kernels.triton_moe import pair_expert
@@ -58,14 +58,25 @@ def _word_sums(words, x, s, mn, shifts, ONE_BITS, BITS: tl.constexpr):
 
 @triton.jit
 def _prefetch_rows(w_ptr, rows, N, stride_wn, word_begin, word_end, PREFETCH_LINES: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   USE_PDL: tl.constexpr, TILED: tl.constexpr):
     # Before the PDL wait (the previous kernel may still run; weights are no kernel's output): the first
-    # PREFETCH_LINES 128-byte lines of each weight row's K range go to L2, so the loads after the wait find
-    # them there. rows [R] are the program's channels; words are int32 (32 a line).
+    # PREFETCH_LINES 128-byte lines of each weight row's K range go to L2 (TILED: as many of its 64-byte tile rows),
+    # so the loads after the wait find them there. rows [R] are the program's channels; words are int32 (32 a line).
     if USE_PDL and PREFETCH_LINES > 0:
-        words = word_begin + tl.arange(0, PREFETCH_LINES) * 32
+        STEP: tl.constexpr = 16 if TILED else 32
+        words = word_begin + tl.arange(0, PREFETCH_LINES) * STEP
         mask = (rows < N)[:, None] & (words < word_end)[None, :]
-        prefetch_l2(w_ptr + rows[:, None].to(tl.int64) * stride_wn + words[None, :], mask)
+        prefetch_l2(w_ptr + word_offsets(rows[:, None], words[None, :], stride_wn, TILED), mask)
+
+
+@triton.constexpr_function
+def _tiled_step(words: int, tiled: bool) -> int:
+    # How far a K loop's word pointers move a step of `words` words of each row: as far row after row; in tiles
+    # (a tile column of 16 words is 256), 16x as far where the step is whole tile columns, else 0: the loop
+    # computes its pointers again each step (word_offsets).
+    if not tiled:
+        return words
+    return 16 * words if words % 16 == 0 else 0
 
 
 @triton.jit
@@ -74,7 +85,7 @@ def _int_gemv_kernel(
     M, N, K, K_SPLIT, GROUP: tl.constexpr, ONE_BITS, stride_xm, stride_wn, stride_sn, stride_om,
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, MASK_M: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, TILED: tl.constexpr = False,
 ):
     # Program = BLOCK_N output channels for all M (<= BLOCK_M) rows over K range [pid_k * K_SPLIT, +K_SPLIT).
     # A K step is TG group parts of GW words (GK = GW * PER_WORD elements, one group or a part of one), so a
@@ -82,8 +93,10 @@ def _int_gemv_kernel(
     # is sum_k x_k (q_k s + mn) = 2**B s F - (2**B s - mn) X, F = sum_k x_k f_k and X = sum_k x_k: per element
     # one shift, one and-or and one FMA, no scale. Sums stay per word ([M, N, TG, GW]) until after the loop,
     # so no cross-thread reduction runs inside it. EVEN: N and K fill whole tiles, so only x's rows are masked.
+    # TILED: the words in tiles of 16 rows x 16 words (int_weight.tile_words; _tiled_step).
     PER_WORD: tl.constexpr = 32 // BITS
     GK: tl.constexpr = GW * PER_WORD
+    W_STEP: tl.constexpr = _tiled_step(TG * GK // PER_WORD, TILED)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)[:, None, None, None]  # [BLOCK_M, 1, 1, 1]
     offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None, None]  # [1, BLOCK_N, 1, 1]
@@ -94,7 +107,7 @@ def _int_gemv_kernel(
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     part = k_begin + offs_g * GK  # first element of each group part in the first step
-    w_ptrs = w_ptr + offs_n.to(tl.int64) * stride_wn + (part // PER_WORD + offs_w)  # [1, BLOCK_N, TG, GW]
+    w_ptrs = w_ptr + word_offsets(offs_n, part // PER_WORD + offs_w, stride_wn, TILED)  # [1, BLOCK_N, TG, GW]
     x_ptrs = (x_ptr + (offs_m.to(tl.int64) * stride_xm + (part + offs_w * PER_WORD))[:, :, :, :, None]
               + offs_e)  # [BLOCK_M, 1, TG, GW, PER_WORD]
     x_rows = (offs_m < M)[:, :, :, :, None]
@@ -103,11 +116,13 @@ def _int_gemv_kernel(
     shifts = _code_slots(offs_e, BITS) * BITS
     acc = tl.zeros([BLOCK_M, BLOCK_N, TG, GW], dtype=tl.float32)
     _prefetch_rows(w_ptr, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N, stride_wn, k_begin // PER_WORD,
-                   k_end // PER_WORD, PREFETCH_LINES, USE_PDL)
+                   k_end // PER_WORD, PREFETCH_LINES, USE_PDL, TILED)
     pdl_wait(USE_PDL)
     for k0 in range(k_begin, k_end, TG * GK):
         start = k0 + offs_g * GK  # [1, 1, TG, 1]
         group = start // GROUP
+        if W_STEP == 0:
+            w_ptrs = w_ptr + word_offsets(offs_n, start // PER_WORD + offs_w, stride_wn, True)
         if EVEN:
             words = tl.load(w_ptrs)
             s = tl.load(s_rows + group).to(tl.float32)
@@ -123,7 +138,7 @@ def _int_gemv_kernel(
             mn = tl.load(mn_rows + group, mask=n_mask & g_mask, other=0.0).to(tl.float32)
             x = tl.load(x_ptrs, mask=g_mask[:, :, :, :, None] & x_rows, other=0.0).to(tl.float32)
         acc += _word_sums(words, x, s, mn, shifts, ONE_BITS, BITS)
-        w_ptrs += TG * GK // PER_WORD
+        w_ptrs += W_STEP
         x_ptrs += TG * GK
     y = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BLOCK_M, BLOCK_N]
     rows = tl.arange(0, BLOCK_M)[:, None]
@@ -234,6 +249,7 @@ def _int_gemm_kernel(
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr, GROUP_M: tl.constexpr,
     PACKED: tl.constexpr, PREFETCH_LINES: tl.constexpr, USE_PDL: tl.constexpr, WORD_GROUPS: tl.constexpr = False,
+    TILED: tl.constexpr = False,
 ):
     # Program = a BLOCK_M x BLOCK_N output tile over K range [pid_k * K_SPLIT, +K_SPLIT), in K steps of TG
     # group parts of GK elements (as in _int_gemv_kernel). Each step dequantizes its weight tile into x's
@@ -244,10 +260,11 @@ def _int_gemm_kernel(
     # dequantization by inline assembly (GPU, 16-bit x; TANDEM_INT_PACKED=0: the fp32 math, for comparisons).
     # WORD_GROUPS (groups of fewer than MIN_GEMM_PART elements, GGUF Q6_K's 16): a part spans several groups and
     # each word reads its own scale and min (a narrower part fails Triton's sm_90 layout of the dequantized tile
-    # for the MMA).
+    # for the MMA). TILED: the words in tiles of 16 rows x 16 words (int_weight.tile_words; _tiled_step).
     PER_WORD: tl.constexpr = 32 // BITS
     GK: tl.constexpr = GW * PER_WORD
     BLOCK_K: tl.constexpr = TG * GK
+    W_STEP: tl.constexpr = _tiled_step(BLOCK_K // PER_WORD, TILED)
     out_ty: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -268,16 +285,19 @@ def _int_gemm_kernel(
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = (w_ptr + wn[:, :, :, None].to(tl.int64) * stride_wn
-              + ((k_begin + wg[:, :, :, None] * GK) // PER_WORD + tl.arange(0, GW)[None, None, :, None]))
+    w_cols = (wg[:, :, :, None] * GK) // PER_WORD + tl.arange(0, GW)[None, None, :, None]  # [1, TG, GW, 1]
+    w_ptrs = w_ptr + word_offsets(wn[:, :, :, None], k_begin // PER_WORD + w_cols, stride_wn, TILED)
     shifts = _code_slots(tl.arange(0, PER_WORD)[None, None, None, :], BITS) * BITS
     x_ptrs = x_rows + (k_begin + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
     s_rows = s_ptr + wn.to(tl.int64) * stride_sn  # [BLOCK_N, 1, 1]
     mn_rows = mn_ptr + wn.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
-    _prefetch_rows(w_ptr, offs_n, N, stride_wn, k_begin // PER_WORD, k_end // PER_WORD, PREFETCH_LINES, USE_PDL)
+    _prefetch_rows(w_ptr, offs_n, N, stride_wn, k_begin // PER_WORD, k_end // PER_WORD, PREFETCH_LINES, USE_PDL,
+                   TILED)
     pdl_wait(USE_PDL)
     for k0 in range(k_begin, k_end, BLOCK_K):
+        if W_STEP == 0:
+            w_ptrs = w_ptr + word_offsets(wn[:, :, :, None], k0 // PER_WORD + w_cols, stride_wn, True)
         if WORD_GROUPS:  # groups smaller than a part: each word's own scale and min, [1, TG, GW]
             first = k0 + wg * GK + tl.arange(0, GW)[None, None, :] * PER_WORD
         else:
@@ -299,7 +319,7 @@ def _int_gemm_kernel(
             acc = tl.dot(w, tl.trans(x), acc)
         else:
             acc = tl.dot(x, tl.trans(w), acc)
-        w_ptrs += BLOCK_K // PER_WORD
+        w_ptrs += W_STEP
         x_ptrs += BLOCK_K
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -317,7 +337,7 @@ def _int_gemm_kernel(
 @triton.jit
 def _int_dequant_kernel(w_ptr, s_ptr, mn_ptr, out_ptr, N, K, GROUP: tl.constexpr, ONE_BITS, stride_wn, stride_sn,
                         stride_on, BITS: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr,
-                        PACKED: tl.constexpr):
+                        PACKED: tl.constexpr, TILED: tl.constexpr = False):
     # grid (N tiles, K tiles): W [BLOCK_N, TG * GK] = q * s + mn rounded once to out's dtype, as the tile GEMM
     # dequantizes its weight tiles (_tile_weights, so the dense product uses the GEMM's weights bit for bit).
     PER_WORD: tl.constexpr = 32 // BITS
@@ -332,7 +352,7 @@ def _int_dequant_kernel(w_ptr, s_ptr, mn_ptr, out_ptr, N, K, GROUP: tl.constexpr
     group = first // GROUP
     s = tl.load(s_ptr + wn.to(tl.int64) * stride_sn + group, mask=n_ok & (first < K), other=0.0)
     mn = tl.load(mn_ptr + wn.to(tl.int64) * stride_sn + group, mask=n_ok & (first < K), other=0.0)
-    words = tl.load(w_ptr + wn.to(tl.int64) * stride_wn + (first // PER_WORD + tl.arange(0, GW)[None, None, :]),
+    words = tl.load(w_ptr + word_offsets(wn, first // PER_WORD + tl.arange(0, GW)[None, None, :], stride_wn, TILED),
                     mask=n_ok & (first < K), other=0)  # [BLOCK_N, TG, GW]
     shifts = _code_slots(tl.arange(0, PER_WORD)[None, None, None, :], BITS) * BITS
     w = _tile_weights(words[:, :, :, None], s, mn, shifts, ONE_BITS, BITS, out_ty, PACKED, BLOCK_N, TG, GW)
@@ -408,7 +428,7 @@ def dequantize_int_weight_triton(weight: IntWeight, dtype: torch.dtype, out: tor
     _int_dequant_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_k))](
         weight.words, weight.scales, weight.mins, out, n, k, weight.group_size, ONE_BITS, weight.words.stride(0),
         weight.scales.stride(0), out.stride(0), BITS=bits, BLOCK_N=32, TG=block_k // gk, GW=gk // per_word,
-        PACKED=packed, num_warps=4)
+        PACKED=packed, TILED=weight.tiled, num_warps=4)
     return out
 
 
@@ -487,7 +507,7 @@ def int_weight_matmul_triton(
     gated: bool = False,  # W holds gate rows then up rows: returns silu(gate) * up, [M, N / 2]
 ) -> torch.Tensor | PartialSums:  # [M, N] in x's dtype
     """x W^T + b with W = q * scale + min dequantized inside the kernel: the GEMV for a few rows (one bf16 row:
-    the tensor-core GEMV of triton_int_gemv_mma where it applies; 9 to 16 bf16 rows at 4 bits: the many-row kernel
+    the tensor-core GEMV of triton_int_gemv_mma where it applies; 9 to 32 bf16 rows at 4 bits: the many-row kernel
     of triton_int_mma_rows), the tile GEMM otherwise. No host sync, grid
     and workspace from the shape alone: captures in CUDA graphs. With `defer` (and TANDEM_DEFER_REDUCE not 0) a
     K split hands its fp32 partial sums on for the RMSNorm after it. gated: the tensor-core GEMV writes silu(gate)
@@ -513,7 +533,7 @@ def int_weight_matmul_triton(
     if m == 0 or n == 0:
         return torch.empty(m, n, dtype=x.dtype, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
-    if gemv is None and config is None and use_mma_rows(x, weight):  # 9 to 16 rows, 4 bits: the many-row kernel
+    if gemv is None and config is None and use_mma_rows(x, weight):  # 9 to 32 rows, 4 bits: the many-row kernel
         return int_mma_rows(x, weight, bias, defer)
     use_gemv = use_int_gemv(m) if gemv is None else gemv
     # One bf16 row (or up to mma_max_rows()): the tensor-core GEMV
@@ -538,7 +558,8 @@ def int_weight_matmul_triton(
     lines = PREFETCH_STEPS * block_k * bits // 8 // 128 if pdl else 0  # 128-byte lines of each row
     common = dict(BITS=bits, HAS_BIAS=bias is not None, SPLIT_K=split_k, TG=block_k // gk, GW=gk // per_word,
                   EVEN=k % block_k == 0 and n % cfg["BLOCK_N"] == 0,
-                  PREFETCH_LINES=triton.next_power_of_2(lines) if lines else 0, USE_PDL=pdl, launch_pdl=bool(pdl))
+                  PREFETCH_LINES=triton.next_power_of_2(lines) if lines else 0, USE_PDL=pdl, TILED=weight.tiled,
+                  launch_pdl=bool(pdl))
     if use_gemv:
         block_m = triton.next_power_of_2(m)
         block_n = cfg.pop("BLOCK_N")

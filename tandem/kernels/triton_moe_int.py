@@ -25,15 +25,16 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.fp8 import PartialSums
-from tandem.kernels.int_weight import WORD_BITS, IntWeight
+from tandem.kernels.int_weight import TILE, WORD_BITS, IntWeight
 from tandem.kernels.moe_align import AlignedTokens, align_by_expert
-from tandem.kernels.triton_int_gemv_mma import int_mma_pair_gemv, use_mma_pair_gemv
+from tandem.kernels.triton_int_gemv_mma import int_mma_pair_gemv, use_mma_pair_gemv, word_offsets
 from tandem.kernels.triton_int_weight import (
     GEMV_STEP_BYTES,
     MIN_GEMM_PART,
     ONE_BITS,
     _code_slots,
     _tile_weights,
+    _tiled_step,
     _word_sums,
     gather_rows_columns,
     part_elements,
@@ -107,16 +108,19 @@ def _moe_int_gemm_kernel(
     GROUP: tl.constexpr, BITS: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, SPLIT_MAJOR: tl.constexpr, PACKED: tl.constexpr,
     EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr,
-    PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    PRECISION: tl.constexpr, USE_PDL: tl.constexpr, TILED: tl.constexpr = False,
 ):
     # Program (m, n): row block m (all of one expert) times that expert's channels [n * BLOCK_N, +BLOCK_N), in K
     # steps of TG group parts of GW words. PAIR_BLOCKS: block m is pair m alone (row 0; expert_ids_ptr holds the
     # pairs' global expert ids, mapped through map_ptr with HAS_MAP), else blocks of moe_align's sorted pairs
     # (local expert ids). Another rank's expert (-1): nothing runs, nothing is written. SPLIT_MAJOR (down): pair p
-    # = token t, choice j goes to row j * num_tokens + t ([top_k, tokens, N] partial sums).
+    # = token t, choice j goes to row j * num_tokens + t ([top_k, tokens, N] partial sums). TILED: each expert's
+    # words in tiles of 16 rows x 16 words (int_weight.tile_words, triton_int_weight._tiled_step; the up rows start
+    # on a tile).
     PER_WORD: tl.constexpr = 32 // BITS
     GK: tl.constexpr = GW * PER_WORD
     BLOCK_K: tl.constexpr = TG * GK
+    W_STEP: tl.constexpr = _tiled_step(BLOCK_K // PER_WORD, TILED)
     out_ty: tl.constexpr = a_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -142,8 +146,8 @@ def _moe_int_gemm_kernel(
     wg = tl.arange(0, TG)[None, :, None]  # [1, TG, 1]
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + row.to(tl.int64)[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = (w_ptr + expert * stride_we + wn[:, :, :, None].to(tl.int64) * stride_wn
-              + (wg[:, :, :, None] * GK // PER_WORD + tl.arange(0, GW)[None, None, :, None]))  # [BN, TG, GW, 1]
+    w_cols = wg[:, :, :, None] * GK // PER_WORD + tl.arange(0, GW)[None, None, :, None]  # [1, TG, GW, 1]
+    w_ptrs = w_ptr + expert * stride_we + word_offsets(wn[:, :, :, None], w_cols, stride_wn, TILED)  # [BN, TG, GW, 1]
     s_rows = s_ptr + expert * stride_se + wn.to(tl.int64) * stride_sn  # [BLOCK_N, 1, 1]
     mn_rows = mn_ptr + expert * stride_se + wn.to(tl.int64) * stride_sn
     up_w = up_offset * stride_wn
@@ -153,6 +157,9 @@ def _moe_int_gemm_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         first = k0 + wg * GK
+        if W_STEP == 0:
+            w_ptrs = w_ptr + expert * stride_we + word_offsets(wn[:, :, :, None], k0 // PER_WORD + w_cols, stride_wn,
+                                                               True)
         if EVEN:
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
         else:
@@ -165,7 +172,7 @@ def _moe_int_gemm_kernel(
                           BITS, out_ty, PACKED, EVEN, BLOCK_N, TG, GW)
             acc_up = tl.dot(a, tl.trans(u), acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // PER_WORD
+        w_ptrs += W_STEP
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
@@ -182,15 +189,16 @@ def _moe_int_pair_gemv_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     GROUP: tl.constexpr, BITS: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_MAP: tl.constexpr,
     SPLIT_MAJOR: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, TG: tl.constexpr, GW: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, TILED: tl.constexpr = False,
 ):
     # Program (pair, n): the pair's row against BLOCK_N channels of its expert over all of K on the CUDA cores, as
     # the dense GEMV at one row (triton_int_weight._int_gemv_kernel, _word_sums): K steps of TG group parts of GW
     # words, sums kept per word until after the loop. GATED: the row is the pair's token, gate and up channels
     # read together, silu(gate) * up written; else the row is the pair, scaled by its routing weight. Another
-    # rank's expert: nothing runs, nothing is written. SPLIT_MAJOR as in _moe_int_gemm_kernel.
+    # rank's expert: nothing runs, nothing is written. SPLIT_MAJOR and TILED as in _moe_int_gemm_kernel.
     PER_WORD: tl.constexpr = 32 // BITS
     GK: tl.constexpr = GW * PER_WORD
+    W_STEP: tl.constexpr = _tiled_step(TG * GK // PER_WORD, TILED)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     pdl_wait(USE_PDL)
@@ -204,7 +212,7 @@ def _moe_int_pair_gemv_kernel(
     offs_e = tl.arange(0, PER_WORD)[None, None, None, None, :]  # [1, 1, 1, 1, PER_WORD]
     n_mask = offs_n < N
     part = offs_g * GK
-    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn + (part // PER_WORD + offs_w)
+    w_ptrs = w_ptr + expert * stride_we + word_offsets(offs_n, part // PER_WORD + offs_w, stride_wn, TILED)
     x_ptrs = a_ptr + row.to(tl.int64) * stride_am + (part + offs_w * PER_WORD)[:, :, :, :, None] + offs_e
     s_rows = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn  # [1, BLOCK_N, 1, 1]
     mn_rows = mn_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
@@ -216,6 +224,8 @@ def _moe_int_pair_gemv_kernel(
     for k0 in range(0, K, TG * GK):
         start = k0 + part  # [1, 1, TG, 1]
         group = start // GROUP
+        if W_STEP == 0:
+            w_ptrs = w_ptr + expert * stride_we + word_offsets(offs_n, start // PER_WORD + offs_w, stride_wn, True)
         if EVEN:
             x = tl.load(x_ptrs).to(tl.float32)
             words = tl.load(w_ptrs)
@@ -238,7 +248,7 @@ def _moe_int_pair_gemv_kernel(
                 s = tl.load(s_rows + up_s + group, mask=mask, other=0.0).to(tl.float32)
                 mn = tl.load(mn_rows + up_s + group, mask=mask, other=0.0).to(tl.float32)
             acc_up += _word_sums(words, x, s, mn, shifts, ONE_BITS, BITS)
-        w_ptrs += TG * GK // PER_WORD
+        w_ptrs += W_STEP
         x_ptrs += TG * GK
     y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)  # [BLOCK_N]
     if GATED:
@@ -292,7 +302,8 @@ def moe_int_pair_gemv(
         a.stride(0), w.words.stride(0), w.words.stride(1), w.scales.stride(0), w.scales.stride(1), out.stride(0),
         GROUP=group, BITS=bits, GATED=gated, MUL_WEIGHT=topk_weights is not None, HAS_MAP=expert_map is not None,
         SPLIT_MAJOR=split_major, EVEN=k % block_k == 0 and n % block_n == 0, BLOCK_N=block_n,
-        TG=block_k // gk, GW=gk // per_word, USE_PDL=pdl, num_warps=4, num_stages=1, launch_pdl=bool(pdl),
+        TG=block_k // gk, GW=gk // per_word, USE_PDL=pdl, TILED=w.tiled, num_warps=4, num_stages=1,
+        launch_pdl=bool(pdl),
     )
 
 
@@ -350,7 +361,7 @@ def moe_int_gemm(
         HAS_MAP=pair_blocks and expert_map is not None, SPLIT_MAJOR=split_major, PACKED=packed,
         EVEN=k % tile.block_k == 0 and n % tile.block_n == 0,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, TG=tile.block_k // gk, GW=gk // per_word,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", USE_PDL=pdl, TILED=w.tiled,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=bool(pdl),
     )
 
@@ -381,6 +392,9 @@ def fused_moe_int_triton(
     if w2.shape != (hidden, inter) or x.shape[1] != hidden:
         raise ValueError(f"integer experts: w13 {(two_inter, hidden)}, w2 {w2.shape} and x {tuple(x.shape)} "
                          "disagree")
+    if w13.tiled and inter % TILE:
+        raise ValueError(f"integer experts: w13's up rows start at {inter}, inside a tile of its words (tiled by its "
+                         f"gate and up halves: inter a multiple of {TILE})")
     x = x if x.stride(1) == 1 else x.contiguous()
     num_global = expert_map.shape[0] if expert_map is not None else num_experts
     if pair_path is None:

@@ -105,18 +105,18 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int, name: str = "
 
 
 def quantize_rtn_experts(weights: torch.Tensor, bits: int, group_size: int | None = None,
-                         name: str = "experts") -> IntWeight:
+                         name: str = "experts", tiled: bool | None = None) -> IntWeight:
     """A stack of MoE experts' weights [E, N, K] -> one IntWeight stack in the kernels' layout (words
     [E, N, K * bits // 32], scales and mins [E, N, K // group]): quantize_rtn of each expert, group_size None:
-    rtn_group_size(K). One expert's temporaries at a time."""
+    rtn_group_size(K); tiled: repack_int_weight's. One expert's temporaries at a time."""
     num_experts, n, k = weights.shape
     group = rtn_group_size(k, name) if group_size is None else group_size
     parts = []
     for e in range(num_experts):
         packed = quantize_rtn(weights[e], bits, group, f"{name}[{e}]")
-        parts.append(repack_int_weight(packed.qweight, packed.scales, packed.zeros, bits, group))
+        parts.append(repack_int_weight(packed.qweight, packed.scales, packed.zeros, bits, group, tiled))
     return IntWeight(torch.stack([p.words for p in parts]), torch.stack([p.scales for p in parts]),
-                     torch.stack([p.mins for p in parts]), bits, group)
+                     torch.stack([p.mins for p in parts]), bits, group, parts[0].tiled)
 
 
 def int_linear(

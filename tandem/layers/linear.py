@@ -179,10 +179,11 @@ class Linear(nn.Module):
             return
         w = repack_int_weight(self.qweight.data, self.scales.data, self.zeros.data, self.int_bits, self.group_size)
         del self.qweight, self.zeros
-        self.words = nn.Parameter(w.words, requires_grad=False)  # int32 [out, in * bits // 32]
+        self.words = nn.Parameter(w.words, requires_grad=False)  # int32 [out, in * bits // 32], in tiles (w.tiled)
         self.scales = nn.Parameter(w.scales, requires_grad=False)  # [out, groups]: the same storage as before
         self.mins = nn.Parameter(w.mins, requires_grad=False)  # [out, groups]: -zero * scale
-        self.kernel_int_weight = IntWeight(self.words.data, self.scales.data, self.mins.data, w.bits, w.group_size)
+        self.kernel_int_weight = IntWeight(self.words.data, self.scales.data, self.mins.data, w.bits, w.group_size,
+                                           w.tiled)
 
     def packed_weight(self) -> PackedIntWeight | None:
         """The integer weight's tensors in the tandem int-N layout (views of this layer's parameters); None once

@@ -18,7 +18,7 @@ from torch import nn
 from tandem.config import ModelConfig
 from tandem.distributed.group import TPGroup, Unreduced
 from tandem.kernels.fp8 import DEFER_REDUCE, FP8_DTYPE, PartialSums
-from tandem.kernels.int_weight import IntWeight, repack_int_weight
+from tandem.kernels.int_weight import IntWeight, repack_int_weight, tiles
 from tandem.kernels.ops import count_routed_experts, fused_moe, moe_route
 from tandem.layers.int_quant import check_int_layout, quantize_rtn_experts
 from tandem.layers.linear import Linear
@@ -60,6 +60,7 @@ class FusedMoE(nn.Module):
         self.register_buffer("w2_scale", None)  # [local experts, hidden] fp32
         self.int_bits = 0  # 4 / 8 once quantize_int_() has replaced w13 and w2 by integer stacks
         self.int_group_sizes = (0, 0)  # (w13's, w2's) input columns per group
+        self.int_tiled = (False, False)  # (w13's, w2's) words in tiles (int_weight.tile_words)
         self.act_order = False  # integer experts whose columns are sorted by group: w13_perm and w2_perm
         # A checkpoint whose experts are quantized (use_int_experts_): each expert matrix's tandem int-N tensors
         # gathered until its three (qweight, scales, zeros; and perm with act order) have come, by (expert, gate | up |
@@ -109,8 +110,9 @@ class FusedMoE(nn.Module):
         if not self.int_bits:
             return self.w13, self.w2
         return tuple(IntWeight(getattr(self, f"{proj}_words").data, getattr(self, f"{proj}_scales").data,
-                               getattr(self, f"{proj}_mins").data, self.int_bits, group)
-                     for proj, group in zip(("w13", "w2"), self.int_group_sizes))  # type: ignore[return-value]
+                               getattr(self, f"{proj}_mins").data, self.int_bits, group, tiled)
+                     for proj, group, tiled in zip(("w13", "w2"), self.int_group_sizes, self.int_tiled)
+                     )  # type: ignore[return-value]
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor | LazyTensor) -> tuple[str, int]:
         """Copies one checkpoint expert matrix (proj: gate, up or down; Hugging Face [out, in]) into this rank's
@@ -166,6 +168,7 @@ class FusedMoE(nn.Module):
                     torch.empty(self.num_local_experts, *shape, dtype=part_dtype, device=device), requires_grad=False))
             groups.append(group)
         self.int_bits, self.int_group_sizes = bits, (groups[0], groups[1])
+        self.int_tiled = self._int_tiled(bits, hidden)
         if act_order:
             self.act_order = True
             for proj, cols in (("w13", hidden), ("w2", n)):
@@ -209,7 +212,8 @@ class FusedMoE(nn.Module):
         target = getattr(self, f"{stack}_words")
         dtype = getattr(self, f"{stack}_scales").dtype
         weight = repack_int_weight(q.to(target.device).contiguous(), scales.to(target.device, dtype).contiguous(),
-                                   zeros.to(target.device, dtype).contiguous(), bits, group)
+                                   zeros.to(target.device, dtype).contiguous(), bits, group,
+                                   self.int_tiled[stack == "w2"])
         rows = slice(None) if proj == "down" else slice(0, n) if proj == "gate" else slice(n, 2 * n)
         copied = []
         if self.act_order:  # down: this rank's slice of the sorted columns (whole groups), naming whole-input columns
@@ -237,6 +241,11 @@ class FusedMoE(nn.Module):
                              "projection of the same input (act-order g_idx of gate and up must agree)")
         return []
 
+    def _int_tiled(self, bits: int, hidden: int) -> tuple[bool, bool]:
+        """Whether w13's and w2's words are held in tiles (int_weight.tiles): w13's by its gate and up halves
+        (each loaded on its own, and the kernels find the up rows a tile apart), w2's by its shape."""
+        return tiles(self.local_inter, hidden, bits), tiles(hidden, self.local_inter, bits)
+
     def quantize_fp8_(self) -> bool:
         """Expert weights to FP8 with a scale per expert output channel (the router stays in the model dtype)."""
         if self.int_bits:
@@ -260,10 +269,11 @@ class FusedMoE(nn.Module):
         if self.w13.dtype == FP8_DTYPE:
             raise ValueError(f"{name}: FP8 experts cannot be quantized to {bits} bits")
         groups = []
-        for proj in ("w13", "w2"):
-            stack = quantize_rtn_experts(getattr(self, proj).data, bits, group_size, f"{name}.{proj}")
+        tiled = self._int_tiled(bits, self.w13.shape[2])
+        for proj, in_tiles in zip(("w13", "w2"), tiled):
+            stack = quantize_rtn_experts(getattr(self, proj).data, bits, group_size, f"{name}.{proj}", in_tiles)
             delattr(self, proj)
             for part in ("words", "scales", "mins"):
                 setattr(self, f"{proj}_{part}", nn.Parameter(getattr(stack, part), requires_grad=False))
             groups.append(stack.group_size)
-        self.int_bits, self.int_group_sizes = bits, (groups[0], groups[1])
+        self.int_bits, self.int_group_sizes, self.int_tiled = bits, (groups[0], groups[1]), tiled

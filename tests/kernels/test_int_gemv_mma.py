@@ -165,12 +165,14 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from tandem.kernels.int_weight import tiles
 from tandem.kernels.triton_int_gemv_mma import _int_mma_gemv_kernel, mma_gemv_config, mma_gemv_constexprs
 
 names = ["x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "N", "K", "K_SPLIT"]
 out = {}
 CASES = [
         ("even", 4096, 4096, 4, 4, False, False, 128), ("ragged", 4100, 4096 + 128, 4, 4, False, False, 128),
+        ("even-row-major", 4096, 4096, 4, 4, False, False, 128), ("int8-row-major", 4096, 4096, 8, 2, False, False, 64),
         ("one-block", 6144, 4096, 4, 1, False, False, 128), ("two-blocks", 4096, 4096, 4, 2, False, False, 128),
         ("int8", 4096, 4096, 8, 4, False, False, 128), ("int8-ragged", 4100, 4096 + 64, 8, 2, False, False, 64),
         ("folded", 6144, 4096, 4, 1, False, True, 128), ("gated", 28672, 4096, 4, 2, True, False, 128),
@@ -186,7 +188,9 @@ for name, n, k, bits, rows, gated, reduce, group, m in [(*case, 1) for case in C
     types = ["*bf16", "*i32", "*bf16", mins, "*bf16", "*bf16", "*fp32", "*i32", "i32", "i32", "i32"]
     cfg = {**mma_gemv_config(n, k, bits, 132, gated), "ROW_BLOCKS": rows}
     cfg["SPLIT_K"] = max(cfg["SPLIT_K"], 2) if reduce else cfg["SPLIT_K"]
-    flags = mma_gemv_constexprs(n, k, bits, group, cfg, True, 2, gated, reduce, m)
+    # the layout a weight of the shape gets (int_weight.tiles), and row after row where it cannot or the case says
+    flags = mma_gemv_constexprs(n, k, bits, group, cfg, True, 2, gated, reduce, m,
+                                tiles(n, k, bits) and not name.endswith("row-major"))
     signature = dict(zip(names, types))
     signature.update({key: "constexpr" for key in flags if key not in signature})
     src = ASTSource(fn=_int_mma_gemv_kernel, signature=signature, constexprs=flags,
@@ -230,6 +234,7 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from tandem.kernels.int_weight import tiles
 from tandem.kernels.triton_int_gemv_mma import _int_mma_pair_kernel, mma_gemv_config, mma_gemv_constexprs
 
 names = ["x_ptr", "w_ptr", "s_ptr", "mn_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "topk_w_ptr", "ids_ptr", "map_ptr",
@@ -239,7 +244,7 @@ for name, n, k, bits, group, gated, split, mapped in [("gate_up", 1536, 2048, 4,
                                                       ("down", 2048, 768, 4, 128, False, 2, True),
                                                       ("gate_up-g32", 1536, 2048, 4, 32, True, 2, False)]:
     cfg = {**mma_gemv_config(n, k, bits, 16, gated, group), "SPLIT_K": split}
-    flags = mma_gemv_constexprs(n, k, bits, group, cfg, False, 2, gated, split > 1)
+    flags = mma_gemv_constexprs(n, k, bits, group, cfg, False, 2, gated, split > 1, tiled=tiles(n // 2, k, bits))
     flags.pop("HAS_BIAS"), flags.pop("PREFETCH_PARTS"), flags.pop("M_ROWS")
     flags.update(MUL_WEIGHT=not gated, HAS_MAP=mapped, SPLIT_MAJOR=not gated)
     types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16" if gated else "*fp32", "*fp32", "*i32", "*fp32", "*i32",
@@ -357,7 +362,7 @@ def test_kernel_in_the_interpreter(bits, n, k, group, blocks, warps, split, monk
     packed = repack_int_weight(qweight, scales, zeros, bits, group)  # fp32 scales and mins: exact in the kernel
     x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
     cfg = {"ROW_BLOCKS": blocks, "SPLIT_K": split, "num_warps": warps}
-    flags = mma.mma_gemv_constexprs(n, k, bits, group, cfg, has_bias=False, use_pdl=0)
+    flags = mma.mma_gemv_constexprs(n, k, bits, group, cfg, has_bias=False, use_pdl=0, tiled=packed.tiled)
     k_split = mma.mma_k_split(k, bits, split, warps)
     ws = torch.full((flags["SPLIT_K"], 1, n), float("nan"))
     mma._int_mma_gemv_kernel[(-(-n // (16 * blocks)), flags["SPLIT_K"])](
@@ -374,7 +379,7 @@ def run_in_interpreter(x, packed, bias, cfg, out_dtype, gated=False, reduce=Fals
     by run_warps: (output [1, N or N / 2] in out_dtype, the splits' partial sums ws [SPLIT_K, 1, N], counters)."""
     n, k = packed.shape
     bits, group = packed.bits, packed.group_size
-    flags = mma.mma_gemv_constexprs(n, k, bits, group, cfg, bias is not None, 0, gated, reduce)
+    flags = mma.mma_gemv_constexprs(n, k, bits, group, cfg, bias is not None, 0, gated, reduce, tiled=packed.tiled)
     channels = 16 * (cfg["ROW_BLOCKS"] // 2 if gated else cfg["ROW_BLOCKS"])
     out = torch.full((1, n // 2 if gated else n), float("nan"), dtype=out_dtype)
     ws = torch.full((flags["SPLIT_K"], 1, n), float("nan"))
@@ -446,7 +451,7 @@ def _expert_stack(num_experts, n, k, bits, group, seed):
         dense.append(codes.double() * scales.double().repeat_interleave(group, 1)
                      + w.mins.double().repeat_interleave(group, 1))
     stack = IntWeight(torch.stack([w.words for w in packed]), torch.stack([w.scales for w in packed]),
-                      torch.stack([w.mins for w in packed]), bits, group)
+                      torch.stack([w.mins for w in packed]), bits, group, packed[0].tiled)
     return stack, dense
 
 
@@ -521,7 +526,7 @@ def test_gpu_pair_gemv_matches_the_cuda_core_pairs(bits, group, mapped, into_nor
             zeros = torch.full((n, k // group), 2.0 ** (bits - 1), dtype=torch.bfloat16)
             ws.append(repack_int_weight(qweight.cuda(), scales.cuda(), zeros.cuda(), bits, group))
         return IntWeight(torch.stack([w.words for w in ws]), torch.stack([w.scales for w in ws]),
-                         torch.stack([w.mins for w in ws]), bits, group)
+                         torch.stack([w.mins for w in ws]), bits, group, ws[0].tiled)
 
     w13, w2 = stack(2 * inter, hidden, 0), stack(hidden, inter, 100)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -534,9 +539,9 @@ def test_gpu_pair_gemv_matches_the_cuda_core_pairs(bits, group, mapped, into_nor
         expert_map = torch.full((experts,), -1, dtype=torch.int32, device="cuda")
         expert_map[0::2] = torch.arange(experts // 2, dtype=torch.int32, device="cuda")
         w13 = IntWeight(w13.words[0::2].contiguous(), w13.scales[0::2].contiguous(), w13.mins[0::2].contiguous(),
-                        bits, group)
+                        bits, group, w13.tiled)
         w2 = IntWeight(w2.words[0::2].contiguous(), w2.scales[0::2].contiguous(), w2.mins[0::2].contiguous(),
-                       bits, group)
+                       bits, group, w2.tiled)
     outs = []
     for kernel in ("mma_gemv", "gemv"):
         monkeypatch.setenv("TANDEM_MOE_INT_PAIR", kernel)

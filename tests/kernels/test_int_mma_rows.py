@@ -63,8 +63,9 @@ def test_kernel_in_the_interpreter(m, n, k, group, blocks, split, monkeypatch):
 
 
 def test_shapes_it_takes(monkeypatch):
-    """9 to 16 rows by default, up to 32 with TANDEM_INT_MMA_ROWS_MAX, and the H200 sweep's tiles for the Llama-3-8B
-    projections: 4 channel blocks a warp where N gives half the SMs a program, else 2; K split to 1.5 programs an SM."""
+    """9 to 32 rows by default (TANDEM_INT_MMA_ROWS_MAX: fewer, never more), and the H200 sweep's tiles for the
+    Llama-3-8B projections: 4 channel blocks a warp where N gives half the SMs a program, else 2; K split to 1.5
+    programs an SM."""
     assert rows.mma_rows_config(28672, 4096, 132) == {"ROW_BLOCKS": 4, "SPLIT_K": 2, "num_warps": 4}
     assert rows.mma_rows_config(6144, 4096, 132) == {"ROW_BLOCKS": 2, "SPLIT_K": 8, "num_warps": 4}
     assert rows.mma_rows_config(4096, 4096, 132) == {"ROW_BLOCKS": 2, "SPLIT_K": 8, "num_warps": 4}
@@ -73,9 +74,11 @@ def test_shapes_it_takes(monkeypatch):
     flags = rows.mma_rows_constexprs(20, 4096, 4096, 128, rows.mma_rows_config(4096, 4096, 132), False, 0)
     assert flags["X_BLOCKS"] == 3 and not flags["FULL_ROWS"] and flags["EVEN"]
     monkeypatch.delenv("TANDEM_INT_MMA_ROWS_MAX", raising=False)
-    assert rows.rows_max() == 16
+    assert rows.rows_max() == 32
     monkeypatch.setenv("TANDEM_INT_MMA_ROWS_MAX", "64")
     assert rows.rows_max() == 32
+    monkeypatch.setenv("TANDEM_INT_MMA_ROWS_MAX", "16")
+    assert rows.rows_max() == 16
     with pytest.raises(ValueError, match="at most 32"):
         rows.int_mma_rows(torch.zeros(33, 128), random_int_weight(16, 128, 4, 128, 0)[0])
 
@@ -85,14 +88,15 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from tandem.kernels.int_weight import tiles
 from tandem.kernels.triton_int_mma_rows import _int_mma_rows_kernel, mma_rows_config, mma_rows_constexprs
 
 names = ["x_ptr", "w_ptr", "s_ptr", "mn_ptr", "b_ptr", "out_ptr", "ws_ptr", "M", "N", "K", "K_SPLIT"]
 out = {}
 for name, m, n, k in [("rows32", 32, 28672, 4096), ("rows16-split", 16, 4096, 14336), ("rows32-qkv", 32, 6144, 4096),
-                      ("rows20-ragged", 20, 4100, 4096 + 128)]:
+                      ("rows20-ragged", 20, 4100, 4096 + 128), ("rows16-row-major", 16, 4096, 4096)]:
     cfg = mma_rows_config(n, k, 132)
-    flags = mma_rows_constexprs(m, n, k, 128, cfg, True, 2)
+    flags = mma_rows_constexprs(m, n, k, 128, cfg, True, 2, tiles(n, k, 4) and not name.endswith("row-major"))
     types = ["*bf16", "*i32", "*bf16", "*bf16", "*bf16", "*bf16", "*fp32", "i32", "i32", "i32", "i32"]
     signature = dict(zip(names, types))
     signature.update({key: "constexpr" for key in flags})
@@ -130,6 +134,6 @@ def test_kernel_compiles_for_sm90():
                                          (20, 28672, 4096, 128), (28, 1024, 2048, 2048)])
 def test_gpu_matches_reference_and_the_tile_gemm(m, n, k, group, monkeypatch):
     """bf16 on the GPU, as int_weight_matmul_triton runs it (deferred splits reduced too; TANDEM_INT_MMA_ROWS_MAX=32:
-    past the default 16 rows, the kernel's whole range): within assert_close_to's bound of the fp32 reference, and
+    the kernel's whole range): within assert_close_to's bound of the fp32 reference, and
     close to the tile GEMM on the same codes (TANDEM_INT_MMA_ROWS_MAX=8)."""
     check_rows_path(monkeypatch, 4, m, n, k, group, ("TANDEM_INT_MMA_ROWS_MAX", "32", "8"), rows.use_mma_rows)

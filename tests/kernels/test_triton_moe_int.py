@@ -120,6 +120,7 @@ def test_act_order_experts_read_their_rows_through_each_experts_order(kernel, mo
     check(2, 8, pair_path=True, act_order=True, expert_map=EVEN_EXPERTS)
 
 
+@pytest.mark.skipif(CUDA, reason="the interpreter case (its tensors stay on the CPU)")
 @pytest.mark.parametrize("pair_path", [False, True])
 def test_act_order_experts_over_two_ranks_that_split_the_intermediate_size(pair_path, monkeypatch):
     """Tensor parallelism over act-order experts, both ranks in this process: a rank holds its rows of gate / up
@@ -182,6 +183,7 @@ def test_pair_gather_reads_each_pairs_row_through_its_expert():
         gather_pair_columns_triton(x, torch.zeros(3, 41, dtype=torch.int64, device=DEVICE), ids, 2)
 
 
+@pytest.mark.skipif(CUDA, reason="the CPU's dispatch")
 def test_cpu_dispatch_dequantizes_into_the_reference():
     """ops.fused_moe with IntWeight stacks on the CPU: every expert dequantized, then the per-expert loop."""
     w13, w2 = int_experts(4, 64, 32, 4, torch.float32)
