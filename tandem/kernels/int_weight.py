@@ -3,6 +3,7 @@ tandem int-N layout by repack_int_weight."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +45,15 @@ class IntWeight:
 
 
 def tiles(n: int, k: int, bits: int) -> bool:
-    """Whether a weight [n, k] of `bits`-bit codes is held in tiles: whole tiles of TILE channels and TILE words."""
+    """Whether a weight [n, k] of `bits`-bit codes can be held in tiles: whole tiles of TILE channels and TILE
+    words."""
     return n % TILE == 0 and (k * bits) % (TILE * WORD_BITS) == 0
+
+
+def use_tiles(n: int, k: int, bits: int) -> bool:
+    """Whether repack_int_weight holds such a weight in tiles by default: wherever it can, unless
+    TANDEM_INT_TILES=0 (read at each repack, i.e. when a model loads: row after row, to compare)."""
+    return tiles(n, k, bits) and os.environ.get("TANDEM_INT_TILES", "1") != "0"
 
 
 def tile_words(words: torch.Tensor) -> torch.Tensor:
@@ -70,7 +78,7 @@ def repack_int_weight(
     zeros: torch.Tensor,  # [N, K // group_size] in the activation dtype
     bits: int,
     group_size: int,
-    tiled: bool | None = None,  # None: in tiles where the shape allows (tiles)
+    tiled: bool | None = None,  # None: use_tiles
 ) -> IntWeight:
     """The kernels' layout of a weight in the tandem int-N layout, made once at load (on the weight's device;
     one pass over the codes, shape-only tensor ops). ValueError when the weight does not fit the layout or the
@@ -92,7 +100,7 @@ def repack_int_weight(
     # gets fp32 mins.
     mins = -(zeros.float() * scales.float())
     mins = mins.to(scales.dtype) if bits == 4 else mins
-    tiled = tiles(n, k, bits) if tiled is None else tiled
+    tiled = use_tiles(n, k, bits) if tiled is None else tiled
     if tiled and not tiles(n, k, bits):
         raise ValueError(f"a [{n}, {k}] weight of {bits}-bit codes is not whole tiles of {TILE} channels and {TILE} "
                          "words")

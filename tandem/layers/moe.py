@@ -18,7 +18,7 @@ from torch import nn
 from tandem.config import ModelConfig
 from tandem.distributed.group import TPGroup, Unreduced
 from tandem.kernels.fp8 import DEFER_REDUCE, FP8_DTYPE, PartialSums
-from tandem.kernels.int_weight import IntWeight, repack_int_weight, tiles
+from tandem.kernels.int_weight import IntWeight, repack_int_weight, use_tiles
 from tandem.kernels.ops import count_routed_experts, fused_moe, moe_route
 from tandem.layers.int_quant import check_int_layout, quantize_rtn_experts
 from tandem.layers.linear import Linear
@@ -242,9 +242,9 @@ class FusedMoE(nn.Module):
         return []
 
     def _int_tiled(self, bits: int, hidden: int) -> tuple[bool, bool]:
-        """Whether w13's and w2's words are held in tiles (int_weight.tiles): w13's by its gate and up halves
+        """Whether w13's and w2's words are held in tiles (int_weight.use_tiles): w13's by its gate and up halves
         (each loaded on its own, and the kernels find the up rows a tile apart), w2's by its shape."""
-        return tiles(self.local_inter, hidden, bits), tiles(hidden, self.local_inter, bits)
+        return use_tiles(self.local_inter, hidden, bits), use_tiles(hidden, self.local_inter, bits)
 
     def quantize_fp8_(self) -> bool:
         """Expert weights to FP8 with a scale per expert output channel (the router stays in the model dtype)."""

@@ -41,9 +41,10 @@ def test_where_each_word_lies():
     assert torch.equal(untile_words(tiled), words)
 
 
-def test_which_weights_get_tiles():
+def test_which_weights_get_tiles(monkeypatch):
     """Whole tiles of 16 channels and 16 words (K a multiple of 128 at 4 bits, 64 at 8): in tiles unless asked
-    otherwise; asked for tiles on another shape: refused. Both layouts hold the same weight."""
+    otherwise (or TANDEM_INT_TILES=0); asked for tiles on another shape: refused. Both layouts hold the same
+    weight."""
     assert tiles(4096, 4096, 4) and tiles(32, 64, 8) and not tiles(40, 4096, 4) and not tiles(32, 96, 4)
     plain, tiled = both_layouts(32, 256, 4, 128, seed=1)
     assert tiled.tiled and not plain.tiled and not torch.equal(plain.words, tiled.words)
@@ -53,6 +54,10 @@ def test_which_weights_get_tiles():
     assert not repack_int_weight(codes, ones, ones, 4, 128).tiled
     with pytest.raises(ValueError, match="whole tiles"):
         repack_int_weight(codes, ones, ones, 4, 128, tiled=True)
+    codes, ones = torch.zeros(32, 64, dtype=torch.uint8), torch.ones(32, 1)
+    assert repack_int_weight(codes, ones, ones, 4, 128).tiled
+    monkeypatch.setenv("TANDEM_INT_TILES", "0")
+    assert not repack_int_weight(codes, ones, ones, 4, 128).tiled
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter cases")
