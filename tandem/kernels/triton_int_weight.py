@@ -60,11 +60,12 @@ def _word_sums(words, x, s, mn, shifts, ONE_BITS, BITS: tl.constexpr):
 def _prefetch_rows(w_ptr, rows, N, stride_wn, word_begin, word_end, PREFETCH_LINES: tl.constexpr,
                    USE_PDL: tl.constexpr, TILED: tl.constexpr):
     # Before the PDL wait (the previous kernel may still run; weights are no kernel's output): the first
-    # PREFETCH_LINES 128-byte lines of each weight row's K range go to L2 (TILED: as many of its 64-byte tile rows),
-    # so the loads after the wait find them there. rows [R] are the program's channels; words are int32 (32 a line).
+    # PREFETCH_LINES 128-byte lines of each weight row's K range go to L2 (TILED: the same words, two 64-byte tile
+    # rows a line), so the loads after the wait find them there. rows [R] are the program's channels; words are
+    # int32 (32 a line).
     if USE_PDL and PREFETCH_LINES > 0:
         STEP: tl.constexpr = 16 if TILED else 32
-        words = word_begin + tl.arange(0, PREFETCH_LINES) * STEP
+        words = word_begin + tl.arange(0, PREFETCH_LINES * 32 // STEP) * STEP
         mask = (rows < N)[:, None] & (words < word_end)[None, :]
         prefetch_l2(w_ptr + word_offsets(rows[:, None], words[None, :], stride_wn, TILED), mask)
 
