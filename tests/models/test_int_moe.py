@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig
+from tandem.kernels.int_weight import untile_words
 from tandem.layers.int_quant import quantize_rtn, rtn_group_size
 from tandem.layers.moe import FusedMoE
 from tandem.models.loader import load_model_and_tokenizer
@@ -80,7 +81,8 @@ def test_dummy_int4_moe_and_its_roofline_bytes():
 def test_shards_quantize_whole_groups(expert_parallel, tmp_path):
     """At TP=2 each rank quantizes its shard once it is cut: whole experts (EP), or every expert's half of the
     intermediate dimension (TP), whose 128 columns of w2 are one group as in the unsharded model. The rank's
-    stacks are then the unsharded model's, sliced."""
+    stacks are then the unsharded model's, sliced (words compared row after row: each rank holds its own shard's
+    in tiles)."""
     from tandem.config import ParallelConfig
     from tests.models.test_moe_parity import COMMON
 
@@ -90,21 +92,30 @@ def test_shards_quantize_whole_groups(expert_parallel, tmp_path):
     transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path)
     config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", quantization="int4")
     full = load_model_and_tokenizer(config, CPU, torch.float32)[0].model.layers[0].mlp
-    assert full.int_group_sizes == (64, 128)
+    assert full.int_group_sizes == (64, 128) and full.int_tiled[1]  # w2 in tiles: a shard is no slice of its words
     for rank in range(2):
         tp = ParallelConfig(rank, 2, expert_parallel)
         block = load_model_and_tokenizer(config, CPU, torch.float32, tp)[0].model.layers[0].mlp
         assert block.int_group_sizes == (64, 128)
         for part in ("words", "scales", "mins"):
-            w13, w2 = getattr(full, f"w13_{part}"), getattr(full, f"w2_{part}")
+            w13, w2 = row_major_stacks(full, part)
             if expert_parallel:
                 expected13, expected2 = w13[rank::2], w2[rank::2]
             else:  # rows: this rank's gate half, then its up half; w2's columns (words, groups): its half
                 gate, up = w13.chunk(2, dim=1)
                 expected13 = torch.cat([gate.chunk(2, dim=1)[rank], up.chunk(2, dim=1)[rank]], dim=1)
                 expected2 = w2.chunk(2, dim=2)[rank]
-            assert torch.equal(getattr(block, f"w13_{part}"), expected13)
-            assert torch.equal(getattr(block, f"w2_{part}"), expected2)
+            got13, got2 = row_major_stacks(block, part)
+            assert torch.equal(got13, expected13)
+            assert torch.equal(got2, expected2)
+
+
+def row_major_stacks(mlp: torch.nn.Module, part: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE block's (w13, w2) integer stacks' words, scales or mins; words row after row (untile_words) where the
+    block holds them in tiles, so that a shard compares with a slice of the unsharded stacks."""
+    stacks = (getattr(mlp, f"w13_{part}"), getattr(mlp, f"w2_{part}"))
+    return tuple(untile_words(t) if part == "words" and tiled else t  # type: ignore[return-value]
+                 for t, tiled in zip(stacks, mlp.int_tiled))
 
 
 def save_quantized_moe(case, family: str, folder, **overrides) -> torch.nn.Module:  # type: ignore[no-untyped-def]
@@ -203,15 +214,16 @@ def test_quantized_checkpoint_experts_shard_like_their_stacks(expert_parallel, t
         block = load_model_and_tokenizer(config, CPU, torch.float32, ParallelConfig(rank, 2, expert_parallel))[0]
         block = block.model.layers[1].mlp
         for part in ("words", "scales", "mins"):
-            w13, w2 = getattr(full, f"w13_{part}"), getattr(full, f"w2_{part}")
+            w13, w2 = row_major_stacks(full, part)
             if expert_parallel:
                 expected13, expected2 = w13[rank::2], w2[rank::2]
             else:
                 gate, up = w13.chunk(2, dim=1)
                 expected13 = torch.cat([gate.chunk(2, dim=1)[rank], up.chunk(2, dim=1)[rank]], dim=1)
                 expected2 = w2.chunk(2, dim=2)[rank]
-            assert torch.equal(getattr(block, f"w13_{part}"), expected13), (rank, part)
-            assert torch.equal(getattr(block, f"w2_{part}"), expected2), (rank, part)
+            got13, got2 = row_major_stacks(block, part)
+            assert torch.equal(got13, expected13), (rank, part)
+            assert torch.equal(got2, expected2), (rank, part)
 
 
 def test_quantized_experts_in_part_or_in_act_order_shard_or_are_refused(tmp_path):
