@@ -129,6 +129,16 @@ def word_offsets(rows, words, stride_wn, TILED: tl.constexpr):
     return rows.to(tl.int64) * stride_wn + words
 
 
+@triton.constexpr_function
+def tiled_step(words: int, tiled: bool) -> int:
+    # How far a K loop's word pointers move a step of `words` words of each row: as far row after row; in tiles
+    # (a tile column of 16 words is 256), 16x as far where the step is whole tile columns, else 0: the loop
+    # computes its pointers again each step (word_offsets).
+    if not tiled:
+        return words
+    return 16 * words if words % 16 == 0 else 0
+
+
 @triton.jit
 def lane_ids(WARPS: tl.constexpr, K_SPLIT, K):
     # A program's threads, one element each ([T], T = 32 * WARPS): lane, warp, and the lane's (g, t) = (lane // 4,
@@ -274,7 +284,7 @@ def _gemv_body(
     word = tl.multiple_of(first // PER_WORD + 4 * t, 4)[:, None] + quad  # [T, 4]: words 4t .. 4t + 3 of the part
     # Words from row g of a block to row g + 8, and from a part to the warp's next
     HI: tl.constexpr = 128 if TILED else 8 * stride_wn
-    W_STEP: tl.constexpr = WARPS * 256 if TILED else WARPS * PART // PER_WORD
+    W_STEP: tl.constexpr = tiled_step(WARPS * PART // PER_WORD, TILED)  # whole tile columns: never 0
     if EVEN:  # the strides are compile-time: one pointer, the other rows at immediate offsets
         if TILED:  # block 0's tile of the warp's first part: lane (g, t) at row g's words 4t ..
             w_lo = w_ptr + block0.to(tl.int64) * stride_wn + (first // PART * 256 + 4 * lane)[:, None] + quad

@@ -13,7 +13,7 @@ import triton.language as tl
 from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import WORD_BITS, IntWeight
 from tandem.kernels.triton_fused import silu_and_mul_triton
-from tandem.kernels.triton_int_gemv_mma import int_mma_gemv, use_mma_gemv, word_offsets
+from tandem.kernels.triton_int_gemv_mma import int_mma_gemv, tiled_step, use_mma_gemv, word_offsets
 from tandem.kernels.triton_int_mma_rows import int_mma_rows, use_mma_rows
 from tandem.kernels.triton_launch import device_sms, pdl_wait, prefetch_l2, use_pdl
 from tandem.kernels.triton_moe import pair_expert
@@ -70,16 +70,6 @@ def _prefetch_rows(w_ptr, rows, N, stride_wn, word_begin, word_end, PREFETCH_LIN
         prefetch_l2(w_ptr + word_offsets(rows[:, None], words[None, :], stride_wn, TILED), mask)
 
 
-@triton.constexpr_function
-def _tiled_step(words: int, tiled: bool) -> int:
-    # How far a K loop's word pointers move a step of `words` words of each row: as far row after row; in tiles
-    # (a tile column of 16 words is 256), 16x as far where the step is whole tile columns, else 0: the loop
-    # computes its pointers again each step (word_offsets).
-    if not tiled:
-        return words
-    return 16 * words if words % 16 == 0 else 0
-
-
 @triton.jit
 def _int_gemv_kernel(
     x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, ws_ptr,
@@ -94,10 +84,10 @@ def _int_gemv_kernel(
     # is sum_k x_k (q_k s + mn) = 2**B s F - (2**B s - mn) X, F = sum_k x_k f_k and X = sum_k x_k: per element
     # one shift, one and-or and one FMA, no scale. Sums stay per word ([M, N, TG, GW]) until after the loop,
     # so no cross-thread reduction runs inside it. EVEN: N and K fill whole tiles, so only x's rows are masked.
-    # TILED: the words in tiles of 16 rows x 16 words (int_weight.tile_words; _tiled_step).
+    # TILED: the words in tiles of 16 rows x 16 words (int_weight.tile_words; tiled_step).
     PER_WORD: tl.constexpr = 32 // BITS
     GK: tl.constexpr = GW * PER_WORD
-    W_STEP: tl.constexpr = _tiled_step(TG * GK // PER_WORD, TILED)
+    W_STEP: tl.constexpr = tiled_step(TG * GK // PER_WORD, TILED)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)[:, None, None, None]  # [BLOCK_M, 1, 1, 1]
     offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None, None]  # [1, BLOCK_N, 1, 1]
@@ -261,11 +251,11 @@ def _int_gemm_kernel(
     # dequantization by inline assembly (GPU, 16-bit x; TANDEM_INT_PACKED=0: the fp32 math, for comparisons).
     # WORD_GROUPS (groups of fewer than MIN_GEMM_PART elements, GGUF Q6_K's 16): a part spans several groups and
     # each word reads its own scale and min (a narrower part fails Triton's sm_90 layout of the dequantized tile
-    # for the MMA). TILED: the words in tiles of 16 rows x 16 words (int_weight.tile_words; _tiled_step).
+    # for the MMA). TILED: the words in tiles of 16 rows x 16 words (int_weight.tile_words; tiled_step).
     PER_WORD: tl.constexpr = 32 // BITS
     GK: tl.constexpr = GW * PER_WORD
     BLOCK_K: tl.constexpr = TG * GK
-    W_STEP: tl.constexpr = _tiled_step(BLOCK_K // PER_WORD, TILED)
+    W_STEP: tl.constexpr = tiled_step(BLOCK_K // PER_WORD, TILED)
     out_ty: tl.constexpr = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)

@@ -27,14 +27,13 @@ import triton.language as tl
 from tandem.kernels.fp8 import PartialSums
 from tandem.kernels.int_weight import TILE, WORD_BITS, IntWeight
 from tandem.kernels.moe_align import AlignedTokens, align_by_expert
-from tandem.kernels.triton_int_gemv_mma import int_mma_pair_gemv, use_mma_pair_gemv, word_offsets
+from tandem.kernels.triton_int_gemv_mma import int_mma_pair_gemv, tiled_step, use_mma_pair_gemv, word_offsets
 from tandem.kernels.triton_int_weight import (
     GEMV_STEP_BYTES,
     MIN_GEMM_PART,
     ONE_BITS,
     _code_slots,
     _tile_weights,
-    _tiled_step,
     _word_sums,
     gather_rows_columns,
     part_elements,
@@ -115,12 +114,12 @@ def _moe_int_gemm_kernel(
     # pairs' global expert ids, mapped through map_ptr with HAS_MAP), else blocks of moe_align's sorted pairs
     # (local expert ids). Another rank's expert (-1): nothing runs, nothing is written. SPLIT_MAJOR (down): pair p
     # = token t, choice j goes to row j * num_tokens + t ([top_k, tokens, N] partial sums). TILED: each expert's
-    # words in tiles of 16 rows x 16 words (int_weight.tile_words, triton_int_weight._tiled_step; the up rows start
+    # words in tiles of 16 rows x 16 words (int_weight.tile_words, triton_int_gemv_mma.tiled_step; the up rows start
     # on a tile).
     PER_WORD: tl.constexpr = 32 // BITS
     GK: tl.constexpr = GW * PER_WORD
     BLOCK_K: tl.constexpr = TG * GK
-    W_STEP: tl.constexpr = _tiled_step(BLOCK_K // PER_WORD, TILED)
+    W_STEP: tl.constexpr = tiled_step(BLOCK_K // PER_WORD, TILED)
     out_ty: tl.constexpr = a_ptr.dtype.element_ty
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -198,7 +197,7 @@ def _moe_int_pair_gemv_kernel(
     # rank's expert: nothing runs, nothing is written. SPLIT_MAJOR and TILED as in _moe_int_gemm_kernel.
     PER_WORD: tl.constexpr = 32 // BITS
     GK: tl.constexpr = GW * PER_WORD
-    W_STEP: tl.constexpr = _tiled_step(TG * GK // PER_WORD, TILED)
+    W_STEP: tl.constexpr = tiled_step(TG * GK // PER_WORD, TILED)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     pdl_wait(USE_PDL)

@@ -390,7 +390,7 @@ def run_in_interpreter(x, packed, bias, cfg, out_dtype, gated=False, reduce=Fals
     return out, ws, counts
 
 
-def random_int_weight(n, k, bits, group, seed):
+def random_int_weight(n, k, bits, group, seed, tiled=None):
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
     qweight = codes[:, 0::2] | (codes[:, 1::2] << 4) if bits == 4 else codes
@@ -398,7 +398,7 @@ def random_int_weight(n, k, bits, group, seed):
     zeros = torch.randint(0, 2**bits, (n, k // group), generator=gen).float()
     x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen)
-    return repack_int_weight(qweight, scales, zeros, bits, group), x, bias
+    return repack_int_weight(qweight, scales, zeros, bits, group, tiled), x, bias
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter case; on a GPU: test_gpu_gated_and_folded_match_the_unfused_path")

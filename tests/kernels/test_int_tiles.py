@@ -11,7 +11,7 @@ from tandem.kernels import triton_int_mma_rows as rows
 from tandem.kernels.int_weight import IntWeight, dequantize_repacked, repack_int_weight, tile_words, tiles, untile_words
 from tandem.kernels.triton_int_weight import dequantize_int_weight_triton, int_weight_matmul_triton
 from tandem.kernels.triton_moe_int import fused_moe_int_triton
-from tests.kernels.test_int_gemv_mma import emulate_inline_asm, run_in_interpreter
+from tests.kernels.test_int_gemv_mma import emulate_inline_asm, random_int_weight, run_in_interpreter
 from tests.kernels.test_triton_moe import routing
 
 CUDA = torch.cuda.is_available()
@@ -19,13 +19,8 @@ CUDA = torch.cuda.is_available()
 
 def both_layouts(n: int, k: int, bits: int, group: int, seed: int) -> tuple[IntWeight, IntWeight]:
     """One random weight repacked row after row and in tiles (fp32 scales and mins)."""
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
-    qweight = codes[:, 0::2] | (codes[:, 1::2] << 4) if bits == 4 else codes
-    scales = torch.rand(n, k // group, generator=gen) * 0.02 + 0.005
-    zeros = torch.randint(0, 2**bits, (n, k // group), generator=gen).float()
-    return (repack_int_weight(qweight, scales, zeros, bits, group, tiled=False),
-            repack_int_weight(qweight, scales, zeros, bits, group, tiled=True))
+    return (random_int_weight(n, k, bits, group, seed, tiled=False)[0],
+            random_int_weight(n, k, bits, group, seed, tiled=True)[0])
 
 
 def test_where_each_word_lies():
