@@ -19,7 +19,7 @@ NIBBLE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # what one warp of the tensor-core kernels reads of a 16-channel block per step), each tile's rows one after
 # another, the tiles of a 16-channel block one after another along K, the blocks by channel. A 16-byte load of
 # every lane of a warp then reads 512 contiguous bytes, and a program streams whole kilobytes, where rows of the
-# plain layout lie a row's length apart (2.7-12% faster GEMVs on an H200: docs/quantization.md).
+# plain layout lie a row's length apart (one-row GEMVs 2-12% faster on an H200: docs/quantization.md).
 TILE = 16
 
 
