@@ -31,6 +31,8 @@ WORKLOADS: dict[str, Workload] = {
                  what="bs1 at the Llama-3-8B shape (the FP8 target's shape: GQA, 128K vocabulary)"),
         Workload("bs8-8b", "llama-3-8b", 8, (128, 128), (256, 256),
                  what="8 requests at the Llama-3-8B shape: decode at a few rows (4-bit: the tensor-core GEMV's rows)"),
+        Workload("prefill-4k", "llama-3-8b", 16, (4096, 4096), (1, 1),
+                 what="16 prompts of 4,096 tokens, one new token each: prefill alone (a step of 4,096 rows each)"),
         Workload("nano", "qwen3-0.6b", 256, (100, 1024), (100, 1024), what="many short requests"),
         Workload("nano-2k", "qwen3-0.6b", 2048, (100, 1024), (100, 1024),
                  what="nano's distribution, 2,048 requests: keeps 256 sequences running on each of several "
