@@ -549,7 +549,9 @@ def mma_gemv_config(n: int, k: int, bits: int, sms: int, gated: bool = False, gr
                     m_rows: int = 1) -> dict[str, int]:
     """Tile from the shape alone (graph-safe), 4 warps splitting K in a program: the fewest 16-row blocks a program
     that keep the grid within 8 programs an SM, then K split over programs (fp32 partial sums, reduced after or by
-    the RMSNorm that follows) while that stays within 8 an SM, each split at least two parts a warp. On an H200
+    the RMSNorm that follows) while that stays within 8 an SM, each split at least two parts a warp; where K stays
+    whole with one block and a warp would take 16 parts or more, 4 bits take 2 blocks of 8 warps (Llama-3-70B's qkv, 10240 x
+    8192: 18.7 us against 25.0 on an H200, kernels-int-weight-70b-tiles.json). On an H200
     (scripts/bench_int_weight.py --sweep, Llama-3-8B projections at 4 bits) the best tiles gave 6-8 programs of 4
     warps an SM: fewer leave too few loads in flight, more cost more partial sums; 8 warps a program were slower
     at every shape. (sm_90 ptxas, K 4096, the K loop per 4-bit weight: 1.94 instructions at 1 block, 1.59 at 2,
@@ -566,6 +568,8 @@ def mma_gemv_config(n: int, k: int, bits: int, sms: int, gated: bool = False, gr
     programs, split_k = triton.cdiv(n, 16 * blocks), 1
     while 2 * programs * split_k <= most and split_k < 8 and parts >= 4 * split_k * warps:
         split_k *= 2
+    if bits == 4 and m_rows == 1 and blocks == 1 and split_k == 1 and parts >= 16 * warps:
+        blocks, warps = 2, 8  # a long K left whole (Llama-3-70B's qkv): twice the blocks a warp, K over 8 warps
     return {"ROW_BLOCKS": blocks, "SPLIT_K": split_k, "num_warps": warps}
 
 

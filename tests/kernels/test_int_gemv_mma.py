@@ -140,6 +140,11 @@ def test_shapes_it_takes():
     assert mma.mma_gemv_config(6144, 4096, 4, 132) == {"ROW_BLOCKS": 1, "SPLIT_K": 2, "num_warps": 4}
     assert mma.mma_gemv_config(4096, 4096, 4, 132) == {"ROW_BLOCKS": 1, "SPLIT_K": 4, "num_warps": 4}
     assert mma.mma_gemv_config(4096, 14336, 4, 132) == {"ROW_BLOCKS": 1, "SPLIT_K": 4, "num_warps": 4}
+    # A long K that stays whole (the 70B qkv): 2 blocks of 8 warps at 4 bits; 8 bits and several rows keep theirs.
+    assert mma.mma_gemv_config(10240, 8192, 4, 132) == {"ROW_BLOCKS": 2, "SPLIT_K": 1, "num_warps": 8}
+    assert mma.mma_gemv_config(10240, 8192, 8, 132) == {"ROW_BLOCKS": 1, "SPLIT_K": 1, "num_warps": 4}
+    assert mma.mma_gemv_config(10240, 8192, 4, 132, m_rows=2)["num_warps"] == 4
+    assert mma.mma_gemv_config(8192, 8192, 4, 132) == {"ROW_BLOCKS": 1, "SPLIT_K": 2, "num_warps": 4}
     # Several rows of x: one block a program, and the split of that many programs (where one row takes more
     # blocks, N already fills the GPU: no split either way).
     assert mma.mma_gemv_config(28672, 4096, 4, 132, m_rows=8) == {"ROW_BLOCKS": 1, "SPLIT_K": 1, "num_warps": 4}
