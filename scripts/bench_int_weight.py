@@ -22,7 +22,7 @@ TANDEM_INT_MMA_MAX_ROWS=1 selects), and 9 to 32 rows at 4 bits (fewer with TANDE
 kernel (triton_int_mma_rows; variant gemm: the tile GEMM, which TANDEM_INT_MMA_ROWS_MAX=8 selects).
 
 --sweep also times a grid of GEMV tiles (BLOCK_N, BLOCK_K, num_warps; for the tensor-core GEMV ROW_BLOCKS,
-num_warps, SPLIT_K) where the GEMV runs (1 row) and of GEMM tiles
+num_warps, SPLIT_K; for the many-row kernel ROW_BLOCKS, SPLIT_K, X_SPREAD) where the GEMV runs (1 row) and of GEMM tiles
 at 4 and 16 rows and the prefill rows, and reports the best beside the default config (a grid takes minutes:
 sweep one --rows value and --bits 4 at a time).
 """
@@ -88,7 +88,8 @@ def mma_gemv_grid() -> list[dict]:
 
 
 def mma_rows_grid() -> list[dict]:
-    return [{"ROW_BLOCKS": rb, "num_warps": 4, "SPLIT_K": sk} for rb, sk in itertools.product((1, 2, 4), (1, 2, 4, 8))]
+    return [{"ROW_BLOCKS": rb, "num_warps": 4, "SPLIT_K": sk, "X_SPREAD": xs}
+            for rb, sk, xs in itertools.product((1, 2, 4), (1, 2, 4, 8), (False, True))]
 
 
 def gemm_grid(m: int) -> list[dict]:

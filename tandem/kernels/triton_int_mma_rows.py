@@ -1,4 +1,4 @@
-"""The many-row W4A16 product on the tensor cores (sm_80+, bf16 activations): 9 to 32 rows of x (16 by default), as
+"""The many-row W4A16 product on the tensor cores (sm_80+, bf16 activations): 9 to 32 rows of x, as
 a batch of decode steps brings, against a 4-bit IntWeight. Each fragment of 16 weight channels is dequantized once in
 registers and multiplied by every row of x (mma.sync m16n8k16, 8 rows of x a fragment's columns), so the weight is
 read once and dequantized once whatever the rows; x comes from L1 / L2 for each warp."""
@@ -65,6 +65,7 @@ def _int_mma_rows_kernel(
     stride_wn: tl.constexpr, stride_sn: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr, FULL_ROWS: tl.constexpr, ROW_BLOCKS: tl.constexpr, X_BLOCKS: tl.constexpr,
     WARPS: tl.constexpr, PREFETCH_PARTS: tl.constexpr, USE_PDL: tl.constexpr, TILED: tl.constexpr = False,
+    X_SPREAD: tl.constexpr = False,
 ):
     # Program = WARPS x ROW_BLOCKS blocks of 16 weight channels (warp w: blocks w ROW_BLOCKS ..) x all M rows of x
     # (X_BLOCKS blocks of 8) over K range [pid_k * K_SPLIT, +K_SPLIT), one part of 128 elements of K at a time.
@@ -78,8 +79,14 @@ def _int_mma_rows_kernel(
     # each block for rows 8r + 2t and 8r + 2t + 1: the output (SPLIT_K 1) or the split's fp32 partial sums, ws
     # [SPLIT_K, M, N]. EVEN: the channels fill whole programs; FULL_ROWS: M a multiple of 8 (no row masked).
     # TILED: the words in tiles of 16 channels x 16 words (int_weight.tile_words): a part of a block is one tile.
+    # X_SPREAD: lane t holds words t, t + 4, t + 8, t + 12 instead (elements 32i + 8t ..), and x at the same
+    # elements: a 16-byte load of x then reads 64 contiguous bytes of a row over the lanes t, one line, where words
+    # 4t .. read four 64-byte pieces of two lines. A warp reads 2 X_BLOCKS / ROW_BLOCKS times as many bytes
+    # of x as of weights, and the kernel waits mostly on L1 (ncu on an H200 at 32 rows: 2 warps a scheduler, 61% of
+    # their stalls on L1TEX); the weights' load becomes four 4-byte loads a row.
     PART: tl.constexpr = 128
     PART_WORDS: tl.constexpr = 16 if TILED else 1  # a part's first word k0 // 8 of a row lies at k0 // 8 x this
+    X_STEP: tl.constexpr = 16 if X_SPREAD else 4  # pairs of x from one of a lane's 16-byte loads to the next
     T: tl.constexpr = 32 * WARPS
     B: tl.constexpr = ROW_BLOCKS
     R: tl.constexpr = X_BLOCKS
@@ -112,8 +119,13 @@ def _int_mma_rows_kernel(
         accs = accs + (tl.zeros([T], dtype=tl.float32),)
     pdl_wait(USE_PDL)
     for k0 in range(k_begin, k_end, PART):
-        word = tl.multiple_of(k0 // 8 * PART_WORDS + 4 * t, 4)[:, None] + quad  # [T, 4]: words 4t .. 4t + 3 of the part
-        x_at = (k0 + 32 * t) // 2  # x's first pair of the lane's elements, in its row
+        if X_SPREAD:  # lane t: words t, t + 4, t + 8, t + 12 (elements 32i + 8t ..), so that a load of x reads 64
+            # contiguous bytes of a row across the lanes t (half a line, where 4t .. reads four 64-byte pieces)
+            word = (k0 // 8 * PART_WORDS + t)[:, None] + 4 * quad
+            x_at = (k0 + 8 * t) // 2
+        else:
+            word = tl.multiple_of(k0 // 8 * PART_WORDS + 4 * t, 4)[:, None] + quad  # [T, 4]: words 4t .. 4t + 3
+            x_at = (k0 + 32 * t) // 2  # x's first pair of the lane's elements, in its row
         group = k0 // GROUP
         # A's registers: (block b, channel half h, word w) -> its four code pairs, at 16 (2b + h) + 4w + p
         a = ()
@@ -132,11 +144,11 @@ def _int_mma_rows_kernel(
         xs = ()
         for r in tl.static_range(R):
             xp = x_words + tl.multiple_of(x_rows[r] + x_at, 4)[:, None] + quad  # [T, 4]: the first four pairs
-            for i in tl.static_range(4):
+            for i in tl.static_range(4):  # the lane's next four pairs: 4 further on, or X_SPREAD 16
                 if FULL_ROWS:
-                    x0, x1, x2, x3 = _quad(tl.load(xp + 4 * i))
+                    x0, x1, x2, x3 = _quad(tl.load(xp + X_STEP * i))
                 else:
-                    x0, x1, x2, x3 = _quad(tl.load(xp + 4 * i, mask=x_keep[r][:, None], other=0))
+                    x0, x1, x2, x3 = _quad(tl.load(xp + X_STEP * i, mask=x_keep[r][:, None], other=0))
                 xs = xs + (x0, x1, x2, x3)
         # The chains: (x block r, channel block b) at 4 (r B + b), then X of x block r at 4 (R B + r)
         cs = ()
@@ -225,12 +237,16 @@ def mma_rows_k_split(k: int, split_k: int) -> int:
 def mma_rows_constexprs(m: int, n: int, k: int, group_size: int, cfg: dict[str, int], has_bias: bool,
                         pdl: int, tiled: bool = False) -> dict:
     """The kernel's compile-time arguments for a config (also scripts/sass_int_gemv.py's); tiled: the weight's
-    words in tiles (int_weight.tile_words)."""
+    words in tiles (int_weight.tile_words). X_SPREAD (cfg's, else on at 2 channel blocks and 25 to 32 rows): on an
+    H200 at 32 rows it took the 8B qkv, o and down from 17.5, 12.2 and 31.3 us to 15.4, 10.6 and 26.6; at 16 rows,
+    and for gate_up's 4 blocks at 32 (71 us against 51), it was slower."""
     warps, blocks = cfg["num_warps"], cfg["ROW_BLOCKS"]
+    x_blocks = triton.cdiv(m, 8)
     return dict(GROUP=group_size, stride_wn=k * 4 // WORD_BITS, stride_sn=k // group_size, HAS_BIAS=has_bias,
                 SPLIT_K=triton.cdiv(k, mma_rows_k_split(k, cfg["SPLIT_K"])), EVEN=n % (16 * blocks * warps) == 0,
-                FULL_ROWS=m % 8 == 0, ROW_BLOCKS=blocks, X_BLOCKS=triton.cdiv(m, 8), WARPS=warps,
-                PREFETCH_PARTS=prefetch_parts() if pdl else 0, USE_PDL=pdl, TILED=tiled)
+                FULL_ROWS=m % 8 == 0, ROW_BLOCKS=blocks, X_BLOCKS=x_blocks, WARPS=warps,
+                PREFETCH_PARTS=prefetch_parts() if pdl else 0, USE_PDL=pdl, TILED=tiled,
+                X_SPREAD=bool(cfg.get("X_SPREAD", blocks == 2 and x_blocks == 4)))
 
 
 def int_mma_rows(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = None, defer: bool = False,

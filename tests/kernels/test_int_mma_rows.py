@@ -35,16 +35,19 @@ def test_dequant_assembly_gives_the_code_pairs():
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter case; on a GPU: test_gpu_matches_reference_and_the_tile_gemm")
-@pytest.mark.parametrize("m,n,k,group,blocks,split", [
-    (16, 128, 1024, 128, 2, 2),  # EVEN: whole x blocks, one program of 4 warps x 2 channel blocks, K split
-    (11, 40, 1152, 128, 2, 2),  # ragged: rows past M, N past whole programs, K past whole rounds (dead parts)
-    (24, 48, 512, 512, 1, 1),  # one block a program, a group a row, no split
-    (32, 32, 512, 256, 1, 1),  # four x blocks
+@pytest.mark.parametrize("m,n,k,group,blocks,split,spread", [
+    (16, 128, 1024, 128, 2, 2, False),  # EVEN: whole x blocks, one program of 4 warps x 2 channel blocks, K split
+    (11, 40, 1152, 128, 2, 2, False),  # ragged: rows past M, N past whole programs, K past whole rounds (dead parts)
+    (24, 48, 512, 512, 1, 1, False),  # one block a program, a group a row, no split
+    (32, 32, 512, 256, 1, 1, False),  # four x blocks
+    (16, 128, 1024, 128, 2, 2, True),  # X_SPREAD: lane t holds words t, t + 4, t + 8, t + 12
+    (27, 40, 1152, 128, 2, 2, True),  # and ragged
 ])
-def test_kernel_in_the_interpreter(m, n, k, group, blocks, split, monkeypatch):
-    """The whole kernel (lanes' words and x, the dequantized pairs, the MMAs of every x block and channel block,
-    the scales, the warps' and splits' sums) in the interpreter: the fp32 partial sums added over the splits equal
-    x (q s + mn) in fp64 (x, q, s and mn exact in the kernel's inputs; only the fp32 sums' order differs)."""
+def test_kernel_in_the_interpreter(m, n, k, group, blocks, split, spread, monkeypatch):
+    """The whole kernel (lanes' words and x in either spread, the dequantized pairs, the MMAs of every x block and
+    channel block, the scales, the warps' and splits' sums) in the interpreter: the fp32 partial sums added over
+    the splits equal x (q s + mn) in fp64 (x, q, s and mn exact in the kernel's inputs; only the fp32 sums' order
+    differs)."""
     from triton.runtime.interpreter import InterpreterBuilder
 
     monkeypatch.setattr(InterpreterBuilder, "create_inline_asm", emulate_inline_asm, raising=True)
@@ -52,7 +55,7 @@ def test_kernel_in_the_interpreter(m, n, k, group, blocks, split, monkeypatch):
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     want = x.double() @ dequantize_repacked(packed).double().T
-    cfg = {"ROW_BLOCKS": blocks, "SPLIT_K": split, "num_warps": 4}
+    cfg = {"ROW_BLOCKS": blocks, "SPLIT_K": split, "num_warps": 4, "X_SPREAD": spread}
     if split == 1:  # the kernel writes the output itself (bf16: within its rounding)
         got = rows.int_mma_rows(x, packed, None, config=cfg)
         torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
@@ -72,7 +75,12 @@ def test_shapes_it_takes(monkeypatch):
     assert rows.mma_rows_config(4096, 14336, 132) == {"ROW_BLOCKS": 2, "SPLIT_K": 8, "num_warps": 4}
     assert rows.mma_rows_config(4096, 512, 132)["SPLIT_K"] == 1  # a split keeps four parts at least
     flags = rows.mma_rows_constexprs(20, 4096, 4096, 128, rows.mma_rows_config(4096, 4096, 132), False, 0)
-    assert flags["X_BLOCKS"] == 3 and not flags["FULL_ROWS"] and flags["EVEN"]
+    assert flags["X_BLOCKS"] == 3 and not flags["FULL_ROWS"] and flags["EVEN"] and not flags["X_SPREAD"]
+    # x spread over the lanes at 25 to 32 rows with 2 channel blocks a warp (not gate_up's 4, not 16 rows)
+    spread = {(m, n): rows.mma_rows_constexprs(m, n, 4096, 128, rows.mma_rows_config(n, 4096, 132), False, 0)[
+        "X_SPREAD"] for m in (16, 25, 32) for n in (4096, 28672)}
+    assert spread == {(16, 4096): False, (25, 4096): True, (32, 4096): True, (16, 28672): False,
+                      (25, 28672): False, (32, 28672): False}
     monkeypatch.delenv("TANDEM_INT_MMA_ROWS_MAX", raising=False)
     assert rows.rows_max() == 32
     monkeypatch.setenv("TANDEM_INT_MMA_ROWS_MAX", "64")
