@@ -39,16 +39,6 @@ ONE_PAIR = tl.constexpr(0x3F803F80)  # two bf16 1.0
 _DEQUANT_ASM = tl.constexpr("\n".join(
     ["{", ".reg .b32 s, m, one;", "mov.b32 m, 0x00780078;", "mov.b32 one, 0x3F803F80;"]
     + [line for p in range(4) for line in pair_asm(f"${p}", "$4", 4 * p - 3, "one")] + ["}"]))
-# The same four code pairs as the weights' bf16 values q s + mn, each rounded once: (word >> 4p) & 0x000F000F |
-# 0x43004300 is the pair 128 + q (exact), one FMA takes it to q (exact) and one to q s + mn ($5 and $6: s and mn as
-# bf16 pairs).
-_WEIGHTS_ASM = tl.constexpr("\n".join(
-    ["{", ".reg .b32 s, q, m, c, n, one;", "mov.b32 m, 0x000F000F;", "mov.b32 c, 0x43004300;",
-     "mov.b32 n, 0xC300C300;", "mov.b32 one, 0x3F803F80;"]
-    + [line for p in range(4) for line in (
-        ([f"shr.u32 s, $4, {4 * p};"] if p else ["mov.b32 s, $4;"])
-        + ["lop3.b32 q, s, m, c, 0xea;", "fma.rn.bf16x2 q, q, one, n;", f"fma.rn.bf16x2 ${p}, q, $5, $6;"])]
-    + ["}"]))
 # D = A B + C, m16n8k16, bf16 A and B, fp32 C and D. Lane (g, t) holds A's rows g and g + 8 at K slots 2t, 2t + 1
 # (a0, a1) and 2t + 8, 2t + 9 (a2, a3), B's column g at the same slots (b0, b1), and D's rows g and g + 8 at
 # columns 2t, 2t + 1 (d0, d1 row g; d2, d3 row g + 8).
@@ -60,19 +50,6 @@ _MMA_ASM = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0
 def _dequant(word):
     return tl.inline_asm_elementwise(asm=_DEQUANT_ASM, constraints="=r,=r,=r,=r,r", args=[word],
                                      dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-
-
-@triton.jit
-def _weights(word, s_pair, mn_pair):
-    return tl.inline_asm_elementwise(asm=_WEIGHTS_ASM, constraints="=r,=r,=r,=r,r,r,r", args=[word, s_pair, mn_pair],
-                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-
-
-@triton.jit
-def _bf16_pair(ptr, offset):
-    # The bf16 at ptr + offset in both halves of an int32
-    v = tl.load(ptr.to(tl.pointer_type(tl.int16), bitcast=True) + offset).to(tl.int32) & 0xFFFF
-    return v | (v << 16)
 
 
 @triton.jit
@@ -88,7 +65,7 @@ def _int_mma_rows_kernel(
     stride_wn: tl.constexpr, stride_sn: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr, FULL_ROWS: tl.constexpr, ROW_BLOCKS: tl.constexpr, X_BLOCKS: tl.constexpr,
     WARPS: tl.constexpr, PREFETCH_PARTS: tl.constexpr, USE_PDL: tl.constexpr, TILED: tl.constexpr = False,
-    X_SPREAD: tl.constexpr = False, WEIGHTS_BF16: tl.constexpr = False,
+    X_SPREAD: tl.constexpr = False,
 ):
     # Program = WARPS x ROW_BLOCKS blocks of 16 weight channels (warp w: blocks w ROW_BLOCKS ..) x all M rows of x
     # (X_BLOCKS blocks of 8) over K range [pid_k * K_SPLIT, +K_SPLIT), one part of 128 elements of K at a time.
@@ -150,98 +127,62 @@ def _int_mma_rows_kernel(
             word = tl.multiple_of(k0 // 8 * PART_WORDS + 4 * t, 4)[:, None] + quad  # [T, 4]: words 4t .. 4t + 3
             x_at = (k0 + 32 * t) // 2  # x's first pair of the lane's elements, in its row
         group = k0 // GROUP
-        if WEIGHTS_BF16:  # A: the weights in bf16, scaled; the MMAs add into the sums across parts
-            a = ()
-            for b in tl.static_range(B):
-                for h in tl.static_range(2):
-                    s_pair = _bf16_pair(s_ptr, s_rows[2 * b + h] + group)
-                    mn_pair = _bf16_pair(mn_ptr, s_rows[2 * b + h] + group)
-                    w0, w1, w2, w3 = _quad(tl.load(w_rows[2 * b + h][:, None] + word))
-                    p0, p1, p2, p3 = _weights(w0, s_pair, mn_pair)
-                    p4, p5, p6, p7 = _weights(w1, s_pair, mn_pair)
-                    p8, p9, p10, p11 = _weights(w2, s_pair, mn_pair)
-                    p12, p13, p14, p15 = _weights(w3, s_pair, mn_pair)
-                    a = a + (p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15)
-            for r in tl.static_range(R):  # x block by x block: 16 registers of x live at a time
-                xp = x_words + tl.multiple_of(x_rows[r] + x_at, 4)[:, None] + quad
-                xs = ()
-                for i in tl.static_range(4):
-                    if FULL_ROWS:
-                        x0, x1, x2, x3 = _quad(tl.load(xp + X_STEP * i))
-                    else:
-                        x0, x1, x2, x3 = _quad(tl.load(xp + X_STEP * i, mask=x_keep[r][:, None], other=0))
-                    xs = xs + (x0, x1, x2, x3)
-                for j in tl.static_range(8):
-                    nxt = ()
-                    for rb in tl.static_range(R * B):
-                        if rb // B == r:  # channel block rb % B, x block r
-                            d0, d1, d2, d3 = _mma(a[32 * (rb % B) + 4 * (j // 2) + 2 * (j % 2)],
-                                                  a[32 * (rb % B) + 16 + 4 * (j // 2) + 2 * (j % 2)],
-                                                  a[32 * (rb % B) + 4 * (j // 2) + 2 * (j % 2) + 1],
-                                                  a[32 * (rb % B) + 16 + 4 * (j // 2) + 2 * (j % 2) + 1],
-                                                  xs[2 * j], xs[2 * j + 1], accs[4 * rb], accs[4 * rb + 1],
-                                                  accs[4 * rb + 2], accs[4 * rb + 3])
-                            nxt = nxt + (d0, d1, d2, d3)
-                        else:
-                            nxt = nxt + (accs[4 * rb], accs[4 * rb + 1], accs[4 * rb + 2], accs[4 * rb + 3])
-                    accs = nxt
-        else:
-            # A's registers: (block b, channel half h, word w) -> its four code pairs, at 16 (2b + h) + 4w + p
-            a = ()
-            scales = ()
-            for b in tl.static_range(B):
-                for h in tl.static_range(2):
-                    w0, w1, w2, w3 = _quad(tl.load(w_rows[2 * b + h][:, None] + word))
-                    p0, p1, p2, p3 = _dequant(w0)
-                    p4, p5, p6, p7 = _dequant(w1)
-                    p8, p9, p10, p11 = _dequant(w2)
-                    p12, p13, p14, p15 = _dequant(w3)
-                    a = a + (p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15)
-                    scales = scales + (tl.load(s_ptr + s_rows[2 * b + h] + group).to(tl.float32) * 16.0,
-                                       tl.load(mn_ptr + s_rows[2 * b + h] + group).to(tl.float32))
-            # x's pairs of every x block: 16 a block, at 16 r + i
-            xs = ()
+        # A's registers: (block b, channel half h, word w) -> its four code pairs, at 16 (2b + h) + 4w + p
+        a = ()
+        scales = ()
+        for b in tl.static_range(B):
+            for h in tl.static_range(2):
+                w0, w1, w2, w3 = _quad(tl.load(w_rows[2 * b + h][:, None] + word))
+                p0, p1, p2, p3 = _dequant(w0)
+                p4, p5, p6, p7 = _dequant(w1)
+                p8, p9, p10, p11 = _dequant(w2)
+                p12, p13, p14, p15 = _dequant(w3)
+                a = a + (p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15)
+                scales = scales + (tl.load(s_ptr + s_rows[2 * b + h] + group).to(tl.float32) * 16.0,
+                                   tl.load(mn_ptr + s_rows[2 * b + h] + group).to(tl.float32))
+        # x's pairs of every x block: 16 a block, at 16 r + i
+        xs = ()
+        for r in tl.static_range(R):
+            xp = x_words + tl.multiple_of(x_rows[r] + x_at, 4)[:, None] + quad  # [T, 4]: the first four pairs
+            for i in tl.static_range(4):  # the lane's next four pairs: 4 further on, or X_SPREAD 16
+                if FULL_ROWS:
+                    x0, x1, x2, x3 = _quad(tl.load(xp + X_STEP * i))
+                else:
+                    x0, x1, x2, x3 = _quad(tl.load(xp + X_STEP * i, mask=x_keep[r][:, None], other=0))
+                xs = xs + (x0, x1, x2, x3)
+        # The chains: (x block r, channel block b) at 4 (r B + b), then X of x block r at 4 (R B + r)
+        cs = ()
+        for i in tl.static_range(4 * (B + 1) * R):
+            cs = cs + (tl.zeros([T], dtype=tl.float32),)
+        for j in tl.static_range(8):  # a0, a2: channel g's word j // 2, pairs 2 (j % 2) and + 1; a1, a3: g + 8's
+            nxt = ()
             for r in tl.static_range(R):
-                xp = x_words + tl.multiple_of(x_rows[r] + x_at, 4)[:, None] + quad  # [T, 4]: the first four pairs
-                for i in tl.static_range(4):  # the lane's next four pairs: 4 further on, or X_SPREAD 16
-                    if FULL_ROWS:
-                        x0, x1, x2, x3 = _quad(tl.load(xp + X_STEP * i))
-                    else:
-                        x0, x1, x2, x3 = _quad(tl.load(xp + X_STEP * i, mask=x_keep[r][:, None], other=0))
-                    xs = xs + (x0, x1, x2, x3)
-            # The chains: (x block r, channel block b) at 4 (r B + b), then X of x block r at 4 (R B + r)
-            cs = ()
-            for i in tl.static_range(4 * (B + 1) * R):
-                cs = cs + (tl.zeros([T], dtype=tl.float32),)
-            for j in tl.static_range(8):  # a0, a2: channel g's word j // 2, pairs 2 (j % 2) and + 1; a1, a3: g + 8's
-                nxt = ()
-                for r in tl.static_range(R):
-                    for b in tl.static_range(B):
-                        d0, d1, d2, d3 = _mma(a[32 * b + 4 * (j // 2) + 2 * (j % 2)],
-                                              a[32 * b + 16 + 4 * (j // 2) + 2 * (j % 2)],
-                                              a[32 * b + 4 * (j // 2) + 2 * (j % 2) + 1],
-                                              a[32 * b + 16 + 4 * (j // 2) + 2 * (j % 2) + 1],
-                                              xs[16 * r + 2 * j], xs[16 * r + 2 * j + 1],
-                                              cs[4 * (r * B + b)], cs[4 * (r * B + b) + 1], cs[4 * (r * B + b) + 2],
-                                              cs[4 * (r * B + b) + 3])
-                        nxt = nxt + (d0, d1, d2, d3)
-                for r in tl.static_range(R):
-                    d0, d1, d2, d3 = _mma(one, one, one, one, xs[16 * r + 2 * j], xs[16 * r + 2 * j + 1],
-                                          cs[4 * (R * B + r)], cs[4 * (R * B + r) + 1], cs[4 * (R * B + r) + 2],
-                                          cs[4 * (R * B + r) + 3])
-                    nxt = nxt + (d0, d1, d2, d3)
-                cs = nxt
-            new = ()
-            for r in tl.static_range(R):
-                sum_a = cs[4 * (R * B + r)]  # X of row 8r + 2t
-                sum_b = cs[4 * (R * B + r) + 1]  # and of row 8r + 2t + 1
                 for b in tl.static_range(B):
-                    s_lo, mn_lo, s_hi, mn_hi = scales[4 * b], scales[4 * b + 1], scales[4 * b + 2], scales[4 * b + 3]
-                    new = new + (accs[4 * (r * B + b)] + s_lo * (cs[4 * (r * B + b)] - sum_a) + mn_lo * sum_a,
-                                 accs[4 * (r * B + b) + 1] + s_lo * (cs[4 * (r * B + b) + 1] - sum_b) + mn_lo * sum_b,
-                                 accs[4 * (r * B + b) + 2] + s_hi * (cs[4 * (r * B + b) + 2] - sum_a) + mn_hi * sum_a,
-                                 accs[4 * (r * B + b) + 3] + s_hi * (cs[4 * (r * B + b) + 3] - sum_b) + mn_hi * sum_b)
-            accs = new
+                    d0, d1, d2, d3 = _mma(a[32 * b + 4 * (j // 2) + 2 * (j % 2)],
+                                          a[32 * b + 16 + 4 * (j // 2) + 2 * (j % 2)],
+                                          a[32 * b + 4 * (j // 2) + 2 * (j % 2) + 1],
+                                          a[32 * b + 16 + 4 * (j // 2) + 2 * (j % 2) + 1],
+                                          xs[16 * r + 2 * j], xs[16 * r + 2 * j + 1],
+                                          cs[4 * (r * B + b)], cs[4 * (r * B + b) + 1], cs[4 * (r * B + b) + 2],
+                                          cs[4 * (r * B + b) + 3])
+                    nxt = nxt + (d0, d1, d2, d3)
+            for r in tl.static_range(R):
+                d0, d1, d2, d3 = _mma(one, one, one, one, xs[16 * r + 2 * j], xs[16 * r + 2 * j + 1],
+                                      cs[4 * (R * B + r)], cs[4 * (R * B + r) + 1], cs[4 * (R * B + r) + 2],
+                                      cs[4 * (R * B + r) + 3])
+                nxt = nxt + (d0, d1, d2, d3)
+            cs = nxt
+        new = ()
+        for r in tl.static_range(R):
+            sum_a = cs[4 * (R * B + r)]  # X of row 8r + 2t
+            sum_b = cs[4 * (R * B + r) + 1]  # and of row 8r + 2t + 1
+            for b in tl.static_range(B):
+                s_lo, mn_lo, s_hi, mn_hi = scales[4 * b], scales[4 * b + 1], scales[4 * b + 2], scales[4 * b + 3]
+                new = new + (accs[4 * (r * B + b)] + s_lo * (cs[4 * (r * B + b)] - sum_a) + mn_lo * sum_a,
+                             accs[4 * (r * B + b) + 1] + s_lo * (cs[4 * (r * B + b) + 1] - sum_b) + mn_lo * sum_b,
+                             accs[4 * (r * B + b) + 2] + s_hi * (cs[4 * (r * B + b) + 2] - sum_a) + mn_hi * sum_a,
+                             accs[4 * (r * B + b) + 3] + s_hi * (cs[4 * (r * B + b) + 3] - sum_b) + mn_hi * sum_b)
+        accs = new
     # Lane (g, t): channels g, g + 8 x rows 2t, 2t + 1 of each (x block, channel block), stored as they are
     for r in tl.static_range(R):
         for b in tl.static_range(B):
@@ -305,8 +246,7 @@ def mma_rows_constexprs(m: int, n: int, k: int, group_size: int, cfg: dict[str, 
                 SPLIT_K=triton.cdiv(k, mma_rows_k_split(k, cfg["SPLIT_K"])), EVEN=n % (16 * blocks * warps) == 0,
                 FULL_ROWS=m % 8 == 0, ROW_BLOCKS=blocks, X_BLOCKS=x_blocks, WARPS=warps,
                 PREFETCH_PARTS=prefetch_parts() if pdl else 0, USE_PDL=pdl, TILED=tiled,
-                X_SPREAD=bool(cfg.get("X_SPREAD", blocks == 2 and x_blocks == 4)),
-                WEIGHTS_BF16=bool(cfg.get("WEIGHTS_BF16", False)))
+                X_SPREAD=bool(cfg.get("X_SPREAD", blocks == 2 and x_blocks == 4)))
 
 
 def int_mma_rows(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = None, defer: bool = False,
