@@ -181,8 +181,9 @@ class EngineConfig:
     # None | fp8 (weights in float8_e4m3fn, per-output-channel scales) | int4 / int8 (weight-only integer codes,
     # round to nearest at load, group 128; docs/quantization.md)
     quantization: str | None = None
-    # With quantization fp8: the lm_head (logits projection) in FP8 too, per vocabulary row; off, it keeps the
-    # model dtype, as vLLM's fp8 does. A tied model gets an FP8 copy of its embedding table for the logits.
+    # With quantization fp8: the lm_head (logits projection) in FP8 too, per vocabulary row; with int4 / int8: in
+    # those integer codes too (round to nearest, group 128). Off, it keeps the model dtype, as vLLM's fp8 and
+    # GPTQ / AWQ do. A tied model gets a copy of its embedding table in that format for the logits.
     quantize_lm_head: bool = False
     # auto: the KV cache in the model dtype; fp8 (= fp8_e4m3): K and V stored as float8_e4m3fn (scale 1, saturated
     # at +-448), half the bytes of bf16 per token: twice the tokens fit, and decode attention reads half as much.
@@ -224,9 +225,9 @@ class EngineConfig:
         if self.quantization == "fp8" and self.dtype not in ("auto", "bfloat16"):
             # Rowwise-scaled FP8 GEMMs write bfloat16 (the only output type every torch/CUDA combination has).
             raise ValueError(f"quantization fp8 runs with dtype bfloat16 (or auto), got {self.dtype!r}")
-        if self.quantize_lm_head and self.quantization != "fp8":
-            raise ValueError("quantize_lm_head needs quantization fp8 (it puts the lm_head in FP8 beside the other "
-                             "linears)")
+        if self.quantize_lm_head and self.quantization not in ("fp8", "int4", "int8"):
+            raise ValueError("quantize_lm_head needs quantization fp8, int4 or int8 (it puts the lm_head in that "
+                             f"format beside the other linears), got {self.quantization!r}")
         if not isinstance(self.structured_forced_drafts, bool):
             raise ValueError(f"structured_forced_drafts must be true or false, got {self.structured_forced_drafts!r}")
         k = self.max_forced_drafts

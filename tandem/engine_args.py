@@ -37,7 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "int4 / int8: weight-only integer codes, round to nearest at load, group 128 (4- and 8-bit "
                         "GPTQ, AWQ and compressed-tensors checkpoints load without this flag)")
     g.add_argument("--quantize-lm-head", action="store_true",
-                   help="with --quantization fp8: the lm_head in FP8 too (per vocabulary row; off: the model dtype)")
+                   help="with --quantization fp8 / int4 / int8: the lm_head in that format too (FP8 per vocabulary "
+                        "row; int4 / int8 round to nearest, group 128; off: the model dtype)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="fp8: K and V stored as float8_e4m3fn (scale 1): twice the tokens in the same memory, half "
                         "the bytes a decode step's attention reads; auto: the model dtype")

@@ -149,8 +149,8 @@ def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,
         if "embed" in name or name.endswith(("wte.weight", "wpe.weight")):
             embed += p.numel()
             embed_bytes += p.numel() * p.element_size()
-        elif name.startswith("lm_head."):
-            head += p.numel()  # its own weight (untied, or a tied model's FP8 copy: quantize_lm_head)
+        elif name.startswith("lm_head."):  # its own weight (untied, or a tied model's quantized copy)
+            head += p.numel() * (p.element_size() * 8 // bits if bits else 1)
         elif p.dtype == FP8_DTYPE:
             fp8 += p.numel()
     # Per-output-channel scales of FP8 linears are read with their weights.

@@ -225,7 +225,7 @@ class VocabParallelEmbedding(Embedding):
 
 class ParallelLMHead(Linear):
     """The untied output projection, vocabulary rows split like VocabParallelEmbedding (in FP8 once
-    quantize_fp8_() ran: quantize_lm_head)."""
+    quantize_fp8_() ran, in integer codes once quantize_int_() did: quantize_lm_head)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, tp: TPGroup) -> None:
         super().__init__(hidden_size, _vocab_rows(vocab_size, tp))
@@ -245,6 +245,11 @@ class ParallelLMHead(Linear):
         return _vocab_shard(tensor, self.vocab_size, self.tp)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.int_bits:  # the integer product of any Linear (the int-weight kernels on a GPU), then gathered
+            logits = self.base_forward(hidden)
+            if self.tp.size > 1:
+                logits = self.tp.all_gather_last_dim(logits)[:, :self.vocab_size]
+            return logits if out is None else out.copy_(logits)
         return parallel_logits(hidden, self.weight, self.vocab_size, self.tp, out, self.weight_scale)
 
 

@@ -180,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.model = LlamaModel(config, tp, self.make_mlp)
         # Tied models read logits through the embedding table; no separate lm_head parameter exists (until
-        # quantize_lm_head_fp8_ gives them an FP8 copy).
+        # quantize_lm_head_fp8_ / _int_ gives them a quantized copy).
         self.lm_head = (None if config.tie_word_embeddings
                         else ParallelLMHead(config.hidden_size, config.vocab_size, tp))
 
@@ -226,6 +226,16 @@ class LlamaForCausalLM(nn.Module):
             return False
         self.lm_head = head
         return True
+
+    def quantize_lm_head_int_(self, bits: int) -> None:
+        """The logits projection in `bits`-bit integer codes (round to nearest, rtn_group_size's group); a tied
+        model gets them from its embedding table, which keeps the model dtype for lookups. ValueError naming the
+        lm_head where no group size divides the hidden size."""
+        head = self.lm_head
+        if head is None:
+            head = ParallelLMHead.tied_copy(self.model.embed_tokens, self.config.vocab_size, self.tp)
+        head.quantize_int_(bits, name="lm_head")
+        self.lm_head = head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face (name, tensor or lazy slice) pairs; each rank keeps only its shard."""

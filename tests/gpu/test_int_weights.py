@@ -38,11 +38,12 @@ def test_quantized_checkpoint_on_cuda_matches_dequantized_transformers(case, tmp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("source", ["int4", "int4-one-row", "int4-many-rows", "gptq-desc-act"])
+@pytest.mark.parametrize("source", ["int4", "int4-one-row", "int4-many-rows", "int4-lm-head", "gptq-desc-act"])
 def test_int4_graphs_and_overlap_equal_eager_sync(source, tmp_path):
     """Decode captured in CUDA graphs with the overlap loop gives the eager, synchronous tokens: round to nearest
     at load (three rows a step: the tensor-core GEMV's rows; one: its one-row kernel, group 128 and K 128 / 256;
-    twelve: the many-row kernel), and a GPTQ desc_act checkpoint (the input permutation inside the graphs)."""
+    twelve: the many-row kernel; the lm_head in int4 too, writing the graphs' static logits), and a GPTQ desc_act
+    checkpoint (the input permutation inside the graphs)."""
     if source.startswith("int4"):
         torch.manual_seed(0)
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).save_pretrained(tmp_path)
@@ -57,8 +58,10 @@ def test_int4_graphs_and_overlap_equal_eager_sync(source, tmp_path):
     for graphs in (True, False):
         llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", cuda_graph=graphs, overlap=graphs,
                   quantization="int4" if source.startswith("int4") else None, max_model_len=64,
-                  max_num_seqs=len(prompts))
+                  max_num_seqs=len(prompts), quantize_lm_head=source == "int4-lm-head")
         try:
+            if source == "int4-lm-head":
+                assert llm.engine.runner.model.lm_head.kernel_int_weight is not None
             runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
         finally:
             llm.shutdown()

@@ -272,6 +272,43 @@ def test_roofline_counts_packed_bytes(tmp_path):
     assert before.weight_bytes - after.weight_bytes == weights * 4 - weights * (0.5 + 8 / 128)
 
 
+@pytest.mark.parametrize("bits,tied", [(4, False), (8, True)], ids=["int4-untied", "int8-tied"])
+def test_quantize_lm_head_in_integer_codes(tmp_path, bits, tied):
+    """quantize_lm_head with int4 / int8: the logits projection in round-to-nearest codes too (a tied model gets
+    them from its embedding table, whose lookups keep the model dtype); tandem (fp32, CPU) gives the logits and
+    greedy tokens of transformers on the same weights with every linear, the head too, dequantized. The roofline
+    reads the head's packed bytes and keeps its multiplications apart from the body's."""
+    from tandem.bench.roofline import model_cost
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CONFIG, "tie_word_embeddings": tied}))
+    hf.save_pretrained(tmp_path)
+    method = f"int{bits}"
+    model, mc = load(tmp_path, quantization=method, quantize_lm_head=True)
+    body, _ = load(tmp_path, quantization=method)
+    assert model.lm_head.int_bits == bits and model.lm_head.group_size == 128
+    assert (body.lm_head is None) == tied and model.model.embed_tokens.weight.dtype == torch.float32
+    torch.testing.assert_close(model.model.embed_tokens.weight, hf.model.embed_tokens.weight, atol=0, rtol=0)
+    with torch.no_grad():
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.weight.copy_(quantize_rtn(module.weight, bits, 128).dequantize())
+        head = quantize_rtn(hf.lm_head.weight.detach().clone(), bits, 128).dequantize()
+        hf.lm_head.weight = torch.nn.Parameter(head)  # its own tensor: a tied embedding keeps full precision
+    run_and_compare(f"{method}-lm-head", hf, model, mc, "cpu", atol=1e-4)
+    with_head, without = model_cost(model, mc), model_cost(body, mc)
+    vocab, hidden = CONFIG["vocab_size"], CONFIG["hidden_size"]
+    head_bytes = vocab * hidden * bits // 8 + 2 * 4 * vocab * (hidden // 128)  # codes, fp32 scale and zero a group
+    assert with_head.body_params == without.body_params and with_head.lm_head_params == vocab * hidden
+    assert without.weight_bytes - with_head.weight_bytes == vocab * hidden * 4 - head_bytes
+
+
+def test_quantize_lm_head_needs_a_quantization(tmp_path):
+    with pytest.raises(ValueError, match="quantize_lm_head needs quantization fp8, int4 or int8.*None"):
+        EngineConfig(model=str(tmp_path), quantize_lm_head=True)
+    assert EngineConfig(model=str(tmp_path), quantization="int8", quantize_lm_head=True).quantize_lm_head
+
+
 def test_integer_models_never_allocate_full_precision_linears():
     from tandem.layers.norm import RMSNorm
     from tandem.models.int_loading import EmptyOnMeta, materialize_meta

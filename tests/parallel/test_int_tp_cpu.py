@@ -62,3 +62,26 @@ def test_tp2_act_order_moe_greedy_tokens_equal_tp1(expert_parallel, tmp_path):
     finally:
         sharded.shutdown()
     assert got == expected
+
+
+def test_tp2_int8_with_the_lm_head_in_int8_equals_tp1(tmp_path):
+    """quantization int8 with quantize_lm_head over two CPU processes: each rank quantizes its vocabulary rows of
+    the head (round to nearest per row and group, so the codes are the unsharded head's) and the logits are
+    gathered; TP=2 gives TP=1's greedy tokens. (Hidden 256, intermediate 512: each rank's o and down columns are
+    whole groups of 128, so the body's codes are the unsharded model's too.)"""
+    import torch
+    import transformers
+
+    from tests.models.quantized_llama import CONFIG
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**CONFIG, "hidden_size": 256, "intermediate_size": 512})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(str(tmp_path), tensor_parallel_size=tp, quantization="int8", quantize_lm_head=True, **ENGINE)
+        try:
+            runs.append(_greedy(llm))
+        finally:
+            llm.shutdown()
+    assert runs[0] == runs[1]
