@@ -236,15 +236,31 @@ def test_prompt_that_cannot_fit_is_refused_without_tokenizing(server):
         serving.tokenizer.encode = encode
 
 
+class _SlowTokenizer:
+    """A tokenizer whose encode takes at least `seconds` (the time limit's test cannot then lose the race to a
+    tokenization that finishes first on a busy machine)."""
+
+    def __init__(self, tokenizer: Any, seconds: float) -> None:
+        self._tokenizer, self._seconds = tokenizer, seconds
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(self._seconds)
+        return self._tokenizer.encode(*args, **kwargs)
+
+
 def test_tokenization_time_limit(server):
     encoder = server.app.state.serving.encoder
-    saved = encoder.timeout_s, encoder.inline_chars
-    encoder.timeout_s, encoder.inline_chars = 1e-6, 0
+    saved = encoder.timeout_s, encoder.inline_chars, encoder.tokenizer
+    encoder.timeout_s, encoder.inline_chars = 0.05, 0
+    encoder.tokenizer = _SlowTokenizer(encoder.tokenizer, 1.0)
     try:
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hello " * 2000}, headers=AUTH, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["code"] == "tokenization_timeout", r.text
     finally:
-        encoder.timeout_s, encoder.inline_chars = saved
+        encoder.timeout_s, encoder.inline_chars, encoder.tokenizer = saved
     _healthy(server)
 
 
