@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from tandem.layers.linear import Linear
 from tandem.layers.moe import FusedMoE, RouterLinear
-from tandem.layers.parallel import materialize
+from tandem.layers.parallel import ParallelLMHead, materialize
 from tandem.models.int_checkpoints import UNPACKERS, IntCheckpointConfig
 from tandem.models.llama import FUSED_PROJECTIONS, LlamaForCausalLM
 from tandem.models.moe import EXPERT_MATRIX, EXPERT_PROJ
@@ -40,9 +40,10 @@ def module_name(prefix: str) -> tuple[str, str | None]:
 
 def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpointConfig) -> None:
     """Gives every Linear that a quantized checkpoint layer feeds, and every MoE block whose experts are
-    quantized, empty integer parameters for the loader to fill. ValueError, before any tensor is read, for a
-    layer tandem cannot hold in 4 / 8 bits (the lm_head, a router, a fused projection or a block's experts
-    quantized in part, act-order experts, an act-order row-parallel shard), naming it."""
+    quantized, empty integer parameters for the loader to fill (a quantized lm_head too: GPTQModel's `lm_head:
+    true`). ValueError, before any tensor is read, for a layer tandem cannot hold in 4 / 8 bits (a tied model's
+    lm_head, a router, a fused projection or a block's experts quantized in part, act-order experts, an act-order
+    row-parallel shard), naming it."""
     if not isinstance(model, LlamaForCausalLM):
         raise ValueError(f"{type(model).__name__}: 4- / 8-bit checkpoints load into Llama-family models only (the "
                          "others run quantization int4 / int8 from a full-precision checkpoint)")
@@ -56,9 +57,10 @@ def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpoin
             continue
         target, part = module_name(prefix)
         module = modules.get(target)
-        if prefix.split(".")[-1] == "lm_head" or target.endswith("lm_head"):
-            raise ValueError(f"checkpoint layer {prefix!r}: a quantized lm_head is not supported (it stays in the "
-                             "model dtype)")
+        if (prefix.split(".")[-1] == "lm_head" or target.endswith("lm_head")) and not isinstance(module,
+                                                                                                 ParallelLMHead):
+            raise ValueError(f"checkpoint layer {prefix!r}: a quantized lm_head needs a model with its own (this "
+                             "one ties its logits to the embedding table, which stays in the model dtype)")
         if isinstance(module, (FusedMoE, RouterLinear)) or target.endswith(".mlp.gate"):
             raise ValueError(f"checkpoint layer {prefix!r}: a quantized MoE router is not supported (it stays in the "
                              "model dtype)")

@@ -66,10 +66,12 @@ class Case:
         return compressed_tensors_tensors(q, self.sym, with_g_idx=self.act_order), q.dequantize()
 
 
-def save_quantized_llama(case: Case, folder: str, seed: int = 0, family: str = "llama"):  # -> a transformers model
+def save_quantized_llama(case: Case, folder: str, seed: int = 0, family: str = "llama",
+                         lm_head: bool = False):  # -> a transformers model
     """Writes a tiny random Llama (or Qwen2: q/k/v biases, which stay in full precision) in `case`'s format to
     folder (config.json + model.safetensors) and returns the transformers model holding the dequantized
-    weights (fp32, eval)."""
+    weights (fp32, eval). lm_head: the lm_head quantized too (as GPTQModel's `lm_head: true` writes it; not for
+    compressed-tensors, whose config here ignores it)."""
     import transformers
     from safetensors.torch import save_file
 
@@ -84,9 +86,13 @@ def save_quantized_llama(case: Case, folder: str, seed: int = 0, family: str = "
     for name, t in hf.state_dict().items():
         layer, _, rest = name.partition(".layers.")
         linear = rest.split(".", 1)[-1].removesuffix(".weight") if rest.endswith(".weight") else None
-        if linear in LINEARS:
+        if lm_head and name == "lm_head.weight":
+            linear, input_id = "lm_head", len(LINEARS) + 1
+        else:
+            input_id = LINEARS.get(linear)
+        if input_id is not None:
             prefix = name.removesuffix(".weight")
-            packed, w = case.pack(t, LINEARS[linear])
+            packed, w = case.pack(t, input_id)
             tensors.update({f"{prefix}.{k}": v.contiguous() for k, v in packed.items()})
             dequantized[name] = w
         else:

@@ -50,6 +50,25 @@ def test_quantized_checkpoint_matches_dequantized_transformers(case, tmp_path):
     run_and_compare(case.id, hf, model, model_config, "cpu", atol=1e-4)
 
 
+@pytest.mark.parametrize("case", [Case("gptq", 4, 64, sym=False, act_order=True), Case("awq", 4, 128, sym=False)],
+                         ids=lambda c: c.id)
+def test_checkpoint_with_a_quantized_lm_head(case, tmp_path):
+    """A checkpoint whose lm_head is quantized too (GPTQModel's `lm_head: true`; act order: its own input order)
+    loads it as an integer layer and gives transformers' logits and tokens on the dequantized weights; a tied
+    model, whose logits read the embedding table, refuses one by name."""
+    hf = save_quantized_llama(case, tmp_path, lm_head=True)
+    model, model_config = load(tmp_path)
+    assert model.lm_head.int_bits == 4 and not hasattr(model.lm_head, "weight")
+    assert (getattr(model.lm_head, "perm", None) is not None) == case.act_order
+    run_and_compare(f"{case.id}-lm-head", hf, model, model_config, "cpu", atol=1e-4)
+    with open(os.path.join(tmp_path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+        json.dump({**config, "tie_word_embeddings": True}, f)
+    with pytest.raises(ValueError, match="'lm_head': a quantized lm_head needs a model with its own"):
+        load(tmp_path)
+
+
 def test_quantized_qwen2_with_full_precision_biases(tmp_path):
     hf = save_quantized_llama(Case("gptq", 4, 64, sym=False, act_order=True), tmp_path, family="qwen2")
     assert hf.model.layers[0].self_attn.q_proj.bias is not None
