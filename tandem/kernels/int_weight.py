@@ -44,6 +44,16 @@ class IntWeight:
         return self.words.shape[-2], self.words.shape[-1] * (WORD_BITS // self.bits)
 
 
+def stack_int_weights(parts: list[IntWeight]) -> IntWeight:
+    """MoE experts' weights of one layout as one stack (words [E, N, K * bits // 32], scales and mins [E, N,
+    groups]); ValueError where they disagree on bits, group size or layout."""
+    first = parts[0]
+    if any((p.bits, p.group_size, p.tiled) != (first.bits, first.group_size, first.tiled) for p in parts):
+        raise ValueError("stacked integer weights must share bits, group size and word layout")
+    return IntWeight(torch.stack([p.words for p in parts]), torch.stack([p.scales for p in parts]),
+                     torch.stack([p.mins for p in parts]), first.bits, first.group_size, first.tiled)
+
+
 def tiles(n: int, k: int, bits: int) -> bool:
     """Whether a weight [n, k] of `bits`-bit codes can be held in tiles: whole tiles of TILE channels and TILE
     words."""

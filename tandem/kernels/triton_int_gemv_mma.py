@@ -549,12 +549,12 @@ def mma_gemv_config(n: int, k: int, bits: int, sms: int, gated: bool = False, gr
                     m_rows: int = 1) -> dict[str, int]:
     """Tile from the shape alone (graph-safe), 4 warps splitting K in a program: the fewest 16-row blocks a program
     that keep the grid within 8 programs an SM, then K split over programs (fp32 partial sums, reduced after or by
-    the RMSNorm that follows) while that stays within 8 an SM, each split at least two parts a warp; where K stays
-    whole with one block and a warp would take 16 parts or more, 4 bits take 2 blocks of 8 warps (Llama-3-70B's qkv, 10240 x
-    8192: 18.7 us against 25.0 on an H200, kernels-int-weight-70b-tiles.json). On an H200
+    the RMSNorm that follows) while that stays within 8 an SM, each split at least two parts a warp. On an H200
     (scripts/bench_int_weight.py --sweep, Llama-3-8B projections at 4 bits) the best tiles gave 6-8 programs of 4
     warps an SM: fewer leave too few loads in flight, more cost more partial sums; 8 warps a program were slower
-    at every shape. (sm_90 ptxas, K 4096, the K loop per 4-bit weight: 1.94 instructions at 1 block, 1.59 at 2,
+    at every 8B shape. Where K stays whole on one block and a warp would take 16 parts or more, though, 4 bits
+    take 2 blocks of 8 warps (Llama-3-70B's qkv, 10240 x 8192: 18.7 us against 25.0 on an H200,
+    kernels-int-weight-70b-tiles-sweep.json). (sm_90 ptxas, K 4096, the K loop per 4-bit weight: 1.94 instructions at 1 block, 1.59 at 2,
     1.37 at 4; 54, 66 and 72 registers, no spills; scripts/sass_int_gemv.py.) gated (n gate then up rows): at
     least 2 blocks, a gate block and its up block (the Llama-3-8B gate/up projection's tile either way). Four
     groups a part (group_size a quarter of one) take at most 2 blocks. m_rows > 1 (rows of x): one block a program

@@ -82,8 +82,8 @@ def _int_mma_rows_kernel(
     # X_SPREAD: lane t holds words t, t + 4, t + 8, t + 12 instead (elements 32i + 8t ..), and x at the same
     # elements: a 16-byte load of x then reads 64 contiguous bytes of a row over the lanes t, one line, where words
     # 4t .. read four 64-byte pieces of two lines. A warp reads 2 X_BLOCKS / ROW_BLOCKS times as many bytes
-    # of x as of weights, and the kernel waits mostly on L1 (ncu on an H200 at 32 rows: 2 warps a scheduler, 61% of
-    # their stalls on L1TEX); the weights' load becomes four 4-byte loads a row.
+    # of x as of weights, and the kernel waits mostly on L1 (ncu on an H200 at 32 rows: 2 warps a scheduler, 51-61%
+    # of their stalls on L1TEX for 2 blocks); the weights' load becomes four 4-byte loads a row.
     PART: tl.constexpr = 128
     PART_WORDS: tl.constexpr = 16 if TILED else 1  # a part's first word k0 // 8 of a row lies at k0 // 8 x this
     X_STEP: tl.constexpr = 16 if X_SPREAD else 4  # pairs of x from one of a lane's 16-byte loads to the next

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.kernels.fp8 import PartialSums
-from tandem.kernels.int_weight import IntWeight, repack_int_weight
+from tandem.kernels.int_weight import IntWeight, repack_int_weight, stack_int_weights
 from tandem.kernels.ops import gather_columns, int_weight_linear
 from tandem.kernels.reference import dequantize_int_weight, unpack_int4_rows
 
@@ -115,8 +115,7 @@ def quantize_rtn_experts(weights: torch.Tensor, bits: int, group_size: int | Non
     for e in range(num_experts):
         packed = quantize_rtn(weights[e], bits, group, f"{name}[{e}]")
         parts.append(repack_int_weight(packed.qweight, packed.scales, packed.zeros, bits, group, tiled))
-    return IntWeight(torch.stack([p.words for p in parts]), torch.stack([p.scales for p in parts]),
-                     torch.stack([p.mins for p in parts]), bits, group, parts[0].tiled)
+    return stack_int_weights(parts)
 
 
 def int_linear(

@@ -245,11 +245,8 @@ class ParallelLMHead(Linear):
         return _vocab_shard(tensor, self.vocab_size, self.tp)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.int_bits:  # the integer product of any Linear (the int-weight kernels on a GPU), then gathered
-            logits = self.base_forward(hidden)
-            if self.tp.size > 1:
-                logits = self.tp.all_gather_last_dim(logits)[:, :self.vocab_size]
-            return logits if out is None else out.copy_(logits)
+        if self.int_bits:  # the integer product of any Linear (the int-weight kernels on a GPU)
+            return gather_vocab(self.base_forward(hidden), self.vocab_size, self.tp, out)
         return parallel_logits(hidden, self.weight, self.vocab_size, self.tp, out, self.weight_scale)
 
 
@@ -258,6 +255,13 @@ def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
     """[n, hidden] against this rank's vocabulary rows (FP8 with weight_scale), all-gathered: [n, vocab] in the
     model dtype, the same on every rank."""
     if tp.size == 1:
-        return lm_head_logits(hidden, weight, out, weight_scale)
-    logits = tp.all_gather_last_dim(lm_head_logits(hidden, weight, weight_scale=weight_scale))[:, :vocab_size]
+        return lm_head_logits(hidden, weight, out, weight_scale)  # straight into out
+    return gather_vocab(lm_head_logits(hidden, weight, weight_scale=weight_scale), vocab_size, tp, out)
+
+
+def gather_vocab(logits: torch.Tensor, vocab_size: int, tp: TPGroup, out: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's [n, vocabulary rows] logits all-gathered to [n, vocab] (the padding rows dropped), copied into
+    `out` when given."""
+    if tp.size > 1:
+        logits = tp.all_gather_last_dim(logits)[:, :vocab_size]
     return logits if out is None else out.copy_(logits)

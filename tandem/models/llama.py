@@ -219,9 +219,7 @@ class LlamaForCausalLM(nn.Module):
     def quantize_lm_head_fp8_(self) -> bool:
         """The logits projection in FP8 (per-vocabulary-row scales); a tied model gets an FP8 copy of its
         embedding table for it. False, and nothing changes, where the shape cannot be FP8."""
-        head = self.lm_head
-        if head is None:
-            head = ParallelLMHead.tied_copy(self.model.embed_tokens, self.config.vocab_size, self.tp)
+        head = self._head_to_quantize()
         if not head.quantize_fp8_():
             return False
         self.lm_head = head
@@ -231,11 +229,15 @@ class LlamaForCausalLM(nn.Module):
         """The logits projection in `bits`-bit integer codes (round to nearest, rtn_group_size's group); a tied
         model gets them from its embedding table, which keeps the model dtype for lookups. ValueError naming the
         lm_head where no group size divides the hidden size."""
-        head = self.lm_head
-        if head is None:
-            head = ParallelLMHead.tied_copy(self.model.embed_tokens, self.config.vocab_size, self.tp)
+        head = self._head_to_quantize()
         head.quantize_int_(bits, name="lm_head")
         self.lm_head = head
+
+    def _head_to_quantize(self) -> ParallelLMHead:
+        """The lm_head, or for a tied model a head over its embedding rows (ParallelLMHead.tied_copy)."""
+        if self.lm_head is not None:
+            return self.lm_head
+        return ParallelLMHead.tied_copy(self.model.embed_tokens, self.config.vocab_size, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face (name, tensor or lazy slice) pairs; each rank keeps only its shard."""

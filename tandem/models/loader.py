@@ -171,10 +171,8 @@ def load_model_and_tokenizer(
         quantize_linears_fp8(model)
     elif config.quantization in RTN_METHODS:
         quantize_linears_int(model, RTN_METHODS[config.quantization])
-    if config.quantize_lm_head and config.quantization == "fp8":
-        quantize_lm_head_fp8(model, model_config)
-    elif config.quantize_lm_head:
-        quantize_lm_head_int(model, model_config, RTN_METHODS[config.quantization])
+    if config.quantize_lm_head:
+        quantize_lm_head(model, model_config, config.quantization)
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         repack_int_linears(model)  # one copy of each integer weight, in the layout the kernels read
     tokenizer = _load_tokenizer(config, source) if load_tokenizer else None
@@ -248,23 +246,17 @@ def quantize_linears_fp8(model: nn.Module) -> list[str]:
     return skipped
 
 
-def quantize_lm_head_fp8(model: nn.Module, mc: ModelConfig) -> None:
-    """The logits projection in FP8 too (quantize_lm_head); ValueError where the model or its shape cannot."""
-    quantize = getattr(model, "quantize_lm_head_fp8_", None)
+def quantize_lm_head(model: nn.Module, mc: ModelConfig, quantization: str) -> None:
+    """The logits projection in the linears' format too (quantize_lm_head): FP8, or int4 / int8 codes (the
+    model's quantize_lm_head_fp8_ / _int_); ValueError where the model or its shape cannot."""
+    quantize = getattr(model, "quantize_lm_head_fp8_" if quantization == "fp8" else "quantize_lm_head_int_", None)
     if quantize is None:
         raise ValueError(f"quantize_lm_head is not supported for {mc.architecture} (Llama-family models only)")
-    if not quantize():
+    if quantization != "fp8":
+        quantize(RTN_METHODS[quantization])
+    elif not quantize():
         raise ValueError(f"quantize_lm_head: the lm_head of {mc.vocab_size} x {mc.hidden_size} cannot be FP8 "
                          "(both dimensions must be multiples of 16)")
-
-
-def quantize_lm_head_int(model: nn.Module, mc: ModelConfig, bits: int) -> None:
-    """The logits projection in `bits`-bit codes too (quantize_lm_head with int4 / int8); ValueError where the
-    model or its shape cannot."""
-    quantize = getattr(model, "quantize_lm_head_int_", None)
-    if quantize is None:
-        raise ValueError(f"quantize_lm_head is not supported for {mc.architecture} (Llama-family models only)")
-    quantize(bits)
 
 
 def _checkpoint_int_config(folder: str) -> IntCheckpointConfig | None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tandem.kernels import triton_int_gemv_mma as mma
-from tandem.kernels.int_weight import dequantize_repacked, repack_int_weight
+from tandem.kernels.int_weight import dequantize_repacked, repack_int_weight, stack_int_weights
 from tests.kernels.sm90 import compile_sm90
 
 CUDA = torch.cuda.is_available()
@@ -442,8 +442,6 @@ def test_gated_and_folded_kernel_in_the_interpreter(bits, n, k, group, blocks, s
 def _expert_stack(num_experts, n, k, bits, group, seed):
     """A stack of random experts as IntWeight [E, N, K] (fp32 scales and mins: exact in the kernel) and each
     expert's dequantized weight in fp64."""
-    from tandem.kernels.int_weight import IntWeight
-
     packed, dense = [], []
     for e in range(num_experts):
         gen = torch.Generator().manual_seed(seed + e)
@@ -455,9 +453,7 @@ def _expert_stack(num_experts, n, k, bits, group, seed):
         packed.append(w)
         dense.append(codes.double() * scales.double().repeat_interleave(group, 1)
                      + w.mins.double().repeat_interleave(group, 1))
-    stack = IntWeight(torch.stack([w.words for w in packed]), torch.stack([w.scales for w in packed]),
-                      torch.stack([w.mins for w in packed]), bits, group, packed[0].tiled)
-    return stack, dense
+    return stack_int_weights(packed), dense
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter case; on a GPU: test_gpu_pair_gemv_matches_the_cuda_core_pairs")
@@ -530,8 +526,7 @@ def test_gpu_pair_gemv_matches_the_cuda_core_pairs(bits, group, mapped, into_nor
             scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.005).to(torch.bfloat16)
             zeros = torch.full((n, k // group), 2.0 ** (bits - 1), dtype=torch.bfloat16)
             ws.append(repack_int_weight(qweight.cuda(), scales.cuda(), zeros.cuda(), bits, group))
-        return IntWeight(torch.stack([w.words for w in ws]), torch.stack([w.scales for w in ws]),
-                         torch.stack([w.mins for w in ws]), bits, group, ws[0].tiled)
+        return stack_int_weights(ws)
 
     w13, w2 = stack(2 * inter, hidden, 0), stack(hidden, inter, 100)
     gen = torch.Generator(device="cuda").manual_seed(1)

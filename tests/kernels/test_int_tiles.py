@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from tandem.kernels import triton_int_mma_rows as rows
-from tandem.kernels.int_weight import IntWeight, dequantize_repacked, repack_int_weight, tile_words, tiles, untile_words
+from tandem.kernels.int_weight import (
+    IntWeight,
+    dequantize_repacked,
+    repack_int_weight,
+    stack_int_weights,
+    tile_words,
+    tiles,
+    untile_words,
+)
 from tandem.kernels.triton_int_weight import dequantize_int_weight_triton, int_weight_matmul_triton
 from tandem.kernels.triton_moe_int import fused_moe_int_triton
 from tests.kernels.test_int_gemv_mma import emulate_inline_asm, random_int_weight, run_in_interpreter
@@ -116,9 +124,7 @@ def test_moe_kernels_read_both_layouts_alike(pair_path, monkeypatch):
     for tiled in (False, True):
         parts13 = [both_layouts(2 * inter, hidden, 4, 32, seed=e)[tiled] for e in range(experts)]
         parts2 = [both_layouts(hidden, inter, 4, 32, seed=10 + e)[tiled] for e in range(experts)]
-        stacks[tiled] = [IntWeight(torch.stack([p.words for p in parts]), torch.stack([p.scales for p in parts]),
-                                   torch.stack([p.mins for p in parts]), 4, 32, tiled)
-                         for parts in (parts13, parts2)]
+        stacks[tiled] = [stack_int_weights(parts) for parts in (parts13, parts2)]
     tokens, top_k = (2, 2) if pair_path else (9, 2)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(tokens, hidden, generator=gen)
