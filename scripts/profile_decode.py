@@ -48,6 +48,7 @@ WORKLOADS = {
     "prefix": ("llama-3.2-1b", 32),
     "70b-bs1": ("llama-3-70b", 1),  # needs --tensor-parallel-size >= 2 in bf16
     "70b-batch": ("llama-3-70b", 32),
+    "moe-bs1": ("qwen3-30b-a3b", 1),  # 128 experts, top 8
     "lora-32": ("llama-3-8b", 32),  # the lora workload's 32-sequence pass (with --lora 8)
     "lora-64": ("llama-3-8b", 64),  # the paging pass's full batch (with --lora 16: every slot in use)
 }
