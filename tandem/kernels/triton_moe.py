@@ -70,35 +70,39 @@ def pair_expert(ids_ptr, map_ptr, pair, HAS_MAP: tl.constexpr):
 @triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_BINS: tl.constexpr, USE_PDL: tl.constexpr,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, NUM_BINS: tl.constexpr, PICKS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One token: softmax over its experts in fp32, the TOP_K largest in descending order (first index on ties),
-    # optionally divided by their sum.
+    # optionally divided by their sum (PICKS: TOP_K to a power of two). Each pick is one max over a packed int64
+    # key, the probability's bits above the bin reversed (so the lower bin wins a tie), where a max and then a min
+    # took two cross-warp reductions; the picks stay in registers and are stored once.
     row = tl.program_id(0)
     bins = tl.arange(0, NUM_BINS)
+    picks = tl.arange(0, PICKS)
     pdl_wait(USE_PDL)
     x = tl.load(logits_ptr + row * stride_l + bins, mask=bins < num_experts, other=-float("inf")).to(tl.float32)
     e = tl.exp(x - tl.max(x, axis=0))
     p = e / tl.sum(e, axis=0)
     # A row of NaN or inf logits (a graph's padding row, whose hidden state is never read) still picks TOP_K
-    # distinct valid experts: NaN probabilities count as 0 and the power-of-two bins past the last expert as -1.
-    p = tl.where(bins < num_experts, tl.where(p == p, p, 0.0), -1.0)
-    total = 1.0
-    if RENORMALIZE:  # a first pass for the sum of the chosen ones (no store is read back)
-        q = p
-        chosen = tl.zeros([NUM_BINS], dtype=tl.float32)  # loop-carried as a vector, summed once after
-        for k in range(TOP_K):
-            best = tl.max(q, axis=0)
-            idx = tl.min(tl.where(q == best, bins, NUM_BINS), axis=0)
-            chosen = tl.where(bins == idx, best, chosen)
-            q = tl.where(bins == idx, -1.0, q)
-        total = tl.sum(chosen, axis=0)
-    for k in range(TOP_K):
-        best = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == best, bins, NUM_BINS), axis=0)
-        tl.store(ids_ptr + row * TOP_K + k, idx)
-        tl.store(weights_ptr + row * TOP_K + k, best / total)
-        p = tl.where(bins == idx, -1.0, p)
+    # distinct valid experts: NaN probabilities count as 0. p >= 0, so its fp32 bits order as integers; a valid
+    # bin's key is at least 1 << 32, the power-of-two bins past the last expert and the picked ones 0.
+    p = tl.where(p == p, p, 0.0)
+    bits = p.to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(bins < num_experts, ((bits + 1) << 32) | (NUM_BINS - 1 - bins), 0)
+    ids = tl.zeros([PICKS], dtype=tl.int32)
+    vals = tl.zeros([PICKS], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(key, axis=0)
+        idx = NUM_BINS - 1 - (best & (NUM_BINS - 1)).to(tl.int32)
+        val = ((best >> 32) - 1).to(tl.int32).to(tl.float32, bitcast=True)
+        ids = tl.where(picks == k, idx, ids)
+        vals = tl.where(picks == k, val, vals)
+        key = tl.where(bins == idx, 0, key)
+    if RENORMALIZE:
+        vals = vals / tl.sum(vals, axis=0)
+    tl.store(ids_ptr + row * TOP_K + picks, ids, mask=picks < TOP_K)
+    tl.store(weights_ptr + row * TOP_K + picks, vals, mask=picks < TOP_K)
 
 
 def route_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,10 +115,11 @@ def route_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
     pdl = use_pdl(router_logits.device)
+    bins = triton.next_power_of_2(num_experts)
     _route_kernel[(n,)](
         router_logits, weights, ids, num_experts, router_logits.stride(0),
-        TOP_K=top_k, RENORMALIZE=renormalize, NUM_BINS=triton.next_power_of_2(num_experts), USE_PDL=pdl,
-        num_warps=4, launch_pdl=bool(pdl),
+        TOP_K=top_k, RENORMALIZE=renormalize, NUM_BINS=bins, PICKS=triton.next_power_of_2(top_k), USE_PDL=pdl,
+        num_warps=1 if bins <= 256 else 4, launch_pdl=bool(pdl),  # one warp: its reductions are shuffles alone
     )
     return weights, ids
 
