@@ -145,12 +145,13 @@ def model_cost(model: nn.Module, mc: ModelConfig, tensor_parallel_size: int = 1,
         # it multiplies by all of them.
         suffix = name.rpartition(".")[2]
         bits = model.get_submodule(name.rpartition(".")[0]).int_bits if suffix in ("qweight", "words") else 0
-        total += p.numel() * (p.element_size() * 8 // bits if bits else 1)
+        weights = p.numel() * (p.element_size() * 8 // bits if bits else 1)
+        total += weights
         if "embed" in name or name.endswith(("wte.weight", "wpe.weight")):
             embed += p.numel()
             embed_bytes += p.numel() * p.element_size()
         elif name.startswith("lm_head."):  # its own weight (untied, or a tied model's quantized copy)
-            head += p.numel() * (p.element_size() * 8 // bits if bits else 1)
+            head += weights
         elif p.dtype == FP8_DTYPE:
             fp8 += p.numel()
     # Per-output-channel scales of FP8 linears are read with their weights.

@@ -554,11 +554,12 @@ def mma_gemv_config(n: int, k: int, bits: int, sms: int, gated: bool = False, gr
     warps an SM: fewer leave too few loads in flight, more cost more partial sums; 8 warps a program were slower
     at every 8B shape. Where K stays whole on one block and a warp would take 16 parts or more, though, 4 bits
     take 2 blocks of 8 warps (Llama-3-70B's qkv, 10240 x 8192: 18.7 us against 25.0 on an H200,
-    kernels-int-weight-70b-tiles-sweep.json). (sm_90 ptxas, K 4096, the K loop per 4-bit weight: 1.94 instructions at 1 block, 1.59 at 2,
-    1.37 at 4; 54, 66 and 72 registers, no spills; scripts/sass_int_gemv.py.) gated (n gate then up rows): at
-    least 2 blocks, a gate block and its up block (the Llama-3-8B gate/up projection's tile either way). Four
-    groups a part (group_size a quarter of one) take at most 2 blocks. m_rows > 1 (rows of x): one block a program
-    (a lane holds the block's rows for two rows of x), the K split chosen for that many programs."""
+    kernels-int-weight-70b-tiles-sweep.json). (sm_90 ptxas, K 4096, the K loop per 4-bit weight: 1.94
+    instructions at 1 block, 1.59 at 2, 1.37 at 4; 54, 66 and 72 registers, no spills; scripts/sass_int_gemv.py.)
+    gated (n gate then up rows): at least 2 blocks, a gate block and its up block (the Llama-3-8B gate/up
+    projection's tile either way). Four groups a part (group_size a quarter of one) take at most 2 blocks.
+    m_rows > 1 (rows of x): one block a program (a lane holds the block's rows for two rows of x), the K split
+    chosen for that many programs."""
     warps, parts, most = 4, k // part_elements(bits), PROGRAMS_PER_SM * sms
     blocks = next((b for b in ((2,) if gated else (1, 2)) if triton.cdiv(n, 16 * b) <= most), 4)
     if m_rows > 1:

@@ -57,8 +57,8 @@ def prepare_int_linears(model: nn.Module, prefixes: list[str], cfg: IntCheckpoin
             continue
         target, part = module_name(prefix)
         module = modules.get(target)
-        if (prefix.split(".")[-1] == "lm_head" or target.endswith("lm_head")) and not isinstance(module,
-                                                                                                 ParallelLMHead):
+        is_head = prefix.split(".")[-1] == "lm_head" or target.endswith("lm_head")
+        if is_head and not isinstance(module, ParallelLMHead):
             raise ValueError(f"checkpoint layer {prefix!r}: a quantized lm_head needs a model with its own (this "
                              "one ties its logits to the embedding table, which stays in the model dtype)")
         if isinstance(module, (FusedMoE, RouterLinear)) or target.endswith(".mlp.gate"):
